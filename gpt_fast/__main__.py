@@ -1,0 +1,3 @@
+from gpt_fast.cli import main
+
+main()

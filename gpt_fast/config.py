@@ -1,0 +1,210 @@
+"""Checkpoint configuration: frozen dataclasses stored as ``config.json`` next to the weights.
+
+The converter writes ``config.json``; everything that loads a checkpoint reads it back with
+:func:`load_checkpoint_config`. Nothing here looks at a directory or file name to decide what a model is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpt_fast.fileio import read_json_object
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.pth"
+FORMAT_NAME = "gpt-fast-checkpoint"
+FORMAT_VERSION = 1
+ROPE_SCALING_KINDS = ("llama3", "linear", "divisors")
+TOKENIZER_KINDS = ("sentencepiece", "tiktoken", "huggingface")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary-embedding frequency scaling: ``linear``, Llama 3.1's ``llama3``, or explicit per-frequency
+    ``divisors`` of the inverse frequencies (how GGUF files store Llama 3.1's scaling)."""
+
+    kind: str
+    factor: float = 1.0
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    divisors: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROPE_SCALING_KINDS:
+            raise ValueError(f"rope_scaling.kind {self.kind!r} is not one of {', '.join(ROPE_SCALING_KINDS)}")
+        _require(self.factor > 0, "rope_scaling.factor must be > 0")
+        if self.kind == "llama3":
+            for name in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+                _require(getattr(self, name) is not None, f"rope_scaling.{name} is required for kind 'llama3'")
+            _require(self.high_freq_factor > self.low_freq_factor, "rope_scaling.high_freq_factor must exceed low_freq_factor")
+        _require((self.kind == "divisors") == (self.divisors is not None), "rope_scaling.divisors goes with kind 'divisors' only")
+        _require(self.divisors is None or all(math.isfinite(d) and d > 0 for d in self.divisors), "rope_scaling.divisors must be > 0")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder. Field names follow the gpt-fast blog's printed config."""
+
+    block_size: int  # the model's context length
+    vocab_size: int
+    n_layer: int
+    n_head: int
+    dim: int
+    intermediate_size: int
+    n_local_heads: int  # key/value heads (== n_head for multi-head, fewer for grouped-query attention)
+    head_dim: int
+    rope_base: float
+    norm_eps: float
+    tie_embeddings: bool = False
+    rope_scaling: RopeScaling | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "dim", "intermediate_size", "n_local_heads", "head_dim"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and not isinstance(value, bool) and value > 0, f"model.{name} must be a positive integer, got {value!r}")
+        _require(self.n_head % self.n_local_heads == 0, f"model.n_head ({self.n_head}) must be a multiple of n_local_heads ({self.n_local_heads})")
+        _require(self.head_dim % 2 == 0, f"model.head_dim ({self.head_dim}) must be even for rotary embeddings")
+        _require(math.isfinite(self.rope_base) and self.rope_base > 0, f"model.rope_base must be > 0, got {self.rope_base!r}")
+        _require(math.isfinite(self.norm_eps) and self.norm_eps > 0, f"model.norm_eps must be > 0, got {self.norm_eps!r}")
+        divisors = self.rope_scaling.divisors if self.rope_scaling else None
+        _require(divisors is None or len(divisors) == self.head_dim // 2, f"model.rope_scaling.divisors must hold head_dim / 2 = {self.head_dim // 2} values")
+
+    @property
+    def q_size(self) -> int:
+        return self.n_head * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.n_local_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    """Which tokenizer a checkpoint uses and its special tokens, as recorded at conversion time."""
+
+    kind: str  # one of TOKENIZER_KINDS
+    file: str  # relative to the checkpoint folder
+    bos_id: int | None
+    add_bos: bool  # whether encoding a prompt starts with bos_id
+    stop_ids: tuple[int, ...]  # generation ends at any of these (EOS, end-of-turn, ...)
+    bos_token: str | None = None
+    eos_token: str | None = None
+    special_tokens: dict[str, int] = field(default_factory=dict)  # text of each special token -> id
+    pattern: str | None = None  # pre-tokenizer regex (tiktoken only)
+
+    def __post_init__(self) -> None:
+        if self.kind not in TOKENIZER_KINDS:
+            raise ValueError(f"tokenizer.kind {self.kind!r} is not one of {', '.join(TOKENIZER_KINDS)}")
+        _require(not Path(self.file).is_absolute() and ".." not in Path(self.file).parts, f"tokenizer.file must be a path inside the checkpoint folder, got {self.file!r}")
+        _require(not (self.add_bos and self.bos_id is None), "tokenizer.add_bos is true but tokenizer.bos_id is null")
+        _require(self.kind != "tiktoken" or bool(self.pattern), "tokenizer.pattern is required for kind 'tiktoken'")
+        object.__setattr__(self, "stop_ids", tuple(self.stop_ids))
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Everything ``config.json`` holds: the model shape, the tokenizer, the chat template, the weights' dtype."""
+
+    model: ModelConfig
+    tokenizer: TokenizerConfig
+    dtype: str  # dtype of the tensors in the weights file, e.g. "bfloat16"
+    chat_template: str | None = None
+    weights: str = WEIGHTS_FILE
+    source: dict[str, Any] = field(default_factory=dict)  # provenance only (what it was converted from)
+
+    def to_json(self) -> str:
+        payload = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **dataclasses.asdict(self)}
+        return json.dumps(payload, indent=2, ensure_ascii=False) + "\n"
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    """Build dataclass ``cls`` from a JSON object, naming the first unknown, missing or mistyped field."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} must be a JSON object, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {', '.join(unknown)}")
+    missing = [n for n, f in fields.items() if n not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ValueError(f"{where}: missing field(s) {', '.join(missing)}")
+    values = {name: _coerce(hints[name], value, f"{where}.{name}") for name, value in data.items()}
+    try:
+        return cls(**values)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+
+
+def _coerce(hint: Any, value: Any, where: str) -> Any:
+    """Check ``value`` against a field's type hint (int, float, bool, str, dataclass, tuple, dict, Optional)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        (inner,) = [o for o in options if o is not type(None)]
+        return _coerce(inner, value, where)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, where)
+    if origin is tuple:
+        _require(isinstance(value, list), f"{where} must be a list")
+        (item,) = {a for a in typing.get_args(hint) if a is not Ellipsis}
+        return tuple(_coerce(item, v, f"{where}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        _require(isinstance(value, dict), f"{where} must be an object")
+        key_type, value_type = typing.get_args(hint)
+        return {k: _coerce(value_type, v, f"{where}[{k!r}]") for k, v in value.items()} if value_type is not Any else dict(value)
+    if hint is bool:
+        _require(isinstance(value, bool), f"{where} must be true or false, got {value!r}")
+    elif hint is int:
+        _require(isinstance(value, int) and not isinstance(value, bool), f"{where} must be an integer, got {value!r}")
+    elif hint is float:
+        _require(isinstance(value, (int, float)) and not isinstance(value, bool), f"{where} must be a number, got {value!r}")
+        return float(value)
+    elif hint is str:
+        _require(isinstance(value, str), f"{where} must be a string, got {value!r}")
+    return value
+
+
+def checkpoint_config_from_dict(data: Any, where: str = CONFIG_FILE) -> CheckpointConfig:
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} must hold a JSON object")
+    data = dict(data)
+    if data.pop("format", None) != FORMAT_NAME:
+        raise ValueError(f"{where} is not a gpt-fast checkpoint config (no \"format\": \"{FORMAT_NAME}\"); convert the checkpoint with `gpt-fast convert`")
+    version = data.pop("format_version", None)
+    if version != FORMAT_VERSION:
+        raise ValueError(f"{where}: format_version {version!r} is not supported (expected {FORMAT_VERSION})")
+    return _build(CheckpointConfig, data, where)
+
+
+def resolve_checkpoint_dir(path: str | Path) -> Path:
+    """Accept the weights file (``…/model.pth``, as in the blog) or its folder; return the folder."""
+    path = Path(path)
+    if path.is_dir():
+        return path
+    if path.exists():
+        return path.parent
+    raise FileNotFoundError(f"checkpoint not found: {path}")
+
+
+def load_checkpoint_config(checkpoint_dir: str | Path) -> CheckpointConfig:
+    """Read and validate ``config.json`` from a converted checkpoint folder."""
+    config_path = Path(checkpoint_dir) / CONFIG_FILE
+    if not config_path.is_file():
+        raise FileNotFoundError(f"missing {config_path} (convert the checkpoint first: gpt-fast convert SOURCE)")
+    return checkpoint_config_from_dict(read_json_object(config_path), str(config_path))

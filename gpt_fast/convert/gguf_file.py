@@ -1,0 +1,166 @@
+"""GGUF file (llama architecture) -> gpt-fast checkpoint, read with the maintained ``gguf`` library.
+
+Tensor names are mapped onto the Hugging Face names and go through the same checks and fusion as an HF folder.
+Quantized tensors are dequantized to float32. llama.cpp stores the q and k projections with each head's
+rotary halves interleaved; they are put back in the Hugging Face layout our rotary embedding uses.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from gpt_fast.checkpoint import dtype_name, parse_dtype
+from gpt_fast.config import CheckpointConfig, ModelConfig, RopeScaling
+from gpt_fast.convert.layout import check_tensors, fuse_tensors
+from gpt_fast.convert.tokenizer_files import tokenizer_from_gguf
+from gpt_fast.convert.weight_files import TensorInfo
+from gpt_fast.convert.writer import writable_output_dir, write_checkpoint
+
+GGUF_TO_HF = [
+    (re.compile(r"token_embd\.weight"), "model.embed_tokens.weight"),
+    (re.compile(r"blk\.(\d+)\.attn_(q|k|v)\.weight"), "model.layers.{0}.self_attn.{1}_proj.weight"),
+    (re.compile(r"blk\.(\d+)\.attn_output\.weight"), "model.layers.{0}.self_attn.o_proj.weight"),
+    (re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.weight"), "model.layers.{0}.mlp.{1}_proj.weight"),
+    (re.compile(r"blk\.(\d+)\.attn_norm\.weight"), "model.layers.{0}.input_layernorm.weight"),
+    (re.compile(r"blk\.(\d+)\.ffn_norm\.weight"), "model.layers.{0}.post_attention_layernorm.weight"),
+    (re.compile(r"output_norm\.weight"), "model.norm.weight"),
+    (re.compile(r"output\.weight"), "lm_head.weight"),
+]
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1 GGUFs store the divisors of the rotary frequencies as a tensor
+PLAIN_DTYPES = {GGMLQuantizationType.F16: torch.float16, GGMLQuantizationType.BF16: torch.bfloat16, GGMLQuantizationType.F32: torch.float32}
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    try:
+        return GGUFReader(path)
+    except (ValueError, KeyError, IndexError, OSError, struct.error, TypeError) as err:
+        raise ValueError(f"{path} is not a readable GGUF file (corrupt or truncated): {err}") from None
+
+
+def metadata(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    """A metadata value; without a default, its absence is an error."""
+    field = reader.get_field(key)
+    if field is not None:
+        return field.contents()
+    if default is None:
+        raise ValueError(f"GGUF metadata lacks {key}")
+    return default
+
+
+def find_tensor(reader: GGUFReader, name: str) -> Any:
+    return next((t for t in reader.tensors if t.name == name), None)
+
+
+def tensor_data(tensor: Any) -> torch.Tensor:
+    """A GGUF tensor as a torch tensor in PyTorch's [out, in] layout (float32 if it was quantized)."""
+    shape = tuple(reversed([int(n) for n in tensor.shape]))
+    try:
+        array = dequantize(tensor.data, tensor.tensor_type)
+    except (NotImplementedError, ValueError) as err:
+        raise ValueError(f"tensor {tensor.name}: cannot dequantize {tensor.tensor_type.name} ({err})") from None
+    data = torch.from_numpy(np.array(array, order="C"))  # a copy: the reader's arrays map the file read-only
+    return data.reshape(shape).to(PLAIN_DTYPES.get(tensor.tensor_type, torch.float32))
+
+
+def rope_scaling(reader: GGUFReader) -> RopeScaling | None:
+    freqs = find_tensor(reader, ROPE_FREQS)
+    if freqs is not None:
+        return RopeScaling(kind="divisors", divisors=tuple(tensor_data(freqs).float().ravel().tolist()))
+    kind = metadata(reader, "llama.rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind != "linear":
+        raise ValueError(f"unsupported rope scaling type {kind!r} (supported: linear, rope_freqs)")
+    return RopeScaling(kind="linear", factor=float(metadata(reader, "llama.rope.scaling.factor")))
+
+
+def model_config_from_gguf(reader: GGUFReader) -> ModelConfig:
+    arch = metadata(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"unsupported architecture {arch} (supported: llama)")
+    embedding = find_tensor(reader, "token_embd.weight")
+    if embedding is None:
+        raise ValueError("no token_embd.weight tensor")
+    dim = metadata(reader, "llama.embedding_length")
+    n_head = metadata(reader, "llama.attention.head_count")
+    return ModelConfig(
+        block_size=metadata(reader, "llama.context_length"),
+        vocab_size=metadata(reader, "llama.vocab_size", int(embedding.shape[1])),
+        n_layer=metadata(reader, "llama.block_count"),
+        n_head=n_head,
+        dim=dim,
+        intermediate_size=metadata(reader, "llama.feed_forward_length"),
+        n_local_heads=metadata(reader, "llama.attention.head_count_kv", n_head),
+        head_dim=metadata(reader, "llama.attention.key_length", dim // n_head),
+        rope_base=float(metadata(reader, "llama.rope.freq_base", 10000.0)),
+        norm_eps=float(metadata(reader, "llama.attention.layer_norm_rms_epsilon")),
+        tie_embeddings=find_tensor(reader, "output.weight") is None,
+        rope_scaling=rope_scaling(reader),
+    )
+
+
+def hf_name(name: str) -> str:
+    """The HF name of a GGUF tensor (unknown names are returned unchanged, to be reported as unexpected)."""
+    for pattern, target in GGUF_TO_HF:
+        match = pattern.fullmatch(name)
+        if match:
+            return target.format(*match.groups())
+    return name
+
+
+def tensor_infos(reader: GGUFReader, src: Path) -> dict[str, TensorInfo]:
+    return {hf_name(t.name): TensorInfo(tuple(reversed([int(n) for n in t.shape])), PLAIN_DTYPES.get(t.tensor_type, torch.float32), src) for t in reader.tensors}
+
+
+def unpermute_rotary(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's per-head interleaving of rotary halves in a q or k projection [n_heads * D, dim]."""
+    return weight.reshape(n_heads, weight.shape[0] // n_heads // 2, 2, -1).transpose(1, 2).reshape(weight.shape)
+
+
+def hf_tensors(reader: GGUFReader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    for t in reader.tensors:
+        name, data = hf_name(t.name), tensor_data(t)
+        if name.endswith("q_proj.weight"):
+            data = unpermute_rotary(data, config.n_head)
+        elif name.endswith("k_proj.weight"):
+            data = unpermute_rotary(data, config.n_local_heads)
+        yield name, data
+
+
+def source_dtype(reader: GGUFReader) -> torch.dtype:
+    """float16 or bfloat16 when every matrix is stored so; float32 otherwise (quantized tensors dequantize to it)."""
+    kinds = {PLAIN_DTYPES.get(t.tensor_type, torch.float32) for t in reader.tensors if len(t.shape) == 2}
+    return kinds.pop() if len(kinds) == 1 else torch.float32
+
+
+def convert_gguf(src: Path, out_dir: Path, dtype: str | None = None) -> Path:
+    """Convert a llama-architecture GGUF file into ``out_dir``; return the path of the written ``model.pth``."""
+    writable_output_dir(out_dir)
+    reader = open_gguf(src)
+    try:
+        model = model_config_from_gguf(reader)
+    except ValueError as err:
+        raise ValueError(f"{src}: {err}") from None
+    check_tensors(tensor_infos(reader, src), model, src)
+    target = parse_dtype(dtype) if dtype else source_dtype(reader)
+    state = fuse_tensors(hf_tensors(reader, model), model, target)
+
+    def prepare(stage: Path) -> CheckpointConfig:
+        tok_config, chat_template = tokenizer_from_gguf(reader, stage)
+        return CheckpointConfig(
+            model=model, tokenizer=tok_config, dtype=dtype_name(target), chat_template=chat_template,
+            source={"kind": "gguf", "path": str(src), "name": metadata(reader, "general.name", "")},
+        )
+
+    return out_dir / write_checkpoint(out_dir, state, prepare).weights

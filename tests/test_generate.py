@@ -1,0 +1,112 @@
+import pytest
+import torch
+
+from gpt_fast.config import ModelConfig
+from gpt_fast.generate import cache_length, generate, make_steps
+from gpt_fast.model import Transformer
+from gpt_fast.sampling import SamplingConfig
+
+GREEDY = SamplingConfig(temperature=0)
+PROMPT = [5, 17, 42, 8, 99, 3]
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    torch.manual_seed(0)
+    config = ModelConfig(block_size=256, vocab_size=128, n_layer=2, n_head=4, dim=32, intermediate_size=64,
+                         n_local_heads=2, head_dim=8, rope_base=10000.0, norm_eps=1e-5)
+    model = Transformer(config)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    return model.eval()
+
+
+def greedy(model, **kwargs):
+    return generate(model, PROMPT, max_new_tokens=kwargs.pop("max_new_tokens", 30), sampling=GREEDY, steps=make_steps("none"), **kwargs)
+
+
+def reference_greedy(model, n):
+    """Greedy decoding by full forwards over the growing sequence (no incremental cache use)."""
+    ids = list(PROMPT)
+    for _ in range(n):
+        model.setup_caches(1, 256)
+        logits = model(torch.tensor([ids]), torch.arange(len(ids)))
+        ids.append(int(logits[0, -1].argmax()))
+    return ids[len(PROMPT):]
+
+
+@torch.no_grad()
+def test_greedy_matches_full_forward_decoding(model):
+    assert greedy(model).tokens == [reference_greedy(model, 30)]
+
+
+def test_compiled_greedy_equals_eager(model):
+    torch._dynamo.reset()
+    compiled = generate(model, PROMPT, max_new_tokens=30, sampling=GREEDY, steps=make_steps("default"))
+    assert compiled.tokens == greedy(model).tokens
+
+
+def test_stops_at_a_stop_token_and_keeps_it(model):
+    tokens = greedy(model).tokens[0]
+    stop = tokens[7]
+    first = tokens.index(stop)
+    result = greedy(model, stop_ids=[stop])
+    assert result.tokens == [tokens[: first + 1]]
+
+
+def test_batch_rows_agree_under_greedy(model):
+    result = greedy(model, batch_size=3)
+    assert result.tokens == greedy(model).tokens * 3
+
+
+def test_batch_stops_when_every_row_has_stopped(model):
+    torch.manual_seed(0)
+    sampled = generate(model, PROMPT, max_new_tokens=40, sampling=SamplingConfig(temperature=1.0, top_k=4), steps=make_steps("none"), batch_size=4, stop_ids=[7, 11])
+    for row in sampled.tokens:
+        assert all(t not in (7, 11) for t in row[:-1])
+        assert len(row) == 40 or row[-1] in (7, 11)
+
+
+def test_callback_sees_every_token_in_order(model):
+    seen = []
+    result = greedy(model, on_tokens=lambda step: seen.append(step[0]))
+    assert seen == result.tokens[0]
+
+
+def test_same_seed_same_samples(model):
+    sampling = SamplingConfig(temperature=1.0, top_k=20)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        runs.append(generate(model, PROMPT, max_new_tokens=20, sampling=sampling, steps=make_steps("none")).tokens)
+    assert runs[0] == runs[1]
+
+
+def test_timings_are_positive(model):
+    result = greedy(model, max_new_tokens=5)
+    assert 0 < result.ttft_seconds <= result.seconds
+    assert result.new_tokens == 5
+
+
+def test_cache_length_rounds_up_within_the_context():
+    assert cache_length(5, 200, 4096) == 256
+    assert cache_length(100, 150, 256) == 256
+    with pytest.raises(ValueError, match="exceeds the model's context of 256"):
+        cache_length(100, 157, 256)
+
+
+@pytest.mark.parametrize("mode", ["none", "default", "reduce-overhead", "max-autotune"])
+def test_compile_modes_are_accepted(mode):
+    assert make_steps(mode).mode == mode
+
+
+def test_unknown_compile_mode():
+    with pytest.raises(ValueError, match="not one of none, default, reduce-overhead, max-autotune"):
+        make_steps("fast")
+
+
+def test_bad_requests(model):
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        greedy(model, max_new_tokens=0)
+    with pytest.raises(ValueError, match="empty"):
+        generate(model, [], max_new_tokens=3, sampling=GREEDY, steps=make_steps("none"))

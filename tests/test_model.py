@@ -1,0 +1,98 @@
+import pytest
+import torch
+
+from gpt_fast.config import ModelConfig, RopeScaling
+from gpt_fast.model import Transformer, rope_inv_freq, weight_bytes_per_token, weight_shapes
+from gpt_fast.shapes import get_shape
+
+
+def tiny_model(n_local_heads: int, tie: bool = False, seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    config = ModelConfig(block_size=128, vocab_size=97, n_layer=2, n_head=4, dim=32, intermediate_size=48,
+                         n_local_heads=n_local_heads, head_dim=8, rope_base=10000.0, norm_eps=1e-5, tie_embeddings=tie)
+    model = Transformer(config)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return model.eval()
+
+
+@pytest.mark.parametrize("n_local_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+@torch.no_grad()
+def test_cached_decode_matches_full_forward(n_local_heads):
+    model = tiny_model(n_local_heads)
+    tokens = torch.randint(0, 97, (2, 24))
+    model.setup_caches(2, 64)
+    full = model(tokens, torch.arange(24))  # [B, T, V]
+    model.setup_caches(2, 32)  # a fresh, shorter cache
+    steps = [model(tokens[:, :7], torch.arange(7))]
+    for pos in range(7, 24):
+        steps.append(model(tokens[:, pos : pos + 1], torch.tensor([pos])))
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_last_only_returns_last_position():
+    model = tiny_model(2)
+    tokens = torch.randint(0, 97, (1, 10))
+    model.setup_caches(1, 16)
+    full = model(tokens, torch.arange(10))
+    last = model(tokens, torch.arange(10), last_only=True)
+    assert last.shape == (1, 1, 97)
+    torch.testing.assert_close(last[:, 0], full[:, -1])
+
+
+@torch.no_grad()
+def test_setup_caches_grows_for_a_longer_request():
+    model = tiny_model(2)
+    model.setup_caches(1, 8)
+    assert model.layers[0].attention.kv_cache.k_cache.shape == (1, 2, 8, 8)
+    model.setup_caches(3, 40)
+    assert model.layers[0].attention.kv_cache.k_cache.shape == (3, 2, 40, 8)
+    assert model.rope_cos.shape == (40, 4)
+    logits = model(torch.randint(0, 97, (3, 33)), torch.arange(33))
+    assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("scaling", [
+    None,
+    RopeScaling(kind="linear", factor=4.0),
+    RopeScaling(kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64),
+])
+def test_rope_frequencies_match_transformers(scaling):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = {"rope_type": "default", "rope_theta": 500000.0}
+    if scaling is not None:
+        params = {"rope_type": scaling.kind, "rope_theta": 500000.0, "factor": scaling.factor}
+        if scaling.kind == "llama3":
+            params |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    hf_config = LlamaConfig(hidden_size=256, num_attention_heads=2, max_position_embeddings=1024, rope_parameters=params)
+    if scaling is None:
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        expected, _ = LlamaRotaryEmbedding.compute_default_rope_parameters(hf_config)
+    else:
+        expected, _ = ROPE_INIT_FUNCTIONS[scaling.kind](hf_config, "cpu")
+    torch.testing.assert_close(rope_inv_freq(128, 500000.0, scaling), expected)
+
+
+def test_divisor_scaling_divides_inverse_frequencies():
+    divisors = tuple(float(i + 1) for i in range(4))
+    plain = rope_inv_freq(8, 10000.0, None)
+    torch.testing.assert_close(rope_inv_freq(8, 10000.0, RopeScaling(kind="divisors", divisors=divisors)), plain / torch.tensor(divisors))
+
+
+def test_weight_shapes_use_fused_projections():
+    shapes = weight_shapes(get_shape("llama-3-8b"))
+    assert shapes["layers.0.attention.wqkv.weight"] == (4096 + 2 * 1024, 4096)
+    assert shapes["layers.0.feed_forward.w13.weight"] == (2 * 14336, 4096)
+    assert "output.weight" in shapes
+    assert "output.weight" not in weight_shapes(get_shape("smollm2-135m"))
+
+
+def test_bytes_per_token_excludes_the_embedding_table_unless_tied():
+    untied, tied = tiny_model(2), tiny_model(2, tie=True)
+    table = 97 * 32 * 4
+    assert weight_bytes_per_token(untied) == sum(p.numel() * 4 for p in untied.parameters()) - table
+    assert weight_bytes_per_token(tied) == sum(p.numel() * 4 for p in tied.parameters())

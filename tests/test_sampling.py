@@ -1,0 +1,79 @@
+import math
+
+import pytest
+import torch
+
+from gpt_fast.sampling import SamplingConfig, candidates, sample, top_p_filter
+
+
+def test_temperature_zero_is_argmax():
+    logits = torch.randn(3, 50)
+    assert torch.equal(sample(logits, SamplingConfig(temperature=0)), logits.argmax(-1))
+
+
+def test_top_k_never_leaves_the_k_best():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 100)
+    allowed = torch.topk(logits, 5).indices
+    config = SamplingConfig(temperature=5.0, top_k=5)  # a high temperature flattens the distribution
+    for _ in range(300):
+        tokens = sample(logits, config)
+        assert all(tokens[b].item() in allowed[b].tolist() for b in range(4))
+
+
+def test_top_k_samples_every_candidate_eventually():
+    torch.manual_seed(0)
+    logits = torch.zeros(1, 10)
+    seen = {sample(logits, SamplingConfig(temperature=1.0, top_k=3)).item() for _ in range(300)}
+    assert len(seen) == 3
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    kept = torch.isfinite(top_p_filter(probs.log(), 0.8))
+    assert kept.tolist() == [[True, True, False, False]]  # 0.5 + 0.3 reaches 0.8 exactly
+    assert torch.isfinite(top_p_filter(probs.log(), 0.81)).tolist() == [[True, True, True, False]]
+    assert torch.isfinite(top_p_filter(probs.log(), 0.4)).tolist() == [[True, False, False, False]]
+
+
+def test_top_p_over_the_whole_vocabulary_maps_back_to_ids():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    scores, index = candidates(logits, SamplingConfig(temperature=1.0, top_k=None, top_p=0.8))
+    assert index.tolist() == [[1, 3, 2, 0]]
+    kept = index[torch.isfinite(scores)].tolist()
+    probs = torch.softmax(logits, -1)[0]
+    assert probs[1] < 0.8 <= probs[1] + probs[3]
+    assert kept == [1, 3]
+    torch.manual_seed(0)
+    assert {sample(logits, SamplingConfig(temperature=1.0, top_k=None, top_p=0.8)).item() for _ in range(200)} == {1, 3}
+
+
+def test_sampling_follows_the_distribution():
+    torch.manual_seed(0)
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
+    draws = torch.stack([sample(logits, SamplingConfig(temperature=1.0, top_k=None)) for _ in range(4000)])
+    freq = torch.bincount(draws.flatten(), minlength=3).float() / 4000
+    torch.testing.assert_close(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.03, rtol=0)
+
+
+def test_same_seed_same_tokens():
+    logits = torch.randn(2, 1000)
+    config = SamplingConfig(temperature=1.0, top_k=50, top_p=0.9)
+    torch.manual_seed(123)
+    first = [sample(logits, config) for _ in range(20)]
+    torch.manual_seed(123)
+    second = [sample(logits, config) for _ in range(20)]
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": math.nan}, "temperature"),
+    ({"temperature": math.inf}, "temperature"),
+    ({"top_k": 0}, "top_k"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+])
+def test_invalid_settings(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingConfig(**kwargs)

@@ -1,0 +1,63 @@
+"""Builders for tiny checkpoints used across the tests (random weights, built in seconds)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+CORPUS = [
+    "def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n",
+    "The capital of France is Paris. The capital of Italy is Rome.",
+    "Hello, my name is Ada and I like numbers like 12345 and 3.14159.",
+    "Tabs\tand  spaces   and newlines\n\nare text too; émoji 🙂 and ünïcode.",
+] * 20
+
+BOS, EOS = "<s>", "</s>"
+
+
+def train_bpe_tokenizer(folder: Path, vocab_size: int = 320) -> Tokenizer:
+    """A byte-level BPE tokenizer.json (+ tokenizer_config.json) whose post-processor prepends BOS, as Llama 3's does."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS, EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, tokenizer.token_to_id(BOS))])
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS}))
+    return tokenizer
+
+
+def hf_llama_config(vocab_size: int, *, kv_heads: int = 2, tie: bool = False, rope_scaling: dict | None = None, layers: int = 2):  # noqa: ANN201
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=kv_heads,
+        vocab_size=vocab_size, max_position_embeddings=256, tie_word_embeddings=tie, rope_scaling=rope_scaling,
+        rope_theta=10000.0, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=1,
+    )
+
+
+def save_hf_llama(folder: Path, *, kv_heads: int = 2, tie: bool = False, rope_scaling: dict | None = None, weights: str = "safetensors", seed: int = 0):  # noqa: ANN201
+    """A tiny random LlamaForCausalLM saved with save_pretrained: weights = safetensors | sharded | bin.
+
+    transformers 5 only writes safetensors, so the legacy ``pytorch_model.bin`` is written with torch.save,
+    as older transformers did."""
+    from transformers import LlamaForCausalLM
+
+    tokenizer = train_bpe_tokenizer(folder)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(hf_llama_config(tokenizer.get_vocab_size(), kv_heads=kv_heads, tie=tie, rope_scaling=rope_scaling)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # larger than the default init: well-separated logits, no argmax near-ties
+            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.1 if name.endswith("norm.weight") else 0.25)
+    model.save_pretrained(folder, max_shard_size="60KB" if weights == "sharded" else "5GB")
+    if weights == "bin":
+        (folder / "model.safetensors").unlink()
+        state = {k: v for k, v in model.state_dict().items() if not (tie and k == "lm_head.weight")}
+        torch.save(state, folder / "pytorch_model.bin")
+    return model
