@@ -144,9 +144,10 @@ class Transformer(nn.Module):
         """Logits [B, T, V] for tokens ``idx`` [B, T] at positions ``input_pos`` [T] ([B, 1, V] with ``last_only``)."""
         assert self.max_seq_length > 0, "setup_caches() must be called before forward()"
         cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [T, D/2]
-        key_pos = torch.arange(self.max_seq_length, device=idx.device)
-        mask = key_pos[None, :] <= input_pos[:, None]  # [T, S] causal over the whole cache
         x = self.tok_embeddings(idx)
+        key_pos = torch.arange(self.max_seq_length, device=idx.device)
+        # [T, S] causal over the whole cache, additive and in the model's dtype once here rather than per layer
+        mask = torch.zeros((), dtype=x.dtype, device=idx.device).masked_fill(key_pos[None, :] > input_pos[:, None], float("-inf"))
         for layer in self.layers:
             x = layer(x, cos, sin, mask, input_pos)
         if last_only:

@@ -46,7 +46,8 @@ def candidates(logits: torch.Tensor, config: SamplingConfig) -> tuple[torch.Tens
     logits = logits.float() / config.temperature  # [B, V]
     index = None
     if config.top_k is not None and config.top_k < logits.shape[-1]:
-        logits, index = torch.topk(logits, config.top_k, dim=-1)  # [B, k], descending
+        # Only top-p needs the candidates in order; sorting them costs a kernel as long as the rest of sampling.
+        logits, index = torch.topk(logits, config.top_k, dim=-1, sorted=config.top_p < 1)  # [B, k]
     elif config.top_p < 1:
         logits, index = torch.sort(logits, dim=-1, descending=True)
     if config.top_p < 1:

@@ -1,0 +1,43 @@
+"""Write a random-weight Hugging Face Llama checkpoint of a named shape (sharded safetensors + a byte-level
+tokenizer), to time `gpt-fast convert` on a realistic size. Needs transformers (a test dependency).
+
+    python scripts/random_hf_checkpoint.py llama-2-7b /tmp/hf7b [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from gpt_fast.convert.random_init import byte_tokenizer
+from gpt_fast.shapes import get_shape
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("shape")
+    parser.add_argument("output_dir", type=Path)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    shape = get_shape(args.shape)
+    config = LlamaConfig(
+        vocab_size=shape.vocab_size, hidden_size=shape.dim, intermediate_size=shape.intermediate_size, num_hidden_layers=shape.n_layer,
+        num_attention_heads=shape.n_head, num_key_value_heads=shape.n_local_heads, head_dim=shape.head_dim, max_position_embeddings=shape.block_size,
+        rope_theta=shape.rope_base, rms_norm_eps=shape.norm_eps, tie_word_embeddings=shape.tie_embeddings, dtype=torch.bfloat16,
+    )
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device=args.device).to(torch.bfloat16)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.fill_(1.0) if name.endswith("norm.weight") else param.normal_(0.0, 0.02)
+    model.save_pretrained(args.output_dir, max_shard_size="5GB")
+    byte_tokenizer(shape.vocab_size)[0].save(str(args.output_dir / "tokenizer.json"))
+    (args.output_dir / "tokenizer_config.json").write_text('{"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}')
+
+
+if __name__ == "__main__":
+    main()
