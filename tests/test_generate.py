@@ -42,8 +42,10 @@ def test_greedy_matches_full_forward_decoding(model):
 
 def test_compiled_greedy_equals_eager(model):
     torch._dynamo.reset()
-    compiled = generate(model, PROMPT, max_new_tokens=30, sampling=GREEDY, steps=make_steps("default"))
+    compiled = generate(model, PROMPT, max_new_tokens=30, sampling=GREEDY, steps=make_steps("default", compile_prefill=True))
     assert compiled.tokens == greedy(model).tokens
+    longer_prompt = generate(model, PROMPT * 2, max_new_tokens=5, sampling=GREEDY, steps=make_steps("default", compile_prefill=True))
+    assert longer_prompt.tokens == generate(model, PROMPT * 2, max_new_tokens=5, sampling=GREEDY, steps=make_steps("none")).tokens
 
 
 def test_stops_at_a_stop_token_and_keeps_it(model):
