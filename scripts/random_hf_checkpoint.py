@@ -10,8 +10,9 @@ import argparse
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
+from gpt_fast.bench_decode import hf_llama_config
 from gpt_fast.convert.random_init import byte_tokenizer
 from gpt_fast.shapes import get_shape
 
@@ -23,11 +24,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     shape = get_shape(args.shape)
-    config = LlamaConfig(
-        vocab_size=shape.vocab_size, hidden_size=shape.dim, intermediate_size=shape.intermediate_size, num_hidden_layers=shape.n_layer,
-        num_attention_heads=shape.n_head, num_key_value_heads=shape.n_local_heads, head_dim=shape.head_dim, max_position_embeddings=shape.block_size,
-        rope_theta=shape.rope_base, rms_norm_eps=shape.norm_eps, tie_word_embeddings=shape.tie_embeddings, dtype=torch.bfloat16,
-    )
+    config = hf_llama_config(shape)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model = model.to_empty(device=args.device).to(torch.bfloat16)

@@ -1,0 +1,180 @@
+"""Decode speed against the peers, in one process and one run: identical random weights of a named shape, ours
+(one compile mode) and — when transformers is importable — Hugging Face transformers with its static cache (which
+it compiles by itself) and eager. Prints one table: tok/s, GB/s, % of the copy bandwidth measured in the same run,
+TTFT, compile time, memory.
+
+    python -m gpt_fast.bench_decode --shape llama-2-7b --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from gpt_fast.bench import copy_bandwidth_gbps
+from gpt_fast.checkpoint import parse_dtype
+from gpt_fast.config import ModelConfig
+from gpt_fast.convert.random_init import random_weights
+from gpt_fast.generate import device_synchronize, generate, make_steps
+from gpt_fast.model import Transformer, weight_bytes_per_token
+from gpt_fast.sampling import SamplingConfig
+from gpt_fast.settings import apply_torch_settings
+from gpt_fast.shapes import SHAPES, get_shape
+
+BLOG_SAMPLING = SamplingConfig(temperature=0.8, top_k=200)
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    compile_seconds: float | None  # the first (warm-up) run's wall time
+    tokens_per_sec: float  # median of the timed runs
+    ttft_ms: float  # a prompt of --ttft_prompt tokens, one new token
+    memory_gb: float | None
+
+
+def hf_llama_config(model: ModelConfig):  # noqa: ANN201 - transformers.LlamaConfig, imported lazily
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=model.vocab_size, hidden_size=model.dim, intermediate_size=model.intermediate_size, num_hidden_layers=model.n_layer,
+        num_attention_heads=model.n_head, num_key_value_heads=model.n_local_heads, head_dim=model.head_dim, max_position_embeddings=model.block_size,
+        rope_theta=model.rope_base, rms_norm_eps=model.norm_eps, tie_word_embeddings=model.tie_embeddings,
+    )
+
+
+def hf_state_dict(state: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our fused layout back to Hugging Face Llama names (q/k/v and gate/up split apart)."""
+    out = {"model.embed_tokens.weight": state["tok_embeddings.weight"], "model.norm.weight": state["norm.weight"]}
+    if not model.tie_embeddings:
+        out["lm_head.weight"] = state["output.weight"]
+    for i in range(model.n_layer):
+        ours, hf = f"layers.{i}.", f"model.layers.{i}."
+        q, k, v = state[ours + "attention.wqkv.weight"].split([model.q_size, model.kv_size, model.kv_size])
+        gate, up = state[ours + "feed_forward.w13.weight"].split(model.intermediate_size)
+        out |= {
+            hf + "self_attn.q_proj.weight": q, hf + "self_attn.k_proj.weight": k, hf + "self_attn.v_proj.weight": v,
+            hf + "self_attn.o_proj.weight": state[ours + "attention.wo.weight"],
+            hf + "mlp.gate_proj.weight": gate, hf + "mlp.up_proj.weight": up, hf + "mlp.down_proj.weight": state[ours + "feed_forward.w2.weight"],
+            hf + "input_layernorm.weight": state[ours + "attention_norm.weight"], hf + "post_attention_layernorm.weight": state[ours + "ffn_norm.weight"],
+        }
+    return out
+
+
+def timed(run: Callable[[], None], device: torch.device) -> float:
+    device_synchronize(device)
+    start = time.perf_counter()
+    run()
+    device_synchronize(device)
+    return time.perf_counter() - start
+
+
+def measure(name: str, run: Callable[[list[int], int], None], prompt: list[int], ttft_prompt: list[int], new_tokens: int, repeats: int, device: torch.device) -> Row:
+    """A warm-up run (it compiles), ``repeats`` timed runs, then the time of a long prompt's first token."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    first = timed(lambda: run(prompt, new_tokens), device)
+    rates = [new_tokens / timed(lambda: run(prompt, new_tokens), device) for _ in range(repeats)]
+    run(ttft_prompt, 1)  # compiles the long prompt's shapes, where they are compiled
+    ttft = statistics.median(timed(lambda: run(ttft_prompt, 1), device) for _ in range(3))
+    memory = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+    return Row(name, first, statistics.median(rates), 1e3 * ttft, memory)
+
+
+def ours_runner(state: dict[str, torch.Tensor], shape: ModelConfig, mode: str, device: torch.device, dtype: torch.dtype) -> Callable[[list[int], int], None]:
+    with torch.device("meta"):
+        model = Transformer(shape)
+    model.load_state_dict(state, assign=True)
+    model = model.to(device=device, dtype=dtype).eval()
+    steps = make_steps(mode, compile_prefill=mode != "none")
+
+    def run(prompt: list[int], new_tokens: int) -> None:
+        generate(model, prompt, max_new_tokens=new_tokens, sampling=BLOG_SAMPLING, steps=steps)
+
+    return run
+
+
+def hf_runner(state: dict[str, torch.Tensor], shape: ModelConfig, static: bool, device: torch.device, dtype: torch.dtype) -> Callable[[list[int], int], None]:
+    from transformers import LlamaForCausalLM
+
+    with torch.device(device):  # built in place: its rotary buffers are not in the state dict
+        model = LlamaForCausalLM._from_config(hf_llama_config(shape), dtype=dtype)
+    model.load_state_dict(hf_state_dict(state, shape), strict=not shape.tie_embeddings)
+    model.eval()
+    extra = {"cache_implementation": "static"} if static else {}
+
+    @torch.no_grad()
+    def run(prompt: list[int], new_tokens: int) -> None:
+        ids = torch.tensor([prompt], device=device)
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True,
+                       temperature=BLOG_SAMPLING.temperature, top_k=BLOG_SAMPLING.top_k, pad_token_id=0, **extra)
+
+    return run
+
+
+def table(rows: list[Row], bytes_per_token: int, copy_gbps: float) -> str:
+    lines = ["| implementation | compile (s) | tok/s | GB/s | % of copy BW | TTFT (ms) | memory (GB) |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        gbps = bytes_per_token * r.tokens_per_sec / 1e9
+        compile_s = "—" if r.compile_seconds is None else f"{r.compile_seconds:.1f}"
+        memory = "—" if r.memory_gb is None else f"{r.memory_gb:.2f}"
+        lines.append(f"| {r.name} | {compile_s} | {r.tokens_per_sec:.1f} | {gbps:.0f} | {100 * gbps / copy_gbps:.1f} | {r.ttft_ms:.1f} | {memory} |")
+    return "\n".join(lines)
+
+
+def run_benchmark(shape_name: str, device: torch.device, *, mode: str, dtype: torch.dtype, prompt_tokens: int, new_tokens: int, ttft_tokens: int,
+                  repeats: int, peers: bool, write: Callable[[str], None] = print) -> list[Row]:
+    shape = get_shape(shape_name)
+    state = random_weights(shape, dtype, seed=0, device=device)
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, shape.vocab_size, (prompt_tokens,), generator=generator).tolist()
+    ttft_prompt = torch.randint(0, shape.vocab_size, (ttft_tokens,), generator=generator).tolist()
+    copy_gbps = copy_bandwidth_gbps(device)
+    with torch.device("meta"):
+        bytes_per_token = weight_bytes_per_token(Transformer(shape).to(dtype))
+    runners = {f"gpt-fast {mode}": lambda: ours_runner(state, shape, mode, device, dtype)}
+    if peers:
+        try:
+            import transformers
+        except ImportError:
+            write("transformers is not importable: peers skipped")
+        else:
+            runners[f"transformers {transformers.__version__} static cache + compile"] = lambda: hf_runner(state, shape, True, device, dtype)
+            runners[f"transformers {transformers.__version__} eager"] = lambda: hf_runner(state, shape, False, device, dtype)
+    rows = []
+    for name, build in runners.items():
+        rows.append(measure(name, build(), prompt, ttft_prompt, new_tokens, repeats, device))
+        torch._dynamo.reset()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    write(f"{shape_name}, {name}, torch {torch.__version__}, {dtype}; copy bandwidth {copy_gbps:.0f} GB/s; "
+          f"weights read per token {bytes_per_token / 1e9:.3f} GB; prompt {prompt_tokens} tokens, {new_tokens} new, TTFT prompt {ttft_tokens}")
+    write(table(rows, bytes_per_token, copy_gbps))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Decode speed of gpt-fast and its peers on identical random weights.")
+    parser.add_argument("--shape", default="llama-2-7b", choices=list(SHAPES))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--mode", default="reduce-overhead")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--prompt_tokens", type=int, default=5)
+    parser.add_argument("--new_tokens", type=int, default=200)
+    parser.add_argument("--ttft_tokens", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no_peers", action="store_true")
+    args = parser.parse_args(argv)
+    apply_torch_settings()
+    run_benchmark(args.shape, torch.device(args.device), mode=args.mode, dtype=parse_dtype(args.dtype), prompt_tokens=args.prompt_tokens,
+                  new_tokens=args.new_tokens, ttft_tokens=args.ttft_tokens, repeats=args.repeats, peers=not args.no_peers)
+
+
+if __name__ == "__main__":
+    main()
