@@ -149,6 +149,7 @@ def run_benchmark(shape_name: str, device: torch.device, *, mode: str, dtype: to
     rows = []
     for name, build in runners.items():
         rows.append(measure(name, build(), prompt, ttft_prompt, new_tokens, repeats, device))
+        write(f"measured: {rows[-1]}")
         torch._dynamo.reset()
         if device.type == "cuda":
             torch.cuda.empty_cache()

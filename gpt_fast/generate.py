@@ -62,9 +62,19 @@ def make_steps(mode: str, compile_prefill: bool = False) -> Steps:
         return Steps(prefill, decode_one_token, mode)
     torch_mode = None if mode == "default" else mode
     decode = torch.compile(decode_one_token, mode=torch_mode, fullgraph=True)
-    # Prompt lengths vary, so the prefill is compiled with dynamic shapes and without CUDA graphs.
-    prefill_fn = torch.compile(prefill, fullgraph=True, dynamic=True) if compile_prefill else prefill
-    return Steps(prefill_fn, decode, mode)
+    return Steps(compiled_prefill() if compile_prefill else prefill, decode, mode)
+
+
+def compiled_prefill() -> Callable[..., None]:
+    """The prefill compiled once for every prompt length: the length dimension is marked dynamic (and only it:
+    ``dynamic=True`` would also make the sampling settings symbolic), and no CUDA graphs."""
+    compiled = torch.compile(prefill, fullgraph=True)
+
+    def prefill_any_length(model: Transformer, idx: torch.Tensor, sampling: SamplingConfig) -> None:
+        torch._dynamo.maybe_mark_dynamic(idx, 1)
+        compiled(model, idx, sampling)
+
+    return prefill_any_length
 
 
 def cache_length(prompt_length: int, max_new_tokens: int, block_size: int) -> int:

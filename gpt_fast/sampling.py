@@ -7,7 +7,7 @@ Randomness comes from torch's global generator (seeded by ``--seed``), drawn wit
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,6 +17,9 @@ class SamplingConfig:
     temperature: float = 0.8  # 0 = greedy argmax
     top_k: int | None = 200  # None = the whole vocabulary
     top_p: float = 1.0  # 1 = no nucleus filtering
+    # Whether top-p filters: a plain bool, because torch.compile may treat the floats above as symbolic values,
+    # and the branches below must not depend on those.
+    nucleus: bool = field(init=False)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
@@ -25,6 +28,7 @@ class SamplingConfig:
             raise ValueError(f"top_k must be an integer >= 1, got {self.top_k}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        object.__setattr__(self, "nucleus", self.top_p < 1)
 
     @property
     def greedy(self) -> bool:
@@ -47,10 +51,10 @@ def candidates(logits: torch.Tensor, config: SamplingConfig) -> tuple[torch.Tens
     index = None
     if config.top_k is not None and config.top_k < logits.shape[-1]:
         # Only top-p needs the candidates in order; sorting them costs a kernel as long as the rest of sampling.
-        logits, index = torch.topk(logits, config.top_k, dim=-1, sorted=config.top_p < 1)  # [B, k]
-    elif config.top_p < 1:
+        logits, index = torch.topk(logits, config.top_k, dim=-1, sorted=config.nucleus)  # [B, k]
+    elif config.nucleus:
         logits, index = torch.sort(logits, dim=-1, descending=True)
-    if config.top_p < 1:
+    if config.nucleus:
         logits = top_p_filter(logits, config.top_p)
     return logits, index
 

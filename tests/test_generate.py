@@ -48,6 +48,14 @@ def test_compiled_greedy_equals_eager(model):
     assert longer_prompt.tokens == generate(model, PROMPT * 2, max_new_tokens=5, sampling=GREEDY, steps=make_steps("none")).tokens
 
 
+def test_compiled_prefill_samples_with_top_k_and_top_p(model):
+    torch._dynamo.reset()
+    steps = make_steps("default", compile_prefill=True)
+    for prompt, sampling in ((PROMPT, SamplingConfig(temperature=0.8, top_k=50)), (PROMPT[:3], SamplingConfig(temperature=1.0, top_k=20, top_p=0.9))):
+        result = generate(model, prompt, max_new_tokens=4, sampling=sampling, steps=steps)
+        assert len(result.tokens[0]) == 4 and all(0 <= t < 128 for t in result.tokens[0])
+
+
 def test_stops_at_a_stop_token_and_keeps_it(model):
     tokens = greedy(model).tokens[0]
     stop = tokens[7]
