@@ -149,6 +149,7 @@ class Engine:
         self.write = write
         self.model = None
         self.load_seconds = 0.0
+        self.bytes_per_token = 0  # weight bytes read per decoded token, once loaded
 
     def load(self) -> None:
         self.write(f"Using device={self.device} ({device_name(self.device)}), dtype={dtype_name(self.dtype)}, compile={self.compile}\n")
@@ -156,6 +157,7 @@ class Engine:
         start = time.perf_counter()
         self.model, _ = load_model(self.checkpoint_dir, self.device, self.dtype)
         self.load_seconds = time.perf_counter() - start
+        self.bytes_per_token = weight_bytes_per_token(self.model)
         self.write(f"Time to load model: {self.load_seconds:.2f} seconds\n")
 
     def check_fits(self, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
@@ -206,7 +208,7 @@ def sample_metrics(result: GenerationResult, engine: Engine, warmup: bool) -> Sa
         seconds=result.seconds,
         tokens_per_sec=tokens_per_sec,
         ttft_seconds=result.ttft_seconds,
-        bandwidth_gbps=weight_bytes_per_token(engine.model) * tokens_per_sec / 1e9,
+        bandwidth_gbps=engine.bytes_per_token * tokens_per_sec / 1e9,
         warmup=warmup,
     )
 
@@ -260,7 +262,7 @@ class SampleRunner:
             checkpoint=str(engine.checkpoint_dir), device=str(engine.device), device_name=device_name(engine.device),
             dtype=dtype_name(engine.dtype), compile=engine.compile, batch_size=self.opts.batch_size, torch_version=torch.__version__,
             load_seconds=engine.load_seconds, compile_seconds=samples[0].seconds if engine.compile != "none" else None,
-            weight_bytes_per_token=weight_bytes_per_token(engine.model), prompt_ids=self.prompt_ids, samples=samples,
+            weight_bytes_per_token=engine.bytes_per_token, prompt_ids=self.prompt_ids, samples=samples,
             average_tokens_per_sec=statistics.fmean(s.tokens_per_sec for s in steady),
             average_ttft_seconds=statistics.fmean(s.ttft_seconds for s in steady),
             average_bandwidth_gbps=statistics.fmean(s.bandwidth_gbps for s in steady),
