@@ -19,6 +19,8 @@ import torch
 from gpt_fast.bench import copy_bandwidth_gbps
 from gpt_fast.checkpoint import parse_dtype
 from gpt_fast.config import ModelConfig
+from gpt_fast.convert.hf_config import hf_config_dict
+from gpt_fast.convert.layout import split_tensors
 from gpt_fast.convert.random_init import random_weights
 from gpt_fast.generate import device_synchronize, generate, make_steps
 from gpt_fast.model import Transformer, weight_bytes_per_token
@@ -36,34 +38,6 @@ class Row:
     tokens_per_sec: float  # median of the timed runs
     ttft_ms: float  # a prompt of --ttft_prompt tokens, one new token
     memory_gb: float | None
-
-
-def hf_llama_config(model: ModelConfig):  # noqa: ANN201 - transformers.LlamaConfig, imported lazily
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=model.vocab_size, hidden_size=model.dim, intermediate_size=model.intermediate_size, num_hidden_layers=model.n_layer,
-        num_attention_heads=model.n_head, num_key_value_heads=model.n_local_heads, head_dim=model.head_dim, max_position_embeddings=model.block_size,
-        rope_theta=model.rope_base, rms_norm_eps=model.norm_eps, tie_word_embeddings=model.tie_embeddings,
-    )
-
-
-def hf_state_dict(state: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our fused layout back to Hugging Face Llama names (q/k/v and gate/up split apart)."""
-    out = {"model.embed_tokens.weight": state["tok_embeddings.weight"], "model.norm.weight": state["norm.weight"]}
-    if not model.tie_embeddings:
-        out["lm_head.weight"] = state["output.weight"]
-    for i in range(model.n_layer):
-        ours, hf = f"layers.{i}.", f"model.layers.{i}."
-        q, k, v = state[ours + "attention.wqkv.weight"].split([model.q_size, model.kv_size, model.kv_size])
-        gate, up = state[ours + "feed_forward.w13.weight"].split(model.intermediate_size)
-        out |= {
-            hf + "self_attn.q_proj.weight": q, hf + "self_attn.k_proj.weight": k, hf + "self_attn.v_proj.weight": v,
-            hf + "self_attn.o_proj.weight": state[ours + "attention.wo.weight"],
-            hf + "mlp.gate_proj.weight": gate, hf + "mlp.up_proj.weight": up, hf + "mlp.down_proj.weight": state[ours + "feed_forward.w2.weight"],
-            hf + "input_layernorm.weight": state[ours + "attention_norm.weight"], hf + "post_attention_layernorm.weight": state[ours + "ffn_norm.weight"],
-        }
-    return out
 
 
 def timed(run: Callable[[], None], device: torch.device) -> float:
@@ -100,11 +74,11 @@ def ours_runner(state: dict[str, torch.Tensor], shape: ModelConfig, mode: str, d
 
 
 def hf_runner(state: dict[str, torch.Tensor], shape: ModelConfig, static: bool, device: torch.device, dtype: torch.dtype) -> Callable[[list[int], int], None]:
-    from transformers import LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     with torch.device(device):  # built in place: its rotary buffers are not in the state dict
-        model = LlamaForCausalLM._from_config(hf_llama_config(shape), dtype=dtype)
-    model.load_state_dict(hf_state_dict(state, shape), strict=not shape.tie_embeddings)
+        model = LlamaForCausalLM._from_config(LlamaConfig(**hf_config_dict(shape)), dtype=dtype)
+    model.load_state_dict(split_tensors(state, shape), strict=not shape.tie_embeddings)
     model.eval()
     extra = {"cache_implementation": "static"} if static else {}
 

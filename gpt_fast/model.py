@@ -146,8 +146,8 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [T, D/2]
         x = self.tok_embeddings(idx)
         key_pos = torch.arange(self.max_seq_length, device=idx.device)
-        # [T, S] causal over the whole cache, additive and in the model's dtype once here rather than per layer
-        mask = torch.zeros((), dtype=x.dtype, device=idx.device).masked_fill(key_pos[None, :] > input_pos[:, None], float("-inf"))
+        # [T, S] causal over the whole cache; additive and in the model's dtype once here rather than per layer
+        mask = torch.where(key_pos[None, :] <= input_pos[:, None], 0.0, float("-inf")).to(x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, mask, input_pos)
         if last_only:

@@ -10,9 +10,9 @@ import argparse
 from pathlib import Path
 
 import torch
-from transformers import LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from gpt_fast.bench_decode import hf_llama_config
+from gpt_fast.convert.hf_config import hf_config_dict
 from gpt_fast.convert.random_init import byte_tokenizer
 from gpt_fast.shapes import get_shape
 
@@ -24,13 +24,15 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     shape = get_shape(args.shape)
-    config = hf_llama_config(shape)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(LlamaConfig(**hf_config_dict(shape)))
     model = model.to_empty(device=args.device).to(torch.bfloat16)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.fill_(1.0) if name.endswith("norm.weight") else param.normal_(0.0, 0.02)
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02)
     model.save_pretrained(args.output_dir, max_shard_size="5GB")
     byte_tokenizer(shape.vocab_size)[0].save(str(args.output_dir / "tokenizer.json"))
     (args.output_dir / "tokenizer_config.json").write_text('{"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}')

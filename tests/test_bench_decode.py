@@ -2,23 +2,24 @@
 
 import torch
 
-from gpt_fast.bench_decode import hf_runner, hf_state_dict, run_benchmark
+from gpt_fast.bench_decode import hf_runner, run_benchmark
+from gpt_fast.convert.hf_config import hf_config_dict
+from gpt_fast.convert.layout import split_tensors
 from gpt_fast.convert.random_init import random_weights
 from gpt_fast.shapes import get_shape
 
 
 def test_hf_layout_gives_transformers_the_same_model():
-    from transformers import LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    from gpt_fast.bench_decode import hf_llama_config
     from gpt_fast.model import Transformer
 
     shape = get_shape("tiny")
     state = random_weights(shape, torch.float32, seed=0)
     ours = Transformer(shape)
     ours.load_state_dict(state)
-    theirs = LlamaForCausalLM(hf_llama_config(shape))
-    theirs.load_state_dict(hf_state_dict(state, shape))
+    theirs = LlamaForCausalLM(LlamaConfig(**hf_config_dict(shape)))
+    theirs.load_state_dict(split_tensors(state, shape))
     tokens = torch.randint(0, shape.vocab_size, (1, 12))
     ours.setup_caches(1, 16)
     with torch.no_grad():

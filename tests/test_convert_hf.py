@@ -229,3 +229,22 @@ def test_ctrl_c_during_conversion_leaves_nothing(hf_dir, tmp_path):
     assert proc.returncode == 130
     assert stderr.strip().splitlines()[-1] == "error: interrupted"
     assert not out.exists()
+
+
+@pytest.mark.parametrize("shape", ["llama-2-7b", "llama-3-8b", "smollm2-135m", "tiny"])
+def test_hf_config_dict_is_the_inverse_of_reading_one(shape):
+    from gpt_fast.convert.hf_config import hf_config_dict, model_config_from_hf
+    from gpt_fast.shapes import get_shape
+
+    assert model_config_from_hf(hf_config_dict(get_shape(shape)), "config.json") == get_shape(shape)
+
+
+def test_split_tensors_is_the_inverse_of_fusing():
+    from gpt_fast.convert.layout import fuse_tensors, split_tensors
+    from gpt_fast.convert.random_init import random_weights
+    from gpt_fast.shapes import get_shape
+
+    shape = get_shape("tiny")
+    state = random_weights(shape, torch.float32, seed=0)
+    again = fuse_tensors(split_tensors(state, shape).items(), shape, torch.float32)
+    assert again.keys() == state.keys() and all(torch.equal(again[k], state[k]) for k in state)

@@ -59,6 +59,24 @@ def rope_settings(hf: dict[str, Any], where: str) -> tuple[float, RopeScaling | 
     return float(base), RopeScaling(kind=kind, **{k: scaling[k] for k in keys})
 
 
+def hf_config_dict(model: ModelConfig) -> dict[str, Any]:
+    """The Hugging Face ``config.json`` fields of a Llama with this shape: the inverse of
+    :func:`model_config_from_hf`, for building reference models in tests and benchmarks."""
+    config = {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": model.vocab_size, "hidden_size": model.dim,
+        "intermediate_size": model.intermediate_size, "num_hidden_layers": model.n_layer, "num_attention_heads": model.n_head,
+        "num_key_value_heads": model.n_local_heads, "head_dim": model.head_dim, "max_position_embeddings": model.block_size,
+        "rope_theta": model.rope_base, "rms_norm_eps": model.norm_eps, "tie_word_embeddings": model.tie_embeddings,
+    }
+    scaling = model.rope_scaling
+    if scaling is None:
+        return config
+    if scaling.kind == "divisors":
+        raise ValueError("per-frequency rope divisors have no Hugging Face config equivalent")
+    keys = ("factor",) if scaling.kind == "linear" else ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    return config | {"rope_scaling": {"rope_type": scaling.kind, **{k: getattr(scaling, k) for k in keys}}}
+
+
 def model_config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
     """Map a Llama/Mistral config.json onto our ModelConfig, refusing features our model does not implement."""
     architecture(hf, where)

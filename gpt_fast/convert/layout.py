@@ -110,3 +110,21 @@ def fuse_tensors(tensors: Iterable[tuple[str, torch.Tensor]], config: ModelConfi
                 del pending[name]
     assert not pending, f"incomplete fused tensors: {sorted(pending)}"
     return state
+
+
+def split_tensors(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`fuse_tensors`: our state dict under Hugging Face names, fused matrices split apart."""
+    hf_shapes = hf_weight_shapes(config)
+    out: dict[str, torch.Tensor] = {}
+    parts_of: dict[str, dict[str, str]] = {}  # our fused name -> part -> HF name
+    for hf_name in hf_shapes:
+        name, part = our_name(hf_name)
+        if part is None:
+            out[hf_name] = state[name]
+        else:
+            parts_of.setdefault(name, {})[part] = hf_name
+    for name, parts in parts_of.items():
+        order = FUSED_PARTS[name.split(".")[-2]]
+        for part, tensor in zip(order, state[name].split([hf_shapes[parts[p]][0] for p in order])):
+            out[parts[part]] = tensor
+    return out
