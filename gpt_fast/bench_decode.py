@@ -22,7 +22,7 @@ from gpt_fast.config import ModelConfig
 from gpt_fast.convert.hf_config import hf_config_dict
 from gpt_fast.convert.layout import split_tensors
 from gpt_fast.convert.random_init import random_weights
-from gpt_fast.generate import device_synchronize, generate, make_steps
+from gpt_fast.generate import Steps, compiled_prefill, device_synchronize, generate, make_steps
 from gpt_fast.model import Transformer, weight_bytes_per_token
 from gpt_fast.sampling import SamplingConfig
 from gpt_fast.settings import apply_torch_settings
@@ -48,32 +48,43 @@ def timed(run: Callable[[], None], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def measure(name: str, run: Callable[[list[int], int], None], prompt: list[int], ttft_prompt: list[int], new_tokens: int, repeats: int, device: torch.device) -> Row:
-    """A warm-up run (it compiles), ``repeats`` timed runs, then the time of a long prompt's first token."""
+Run = Callable[[list[int], int], None]  # generate (prompt ids, new tokens)
+
+
+def measure(name: str, runs: tuple[Run, Run], prompt: list[int], ttft_prompt: list[int], new_tokens: int, repeats: int, device: torch.device) -> Row:
+    """A warm-up run (it compiles), ``repeats`` timed runs, then the time of a long prompt's first token (with
+    the second of ``runs``: decode and first-token runs may be set up differently)."""
+    run, ttft_run = runs
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     first = timed(lambda: run(prompt, new_tokens), device)
     rates = [new_tokens / timed(lambda: run(prompt, new_tokens), device) for _ in range(repeats)]
-    run(ttft_prompt, 1)  # compiles the long prompt's shapes, where they are compiled
-    ttft = statistics.median(timed(lambda: run(ttft_prompt, 1), device) for _ in range(3))
+    ttft_run(ttft_prompt, 1)  # compiles the long prompt's shapes, where they are compiled
+    ttft = statistics.median(timed(lambda: ttft_run(ttft_prompt, 1), device) for _ in range(3))
     memory = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
     return Row(name, first, statistics.median(rates), 1e3 * ttft, memory)
 
 
-def ours_runner(state: dict[str, torch.Tensor], shape: ModelConfig, mode: str, device: torch.device, dtype: torch.dtype) -> Callable[[list[int], int], None]:
+def ours_runners(state: dict[str, torch.Tensor], shape: ModelConfig, mode: str, device: torch.device, dtype: torch.dtype) -> tuple[Run, Run]:
+    """Decode as ``gpt-fast generate --compile MODE`` does (eager prefill); the first token of the long prompt
+    as with ``--compile_prefill`` (one compiled prefill for every prompt length)."""
     with torch.device("meta"):
         model = Transformer(shape)
     model.load_state_dict(state, assign=True)
     model = model.to(device=device, dtype=dtype).eval()
-    steps = make_steps(mode, compile_prefill=mode != "none")
+    decode_steps = make_steps(mode)
+    ttft_steps = decode_steps if mode == "none" else Steps(compiled_prefill(), decode_steps.decode, mode)
 
-    def run(prompt: list[int], new_tokens: int) -> None:
-        generate(model, prompt, max_new_tokens=new_tokens, sampling=BLOG_SAMPLING, steps=steps)
+    def runner(steps: Steps) -> Run:
+        def run(prompt: list[int], new_tokens: int) -> None:
+            generate(model, prompt, max_new_tokens=new_tokens, sampling=BLOG_SAMPLING, steps=steps)
 
-    return run
+        return run
+
+    return runner(decode_steps), runner(ttft_steps)
 
 
-def hf_runner(state: dict[str, torch.Tensor], shape: ModelConfig, static: bool, device: torch.device, dtype: torch.dtype) -> Callable[[list[int], int], None]:
+def hf_runners(state: dict[str, torch.Tensor], shape: ModelConfig, static: bool, device: torch.device, dtype: torch.dtype) -> tuple[Run, Run]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     with torch.device(device):  # built in place: its rotary buffers are not in the state dict
@@ -88,7 +99,7 @@ def hf_runner(state: dict[str, torch.Tensor], shape: ModelConfig, static: bool, 
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True,
                        temperature=BLOG_SAMPLING.temperature, top_k=BLOG_SAMPLING.top_k, pad_token_id=0, **extra)
 
-    return run
+    return run, run
 
 
 def table(rows: list[Row], bytes_per_token: int, copy_gbps: float) -> str:
@@ -111,15 +122,15 @@ def run_benchmark(shape_name: str, device: torch.device, *, mode: str, dtype: to
     copy_gbps = copy_bandwidth_gbps(device)
     with torch.device("meta"):
         bytes_per_token = weight_bytes_per_token(Transformer(shape).to(dtype))
-    runners = {f"gpt-fast {mode}": lambda: ours_runner(state, shape, mode, device, dtype)}
+    runners = {f"gpt-fast {mode}": lambda: ours_runners(state, shape, mode, device, dtype)}
     if peers:
         try:
             import transformers
         except ImportError:
             write("transformers is not importable: peers skipped")
         else:
-            runners[f"transformers {transformers.__version__} static cache + compile"] = lambda: hf_runner(state, shape, True, device, dtype)
-            runners[f"transformers {transformers.__version__} eager"] = lambda: hf_runner(state, shape, False, device, dtype)
+            runners[f"transformers {transformers.__version__} static cache + compile"] = lambda: hf_runners(state, shape, True, device, dtype)
+            runners[f"transformers {transformers.__version__} eager"] = lambda: hf_runners(state, shape, False, device, dtype)
     rows = []
     for name, build in runners.items():
         rows.append(measure(name, build(), prompt, ttft_prompt, new_tokens, repeats, device))

@@ -11,17 +11,19 @@ from torch import nn
 
 
 class KVCache(nn.Module):
+    """Keys and values in one buffer [2, B, H_kv, S, D], so that a step writes both with one scatter
+    (``index_copy_``) instead of two."""
+
     def __init__(self, batch_size: int, n_kv_heads: int, max_seq_length: int, head_dim: int, *, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
-        shape = (batch_size, n_kv_heads, max_seq_length, head_dim)
-        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        shape = (2, batch_size, n_kv_heads, max_seq_length, head_dim)
+        self.register_buffer("kv", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
     def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write ``k``, ``v`` [B, H_kv, T, D] at positions ``input_pos`` [T]; return the whole cache [B, H_kv, S, D]."""
-        self.k_cache.index_copy_(2, input_pos, k)
-        self.v_cache.index_copy_(2, input_pos, v)
-        return self.k_cache, self.v_cache
+        """Write ``k``, ``v`` [B, H_kv, T, D] at positions ``input_pos`` [T]; return the whole cache's keys and
+        values, each [B, H_kv, S, D]."""
+        self.kv.index_copy_(3, input_pos, torch.stack((k, v)))
+        return self.kv[0], self.kv[1]
 
 
 class DecodeState(nn.Module):

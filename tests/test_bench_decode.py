@@ -2,7 +2,7 @@
 
 import torch
 
-from gpt_fast.bench_decode import hf_runner, run_benchmark
+from gpt_fast.bench_decode import hf_runners, run_benchmark
 from gpt_fast.convert.hf_config import hf_config_dict
 from gpt_fast.convert.layout import split_tensors
 from gpt_fast.convert.random_init import random_weights
@@ -39,5 +39,5 @@ def test_table_on_the_cpu(capsys):
 
 def test_hf_runner_generates_exactly_the_requested_tokens():
     shape = get_shape("tiny")
-    run = hf_runner(random_weights(shape, torch.float32, seed=1), shape, False, torch.device("cpu"), torch.float32)
+    run, _ = hf_runners(random_weights(shape, torch.float32, seed=1), shape, False, torch.device("cpu"), torch.float32)
     run([1, 2, 3], 4)

@@ -6,7 +6,6 @@ import pickle
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -205,16 +204,18 @@ def test_ctrl_c_during_conversion_leaves_nothing(hf_dir, tmp_path):
     """SIGINT while tensors are being converted: non-zero exit and no output folder."""
     out = tmp_path / "out"
     script = (
-        "import time, sys\n"
+        "import signal, time\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even when started with SIGINT ignored\n"
         "import gpt_fast.convert.layout as layout\n"
         "original = layout.fuse_tensors\n"
         "def slow(tensors, *a):\n"
-        "    def trickle():\n"
-        "        for item in tensors:\n"
-        "            time.sleep(0.2)\n"
-        "            yield item\n"
-        "    print('converting', flush=True)\n"
-        "    return original(trickle(), *a)\n"
+        "    def stall():\n"
+        "        items = iter(tensors)\n"
+        "        yield next(items)\n"
+        "        print('converting', flush=True)\n"
+        "        time.sleep(60)\n"
+        "        yield from items\n"
+        "    return original(stall(), *a)\n"
         "layout.fuse_tensors = slow\n"
         "import gpt_fast.convert.hf as hf\n"
         "hf.fuse_tensors = slow\n"
@@ -222,8 +223,7 @@ def test_ctrl_c_during_conversion_leaves_nothing(hf_dir, tmp_path):
         f"main(['convert', {str(hf_dir)!r}, '--output_dir', {str(out)!r}])\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "converting"
-    time.sleep(0.5)
+    assert proc.stdout.readline().strip() == "converting"  # one tensor converted, the next one stalls
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130

@@ -94,6 +94,17 @@ def test_greedy_chat_answers_match_transformers(ours, reference, question):
     assert our_greedy(model, ids) == reference_greedy(hf_model, ids)
 
 
+def test_compiled_greedy_equals_eager(ours):
+    """The compiled decode step (inductor: attention for one query as fused reductions) picks the same tokens."""
+    tokenizer, model, _ = ours
+    torch._dynamo.reset()
+    compiled = make_steps("default")
+    for prompt in PROMPTS[:2]:
+        ids = tokenizer.encode(prompt, bos=True)
+        tokens = generate(model, ids, max_new_tokens=NEW_TOKENS, sampling=SamplingConfig(temperature=0), steps=compiled).tokens[0]
+        assert tokens == our_greedy(model, ids)
+
+
 def test_default_checkpoint_is_prepared_once(smollm2_gguf, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     weights = default_model.ensure_default_checkpoint()

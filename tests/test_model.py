@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from gpt_fast.config import ModelConfig, RopeScaling
-from gpt_fast.model import Transformer, rope_inv_freq, weight_bytes_per_token, weight_shapes
+from gpt_fast.model import Transformer, attend_one_query, rope_inv_freq, weight_bytes_per_token, weight_shapes
 from gpt_fast.shapes import get_shape
 
 
@@ -31,6 +31,19 @@ def test_cached_decode_matches_full_forward(n_local_heads):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("n_kv", [4, 2, 1])  # MHA, GQA, MQA
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_query_attention_matches_sdpa(n_kv, dtype):
+    generator = torch.Generator().manual_seed(n_kv)
+    q = torch.randn(2, 4, 1, 16, generator=generator).to(dtype)
+    k, v = (torch.randn(2, n_kv, 24, 16, generator=generator).to(dtype) for _ in range(2))
+    mask = torch.where(torch.arange(24) <= 9, 0.0, float("-inf"))[None].to(dtype)  # [1, S]: positions 0..9 filled
+    expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask.float(), enable_gqa=n_kv != 4)
+    got = attend_one_query(q, k, v, mask)
+    assert got.dtype == dtype and got.shape == q.shape
+    torch.testing.assert_close(got.float(), expected.to(dtype).float(), rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5 if dtype == torch.float32 else 1e-2)
+
+
 def test_last_only_returns_last_position():
     model = tiny_model(2)
     tokens = torch.randint(0, 97, (1, 10))
@@ -45,9 +58,9 @@ def test_last_only_returns_last_position():
 def test_setup_caches_grows_for_a_longer_request():
     model = tiny_model(2)
     model.setup_caches(1, 8)
-    assert model.layers[0].attention.kv_cache.k_cache.shape == (1, 2, 8, 8)
+    assert model.layers[0].attention.kv_cache.kv.shape == (2, 1, 2, 8, 8)
     model.setup_caches(3, 40)
-    assert model.layers[0].attention.kv_cache.k_cache.shape == (3, 2, 40, 8)
+    assert model.layers[0].attention.kv_cache.kv.shape == (2, 3, 2, 40, 8)
     assert model.rope_cos.shape == (40, 4)
     logits = model(torch.randint(0, 97, (3, 33)), torch.arange(33))
     assert torch.isfinite(logits).all()
