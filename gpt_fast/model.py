@@ -71,7 +71,8 @@ def attend_one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
     Written as broadcast products and sums rather than a call to an attention kernel: inductor fuses them with
     the query's rotary embedding and the mask into a few small reductions. On an H100 this decoded the
-    SmolLM2-135M shape at 1162 tok/s against 995 with the SDPA math path (BENCHMARKS.md, 2026-11-22).
+    SmolLM2-135M shape at 1162 tok/s against 995 with the SDPA math path (BENCHMARKS.md, 2026-11-22). Only for
+    compiled steps: run eagerly, the products are materialized, 2-4x slower than SDPA on a CPU.
     """
     bsz, n_head, _, head_dim = q.shape
     n_kv, dtype = k.shape[1], q.dtype
@@ -99,7 +100,7 @@ class Attention(nn.Module):
         v = v.view(bsz, seqlen, cfg.n_local_heads, cfg.head_dim)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
         k, v = self.kv_cache.update(input_pos, k, v)  # [B, H_kv, S, D]
-        if seqlen == 1:
+        if seqlen == 1 and torch.compiler.is_compiling():  # eager: SDPA's fused kernel beats materialized products
             y = attend_one_query(q, k, v, mask)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=cfg.n_head != cfg.n_local_heads)
