@@ -26,6 +26,7 @@ SHAPES = {  # name: (N, K)
     "wqkv": (12288, 4096), "wo": (4096, 4096), "w13": (22016, 4096), "w2": (4096, 11008), "out32k": (32000, 4096),
     "l3_wqkv": (6144, 4096), "l3_w13": (28672, 4096), "l3_w2": (4096, 14336), "l3_out": (128256, 4096),
 }
+VARIANTS = ("cublas", "cdt", "cdt2", "cdtall", "mat")
 ROTATION_BYTES = 400_000_000
 REPS = 10  # passes over the copies inside one graph
 
@@ -63,9 +64,9 @@ def variant_fn(variant: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Ten
 
 
 def main(names: list[str], variants: list[str]) -> None:
-    unknown = [n for n in names if n not in SHAPES] + [v for v in variants if v not in ("cublas", "cdt", "cdt2", "cdtall", "mat")]
+    unknown = [n for n in names if n not in SHAPES] + [v for v in variants if v not in VARIANTS]
     if unknown:
-        raise SystemExit(f"unknown shapes or variants: {', '.join(unknown)}; shapes: {', '.join(SHAPES)}")
+        raise SystemExit(f"unknown shapes or variants: {', '.join(unknown)}; shapes: {', '.join(SHAPES)}; variants: {', '.join(VARIANTS)}")
     if not torch.cuda.is_available():
         raise SystemExit("gemv_floor.py needs a CUDA or ROCm GPU")
     apply_torch_settings()
