@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from gpt_fast.config import ModelConfig
-from gpt_fast.generate import cache_length, generate, make_steps
+from gpt_fast.generate import cache_length, compile_options, generate, make_steps
 from gpt_fast.model import Transformer
 from gpt_fast.sampling import SamplingConfig
 
@@ -108,6 +108,15 @@ def test_cache_length_rounds_up_within_the_context():
 @pytest.mark.parametrize("mode", ["none", "default", "reduce-overhead", "max-autotune"])
 def test_compile_modes_are_accepted(mode):
     assert make_steps(mode).mode == mode
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead", "max-autotune"])
+def test_compile_options_are_inductor_settings(mode):
+    options = compile_options(mode)
+    known = torch._inductor.config.get_config_copy()
+    assert all(key in known for key in options)
+    assert options.get("triton.enable_pdl", False) == options.get("triton.cudagraphs", False)
+    assert options.get("triton.cudagraphs", False) == (mode != "default")
 
 
 def test_unknown_compile_mode():
