@@ -68,10 +68,10 @@ def make_steps(mode: str, compile_prefill: bool = False) -> Steps:
 def compile_options(mode: str) -> dict[str, Any]:
     """Inductor options for the decode step in a compile mode: the mode's own, plus programmatic dependent launch
     (PDL) in the CUDA-graph modes. With PDL each kernel's blocks are scheduled while the kernel before it drains,
-    which shortens the gaps between the few hundred small kernels of a decode step. On an H100 it decoded the SmolLM2-135M
-    shape 8 % faster and left the GEMV-bound Llama-2-7B shape unchanged (BENCHMARKS.md, 2026-11-22). Inductor
-    emits it only for CUDA GPUs of compute capability 9 and up, never on ROCm. ``default`` mode, which launches
-    every kernel from the host, keeps inductor's launcher as it is."""
+    which shortens the gaps between the few hundred small kernels of a decode step. On an H100 it decoded the
+    SmolLM2-135M shape 8 % faster and left the GEMV-bound Llama-2-7B shape unchanged (BENCHMARKS.md, 2026-11-22).
+    Inductor emits it only for CUDA GPUs of compute capability 9 and up, never on ROCm. ``default`` mode, which
+    launches every kernel from the host, keeps inductor's launcher as it is."""
     import torch._inductor
 
     options: dict[str, Any] = dict(torch._inductor.list_mode_options(mode))
