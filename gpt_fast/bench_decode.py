@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from gpt_fast.bench import copy_bandwidth_gbps
-from gpt_fast.checkpoint import parse_dtype
+from gpt_fast.checkpoint import model_from_state, parse_dtype
 from gpt_fast.config import ModelConfig
 from gpt_fast.convert.hf_config import hf_config_dict
 from gpt_fast.convert.layout import split_tensors
@@ -68,10 +68,7 @@ def measure(name: str, runs: tuple[Run, Run], prompt: list[int], ttft_prompt: li
 def ours_runners(state: dict[str, torch.Tensor], shape: ModelConfig, mode: str, device: torch.device, dtype: torch.dtype) -> tuple[Run, Run]:
     """Decode as ``gpt-fast generate --compile MODE`` does (eager prefill); the first token of the long prompt
     as with ``--compile_prefill`` (one compiled prefill for every prompt length)."""
-    with torch.device("meta"):
-        model = Transformer(shape)
-    model.load_state_dict(state, assign=True)
-    model = model.to(device=device, dtype=dtype).eval()
+    model = model_from_state(shape, state, device, dtype)
     decode_steps = make_steps(mode)
     ttft_steps = decode_steps if mode == "none" else Steps(compiled_prefill(), decode_steps.decode, mode)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from gpt_fast.config import CheckpointConfig, load_checkpoint_config
+from gpt_fast.config import CheckpointConfig, ModelConfig, load_checkpoint_config
 from gpt_fast.model import Transformer, weight_shapes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -64,8 +64,13 @@ def load_model(checkpoint_dir: Path, device: torch.device, dtype: torch.dtype) -
     # file mapping was measured 8x slower than from ordinary memory (SmolLM2-135M decode), so read it in.
     state = read_weights(weights_path, mmap=device.type != "cpu")
     check_state_dict(state, weight_shapes(config.model), str(weights_path))
+    return model_from_state(config.model, state, device, dtype), config
+
+
+def model_from_state(config: ModelConfig, state: Mapping[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> Transformer:
+    """The model for ``config`` holding ``state``'s tensors (no copy where they already have ``device`` and
+    ``dtype``), ready for inference."""
     with torch.device("meta"):
-        model = Transformer(config.model)
+        model = Transformer(config)
     model.load_state_dict(state, assign=True)
-    model = model.to(device=device, dtype=dtype)
-    return model.eval().requires_grad_(False), config
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
