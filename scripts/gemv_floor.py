@@ -20,11 +20,16 @@ import torch
 import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 
+from gpt_fast.model import weight_shapes
 from gpt_fast.settings import apply_torch_settings
+from gpt_fast.shapes import get_shape
 
-SHAPES = {  # name: (N, K)
-    "wqkv": (12288, 4096), "wo": (4096, 4096), "w13": (22016, 4096), "w2": (4096, 11008), "out32k": (32000, 4096),
-    "l3_wqkv": (6144, 4096), "l3_w13": (28672, 4096), "l3_w2": (4096, 14336), "l3_out": (128256, 4096),
+MATRICES = {  # name: (model shape, weight)
+    "wqkv": ("llama-2-7b", "layers.0.attention.wqkv.weight"), "wo": ("llama-2-7b", "layers.0.attention.wo.weight"),
+    "w13": ("llama-2-7b", "layers.0.feed_forward.w13.weight"), "w2": ("llama-2-7b", "layers.0.feed_forward.w2.weight"),
+    "out32k": ("llama-2-7b", "output.weight"),
+    "l3_wqkv": ("llama-3-8b", "layers.0.attention.wqkv.weight"), "l3_w13": ("llama-3-8b", "layers.0.feed_forward.w13.weight"),
+    "l3_w2": ("llama-3-8b", "layers.0.feed_forward.w2.weight"), "l3_out": ("llama-3-8b", "output.weight"),
 }
 VARIANTS = ("cublas", "cdt", "cdt2", "cdtall", "mat")
 ROTATION_BYTES = 400_000_000
@@ -64,14 +69,15 @@ def variant_fn(variant: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Ten
 
 
 def main(names: list[str], variants: list[str]) -> None:
-    unknown = [n for n in names if n not in SHAPES] + [v for v in variants if v not in VARIANTS]
+    unknown = [n for n in names if n not in MATRICES] + [v for v in variants if v not in VARIANTS]
     if unknown:
-        raise SystemExit(f"unknown shapes or variants: {', '.join(unknown)}; shapes: {', '.join(SHAPES)}; variants: {', '.join(VARIANTS)}")
+        raise SystemExit(f"unknown shapes or variants: {', '.join(unknown)}; shapes: {', '.join(MATRICES)}; variants: {', '.join(VARIANTS)}")
     if not torch.cuda.is_available():
         raise SystemExit("gemv_floor.py needs a CUDA or ROCm GPU")
     apply_torch_settings()
     for name in names:
-        n, k = SHAPES[name]
+        model_shape, weight = MATRICES[name]
+        n, k = weight_shapes(get_shape(model_shape))[weight]
         nbytes = n * k * 2
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(max(2, -(-ROTATION_BYTES // nbytes)))]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
