@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from gpt_fast.device import device_name
 from gpt_fast.fileio import write_text_atomic
 from gpt_fast.generate import COMPILE_MODES
 
@@ -88,22 +89,47 @@ def mode_result(mode: str, metrics: dict, copy_gbps: float, trace: dict | None, 
     median_rate = statistics.median(rates)
     bandwidth = metrics["weight_bytes_per_token"] * median_rate / 1e9
     return ModeResult(
-        mode=mode, ok=True, compile_seconds=metrics["compile_seconds"], tokens_per_sec_median=median_rate,
-        tokens_per_sec_min=min(rates), tokens_per_sec_max=max(rates), ttft_ms_median=1e3 * statistics.median(s["ttft_seconds"] for s in steady),
-        bandwidth_gbps=bandwidth, copy_fraction=bandwidth / copy_gbps, memory_gb=metrics["memory_gb"], samples=len(rates), trace=trace, log=log,
+        mode=mode,
+        ok=True,
+        compile_seconds=metrics["compile_seconds"],
+        tokens_per_sec_median=median_rate,
+        tokens_per_sec_min=min(rates),
+        tokens_per_sec_max=max(rates),
+        ttft_ms_median=1e3 * statistics.median(s["ttft_seconds"] for s in steady),
+        bandwidth_gbps=bandwidth,
+        copy_fraction=bandwidth / copy_gbps,
+        memory_gb=metrics["memory_gb"],
+        samples=len(rates),
+        trace=trace,
+        log=log,
     )
 
 
-def run_mode(mode: str, generate_args: Sequence[str], out_dir: Path, copy_gbps: float, profile_dir: Path | None) -> ModeResult:
+def run_mode(
+    mode: str, generate_args: Sequence[str], out_dir: Path, copy_gbps: float, profile_dir: Path | None
+) -> ModeResult:
     """`gpt-fast generate --compile MODE` in a fresh Python process; its output goes to a log file."""
     metrics_path = out_dir / f"metrics_{mode}.json"
     log_path = out_dir / f"log_{mode}.txt"
-    command = [sys.executable, "-m", "gpt_fast", "generate", *generate_args, "--compile", mode, "--metrics_json", str(metrics_path), "--no_stream"]
+    command = [
+        sys.executable,
+        "-m",
+        "gpt_fast",
+        "generate",
+        *generate_args,
+        "--compile",
+        mode,
+        "--metrics_json",
+        str(metrics_path),
+        "--no_stream",
+    ]
     trace_prefix = profile_dir / f"trace_compile_{mode.replace('-', '')}" if profile_dir is not None else None
     if trace_prefix is not None:
         command += ["--profile", str(trace_prefix)]
     with log_path.open("w") as log:
-        returncode = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+        returncode = subprocess.run(
+            command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        ).returncode
     if returncode != 0 or not metrics_path.is_file():
         lines = log_path.read_text(errors="replace").strip().splitlines()
         return ModeResult(mode=mode, ok=False, error=(lines or ["no output"])[-1], log=str(log_path))
@@ -122,7 +148,16 @@ def _fmt(value: float | None, spec: str) -> str:
 def markdown_table(report: BenchReport) -> str:
     """One row per mode; trace columns appear when the modes were profiled."""
     traced = any(r.trace for r in report.results)
-    header = ["mode", "compile (s)", "tok/s median", "tok/s min–max", "TTFT (ms)", "GB/s", "% of copy BW", "memory (GB)"]
+    header = [
+        "mode",
+        "compile (s)",
+        "tok/s median",
+        "tok/s min–max",
+        "TTFT (ms)",
+        "GB/s",
+        "% of copy BW",
+        "memory (GB)",
+    ]
     if traced:
         header += ["kernel launches/token", "graph launches/token", "GPU kernels/token", "GPU busy"]
     rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -130,17 +165,33 @@ def markdown_table(report: BenchReport) -> str:
         if not r.ok:
             rows.append(f"| {r.mode} | failed: {r.error} |" + " |" * (len(header) - 2))
             continue
-        cells = [r.mode, _fmt(r.compile_seconds, ".1f"), _fmt(r.tokens_per_sec_median, ".1f"),
-                 f"{r.tokens_per_sec_min:.1f}–{r.tokens_per_sec_max:.1f}", _fmt(r.ttft_ms_median, ".1f"), _fmt(r.bandwidth_gbps, ".0f"),
-                 _fmt(None if r.copy_fraction is None else 100 * r.copy_fraction, ".1f"), _fmt(r.memory_gb, ".2f")]
+        cells = [
+            r.mode,
+            _fmt(r.compile_seconds, ".1f"),
+            _fmt(r.tokens_per_sec_median, ".1f"),
+            f"{r.tokens_per_sec_min:.1f}–{r.tokens_per_sec_max:.1f}",
+            _fmt(r.ttft_ms_median, ".1f"),
+            _fmt(r.bandwidth_gbps, ".0f"),
+            _fmt(None if r.copy_fraction is None else 100 * r.copy_fraction, ".1f"),
+            _fmt(r.memory_gb, ".2f"),
+        ]
         if traced:
             t = r.trace or {}
             busy = t.get("busy_fraction")
-            cells += [_fmt(t.get("kernel_launches_per_token"), ".1f"), _fmt(t.get("graph_launches_per_token"), ".2f"),
-                      _fmt(t.get("gpu_kernels_per_token"), ".1f"), "—" if busy is None else f"{100 * busy:.1f}%"]
+            cells += [
+                _fmt(t.get("kernel_launches_per_token"), ".1f"),
+                _fmt(t.get("graph_launches_per_token"), ".2f"),
+                _fmt(t.get("gpu_kernels_per_token"), ".1f"),
+                "—" if busy is None else f"{100 * busy:.1f}%",
+            ]
         rows.append("| " + " | ".join(cells) + " |")
-    head = (f"{report.device_name} ({report.device}), torch {report.torch_version}, {report.date}; copy bandwidth {report.copy_bandwidth_gbps:.0f} GB/s "
-            f"(read + write); weights read per token {report.weight_bytes_per_token / 1e9:.3f} GB\n\n" if report.weight_bytes_per_token else "")
+    head = (
+        f"{report.device_name} ({report.device}), torch {report.torch_version}, {report.date}; copy bandwidth "
+        f"{report.copy_bandwidth_gbps:.0f} GB/s "
+        f"(read + write); weights read per token {report.weight_bytes_per_token / 1e9:.3f} GB\n\n"
+        if report.weight_bytes_per_token
+        else ""
+    )
     return head + "\n".join(rows) + "\n"
 
 
@@ -175,8 +226,18 @@ def write_chart(path: Path, report: BenchReport, title: str) -> bool:
     return True
 
 
-def run_bench(checkpoint: Path, modes: Sequence[str], generate_args: Sequence[str], out_dir: Path, device: torch.device, *,
-              profile_dir: Path | None, title: str, command: str, progress: Callable[[str], None]) -> BenchReport:
+def run_bench(
+    checkpoint: Path,
+    modes: Sequence[str],
+    generate_args: Sequence[str],
+    out_dir: Path,
+    device: torch.device,
+    *,
+    profile_dir: Path | None,
+    title: str,
+    command: str,
+    progress: Callable[[str], None],
+) -> BenchReport:
     """Run each mode, then write bench.json, bench.csv, bench.md and (with matplotlib) bench.png into ``out_dir``."""
     unknown = [m for m in modes if m not in COMPILE_MODES]
     if unknown or not modes:
@@ -186,19 +247,31 @@ def run_bench(checkpoint: Path, modes: Sequence[str], generate_args: Sequence[st
         profile_dir.mkdir(parents=True, exist_ok=True)
     progress(f"Measuring copy bandwidth on {device} ...")
     copy_gbps = copy_bandwidth_gbps(device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     results = []
     for i, mode in enumerate(modes, 1):
         progress(f"[{i}/{len(modes)}] {mode}: running in a fresh process (log: {out_dir / f'log_{mode}.txt'}) ...")
         start = time.perf_counter()
-        result = run_mode(mode, ["--checkpoint_path", str(checkpoint), "--device", str(device), *generate_args], out_dir, copy_gbps, profile_dir)
+        result = run_mode(
+            mode,
+            ["--checkpoint_path", str(checkpoint), "--device", str(device), *generate_args],
+            out_dir,
+            copy_gbps,
+            profile_dir,
+        )
         results.append(result)
         status = f"{result.tokens_per_sec_median:.1f} tok/s" if result.ok else f"failed: {result.error}"
         progress(f"[{i}/{len(modes)}] {mode}: {status} ({time.perf_counter() - start:.0f} s)")
     first = next((json.loads((out_dir / f"metrics_{r.mode}.json").read_text()) for r in results if r.ok), None)
     report = BenchReport(
-        checkpoint=str(checkpoint), device=str(device), device_name=name, torch_version=torch.__version__, date=time.strftime("%Y-%m-%d"),
-        command=command, copy_bandwidth_gbps=copy_gbps, weight_bytes_per_token=first["weight_bytes_per_token"] if first else None, results=results,
+        checkpoint=str(checkpoint),
+        device=str(device),
+        device_name=device_name(device),
+        torch_version=torch.__version__,
+        date=time.strftime("%Y-%m-%d"),
+        command=command,
+        copy_bandwidth_gbps=copy_gbps,
+        weight_bytes_per_token=first["weight_bytes_per_token"] if first else None,
+        results=results,
     )
     write_text_atomic(out_dir / "bench.json", json.dumps(asdict(report), indent=2) + "\n")
     write_csv(out_dir / "bench.csv", report)

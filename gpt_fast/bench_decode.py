@@ -17,12 +17,13 @@ from dataclasses import dataclass
 import torch
 
 from gpt_fast.bench import copy_bandwidth_gbps
-from gpt_fast.checkpoint import model_from_state, parse_dtype
+from gpt_fast.checkpoint import model_from_state
 from gpt_fast.config import ModelConfig
 from gpt_fast.convert.hf_config import hf_config_dict
 from gpt_fast.convert.layout import split_tensors
 from gpt_fast.convert.random_init import random_weights
-from gpt_fast.generate import Steps, compiled_prefill, device_synchronize, generate, make_steps
+from gpt_fast.device import device_name, device_synchronize, parse_dtype
+from gpt_fast.generate import Steps, compiled_prefill, generate, make_steps
 from gpt_fast.model import Transformer, weight_bytes_per_token
 from gpt_fast.sampling import SamplingConfig
 from gpt_fast.settings import apply_torch_settings
@@ -51,7 +52,15 @@ def timed(run: Callable[[], None], device: torch.device) -> float:
 Run = Callable[[list[int], int], None]  # generate (prompt ids, new tokens)
 
 
-def measure(name: str, runs: tuple[Run, Run], prompt: list[int], ttft_prompt: list[int], new_tokens: int, repeats: int, device: torch.device) -> Row:
+def measure(
+    name: str,
+    runs: tuple[Run, Run],
+    prompt: list[int],
+    ttft_prompt: list[int],
+    new_tokens: int,
+    repeats: int,
+    device: torch.device,
+) -> Row:
     """A warm-up run (it compiles), ``repeats`` timed runs, then the time of a long prompt's first token (with
     the second of ``runs``: decode and first-token runs may be set up differently)."""
     run, ttft_run = runs
@@ -65,7 +74,9 @@ def measure(name: str, runs: tuple[Run, Run], prompt: list[int], ttft_prompt: li
     return Row(name, first, statistics.median(rates), 1e3 * ttft, memory)
 
 
-def ours_runners(state: dict[str, torch.Tensor], shape: ModelConfig, mode: str, device: torch.device, dtype: torch.dtype) -> tuple[Run, Run]:
+def ours_runners(
+    state: dict[str, torch.Tensor], shape: ModelConfig, mode: str, device: torch.device, dtype: torch.dtype
+) -> tuple[Run, Run]:
     """Decode as ``gpt-fast generate --compile MODE`` does (eager prefill); the first token of the long prompt
     as with ``--compile_prefill`` (one compiled prefill for every prompt length)."""
     model = model_from_state(shape, state, device, dtype)
@@ -81,7 +92,9 @@ def ours_runners(state: dict[str, torch.Tensor], shape: ModelConfig, mode: str, 
     return runner(decode_steps), runner(ttft_steps)
 
 
-def hf_runners(state: dict[str, torch.Tensor], shape: ModelConfig, static: bool, device: torch.device, dtype: torch.dtype) -> tuple[Run, Run]:
+def hf_runners(
+    state: dict[str, torch.Tensor], shape: ModelConfig, static: bool, device: torch.device, dtype: torch.dtype
+) -> tuple[Run, Run]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     with torch.device(device):  # built in place: its rotary buffers are not in the state dict
@@ -93,24 +106,50 @@ def hf_runners(state: dict[str, torch.Tensor], shape: ModelConfig, static: bool,
     @torch.no_grad()
     def run(prompt: list[int], new_tokens: int) -> None:
         ids = torch.tensor([prompt], device=device)
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True,
-                       temperature=BLOG_SAMPLING.temperature, top_k=BLOG_SAMPLING.top_k, pad_token_id=0, **extra)
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=True,
+            temperature=BLOG_SAMPLING.temperature,
+            top_k=BLOG_SAMPLING.top_k,
+            pad_token_id=0,
+            **extra,
+        )
 
     return run, run
 
 
 def table(rows: list[Row], bytes_per_token: int, copy_gbps: float) -> str:
-    lines = ["| implementation | compile (s) | tok/s | GB/s | % of copy BW | TTFT (ms) | memory (GB) |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| implementation | compile (s) | tok/s | GB/s | % of copy BW | TTFT (ms) | memory (GB) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         gbps = bytes_per_token * r.tokens_per_sec / 1e9
         compile_s = "—" if r.compile_seconds is None else f"{r.compile_seconds:.1f}"
         memory = "—" if r.memory_gb is None else f"{r.memory_gb:.2f}"
-        lines.append(f"| {r.name} | {compile_s} | {r.tokens_per_sec:.1f} | {gbps:.0f} | {100 * gbps / copy_gbps:.1f} | {r.ttft_ms:.1f} | {memory} |")
+        lines.append(
+            f"| {r.name} | {compile_s} | {r.tokens_per_sec:.1f} | {gbps:.0f} | {100 * gbps / copy_gbps:.1f} | "
+            f"{r.ttft_ms:.1f} | {memory} |"
+        )
     return "\n".join(lines)
 
 
-def run_benchmark(shape_name: str, device: torch.device, *, mode: str, dtype: torch.dtype, prompt_tokens: int, new_tokens: int, ttft_tokens: int,
-                  repeats: int, peers: bool, write: Callable[[str], None] = print) -> list[Row]:
+def run_benchmark(
+    shape_name: str,
+    device: torch.device,
+    *,
+    mode: str,
+    dtype: torch.dtype,
+    prompt_tokens: int,
+    new_tokens: int,
+    ttft_tokens: int,
+    repeats: int,
+    peers: bool,
+    write: Callable[[str], None] = print,
+) -> list[Row]:
     shape = get_shape(shape_name)
     state = random_weights(shape, dtype, seed=0, device=device)
     generator = torch.Generator().manual_seed(0)
@@ -126,8 +165,12 @@ def run_benchmark(shape_name: str, device: torch.device, *, mode: str, dtype: to
         except ImportError:
             write("transformers is not importable: peers skipped")
         else:
-            runners[f"transformers {transformers.__version__} static cache + compile"] = lambda: hf_runners(state, shape, True, device, dtype)
-            runners[f"transformers {transformers.__version__} eager"] = lambda: hf_runners(state, shape, False, device, dtype)
+            runners[f"transformers {transformers.__version__} static cache + compile"] = lambda: hf_runners(
+                state, shape, True, device, dtype
+            )
+            runners[f"transformers {transformers.__version__} eager"] = lambda: hf_runners(
+                state, shape, False, device, dtype
+            )
     rows = []
     for name, build in runners.items():
         rows.append(measure(name, build(), prompt, ttft_prompt, new_tokens, repeats, device))
@@ -135,9 +178,12 @@ def run_benchmark(shape_name: str, device: torch.device, *, mode: str, dtype: to
         torch._dynamo.reset()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    write(f"{shape_name}, {name}, torch {torch.__version__}, {dtype}; copy bandwidth {copy_gbps:.0f} GB/s; "
-          f"weights read per token {bytes_per_token / 1e9:.3f} GB; prompt {prompt_tokens} tokens, {new_tokens} new, TTFT prompt {ttft_tokens}")
+    write(
+        f"{shape_name}, {device_name(device)}, torch {torch.__version__}, {dtype}; copy bandwidth {copy_gbps:.0f} "
+        "GB/s; "
+        f"weights read per token {bytes_per_token / 1e9:.3f} GB; prompt {prompt_tokens} tokens, {new_tokens} new, "
+        f"TTFT prompt {ttft_tokens}"
+    )
     write(table(rows, bytes_per_token, copy_gbps))
     return rows
 
@@ -155,8 +201,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no_peers", action="store_true")
     args = parser.parse_args(argv)
     apply_torch_settings()
-    run_benchmark(args.shape, torch.device(args.device), mode=args.mode, dtype=parse_dtype(args.dtype), prompt_tokens=args.prompt_tokens,
-                  new_tokens=args.new_tokens, ttft_tokens=args.ttft_tokens, repeats=args.repeats, peers=not args.no_peers)
+    run_benchmark(
+        args.shape,
+        torch.device(args.device),
+        mode=args.mode,
+        dtype=parse_dtype(args.dtype),
+        prompt_tokens=args.prompt_tokens,
+        new_tokens=args.new_tokens,
+        ttft_tokens=args.ttft_tokens,
+        repeats=args.repeats,
+        peers=not args.no_peers,
+    )
 
 
 if __name__ == "__main__":

@@ -14,7 +14,16 @@ class KVCache(nn.Module):
     """Keys and values in one buffer [2, B, H_kv, S, D], so that a step writes both with one scatter
     (``index_copy_``) instead of two."""
 
-    def __init__(self, batch_size: int, n_kv_heads: int, max_seq_length: int, head_dim: int, *, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        batch_size: int,
+        n_kv_heads: int,
+        max_seq_length: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
         super().__init__()
         shape = (2, batch_size, n_kv_heads, max_seq_length, head_dim)
         self.register_buffer("kv", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
@@ -36,5 +45,7 @@ class DecodeState(nn.Module):
 
     def __init__(self, batch_size: int, max_seq_length: int, *, device: torch.device | str) -> None:
         super().__init__()
-        self.register_buffer("tokens", torch.zeros((batch_size, max_seq_length), dtype=torch.long, device=device), persistent=False)
+        self.register_buffer(
+            "tokens", torch.zeros((batch_size, max_seq_length), dtype=torch.long, device=device), persistent=False
+        )
         self.register_buffer("input_pos", torch.zeros(1, dtype=torch.long, device=device), persistent=False)

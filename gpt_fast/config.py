@@ -44,9 +44,18 @@ class RopeScaling:
         if self.kind == "llama3":
             for name in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
                 _require(getattr(self, name) is not None, f"rope_scaling.{name} is required for kind 'llama3'")
-            _require(self.high_freq_factor > self.low_freq_factor, "rope_scaling.high_freq_factor must exceed low_freq_factor")
-        _require((self.kind == "divisors") == (self.divisors is not None), "rope_scaling.divisors goes with kind 'divisors' only")
-        _require(self.divisors is None or all(math.isfinite(d) and d > 0 for d in self.divisors), "rope_scaling.divisors must be > 0")
+            _require(
+                self.high_freq_factor > self.low_freq_factor,
+                "rope_scaling.high_freq_factor must exceed low_freq_factor",
+            )
+        _require(
+            (self.kind == "divisors") == (self.divisors is not None),
+            "rope_scaling.divisors goes with kind 'divisors' only",
+        )
+        _require(
+            self.divisors is None or all(math.isfinite(d) and d > 0 for d in self.divisors),
+            "rope_scaling.divisors must be > 0",
+        )
 
 
 @dataclass(frozen=True)
@@ -67,15 +76,37 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "dim", "intermediate_size", "n_local_heads", "head_dim"):
+        for name in (
+            "block_size",
+            "vocab_size",
+            "n_layer",
+            "n_head",
+            "dim",
+            "intermediate_size",
+            "n_local_heads",
+            "head_dim",
+        ):
             value = getattr(self, name)
-            _require(isinstance(value, int) and not isinstance(value, bool) and value > 0, f"model.{name} must be a positive integer, got {value!r}")
-        _require(self.n_head % self.n_local_heads == 0, f"model.n_head ({self.n_head}) must be a multiple of n_local_heads ({self.n_local_heads})")
+            _require(
+                isinstance(value, int) and not isinstance(value, bool) and value > 0,
+                f"model.{name} must be a positive integer, got {value!r}",
+            )
+        _require(
+            self.n_head % self.n_local_heads == 0,
+            f"model.n_head ({self.n_head}) must be a multiple of n_local_heads ({self.n_local_heads})",
+        )
         _require(self.head_dim % 2 == 0, f"model.head_dim ({self.head_dim}) must be even for rotary embeddings")
-        _require(math.isfinite(self.rope_base) and self.rope_base > 0, f"model.rope_base must be > 0, got {self.rope_base!r}")
-        _require(math.isfinite(self.norm_eps) and self.norm_eps > 0, f"model.norm_eps must be > 0, got {self.norm_eps!r}")
+        _require(
+            math.isfinite(self.rope_base) and self.rope_base > 0, f"model.rope_base must be > 0, got {self.rope_base!r}"
+        )
+        _require(
+            math.isfinite(self.norm_eps) and self.norm_eps > 0, f"model.norm_eps must be > 0, got {self.norm_eps!r}"
+        )
         divisors = self.rope_scaling.divisors if self.rope_scaling else None
-        _require(divisors is None or len(divisors) == self.head_dim // 2, f"model.rope_scaling.divisors must hold head_dim / 2 = {self.head_dim // 2} values")
+        _require(
+            divisors is None or len(divisors) == self.head_dim // 2,
+            f"model.rope_scaling.divisors must hold head_dim / 2 = {self.head_dim // 2} values",
+        )
 
     @property
     def q_size(self) -> int:
@@ -103,7 +134,10 @@ class TokenizerConfig:
     def __post_init__(self) -> None:
         if self.kind not in TOKENIZER_KINDS:
             raise ValueError(f"tokenizer.kind {self.kind!r} is not one of {', '.join(TOKENIZER_KINDS)}")
-        _require(not Path(self.file).is_absolute() and ".." not in Path(self.file).parts, f"tokenizer.file must be a path inside the checkpoint folder, got {self.file!r}")
+        _require(
+            not Path(self.file).is_absolute() and ".." not in Path(self.file).parts,
+            f"tokenizer.file must be a path inside the checkpoint folder, got {self.file!r}",
+        )
         _require(not (self.add_bos and self.bos_id is None), "tokenizer.add_bos is true but tokenizer.bos_id is null")
         _require(self.kind != "tiktoken" or bool(self.pattern), "tokenizer.pattern is required for kind 'tiktoken'")
         object.__setattr__(self, "stop_ids", tuple(self.stop_ids))
@@ -139,7 +173,11 @@ def _build(cls: type, data: Any, where: str) -> Any:
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ValueError(f"{where}: unknown field(s) {', '.join(unknown)}")
-    missing = [n for n, f in fields.items() if n not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [
+        n
+        for n, f in fields.items()
+        if n not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
     if missing:
         raise ValueError(f"{where}: missing field(s) {', '.join(missing)}")
     values = {name: _coerce(hints[name], value, f"{where}.{name}") for name, value in data.items()}
@@ -167,13 +205,19 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
     if origin is dict:
         _require(isinstance(value, dict), f"{where} must be an object")
         key_type, value_type = typing.get_args(hint)
-        return {k: _coerce(value_type, v, f"{where}[{k!r}]") for k, v in value.items()} if value_type is not Any else dict(value)
+        return (
+            {k: _coerce(value_type, v, f"{where}[{k!r}]") for k, v in value.items()}
+            if value_type is not Any
+            else dict(value)
+        )
     if hint is bool:
         _require(isinstance(value, bool), f"{where} must be true or false, got {value!r}")
     elif hint is int:
         _require(isinstance(value, int) and not isinstance(value, bool), f"{where} must be an integer, got {value!r}")
     elif hint is float:
-        _require(isinstance(value, (int, float)) and not isinstance(value, bool), f"{where} must be a number, got {value!r}")
+        _require(
+            isinstance(value, (int, float)) and not isinstance(value, bool), f"{where} must be a number, got {value!r}"
+        )
         return float(value)
     elif hint is str:
         _require(isinstance(value, str), f"{where} must be a string, got {value!r}")
@@ -185,7 +229,10 @@ def checkpoint_config_from_dict(data: Any, where: str = CONFIG_FILE) -> Checkpoi
         raise ValueError(f"{where} must hold a JSON object")
     data = dict(data)
     if data.pop("format", None) != FORMAT_NAME:
-        raise ValueError(f"{where} is not a gpt-fast checkpoint config (no \"format\": \"{FORMAT_NAME}\"); convert the checkpoint with `gpt-fast convert`")
+        raise ValueError(
+            f'{where} is not a gpt-fast checkpoint config (no "format": "{FORMAT_NAME}"); convert the checkpoint '
+            "with `gpt-fast convert`"
+        )
     version = data.pop("format_version", None)
     if version != FORMAT_VERSION:
         raise ValueError(f"{where}: format_version {version!r} is not supported (expected {FORMAT_VERSION})")

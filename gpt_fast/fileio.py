@@ -1,11 +1,28 @@
-"""Small file helpers shared by the commands: strict JSON reading, output checks, atomic writes."""
+"""Small file helpers every command shares: strict JSON reading, output checks, atomic writes, one-line errors."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import stat
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+STDOUT = "-"  # an output path meaning standard output
+
+
+def first_line(err: BaseException) -> str:
+    """The first non-empty line of an error's message (some libraries write ``\\n`` escapes), or its type's name."""
+    for line in re.split(r"\\n|\n", str(err)):
+        line = line.strip().removeprefix("b'").removeprefix('b"').strip()
+        if line:
+            return line
+    return type(err).__name__
 
 
 def read_json_object(path: Path) -> dict[str, Any]:
@@ -16,13 +33,24 @@ def read_json_object(path: Path) -> dict[str, Any]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{path} is not valid JSON: {err}") from None
+    except RecursionError:
+        raise ValueError(f"{path} is not valid JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a JSON object")
     return data
 
 
 def check_output_file(path: Path, flag: str) -> Path:
-    """Check, before any work, that the folder ``path`` will be written into exists and is writable."""
+    """Check, before any work, that ``path`` can be written: standard output (``-``), an existing device or pipe
+    (written through), or a file in an existing, writable folder."""
+    if str(path) == STDOUT:
+        return path
+    if path.is_dir():
+        raise IsADirectoryError(f"{flag}: {path} is a folder")
+    if path.exists() and not path.is_file():
+        if not os.access(path, os.W_OK):
+            raise PermissionError(f"{flag}: {path} is not writable")
+        return path
     folder = path.parent
     if not folder.is_dir():
         raise FileNotFoundError(f"{flag}: folder {folder} does not exist")
@@ -31,11 +59,50 @@ def check_output_file(path: Path, flag: str) -> Path:
     return path
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write to a hidden temporary name beside ``path``, then rename: readers never see a partial file."""
-    tmp = path.with_name(f".{path.name}.tmp")
+def check_output_dir(out_dir: Path, flag: str = "output folder") -> Path:
+    """Check before any work that ``out_dir`` exists or can be created, and is writable."""
+    existing = out_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"{flag} {out_dir}: {existing} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(f"{flag} {out_dir} is not writable")
+    return out_dir
+
+
+def _default_file_mode() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+@contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """A new temporary file beside ``path`` (unpredictable name, created exclusively, so a planted link is never
+    followed) for the block to write; renamed onto ``path`` when the block succeeds, removed otherwise. Readers
+    never see a partial file, and an interrupted write leaves what was there."""
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = Path(name)
     try:
-        tmp.write_text(text, encoding="utf-8")
+        os.fchmod(fd, _default_file_mode())
+        os.close(fd)
+        yield tmp
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically; ``-`` is standard output, and an existing device or pipe (such as
+    ``/dev/stdout``) is written through rather than replaced."""
+    if str(path) == STDOUT:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return
+    if path.exists() and not stat.S_ISREG(path.stat().st_mode):
+        with path.open("w", encoding="utf-8") as out:
+            out.write(text)
+        return
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from gpt_fast.device import device_synchronize
 from gpt_fast.model import Transformer
 from gpt_fast.profiling import DECODE_MARK, PREFILL_MARK
 from gpt_fast.sampling import SamplingConfig, sample
@@ -96,13 +97,11 @@ def cache_length(prompt_length: int, max_new_tokens: int, block_size: int) -> in
     """KV-cache length for a request, rounded up (but never beyond the model's context)."""
     needed = prompt_length + max_new_tokens
     if needed > block_size:
-        raise ValueError(f"prompt ({prompt_length} tokens) + max_new_tokens ({max_new_tokens}) = {needed} exceeds the model's context of {block_size} tokens")
+        raise ValueError(
+            f"prompt ({prompt_length} tokens) + max_new_tokens ({max_new_tokens}) = {needed} exceeds the model's "
+            f"context of {block_size} tokens"
+        )
     return min(-(-needed // CACHE_LENGTH_MULTIPLE) * CACHE_LENGTH_MULTIPLE, block_size)
-
-
-def device_synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class HostTokens:
@@ -225,4 +224,6 @@ def generate(
     device_synchronize(device)
     seconds = time.perf_counter() - start
     rows = sequence[:, length : length + produced].tolist()
-    return GenerationResult([row if end is None else row[: end + 1] for row, end in zip(rows, stops.stopped_at)], seconds, ttft)
+    return GenerationResult(
+        [row if end is None else row[: end + 1] for row, end in zip(rows, stops.stopped_at, strict=True)], seconds, ttft
+    )

@@ -11,7 +11,9 @@ EXIT_WORDS = ("/exit", "/quit")
 RESET_WORD = "/reset"
 
 
-def chat_loop(engine: Engine, sampling: SamplingConfig, max_new_tokens: int, read: Callable[[str], str], system: str | None = None) -> None:
+def chat_loop(
+    engine: Engine, sampling: SamplingConfig, max_new_tokens: int, read: Callable[[str], str], system: str | None = None
+) -> None:
     """Read user turns with ``read`` until end of input or /exit; /reset starts a new conversation.
 
     The whole conversation is rendered with the checkpoint's chat template and prefilled each turn."""

@@ -50,7 +50,9 @@ def rope_inv_freq(head_dim: int, base: float, scaling: RopeScaling | None) -> to
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rope_tables(config: ModelConfig, max_seq_length: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    config: ModelConfig, max_seq_length: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables [max_seq_length, head_dim // 2] in float32."""
     inv_freq = rope_inv_freq(config.head_dim, config.rope_base, config.rope_scaling).to(device)
     angles = torch.outer(torch.arange(max_seq_length, device=device, dtype=torch.float32), inv_freq)
@@ -91,7 +93,9 @@ class Attention(nn.Module):
         self.wo = nn.Linear(config.q_size, config.dim, bias=False)
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, input_pos: torch.Tensor
+    ) -> torch.Tensor:
         cfg = self.config
         bsz, seqlen, _ = x.shape
         q, k, v = self.wqkv(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
@@ -127,7 +131,9 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, input_pos: torch.Tensor
+    ) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, mask, input_pos)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -153,7 +159,12 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.attention.kv_cache = None  # free the old buffers before allocating new ones
             layer.attention.kv_cache = KVCache(
-                batch_size, self.config.n_local_heads, max_seq_length, self.config.head_dim, dtype=weight.dtype, device=weight.device
+                batch_size,
+                self.config.n_local_heads,
+                max_seq_length,
+                self.config.head_dim,
+                dtype=weight.dtype,
+                device=weight.device,
             )
         self.decode_state = DecodeState(batch_size, max_seq_length, device=weight.device)
         cos, sin = rope_tables(self.config, max_seq_length, weight.device)

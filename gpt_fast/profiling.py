@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from gpt_fast.fileio import check_output_file
+from gpt_fast.fileio import atomic_path, check_output_file
 
 PREFILL_MARK = "gpt_fast::prefill"
 DECODE_MARK = "gpt_fast::decode"
@@ -34,9 +34,5 @@ def record_trace(path: Path, device: torch.device) -> Iterator[None]:
         activities.append(ProfilerActivity.CUDA)
     with profile(activities=activities) as prof:
         yield
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
+    with atomic_path(path) as tmp:
         prof.export_chrome_trace(str(tmp))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import resource
 import statistics
 import sys
 import time
@@ -14,9 +13,10 @@ from pathlib import Path
 
 import torch
 
-from gpt_fast.chat import chat_prompt_ids
-from gpt_fast.checkpoint import DTYPES, dtype_name, load_model
+from gpt_fast.chat_template import chat_prompt_ids
+from gpt_fast.checkpoint import load_model
 from gpt_fast.config import CheckpointConfig, load_checkpoint_config, resolve_checkpoint_dir
+from gpt_fast.device import device_name, dtype_name, memory_used, resolve_device, resolve_dtype
 from gpt_fast.fileio import check_output_file, write_text_atomic
 from gpt_fast.generate import COMPILE_MODES, GenerationResult, TokenCallback, cache_length, generate, make_steps
 from gpt_fast.model import weight_bytes_per_token
@@ -94,44 +94,6 @@ class RunMetrics:
     trace_path: str | None
 
 
-def resolve_device(name: str | None) -> torch.device:
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"--device {name!r} is not a device (use cpu or cuda)") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device {name!r} is not supported (use cpu or cuda)")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {name}: no CUDA or ROCm GPU is available to torch {torch.__version__}")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"--device {name}: only {torch.cuda.device_count()} GPU(s) present")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        if device.type != "cuda":
-            return torch.float32
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if name not in DTYPES:
-        raise ValueError(f"--dtype {name!r} is not one of auto, {', '.join(DTYPES)}")
-    return DTYPES[name]
-
-
-def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-
-
-def memory_used() -> tuple[float, str]:
-    """Peak memory in GB: the CUDA caching allocator's reservation on a GPU, else the process's peak RSS."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.cuda.max_memory_reserved() / 1e9, "GPU, peak reserved"
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, "host, peak RSS"
-
-
 class Engine:
     """A loaded checkpoint: model, tokenizer and (compiled) step functions. Every check that needs no weights
     runs before the weights are read."""
@@ -152,10 +114,13 @@ class Engine:
         self.bytes_per_token = 0  # weight bytes read per decoded token, once loaded
 
     def load(self) -> None:
-        self.write(f"Using device={self.device} ({device_name(self.device)}), dtype={dtype_name(self.dtype)}, compile={self.compile}\n")
+        self.write(
+            f"Using device={self.device} ({device_name(self.device)}), dtype={dtype_name(self.dtype)}, "
+            f"compile={self.compile}\n"
+        )
         self.write("Loading model ...\n")
         start = time.perf_counter()
-        self.model, _ = load_model(self.checkpoint_dir, self.device, self.dtype)
+        self.model = load_model(self.checkpoint_dir, self.config, self.device, self.dtype)
         self.load_seconds = time.perf_counter() - start
         self.bytes_per_token = weight_bytes_per_token(self.model)
         self.write(f"Time to load model: {self.load_seconds:.2f} seconds\n")
@@ -169,11 +134,27 @@ class Engine:
     def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
         return chat_prompt_ids(self.tokenizer, self.config.chat_template, messages)
 
-    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingConfig, *, batch_size: int = 1,
-                 ignore_eos: bool = False, on_tokens: TokenCallback | None = None, profile_marks: bool = False) -> GenerationResult:
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        sampling: SamplingConfig,
+        *,
+        batch_size: int = 1,
+        ignore_eos: bool = False,
+        on_tokens: TokenCallback | None = None,
+        profile_marks: bool = False,
+    ) -> GenerationResult:
         return generate(
-            self.model, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, steps=self.steps, batch_size=batch_size,
-            stop_ids=() if ignore_eos else self.tokenizer.stop_ids, on_tokens=on_tokens, profile_marks=profile_marks,
+            self.model,
+            prompt_ids,
+            max_new_tokens=max_new_tokens,
+            sampling=sampling,
+            steps=self.steps,
+            batch_size=batch_size,
+            stop_ids=() if ignore_eos else self.tokenizer.stop_ids,
+            on_tokens=on_tokens,
+            profile_marks=profile_marks,
         )
 
     def stream_to(self, prompt_ids: Sequence[int]) -> tuple[TextStream, TokenCallback]:
@@ -231,8 +212,15 @@ class SampleRunner:
             write(f"{opts.prompt}\n" if opts.chat else opts.prompt)
             _, on_tokens = engine.stream_to(self.prompt_ids)
         with record_trace(self.trace_path, engine.device) if profiling else contextlib.nullcontext():
-            result = engine.generate(self.prompt_ids, opts.max_new_tokens, opts.sampling, batch_size=opts.batch_size,
-                                     ignore_eos=opts.ignore_eos, on_tokens=on_tokens, profile_marks=profiling)
+            result = engine.generate(
+                self.prompt_ids,
+                opts.max_new_tokens,
+                opts.sampling,
+                batch_size=opts.batch_size,
+                ignore_eos=opts.ignore_eos,
+                on_tokens=on_tokens,
+                profile_marks=profiling,
+            )
         metrics = sample_metrics(result, engine, warmup=index == 0 and opts.num_samples > 1)
         if opts.stream and on_tokens is None:
             for row, text in enumerate(metrics.text):
@@ -247,9 +235,11 @@ class SampleRunner:
         for index in range(opts.num_samples):
             sample = self.run_sample(index)
             samples.append(sample)
-            write(f"\nSample {index + 1}/{opts.num_samples}: {sample.new_tokens} tokens in {sample.seconds:.2f} s, "
-                  f"{sample.tokens_per_sec:.2f} tokens/sec, time to first token {sample.ttft_seconds * 1e3:.1f} ms, "
-                  f"bandwidth achieved {sample.bandwidth_gbps:.2f} GB/s{' (warm-up)' if sample.warmup else ''}\n")
+            write(
+                f"\nSample {index + 1}/{opts.num_samples}: {sample.new_tokens} tokens in {sample.seconds:.2f} s, "
+                f"{sample.tokens_per_sec:.2f} tokens/sec, time to first token {sample.ttft_seconds * 1e3:.1f} ms, "
+                f"bandwidth achieved {sample.bandwidth_gbps:.2f} GB/s{' (warm-up)' if sample.warmup else ''}\n"
+            )
             if index == 0 and self.engine.compile != "none":
                 write(f"Compilation time: {sample.seconds:.2f} seconds\n")
         return self.report(samples)
@@ -259,14 +249,24 @@ class SampleRunner:
         steady = [s for s in samples if not s.warmup]
         memory_gb, memory_kind = memory_used()
         metrics = RunMetrics(
-            checkpoint=str(engine.checkpoint_dir), device=str(engine.device), device_name=device_name(engine.device),
-            dtype=dtype_name(engine.dtype), compile=engine.compile, batch_size=self.opts.batch_size, torch_version=torch.__version__,
-            load_seconds=engine.load_seconds, compile_seconds=samples[0].seconds if engine.compile != "none" else None,
-            weight_bytes_per_token=engine.bytes_per_token, prompt_ids=self.prompt_ids, samples=samples,
+            checkpoint=str(engine.checkpoint_dir),
+            device=str(engine.device),
+            device_name=device_name(engine.device),
+            dtype=dtype_name(engine.dtype),
+            compile=engine.compile,
+            batch_size=self.opts.batch_size,
+            torch_version=torch.__version__,
+            load_seconds=engine.load_seconds,
+            compile_seconds=samples[0].seconds if engine.compile != "none" else None,
+            weight_bytes_per_token=engine.bytes_per_token,
+            prompt_ids=self.prompt_ids,
+            samples=samples,
             average_tokens_per_sec=statistics.fmean(s.tokens_per_sec for s in steady),
             average_ttft_seconds=statistics.fmean(s.ttft_seconds for s in steady),
             average_bandwidth_gbps=statistics.fmean(s.bandwidth_gbps for s in steady),
-            memory_gb=memory_gb, memory_kind=memory_kind, trace_path=str(self.trace_path) if self.trace_path else None,
+            memory_gb=memory_gb,
+            memory_kind=memory_kind,
+            trace_path=str(self.trace_path) if self.trace_path else None,
         )
         over = f" (samples 2-{len(samples)})" if len(samples) > 1 else ""
         write = engine.write

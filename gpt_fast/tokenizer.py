@@ -206,7 +206,9 @@ class TiktokenTokenizer(Tokenizer):
         super().__init__(cfg)
         ranks = read_tiktoken_ranks(path)
         try:
-            self._enc = tiktoken.Encoding(name=path.name, pat_str=cfg.pattern, mergeable_ranks=ranks, special_tokens=cfg.special_tokens)
+            self._enc = tiktoken.Encoding(
+                name=path.name, pat_str=cfg.pattern, mergeable_ranks=ranks, special_tokens=cfg.special_tokens
+            )
         except ValueError as err:
             raise ValueError(f"cannot build a tiktoken encoding from {path}: {err}") from None
         self._special = set(cfg.special_tokens.values())
@@ -249,7 +251,10 @@ class HuggingFaceTokenizer(Tokenizer):
         self._tok.add_special_tokens([tokenizers.AddedToken(text, special=True, normalized=False) for text in missing])
         for text in missing:
             if self._tok.token_to_id(text) != self.cfg.special_tokens[text]:
-                raise ValueError(f"{path}: special token {text!r} has id {self._tok.token_to_id(text)}, the config says {self.cfg.special_tokens[text]}")
+                raise ValueError(
+                    f"{path}: special token {text!r} has id {self._tok.token_to_id(text)}, the config says "
+                    f"{self.cfg.special_tokens[text]}"
+                )
 
     @property
     def vocab_size(self) -> int:

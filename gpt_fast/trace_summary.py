@@ -34,6 +34,7 @@ from typing import Any
 import ijson
 import numpy as np
 
+from gpt_fast.fileio import first_line
 from gpt_fast.profiling import DECODE_MARK, PREFILL_MARK
 
 # Launch APIs under the names kineto writes (CUPTI runtime and driver callbacks, HIP
@@ -135,8 +136,7 @@ class TraceSummary:
         out["gpu_kernels_per_token"] = self.gpu_kernels_per_token
         out["largest_gaps"] = [{"offset_us": o, "gap_us": g} for o, g in self.largest_gaps]
         out["top_kernels"] = [
-            {"name": n, "count": c, "total_us": t, "share": self.kernel_share(t)}
-            for n, c, t in self.top_kernels
+            {"name": n, "count": c, "total_us": t, "share": self.kernel_share(t)} for n, c, t in self.top_kernels
         ]
         return out
 
@@ -214,12 +214,6 @@ def _correlation(event: dict[str, Any]) -> int:
     return int(corr) if isinstance(corr, (int, float)) else _NO_CORRELATION
 
 
-def _first_line(err: BaseException) -> str:
-    """yajl's messages span lines (some as a bytes repr); keep the first line."""
-    text = re.split(r"\\n|\n", str(err).strip())[0]
-    return text.removeprefix("b'").removeprefix('b"').strip() or type(err).__name__
-
-
 def _events(path: Path) -> Iterator[Any]:
     """Stream the items of the top-level ``traceEvents`` array of a (gzipped) JSON file."""
     if not path.is_file():
@@ -231,9 +225,9 @@ def _events(path: Path) -> Iterator[Any]:
         try:
             yield from ijson.items(stream, "traceEvents.item", use_float=True)
         except (gzip.BadGzipFile, EOFError, zlib.error) as err:
-            raise ValueError(f"{path}: corrupt gzip data ({_first_line(err)})") from err
+            raise ValueError(f"{path}: corrupt gzip data ({first_line(err)})") from err
         except (ijson.JSONError, UnicodeDecodeError) as err:
-            raise ValueError(f"{path}: malformed JSON ({_first_line(err)})") from err
+            raise ValueError(f"{path}: malformed JSON ({first_line(err)})") from err
 
 
 def _read(path: Path) -> _Columns:
@@ -244,8 +238,7 @@ def _read(path: Path) -> _Columns:
         raise ValueError(f"{path}: not a Chrome trace (no events in a traceEvents array)")
     if not columns.mark_start:
         raise ValueError(
-            f"{path}: the trace has no {DECODE_MARK!r} marks "
-            "(was it written by `gpt-fast generate --profile`?)"
+            f"{path}: the trace has no {DECODE_MARK!r} marks (was it written by `gpt-fast generate --profile`?)"
         )
     return columns
 
@@ -367,10 +360,7 @@ def _gpu_lines(s: TraceSummary) -> list[str]:
     gaps = ", ".join(f"{_time(g)} at +{_time(o)}" for o, g in s.largest_gaps)
     lines.append(f"largest idle gaps: {gaps or 'none'}")
     lines.append(f"top kernels by GPU time ({len(s.top_kernels)}):")
-    lines += [
-        f"  {s.kernel_share(t):6.1%} {_time(t):>10} x{c:<7} {_short_name(name)}"
-        for name, c, t in s.top_kernels
-    ]
+    lines += [f"  {s.kernel_share(t):6.1%} {_time(t):>10} x{c:<7} {_short_name(name)}" for name, c, t in s.top_kernels]
     return lines
 
 
@@ -383,8 +373,7 @@ def format_summary(s: TraceSummary) -> str:
     )
     lines = [
         f"trace: {s.path}",
-        f"decode: {s.tokens} tokens, {_time(s.decode_wall_us)} wall "
-        f"({_time(s.decode_wall_us / s.tokens)}/token)",
+        f"decode: {s.tokens} tokens, {_time(s.decode_wall_us)} wall ({_time(s.decode_wall_us / s.tokens)}/token)",
         f"prefill: {prefill}",
         f"runtime launches per token: {s.kernel_launches_per_token:.1f} kernel, "
         f"{s.graph_launches_per_token:.1f} graph ({s.kernel_launches} kernel, "

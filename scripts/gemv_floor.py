@@ -25,18 +25,24 @@ from gpt_fast.settings import apply_torch_settings
 from gpt_fast.shapes import get_shape
 
 MATRICES = {  # name: (model shape, weight)
-    "wqkv": ("llama-2-7b", "layers.0.attention.wqkv.weight"), "wo": ("llama-2-7b", "layers.0.attention.wo.weight"),
-    "w13": ("llama-2-7b", "layers.0.feed_forward.w13.weight"), "w2": ("llama-2-7b", "layers.0.feed_forward.w2.weight"),
+    "wqkv": ("llama-2-7b", "layers.0.attention.wqkv.weight"),
+    "wo": ("llama-2-7b", "layers.0.attention.wo.weight"),
+    "w13": ("llama-2-7b", "layers.0.feed_forward.w13.weight"),
+    "w2": ("llama-2-7b", "layers.0.feed_forward.w2.weight"),
     "out32k": ("llama-2-7b", "output.weight"),
-    "l3_wqkv": ("llama-3-8b", "layers.0.attention.wqkv.weight"), "l3_w13": ("llama-3-8b", "layers.0.feed_forward.w13.weight"),
-    "l3_w2": ("llama-3-8b", "layers.0.feed_forward.w2.weight"), "l3_out": ("llama-3-8b", "output.weight"),
+    "l3_wqkv": ("llama-3-8b", "layers.0.attention.wqkv.weight"),
+    "l3_w13": ("llama-3-8b", "layers.0.feed_forward.w13.weight"),
+    "l3_w2": ("llama-3-8b", "layers.0.feed_forward.w2.weight"),
+    "l3_out": ("llama-3-8b", "output.weight"),
 }
 VARIANTS = ("cublas", "cdt", "cdt2", "cdtall", "mat")
 ROTATION_BYTES = 400_000_000
 REPS = 10  # passes over the copies inside one graph
 
 
-def microseconds_per_call(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], weights: list[torch.Tensor], x: torch.Tensor) -> float:
+def microseconds_per_call(
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], weights: list[torch.Tensor], x: torch.Tensor
+) -> float:
     """Capture REPS passes over ``weights`` in a CUDA graph and time three replays with events."""
     for w in weights:
         fn(x, w)
@@ -71,7 +77,10 @@ def variant_fn(variant: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Ten
 def main(names: list[str], variants: list[str]) -> None:
     unknown = [n for n in names if n not in MATRICES] + [v for v in variants if v not in VARIANTS]
     if unknown:
-        raise SystemExit(f"unknown shapes or variants: {', '.join(unknown)}; shapes: {', '.join(MATRICES)}; variants: {', '.join(VARIANTS)}")
+        raise SystemExit(
+            f"unknown shapes or variants: {', '.join(unknown)}; shapes: {', '.join(MATRICES)}; variants: "
+            f"{', '.join(VARIANTS)}"
+        )
     if not torch.cuda.is_available():
         raise SystemExit("gemv_floor.py needs a CUDA or ROCm GPU")
     apply_torch_settings()
@@ -79,12 +88,25 @@ def main(names: list[str], variants: list[str]) -> None:
         model_shape, weight = MATRICES[name]
         n, k = weight_shapes(get_shape(model_shape))[weight]
         nbytes = n * k * 2
-        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(max(2, -(-ROTATION_BYTES // nbytes)))]
+        weights = [
+            torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(max(2, -(-ROTATION_BYTES // nbytes)))
+        ]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         for variant in variants:
             start = time.perf_counter()
             us = microseconds_per_call(variant_fn(variant), weights, x)
-            print(json.dumps({"shape": name, "variant": variant, "us": us, "GBps": nbytes / us / 1e3, "setup_s": time.perf_counter() - start}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "shape": name,
+                        "variant": variant,
+                        "us": us,
+                        "GBps": nbytes / us / 1e3,
+                        "setup_s": time.perf_counter() - start,
+                    }
+                ),
+                flush=True,
+            )
         del weights
 
 

@@ -35,7 +35,9 @@ def main() -> None:
                 param.normal_(0.0, 0.02)
     model.save_pretrained(args.output_dir, max_shard_size="5GB")
     byte_tokenizer(shape.vocab_size)[0].save(str(args.output_dir / "tokenizer.json"))
-    (args.output_dir / "tokenizer_config.json").write_text('{"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}')
+    (args.output_dir / "tokenizer_config.json").write_text(
+        '{"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}'
+    )
 
 
 if __name__ == "__main__":

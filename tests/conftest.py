@@ -17,12 +17,23 @@ import pytest
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
-_LLAMA3_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _WORDS = (
     "the quick brown fox jumps over a lazy dog hello world def return import print for while class self "
     "café naïve über straße 数据 模型 東京 Привет мир 😀 🚀 👍🏽 tab code if else None True 3.14159 "
     "x = y + 1 ; ( ) [ ] { } : , . ! ? ' \" # -- == != <= >="
 ).split()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _own_user_cache(tmp_path_factory: pytest.TempPathFactory):
+    """The default model is prepared in this test session's own cache, never in the user's."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("GPT_FAST_CACHE", str(tmp_path_factory.mktemp("gpt-fast-cache")))
+        yield
 
 
 def _corpus(lines: int = 1500, seed: int = 0) -> list[str]:
@@ -72,13 +83,33 @@ def sentencepiece_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("sentencepiece")
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(_corpus()), model_writer=model, model_type="bpe", vocab_size=500, byte_fallback=True,
-        normalization_rule_name="identity", remove_extra_whitespaces=False, split_digits=True, character_coverage=1.0,
-        allow_whitespace_only_pieces=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
-        control_symbols=["<ctl>"], user_defined_symbols=["<tool>"], minloglevel=2,
+        sentence_iterator=iter(_corpus()),
+        model_writer=model,
+        model_type="bpe",
+        vocab_size=500,
+        byte_fallback=True,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        split_digits=True,
+        character_coverage=1.0,
+        allow_whitespace_only_pieces=True,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        control_symbols=["<ctl>"],
+        user_defined_symbols=["<tool>"],
+        minloglevel=2,
     )
     (out / "tokenizer.model").write_bytes(model.getvalue())
-    config = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True, "legacy": False}
+    config = {
+        "tokenizer_class": "LlamaTokenizer",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "add_bos_token": True,
+        "legacy": False,
+    }
     (out / "tokenizer_config.json").write_text(json.dumps(config))
     return out
 
@@ -88,10 +119,15 @@ def _train_byte_level_bpe():
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        [
+            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
     )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=700, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=700, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
     tok.train_from_iterator(_corpus(), trainer=trainer)
     return tok
 
@@ -105,7 +141,11 @@ def byte_level_bpe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tok = _train_byte_level_bpe()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in LLAMA3_SPECIALS])
     bos = tok.token_to_id("<|begin_of_text|>")
-    tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B", special_tokens=[("<|begin_of_text|>", bos)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A",
+        pair="<|begin_of_text|> $A <|begin_of_text|> $B",
+        special_tokens=[("<|begin_of_text|>", bos)],
+    )
     tok.save(str(out / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
     (out / "tokenizer_config.json").write_text(json.dumps(config))
@@ -119,11 +159,30 @@ def tiktoken_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiktoken")
     tok = _train_byte_level_bpe()
     byte_of = _char_to_byte()
-    lines = [base64.b64encode(bytes(byte_of[c] for c in token)).decode() + f" {rank}" for token, rank in sorted(tok.get_vocab().items(), key=lambda kv: kv[1])]
+    lines = [
+        base64.b64encode(bytes(byte_of[c] for c in token)).decode() + f" {rank}"
+        for token, rank in sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    ]
     (out / "tokenizer.model").write_text("\n".join(lines) + "\n")
     first = len(lines)
-    added = {str(first + i): {"content": t, "special": True, "normalized": False, "lstrip": False, "rstrip": False, "single_word": False} for i, t in enumerate(LLAMA3_SPECIALS)}
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "add_bos_token": True, "added_tokens_decoder": added}
+    added = {
+        str(first + i): {
+            "content": t,
+            "special": True,
+            "normalized": False,
+            "lstrip": False,
+            "rstrip": False,
+            "single_word": False,
+        }
+        for i, t in enumerate(LLAMA3_SPECIALS)
+    }
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|eot_id|>",
+        "add_bos_token": True,
+        "added_tokens_decoder": added,
+    }
     (out / "tokenizer_config.json").write_text(json.dumps(config))
     return out
 
@@ -163,7 +222,7 @@ def smollm2_tokenizer(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFacto
     """``(our tokenizer, its config, chat template)`` rebuilt from the SmolLM2 GGUF by tokenizer_from_gguf."""
     import gguf
 
-    from gpt_fast.convert.tokenizer_files import tokenizer_from_gguf
+    from gpt_fast.convert.gguf_tokenizer import tokenizer_from_gguf
     from gpt_fast.tokenizer import load_tokenizer
 
     out = tmp_path_factory.mktemp("smollm2")

@@ -18,8 +18,25 @@ def bench_run(tmp_path_factory):
     checkpoint = make_random_checkpoint(get_shape("tiny"), folder / "tiny", dtype=torch.float32)
     out = folder / "results"
     with pytest.raises(SystemExit) as exit_info:
-        main(["bench", "--checkpoint_path", str(checkpoint), "--modes", "none,default", "--max_new_tokens", "16", "--num_samples", "3",
-              "--device", "cpu", "--output_dir", str(out), "--profile", str(folder / "traces")])
+        main(
+            [
+                "bench",
+                "--checkpoint_path",
+                str(checkpoint),
+                "--modes",
+                "none,default",
+                "--max_new_tokens",
+                "16",
+                "--num_samples",
+                "3",
+                "--device",
+                "cpu",
+                "--output_dir",
+                str(out),
+                "--profile",
+                str(folder / "traces"),
+            ]
+        )
     assert exit_info.value.code == 0
     return out, folder / "traces"
 
@@ -27,7 +44,15 @@ def bench_run(tmp_path_factory):
 def test_every_output_is_written(bench_run):
     out, traces = bench_run
     names = {p.name for p in out.iterdir()}
-    assert {"bench.json", "bench.csv", "bench.md", "metrics_none.json", "metrics_default.json", "log_none.txt", "log_default.txt"} <= names
+    assert {
+        "bench.json",
+        "bench.csv",
+        "bench.md",
+        "metrics_none.json",
+        "metrics_default.json",
+        "log_none.txt",
+        "log_default.txt",
+    } <= names
     assert {p.name for p in traces.iterdir()} == {"trace_compile_none.json", "trace_compile_default.json"}
     try:
         import matplotlib  # noqa: F401
@@ -71,6 +96,16 @@ def test_copy_bandwidth_is_measured():
 
 def test_unknown_mode_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["bench", "--checkpoint_path", str(tmp_path), "--modes", "none,fastest", "--output_dir", str(tmp_path / "o")])
+        main(
+            [
+                "bench",
+                "--checkpoint_path",
+                str(tmp_path),
+                "--modes",
+                "none,fastest",
+                "--output_dir",
+                str(tmp_path / "o"),
+            ]
+        )
     assert exit_info.value.code == 1
     assert "fastest" in capsys.readouterr().err

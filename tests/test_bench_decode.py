@@ -28,8 +28,18 @@ def test_hf_layout_gives_transformers_the_same_model():
 
 def test_table_on_the_cpu(capsys):
     lines = []
-    rows = run_benchmark("tiny", torch.device("cpu"), mode="none", dtype=torch.float32, prompt_tokens=5, new_tokens=8, ttft_tokens=16,
-                         repeats=2, peers=True, write=lines.append)
+    rows = run_benchmark(
+        "tiny",
+        torch.device("cpu"),
+        mode="none",
+        dtype=torch.float32,
+        prompt_tokens=5,
+        new_tokens=8,
+        ttft_tokens=16,
+        repeats=2,
+        peers=True,
+        write=lines.append,
+    )
     assert [r.name.split()[0] for r in rows] == ["gpt-fast", "transformers", "transformers"]
     assert all(r.tokens_per_sec > 0 and r.ttft_ms > 0 and r.compile_seconds > 0 for r in rows)
     table = lines[-1].splitlines()

@@ -7,8 +7,8 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from gpt_fast.chat import chat_prompt_ids, render_chat
-from gpt_fast.convert.tokenizer_files import tokenizer_from_hf_dir
+from gpt_fast.chat_template import chat_prompt_ids, render_chat
+from gpt_fast.convert.hf_tokenizer import tokenizer_from_hf_dir
 from gpt_fast.tokenizer import Tokenizer, load_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -25,7 +25,8 @@ LLAMA3_TEMPLATE = """{{- bos_token }}
 {{- system_message }}
 {{- "<|eot_id|>" }}
 {%- for message in messages %}
-    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}
+    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'
+        + message['content'] | trim + '<|eot_id|>' }}
 {%- endfor %}
 {%- if add_generation_prompt %}
     {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
@@ -33,7 +34,8 @@ LLAMA3_TEMPLATE = """{{- bos_token }}
 """
 
 LLAMA2_TEMPLATE = (
-    "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}{% set system_message = messages[0]['content'] %}"
+    "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
+    "{% set system_message = messages[0]['content'] %}"
     "{% else %}{% set loop_messages = messages %}{% set system_message = false %}{% endif %}"
     "{% for message in loop_messages %}"
     "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
@@ -71,10 +73,20 @@ def ours_and_theirs(directory: Path) -> tuple[Tokenizer, object]:
 
 def assert_renders_like_transformers(template: str, ours: Tokenizer, theirs, messages: list[dict]) -> None:
     for add_generation_prompt in (True, False):
-        expected = theirs.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt)
-        got = render_chat(template, messages, bos_token=ours.bos_token, eos_token=ours.eos_token, add_generation_prompt=add_generation_prompt)
+        expected = theirs.apply_chat_template(
+            messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        got = render_chat(
+            template,
+            messages,
+            bos_token=ours.bos_token,
+            eos_token=ours.eos_token,
+            add_generation_prompt=add_generation_prompt,
+        )
         assert got == expected
-    expected_ids = theirs.apply_chat_template(messages, chat_template=template, add_generation_prompt=True, return_dict=False)
+    expected_ids = theirs.apply_chat_template(
+        messages, chat_template=template, add_generation_prompt=True, return_dict=False
+    )
     assert chat_prompt_ids(ours, template, messages) == expected_ids
 
 

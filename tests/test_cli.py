@@ -35,15 +35,28 @@ def generate_args(checkpoint, *extra):
 def test_generate_prints_the_figures(checkpoint, capsys):
     code, out, err = run(generate_args(checkpoint, "--prompt", "def quicksort(arr):", "--seed", "3"), capsys)
     assert code == 0, err
-    for line in ("Using device=cpu", "Time to load model:", "def quicksort(arr):", "Sample 2/2: 12 tokens",
-                 "Bandwidth achieved (samples 2-2):", "Average tokens/sec (samples 2-2):", "Average time to first token", "Memory used:"):
+    for line in (
+        "Using device=cpu",
+        "Time to load model:",
+        "def quicksort(arr):",
+        "Sample 2/2: 12 tokens",
+        "Bandwidth achieved (samples 2-2):",
+        "Average tokens/sec (samples 2-2):",
+        "Average time to first token",
+        "Memory used:",
+    ):
         assert line in out
     assert "Compilation time" not in out
 
 
 def test_metrics_json_holds_ids_and_consistent_figures(checkpoint, tmp_path, capsys):
     path = tmp_path / "metrics.json"
-    code, _, err = run(generate_args(checkpoint, "--prompt", "hello", "--ignore_eos", "--batch_size", "3", "--metrics_json", str(path)), capsys)
+    code, _, err = run(
+        generate_args(
+            checkpoint, "--prompt", "hello", "--ignore_eos", "--batch_size", "3", "--metrics_json", str(path)
+        ),
+        capsys,
+    )
     assert code == 0, err
     metrics = json.loads(path.read_text())
     assert metrics["prompt_ids"] == [256, *b"hello"]  # BOS, then one byte-level token per byte
@@ -51,7 +64,9 @@ def test_metrics_json_holds_ids_and_consistent_figures(checkpoint, tmp_path, cap
     for sample in metrics["samples"]:
         assert [len(row) for row in sample["generated_ids"]] == [12, 12, 12]
         assert sample["tokens_per_sec"] == pytest.approx(12 / sample["seconds"])
-        assert sample["bandwidth_gbps"] == pytest.approx(metrics["weight_bytes_per_token"] * sample["tokens_per_sec"] / 1e9)
+        assert sample["bandwidth_gbps"] == pytest.approx(
+            metrics["weight_bytes_per_token"] * sample["tokens_per_sec"] / 1e9
+        )
         assert 0 < sample["ttft_seconds"] < sample["seconds"]
     assert metrics["samples"][0]["warmup"] and not metrics["samples"][1]["warmup"]
     assert metrics["average_tokens_per_sec"] == pytest.approx(metrics["samples"][1]["tokens_per_sec"])
@@ -60,7 +75,10 @@ def test_metrics_json_holds_ids_and_consistent_figures(checkpoint, tmp_path, cap
 def test_same_seed_same_text(checkpoint, tmp_path, capsys):
     texts = []
     for name in ("a", "b"):
-        run(generate_args(checkpoint, "--seed", "11", "--temperature", "1.0", "--metrics_json", str(tmp_path / name)), capsys)
+        run(
+            generate_args(checkpoint, "--seed", "11", "--temperature", "1.0", "--metrics_json", str(tmp_path / name)),
+            capsys,
+        )
         texts.append([s["generated_ids"] for s in json.loads((tmp_path / name).read_text())["samples"]])
     assert texts[0] == texts[1]
 
@@ -79,14 +97,44 @@ def test_profile_writes_a_perfetto_trace_with_the_decode_ops(checkpoint, tmp_pat
 
 
 def test_dashed_spellings(checkpoint, capsys):
-    code, out, err = run(["generate", "--checkpoint-path", str(checkpoint), "--max-new-tokens", "3", "--num-samples", "1", "--top-k", "5", "--top-p", "0.9"], capsys)
+    code, out, err = run(
+        [
+            "generate",
+            "--checkpoint-path",
+            str(checkpoint),
+            "--max-new-tokens",
+            "3",
+            "--num-samples",
+            "1",
+            "--top-k",
+            "5",
+            "--top-p",
+            "0.9",
+        ],
+        capsys,
+    )
     assert code == 0, err
     assert "Sample 1/1: 3 tokens" in out
 
 
 def test_module_entry_point(checkpoint):
-    result = subprocess.run([sys.executable, "-m", "gpt_fast", "generate", "--checkpoint_path", str(checkpoint), "--max_new_tokens", "2", "--num_samples", "1"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpt_fast",
+            "generate",
+            "--checkpoint_path",
+            str(checkpoint),
+            "--max_new_tokens",
+            "2",
+            "--num_samples",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert "Average tokens/sec" in result.stdout
 
@@ -102,10 +150,19 @@ BAD_INPUTS = {
     "top_p above one": (["--top_p", "1.01"], r"top_p must be in \(0, 1\]"),
     "batch below one": (["--batch_size", "0"], "--batch_size must be >= 1"),
     "samples below one": (["--num_samples", "0"], "--num_samples must be >= 1"),
-    "unknown compile mode": (["--compile", "turbo"], "--compile 'turbo' is not one of none, default, reduce-overhead, max-autotune"),
+    "unknown compile mode": (
+        ["--compile", "turbo"],
+        "--compile 'turbo' is not one of none, default, reduce-overhead, max-autotune",
+    ),
     "too long for the context": (["--max_new_tokens", "600"], "exceeds the model's context of 512 tokens"),
-    "profile folder missing": (["--profile", "/nonexistent-folder/trace"], "--profile: folder /nonexistent-folder does not exist"),
-    "metrics folder missing": (["--metrics_json", "/nonexistent-folder/m.json"], "--metrics_json: folder /nonexistent-folder does not exist"),
+    "profile folder missing": (
+        ["--profile", "/nonexistent-folder/trace"],
+        "--profile: folder /nonexistent-folder does not exist",
+    ),
+    "metrics folder missing": (
+        ["--metrics_json", "/nonexistent-folder/m.json"],
+        "--metrics_json: folder /nonexistent-folder does not exist",
+    ),
     "unknown dtype": (["--dtype", "int8"], "--dtype 'int8' is not one of auto, float32, bfloat16, float16"),
     "not an integer": (["--max_new_tokens", "many"], "'many' is not a valid integer"),
 }
@@ -114,7 +171,9 @@ BAD_INPUTS = {
 @pytest.mark.parametrize("name", list(BAD_INPUTS))
 def test_bad_input_is_one_line_and_non_zero(name, checkpoint, capsys, tmp_path):
     args, message = BAD_INPUTS[name]
-    code, out, err = run(["generate", "--checkpoint_path", str(checkpoint), "--metrics_json", str(tmp_path / "m.json"), *args], capsys)
+    code, out, err = run(
+        ["generate", "--checkpoint_path", str(checkpoint), "--metrics_json", str(tmp_path / "m.json"), *args], capsys
+    )
     assert code != 0
     assert len(err.strip().splitlines()) == 1 and err.startswith("error: ")
     assert __import__("re").search(message, err), err
@@ -130,13 +189,22 @@ def test_cuda_without_a_gpu(checkpoint, capsys):
 
 def test_profile_folder_not_writable(checkpoint, capsys, tmp_path, monkeypatch):
     real_access = os.access
-    monkeypatch.setattr(os, "access", lambda path, mode: False if str(path) == str(tmp_path) else real_access(path, mode))
+    monkeypatch.setattr(
+        os, "access", lambda path, mode: False if str(path) == str(tmp_path) else real_access(path, mode)
+    )
     code, out, err = run(generate_args(checkpoint, "--profile", str(tmp_path / "trace")), capsys)
     assert code == 1 and err.strip() == f"error: --profile: folder {tmp_path} is not writable"
     assert "Loading model" not in out
 
 
-@pytest.mark.parametrize("remove, message", [("config.json", "missing .*config.json"), ("tokenizer.json", "tokenizer file not found"), ("model.pth", "missing weights file")])
+@pytest.mark.parametrize(
+    "remove, message",
+    [
+        ("config.json", "missing .*config.json"),
+        ("tokenizer.json", "tokenizer file not found"),
+        ("model.pth", "missing weights file"),
+    ],
+)
 def test_incomplete_checkpoint(checkpoint, tmp_path, capsys, remove, message):
     folder = tmp_path / "ckpt"
     folder.mkdir()
@@ -175,7 +243,9 @@ def test_chat_loop_keeps_the_conversation(smollm2_gguf, tmp_path):
 
 
 def test_random_checkpoint_and_convert_commands(tmp_path, capsys):
-    code, out, err = run(["random-checkpoint", "tiny", "--output_dir", str(tmp_path / "r"), "--dtype", "float32"], capsys)
+    code, out, err = run(
+        ["random-checkpoint", "tiny", "--output_dir", str(tmp_path / "r"), "--dtype", "float32"], capsys
+    )
     assert code == 0 and (tmp_path / "r" / "model.pth").is_file(), err
     code, _, err = run(["random-checkpoint", "huge", "--output_dir", str(tmp_path / "h")], capsys)
     assert code == 1 and "known shapes: llama-2-7b, llama-3-8b, smollm2-135m, tiny" in err

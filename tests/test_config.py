@@ -3,10 +3,19 @@ import json
 
 import pytest
 
-from gpt_fast.config import CheckpointConfig, RopeScaling, TokenizerConfig, checkpoint_config_from_dict, load_checkpoint_config, resolve_checkpoint_dir
+from gpt_fast.config import (
+    CheckpointConfig,
+    RopeScaling,
+    TokenizerConfig,
+    checkpoint_config_from_dict,
+    load_checkpoint_config,
+    resolve_checkpoint_dir,
+)
 from gpt_fast.shapes import SHAPES, get_shape
 
-TOKENIZER = TokenizerConfig(kind="huggingface", file="tokenizer.json", bos_id=1, add_bos=True, stop_ids=(2, 3), special_tokens={"<s>": 1})
+TOKENIZER = TokenizerConfig(
+    kind="huggingface", file="tokenizer.json", bos_id=1, add_bos=True, stop_ids=(2, 3), special_tokens={"<s>": 1}
+)
 
 
 def config_dict(**model_overrides):
@@ -17,23 +26,30 @@ def config_dict(**model_overrides):
 
 
 def test_round_trip_through_json(tmp_path):
-    rope = RopeScaling(kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
-    scaled = CheckpointConfig(model=dataclasses.replace(SHAPES["llama-3-8b"], rope_scaling=rope), tokenizer=TOKENIZER, dtype="bfloat16")
+    rope = RopeScaling(
+        kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+    )
+    scaled = CheckpointConfig(
+        model=dataclasses.replace(SHAPES["llama-3-8b"], rope_scaling=rope), tokenizer=TOKENIZER, dtype="bfloat16"
+    )
     (tmp_path / "config.json").write_text(scaled.to_json())
     assert load_checkpoint_config(tmp_path) == scaled
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"n_heads": 4}, "unknown field"),
-    ({"n_layer": "2"}, "model.n_layer must be an integer"),
-    ({"n_local_heads": 3}, "multiple of n_local_heads"),
-    ({"dim": 0}, "model.dim must be a positive integer"),
-    ({"head_dim": 7}, "even"),
-    ({"norm_eps": -1.0}, "norm_eps"),
-    ({"tie_embeddings": 1}, "true or false"),
-    ({"rope_scaling": {"kind": "yarn", "factor": 2.0}}, "rope_scaling.kind"),
-    ({"rope_scaling": {"kind": "llama3", "factor": 8.0}}, "low_freq_factor"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"n_heads": 4}, "unknown field"),
+        ({"n_layer": "2"}, "model.n_layer must be an integer"),
+        ({"n_local_heads": 3}, "multiple of n_local_heads"),
+        ({"dim": 0}, "model.dim must be a positive integer"),
+        ({"head_dim": 7}, "even"),
+        ({"norm_eps": -1.0}, "norm_eps"),
+        ({"tie_embeddings": 1}, "true or false"),
+        ({"rope_scaling": {"kind": "yarn", "factor": 2.0}}, "rope_scaling.kind"),
+        ({"rope_scaling": {"kind": "llama3", "factor": 8.0}}, "low_freq_factor"),
+    ],
+)
 def test_inconsistent_model_fields(overrides, message):
     with pytest.raises(ValueError, match=message):
         checkpoint_config_from_dict(config_dict(**overrides))

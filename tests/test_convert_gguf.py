@@ -6,17 +6,35 @@ import json
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGUFWriter
+from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 from tiny import train_bpe_tokenizer
 
 from gpt_fast.checkpoint import load_model
+from gpt_fast.config import load_checkpoint_config
 from gpt_fast.convert.gguf_file import convert_gguf
 
 DIM, HEADS, KV_HEADS, INTER, LAYERS = 256, 4, 2, 512, 2  # K-quant rows hold multiples of 256 values
 LAYER_TYPES = [
-    {"attn_q": Q.Q4_K, "attn_k": Q.Q5_K, "attn_v": Q.Q6_K, "attn_output": Q.Q8_0, "ffn_gate": Q.Q4_0, "ffn_up": Q.Q4_1, "ffn_down": Q.F16},
-    {"attn_q": Q.BF16, "attn_k": Q.F32, "attn_v": Q.Q8_0, "attn_output": Q.Q4_K, "ffn_gate": Q.Q5_K, "ffn_up": Q.Q6_K, "ffn_down": Q.Q4_1},
+    {
+        "attn_q": Q.Q4_K,
+        "attn_k": Q.Q5_K,
+        "attn_v": Q.Q6_K,
+        "attn_output": Q.Q8_0,
+        "ffn_gate": Q.Q4_0,
+        "ffn_up": Q.Q4_1,
+        "ffn_down": Q.F16,
+    },
+    {
+        "attn_q": Q.BF16,
+        "attn_k": Q.F32,
+        "attn_v": Q.Q8_0,
+        "attn_output": Q.Q4_K,
+        "ffn_gate": Q.Q5_K,
+        "ffn_up": Q.Q6_K,
+        "ffn_down": Q.Q4_1,
+    },
 ]
 K_QUANT_SCALE_OFFSETS = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}  # where each block keeps its f16 scales
 
@@ -80,8 +98,15 @@ def write_gguf(path, tokenizer, *, architecture="llama", tied=False, seed=0, rop
     tensor("token_embd.weight", (vocab, DIM), Q.Q8_0)
     for layer, types in enumerate(LAYER_TYPES):
         head_dim = DIM // HEADS
-        shapes = {"attn_q": (DIM, DIM), "attn_k": (KV_HEADS * head_dim, DIM), "attn_v": (KV_HEADS * head_dim, DIM), "attn_output": (DIM, DIM),
-                  "ffn_gate": (INTER, DIM), "ffn_up": (INTER, DIM), "ffn_down": (DIM, INTER)}
+        shapes = {
+            "attn_q": (DIM, DIM),
+            "attn_k": (KV_HEADS * head_dim, DIM),
+            "attn_v": (KV_HEADS * head_dim, DIM),
+            "attn_output": (DIM, DIM),
+            "ffn_gate": (INTER, DIM),
+            "ffn_up": (INTER, DIM),
+            "ffn_down": (DIM, INTER),
+        }
         for part, qtype in types.items():
             tensor(f"blk.{layer}.{part}.weight", shapes[part], qtype)
         tensor(f"blk.{layer}.attn_norm.weight", (DIM,), Q.F32)
@@ -117,7 +142,8 @@ def test_logits_match_transformers_loading_the_same_file(synthetic):
 
     path, out = synthetic
     reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    model, config = load_model(out, torch.device("cpu"), torch.float32)
+    config = load_checkpoint_config(out)
+    model = load_model(out, config, torch.device("cpu"), torch.float32)
     assert config.dtype == "float32"
     tokens = torch.randint(0, config.model.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
     model.setup_caches(1, 64)
@@ -128,15 +154,22 @@ def test_logits_match_transformers_loading_the_same_file(synthetic):
 
 def test_config_comes_from_the_metadata(synthetic):
     _, out = synthetic
-    _, config = load_model(out, torch.device("cpu"), torch.float32)
-    assert (config.model.dim, config.model.n_head, config.model.n_local_heads, config.model.block_size) == (DIM, HEADS, KV_HEADS, 512)
+    config = load_checkpoint_config(out)
+    load_model(out, config, torch.device("cpu"), torch.float32)
+    assert (config.model.dim, config.model.n_head, config.model.n_local_heads, config.model.block_size) == (
+        DIM,
+        HEADS,
+        KV_HEADS,
+        512,
+    )
     assert config.source["kind"] == "gguf"
 
 
 def test_rope_freqs_tensor_becomes_divisors(tmp_path, tokenizer):
     divisors = np.linspace(1.0, 8.0, DIM // HEADS // 2)
     convert_gguf(write_gguf(tmp_path / "scaled.gguf", tokenizer, rope_freqs=divisors), tmp_path / "out")
-    _, config = load_model(tmp_path / "out", torch.device("cpu"), torch.float32)
+    config = load_checkpoint_config(tmp_path / "out")
+    load_model(tmp_path / "out", config, torch.device("cpu"), torch.float32)
     assert config.model.rope_scaling.kind == "divisors"
     np.testing.assert_allclose(config.model.rope_scaling.divisors, divisors, rtol=1e-6)
 

@@ -12,11 +12,18 @@ import torch
 from tiny import save_hf_llama
 
 from gpt_fast.checkpoint import load_model
+from gpt_fast.config import load_checkpoint_config
 from gpt_fast.convert.hf import convert_hf
 from gpt_fast.generate import generate, make_steps
 from gpt_fast.sampling import SamplingConfig
 
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
 CASES = {
     "safetensors-mha": {"kv_heads": 4, "weights": "safetensors"},
     "sharded-gqa": {"kv_heads": 2, "weights": "sharded"},
@@ -31,7 +38,8 @@ def converted(request, tmp_path_factory):
     hf_model = save_hf_llama(src, **CASES[request.param])
     out = src.parent / f"{request.param}-converted"
     convert_hf(src, out, dtype="float32")
-    model, config = load_model(out, torch.device("cpu"), torch.float32)
+    config = load_checkpoint_config(out)
+    model = load_model(out, config, torch.device("cpu"), torch.float32)
     return hf_model, model, config
 
 
@@ -49,7 +57,9 @@ def test_greedy_tokens_match_transformers(converted):
     hf_model, model, _ = converted
     prompt = [0, 45, 67, 120, 7, 99]
     ids = torch.tensor([prompt])
-    expected = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=1)[0, len(prompt):].tolist()
+    expected = hf_model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=1
+    )[0, len(prompt) :].tolist()
     ours = generate(model, prompt, max_new_tokens=40, sampling=SamplingConfig(temperature=0), steps=make_steps("none"))
     assert ours.tokens[0] == expected
 
@@ -106,7 +116,12 @@ def test_extra_bytes_after_the_payload(hf_dir, tmp_path):
 def test_missing_shards_are_all_listed_before_loading(hf_dir, tmp_path):
     shard(hf_dir, 3).unlink()
     shard(hf_dir, 5).unlink()
-    convert_fails(hf_dir, tmp_path / "out", "missing: model-00003-of-00007.safetensors, model-00005-of-00007.safetensors", FileNotFoundError)
+    convert_fails(
+        hf_dir,
+        tmp_path / "out",
+        "missing: model-00003-of-00007.safetensors, model-00005-of-00007.safetensors",
+        FileNotFoundError,
+    )
 
 
 def test_missing_and_unexpected_tensors_are_named(tmp_path):
@@ -118,7 +133,12 @@ def test_missing_and_unexpected_tensors_are_named(tmp_path):
     del state["model.layers.1.mlp.up_proj.weight"]
     state["model.layers.0.self_attn.q_norm.weight"] = torch.ones(16)
     save_file(state, src / "model.safetensors")
-    convert_fails(src, tmp_path / "out", r"missing tensor\(s\): model.layers.1.mlp.up_proj.weight; unexpected tensor\(s\): model.layers.0.self_attn.q_norm.weight")
+    convert_fails(
+        src,
+        tmp_path / "out",
+        r"missing tensor\(s\): model.layers.1.mlp.up_proj.weight; unexpected tensor\(s\): "
+        r"model.layers.0.self_attn.q_norm.weight",
+    )
 
 
 def test_shape_disagreeing_with_config(tmp_path):
@@ -127,16 +147,26 @@ def test_shape_disagreeing_with_config(tmp_path):
     config = json.loads((src / "config.json").read_text())
     config["intermediate_size"] = 128
     (src / "config.json").write_text(json.dumps(config))
-    convert_fails(src, tmp_path / "out", r"tensor model.layers.0.mlp.gate_proj.weight has shape \[96, 64\], config.json expects \[128, 64\]")
+    convert_fails(
+        src,
+        tmp_path / "out",
+        r"tensor model.layers.0.mlp.gate_proj.weight has shape \[96, 64\], config.json expects \[128, 64\]",
+    )
 
 
-@pytest.mark.parametrize("edit, match", [
-    (lambda c: c.pop("hidden_size"), "missing field hidden_size"),
-    (lambda c: c.update(num_hidden_layers="two"), "num_hidden_layers has the wrong type"),
-    (lambda c: c.update(num_key_value_heads=3), "multiple of n_local_heads"),
-    (lambda c: c.update(architectures=["GPT2LMHeadModel"]), "unsupported architecture GPT2LMHeadModel"),
-    (lambda c: c.update(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "unsupported rope scaling type 'yarn'"),
-])
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda c: c.pop("hidden_size"), "missing field hidden_size"),
+        (lambda c: c.update(num_hidden_layers="two"), "num_hidden_layers has the wrong type"),
+        (lambda c: c.update(num_key_value_heads=3), "multiple of n_local_heads"),
+        (lambda c: c.update(architectures=["GPT2LMHeadModel"]), "unsupported architecture GPT2LMHeadModel"),
+        (
+            lambda c: c.update(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
+            "unsupported rope scaling type 'yarn'",
+        ),
+    ],
+)
 def test_bad_config_json(tmp_path, edit, match):
     src = tmp_path / "hf"
     save_hf_llama(src)
@@ -181,7 +211,9 @@ def test_unwritable_output_folder(hf_dir, tmp_path, monkeypatch):
     locked = tmp_path / "locked"
     locked.mkdir()
     real_access = os.access
-    monkeypatch.setattr(os, "access", lambda path, mode: False if str(path) == str(locked) else real_access(path, mode))  # root may write anywhere
+    monkeypatch.setattr(
+        os, "access", lambda path, mode: False if str(path) == str(locked) else real_access(path, mode)
+    )  # root may write anywhere
     convert_fails(hf_dir, locked / "out", "not writable", PermissionError)
 
 
@@ -205,7 +237,8 @@ def test_ctrl_c_during_conversion_leaves_nothing(hf_dir, tmp_path):
     out = tmp_path / "out"
     script = (
         "import signal, time\n"
-        "signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even when started with SIGINT ignored\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even when started with "
+        "SIGINT ignored\n"
         "import gpt_fast.convert.layout as layout\n"
         "original = layout.fuse_tensors\n"
         "def slow(tensors, *a):\n"

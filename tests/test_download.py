@@ -119,7 +119,9 @@ class FakeHub:
                 return hub.listing
 
         monkeypatch.setattr(dl, "HfApi", Api)
-        monkeypatch.setattr(dl, "snapshot_download", lambda repo_id, **kwargs: self.downloads.append({"repo_id": repo_id, **kwargs}))
+        monkeypatch.setattr(
+            dl, "snapshot_download", lambda repo_id, **kwargs: self.downloads.append({"repo_id": repo_id, **kwargs})
+        )
 
 
 # --- offline, from the cache -------------------------------------------------------------------------------------
@@ -137,8 +139,14 @@ def test_offline_copies_only_the_needed_files(hf_cache: Path, tmp_path: Path) ->
 
 
 def test_offline_falls_back_to_bin_shards(hf_cache: Path, tmp_path: Path) -> None:
-    bins = {"pytorch_model-00001-of-00002.bin": b"a", "pytorch_model-00002-of-00002.bin": b"b", "pytorch_model.bin.index.json": b"{}"}
-    write_cached_repo(hf_cache, REPO, {"config.json": b"{}", "tokenizer.model": b"sp", **bins, "original/consolidated.00.pth": b"x"})
+    bins = {
+        "pytorch_model-00001-of-00002.bin": b"a",
+        "pytorch_model-00002-of-00002.bin": b"b",
+        "pytorch_model.bin.index.json": b"{}",
+    }
+    write_cached_repo(
+        hf_cache, REPO, {"config.json": b"{}", "tokenizer.model": b"sp", **bins, "original/consolidated.00.pth": b"x"}
+    )
 
     out = download(REPO, root=tmp_path)
 
@@ -170,7 +178,10 @@ def test_offline_repo_not_cached(hf_cache: Path, tmp_path: Path) -> None:
 def test_offline_cache_without_weights(hf_cache: Path, tmp_path: Path) -> None:
     write_cached_repo(hf_cache, REPO, {"config.json": b"{}", "original/consolidated.00.pth": b"x"})
 
-    with pytest.raises(FileNotFoundError, match=f"the cached copy of {REPO} has no model\\*.safetensors or pytorch_model\\*.bin weights"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=f"the cached copy of {REPO} has no model\\*.safetensors or pytorch_model\\*.bin weights",
+    ):
         download(REPO, root=tmp_path)
 
 
@@ -179,15 +190,32 @@ def test_offline_cache_without_weights(hf_cache: Path, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "repo_id",
-    ["", "gpt2", "/org/name", "org/name/extra", "org/../name", "../name", "org/..", "org//name", "org/name/", "org/na me",
-     ".org/name", "org/name-", "org--x/name", "~/name"],
+    [
+        "",
+        "gpt2",
+        "/org/name",
+        "org/name/extra",
+        "org/../name",
+        "../name",
+        "org/..",
+        "org//name",
+        "org/name/",
+        "org/na me",
+        ".org/name",
+        "org/name-",
+        "org--x/name",
+        "~/name",
+    ],
 )
 def test_bad_repo_id(repo_id: str, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="invalid repository id .*expected ORG/NAME"):
         download(repo_id, root=tmp_path)
 
 
-@pytest.mark.parametrize("repo_id", ["openlm-research/open_llama_7b", "meta-llama/Meta-Llama-3.1-8B-Instruct", "a/b", "HuggingFaceTB/SmolLM2-135M"])
+@pytest.mark.parametrize(
+    "repo_id",
+    ["openlm-research/open_llama_7b", "meta-llama/Meta-Llama-3.1-8B-Instruct", "a/b", "HuggingFaceTB/SmolLM2-135M"],
+)
 def test_good_repo_id(repo_id: str) -> None:
     dl.check_repo_id(repo_id)
 
@@ -195,28 +223,80 @@ def test_good_repo_id(repo_id: str) -> None:
 # --- which files, online -----------------------------------------------------------------------------------------
 
 LLAMA3_LISTING = [
-    ".gitattributes", "LICENSE", "README.md", "config.json", "generation_config.json",
-    "model-00001-of-00004.safetensors", "model-00002-of-00004.safetensors", "model-00003-of-00004.safetensors",
-    "model-00004-of-00004.safetensors", "model.safetensors.index.json", "original/consolidated.00.pth",
-    "original/params.json", "original/tokenizer.model", "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json",
+    ".gitattributes",
+    "LICENSE",
+    "README.md",
+    "config.json",
+    "generation_config.json",
+    "model-00001-of-00004.safetensors",
+    "model-00002-of-00004.safetensors",
+    "model-00003-of-00004.safetensors",
+    "model-00004-of-00004.safetensors",
+    "model.safetensors.index.json",
+    "original/consolidated.00.pth",
+    "original/params.json",
+    "original/tokenizer.model",
+    "special_tokens_map.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
 ]
 OPEN_LLAMA_LISTING = [
-    ".gitattributes", "README.md", "config.json", "generation_config.json", "pytorch_model-00001-of-00002.bin",
-    "pytorch_model-00002-of-00002.bin", "pytorch_model.bin.index.json", "special_tokens_map.json", "tokenizer.model", "tokenizer_config.json",
+    ".gitattributes",
+    "README.md",
+    "config.json",
+    "generation_config.json",
+    "pytorch_model-00001-of-00002.bin",
+    "pytorch_model-00002-of-00002.bin",
+    "pytorch_model.bin.index.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
 ]
 
 
 @pytest.mark.parametrize(
     ("listing", "expected"),
     [
-        (LLAMA3_LISTING, ["config.json", "generation_config.json", *[f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)],
-                          "model.safetensors.index.json", "original/tokenizer.model", "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]),
-        (OPEN_LLAMA_LISTING, ["config.json", "generation_config.json", "pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin",
-                              "pytorch_model.bin.index.json", "special_tokens_map.json", "tokenizer.model", "tokenizer_config.json"]),
-        (["config.json", "model.safetensors", "pytorch_model.bin", "chat_template.jinja"], ["chat_template.jinja", "config.json", "model.safetensors"]),
+        (
+            LLAMA3_LISTING,
+            [
+                "config.json",
+                "generation_config.json",
+                *[f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)],
+                "model.safetensors.index.json",
+                "original/tokenizer.model",
+                "special_tokens_map.json",
+                "tokenizer.json",
+                "tokenizer_config.json",
+            ],
+        ),
+        (
+            OPEN_LLAMA_LISTING,
+            [
+                "config.json",
+                "generation_config.json",
+                "pytorch_model-00001-of-00002.bin",
+                "pytorch_model-00002-of-00002.bin",
+                "pytorch_model.bin.index.json",
+                "special_tokens_map.json",
+                "tokenizer.model",
+                "tokenizer_config.json",
+            ],
+        ),
+        (
+            ["config.json", "model.safetensors", "pytorch_model.bin", "chat_template.jinja"],
+            ["chat_template.jinja", "config.json", "model.safetensors"],
+        ),
         # Mistral keeps a consolidated.safetensors beside the transformers shards: not ours
-        (["config.json", "consolidated.safetensors", "model-00001-of-00001.safetensors", "model.safetensors.index.json"],
-         ["config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json"]),
+        (
+            [
+                "config.json",
+                "consolidated.safetensors",
+                "model-00001-of-00001.safetensors",
+                "model.safetensors.index.json",
+            ],
+            ["config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json"],
+        ),
         (["config.json", "consolidated.safetensors", "pytorch_model.bin"], ["config.json", "pytorch_model.bin"]),
         (["config.json", "onnx/model.safetensors", "pytorch_model.bin"], ["config.json", "pytorch_model.bin"]),
     ],
@@ -227,14 +307,24 @@ def test_files_to_fetch(listing: list[str], expected: list[str]) -> None:
 
 @pytest.mark.usefixtures("online")
 @pytest.mark.parametrize("listing", [LLAMA3_LISTING, OPEN_LLAMA_LISTING])
-def test_online_downloads_the_listed_needed_files(listing: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_online_downloads_the_listed_needed_files(
+    listing: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     hub = FakeHub(monkeypatch, listing)
 
     out = download(REPO, root=tmp_path / "checkpoints", hf_token="hf_secret", revision="v2")
 
     assert out == tmp_path / "checkpoints" / REPO / "hf"
     assert hub.tokens == ["hf_secret"]
-    assert hub.downloads == [{"repo_id": REPO, "revision": "v2", "token": "hf_secret", "local_dir": out, "allow_patterns": files_to_fetch(listing)}]
+    assert hub.downloads == [
+        {
+            "repo_id": REPO,
+            "revision": "v2",
+            "token": "hf_secret",
+            "local_dir": out,
+            "allow_patterns": files_to_fetch(listing),
+        }
+    ]
 
 
 @pytest.mark.usefixtures("online")
@@ -248,7 +338,9 @@ def test_online_token_defaults_to_huggingface_hub(tmp_path: Path, monkeypatch: p
 @pytest.mark.usefixtures("online")
 def test_online_repo_without_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     hub = FakeHub(monkeypatch, ["config.json", "original/consolidated.00.pth", "model.gguf"])
-    with pytest.raises(FileNotFoundError, match=f"^{REPO} has no model\\*.safetensors or pytorch_model\\*.bin weights$"):
+    with pytest.raises(
+        FileNotFoundError, match=f"^{REPO} has no model\\*.safetensors or pytorch_model\\*.bin weights$"
+    ):
         download(REPO, root=tmp_path)
     assert hub.downloads == []
 
@@ -256,11 +348,11 @@ def test_online_repo_without_weights(tmp_path: Path, monkeypatch: pytest.MonkeyP
 # --- hub errors ---------------------------------------------------------------------------------------------------
 
 
-def http_module():  # noqa: ANN201 - httpx2, httpx or requests, whichever this huggingface_hub is built on
+def http_module():
     return importlib.import_module(HfHubHTTPError.__mro__[1].__module__.split(".")[0])
 
 
-def hub_response(status: int, url: str, headers: dict[str, str]):  # noqa: ANN201
+def hub_response(status: int, url: str, headers: dict[str, str]):
     http = http_module()
     if http.__name__ == "requests":
         response = http.Response()
@@ -295,17 +387,44 @@ NOT_AUTHORISED = "^not authorised: pass --hf_token or set HF_TOKEN$"
     ("error", "hub_class", "ours", "message"),
     [
         (lambda: hub_http_error(404, X_Error_Code="RepoNotFound"), RepositoryNotFoundError, FileNotFoundError, MISSING),
-        (lambda: hub_http_error(401), RepositoryNotFoundError, FileNotFoundError, MISSING),  # no token, private or missing
+        (
+            lambda: hub_http_error(401),
+            RepositoryNotFoundError,
+            FileNotFoundError,
+            MISSING,
+        ),  # no token, private or missing
         (lambda: hub_http_error(403, X_Error_Code="GatedRepo"), GatedRepoError, PermissionError, GATED),
         (lambda: hub_http_error(401, X_Error_Code="GatedRepo"), GatedRepoError, PermissionError, GATED),
-        (lambda: hub_http_error(403, X_Error_Message="Forbidden"), HfHubHTTPError, PermissionError, GATED),  # token without access
-        (lambda: hub_http_error(401, "https://huggingface.co/api/whoami-v2"), HfHubHTTPError, PermissionError, NOT_AUTHORISED),
-        (lambda: hub_http_error(404, X_Error_Code="RevisionNotFound"), RevisionNotFoundError, FileNotFoundError, f"^no such revision v9 of {REPO}$"),
-        (lambda: hub_http_error(500), HfHubHTTPError, ConnectionError, f"^the Hugging Face hub failed to serve {REPO}: .*500"),
+        (
+            lambda: hub_http_error(403, X_Error_Message="Forbidden"),
+            HfHubHTTPError,
+            PermissionError,
+            GATED,
+        ),  # token without access
+        (
+            lambda: hub_http_error(401, "https://huggingface.co/api/whoami-v2"),
+            HfHubHTTPError,
+            PermissionError,
+            NOT_AUTHORISED,
+        ),
+        (
+            lambda: hub_http_error(404, X_Error_Code="RevisionNotFound"),
+            RevisionNotFoundError,
+            FileNotFoundError,
+            f"^no such revision v9 of {REPO}$",
+        ),
+        (
+            lambda: hub_http_error(500),
+            HfHubHTTPError,
+            ConnectionError,
+            f"^the Hugging Face hub failed to serve {REPO}: .*500",
+        ),
         (connection_error, Exception, ConnectionError, "^cannot reach the Hugging Face hub: .*Connection refused"),
     ],
 )
-def test_hub_errors(error, hub_class: type, ours: type, message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+def test_hub_errors(
+    error, hub_class: type, ours: type, message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     raised = error()
     assert type(raised) is hub_class or hub_class is Exception
     FakeHub(monkeypatch, raised)
@@ -322,7 +441,11 @@ def test_invalid_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     raised = hub_http_error(401, X_Error_Message="Invalid credentials in Authorization header")
     FakeHub(monkeypatch, raised)
     # huggingface_hub < 1.0 reports every 401 of the repository API as RepositoryNotFoundError
-    expected = (FileNotFoundError, MISSING) if isinstance(raised, RepositoryNotFoundError) else (PermissionError, NOT_AUTHORISED)
+    expected = (
+        (FileNotFoundError, MISSING)
+        if isinstance(raised, RepositoryNotFoundError)
+        else (PermissionError, NOT_AUTHORISED)
+    )
     with pytest.raises(expected[0], match=expected[1]):
         download(REPO, root=tmp_path, hf_token="hf_wrong")
 
@@ -371,10 +494,19 @@ class HubHandler(BaseHTTPRequestHandler):
         if revision not in ("main", COMMIT):
             return self.send(404, b"{}", {"X-Error-Code": "RevisionNotFound"}, with_body)
         if api and api.group(2) == "revision":
-            info = {"id": REPO, "modelId": REPO, "sha": COMMIT, "private": False, "siblings": [{"rfilename": f} for f in HUB_FILES]}
+            info = {
+                "id": REPO,
+                "modelId": REPO,
+                "sha": COMMIT,
+                "private": False,
+                "siblings": [{"rfilename": f} for f in HUB_FILES],
+            }
             return self.send(200, json.dumps(info).encode(), {"Content-Type": "application/json"}, with_body)
         if api:
-            entries = [{"type": "file", "path": f, "size": len(d), "oid": hashlib.sha1(d).hexdigest()} for f, d in HUB_FILES.items()]
+            entries = [
+                {"type": "file", "path": f, "size": len(d), "oid": hashlib.sha1(d).hexdigest()}
+                for f, d in HUB_FILES.items()
+            ]
             return self.send(200, json.dumps(entries).encode(), {"Content-Type": "application/json"}, with_body)
         data = HUB_FILES.get(resolve.group(3))
         if data is None:
@@ -421,9 +553,15 @@ print(json.dumps(results))
 def with_hub(endpoint: str, tmp_path: Path, script: str, *args: str) -> str:
     """Run ``script`` against ``endpoint``, with the cache of the hf_cache fixture; huggingface_hub reads HF_ENDPOINT
     when it is imported (0.x bakes it into URL templates), hence a fresh process."""
-    env = {**os.environ, "HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_CACHE": str(tmp_path / "hf_home" / "hub"),
-           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "HF_ENDPOINT": endpoint,
+        "HF_HOME": str(tmp_path / "hf_home"),
+        "HF_HUB_CACHE": str(tmp_path / "hf_home" / "hub"),
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+    }
     env = {k: v for k, v in env.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN")}
     result = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -439,17 +577,28 @@ def test_online_against_a_local_hub(hub_endpoint: str, tmp_path: Path) -> None:
     hf_dir = tmp_path / "checkpoints" / REPO / "hf"
     assert ok == ["ok", str(hf_dir)]
     assert {k: v for k, v in tree(hf_dir).items() if not k.startswith(".cache/")} == NEEDED
-    fetched = {path.split("/resolve/")[1].split("/", 1)[1] for method, path, _ in HubHandler.requests if method == "GET" and "/resolve/" in path}
+    fetched = {
+        path.split("/resolve/")[1].split("/", 1)[1]
+        for method, path, _ in HubHandler.requests
+        if method == "GET" and "/resolve/" in path
+    }
     assert fetched == set(NEEDED)
     assert {auth for _, path, auth in HubHandler.requests if REPO in path} == {"Bearer hf_test"}
-    assert gated == ["PermissionError", "gated-org/model is gated: accept its licence on https://huggingface.co/gated-org/model and use a token with access"]
+    assert gated == [
+        "PermissionError",
+        "gated-org/model is gated: accept its licence on https://huggingface.co/gated-org/model and use a token "
+        "with access",
+    ]
     assert missing == ["FileNotFoundError", "no such repository nobody/model (or it is private: pass a token)"]
 
 
 def test_offline_after_a_partial_download_into_the_cache(hub_endpoint: str, hf_cache: Path, tmp_path: Path) -> None:
     """A cache filled by another tool with only some files; recent huggingface_hub also caches the repository's
     listing, and then raises IncompleteSnapshotError, since pytorch_model.bin matches our patterns but is not cached."""
-    fill = "import sys\nfrom huggingface_hub import snapshot_download\nsnapshot_download(sys.argv[1], allow_patterns=sys.argv[2:])"
+    fill = (
+        "import sys\nfrom huggingface_hub import snapshot_download\n"
+        "snapshot_download(sys.argv[1], allow_patterns=sys.argv[2:])"
+    )
     with_hub(hub_endpoint, tmp_path, fill, REPO, *NEEDED)  # hf_cache is that process's cache too
 
     assert tree(download(REPO, root=tmp_path / "checkpoints")) == NEEDED
@@ -457,11 +606,11 @@ def test_offline_after_a_partial_download_into_the_cache(hub_endpoint: str, hf_c
 
 def test_subfolder_matches_the_converter(tmp_path: Path) -> None:
     pytest.importorskip("gguf", reason="gpt_fast.convert needs gguf (a declared dependency)")
-    from gpt_fast.convert.auto import DOWNLOAD_SUBDIR, default_output_dir
+    from gpt_fast.convert.auto import default_output_dir
+    from gpt_fast.paths import HF_SUBDIR
 
-    hf_dir = tmp_path / REPO / dl.HF_SUBDIR
+    hf_dir = tmp_path / REPO / HF_SUBDIR
     hf_dir.mkdir(parents=True)
-    assert dl.HF_SUBDIR == DOWNLOAD_SUBDIR
     assert default_output_dir(hf_dir) == tmp_path / REPO
 
 
@@ -498,7 +647,9 @@ def recorder(path: Path, log: Path) -> Path:
 
 def run_prepare(args: list[str], cwd: Path, script: Path = PREPARE, **env: str) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "VIRTUAL_ENV")}
-    return subprocess.run([str(script), *args], cwd=cwd, env={**base, **env}, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [str(script), *args], cwd=cwd, env={**base, **env}, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_prepare_is_executable() -> None:
@@ -554,8 +705,13 @@ def test_prepare_end_to_end_offline(hf_cache: Path, tmp_path: Path) -> None:
     source = tmp_path / "source"
     save_hf_llama(source)
     write_cached_repo(hf_cache, REPO, tree(source))
-    env = {"PYTHON": sys.executable, "HF_HOME": str(hf_cache.parent), "HF_HUB_CACHE": str(hf_cache), "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {
+        "PYTHON": sys.executable,
+        "HF_HOME": str(hf_cache.parent),
+        "HF_HUB_CACHE": str(hf_cache),
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+    }
 
     result = run_prepare([REPO], tmp_path, **env)
 

@@ -13,8 +13,18 @@ PROMPT = [5, 17, 42, 8, 99, 3]
 @pytest.fixture(scope="module")
 def model() -> Transformer:
     torch.manual_seed(0)
-    config = ModelConfig(block_size=256, vocab_size=128, n_layer=2, n_head=4, dim=32, intermediate_size=64,
-                         n_local_heads=2, head_dim=8, rope_base=10000.0, norm_eps=1e-5)
+    config = ModelConfig(
+        block_size=256,
+        vocab_size=128,
+        n_layer=2,
+        n_head=4,
+        dim=32,
+        intermediate_size=64,
+        n_local_heads=2,
+        head_dim=8,
+        rope_base=10000.0,
+        norm_eps=1e-5,
+    )
     model = Transformer(config)
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.5)
@@ -22,7 +32,14 @@ def model() -> Transformer:
 
 
 def greedy(model, **kwargs):
-    return generate(model, PROMPT, max_new_tokens=kwargs.pop("max_new_tokens", 30), sampling=GREEDY, steps=make_steps("none"), **kwargs)
+    return generate(
+        model,
+        PROMPT,
+        max_new_tokens=kwargs.pop("max_new_tokens", 30),
+        sampling=GREEDY,
+        steps=make_steps("none"),
+        **kwargs,
+    )
 
 
 def reference_greedy(model, n):
@@ -32,7 +49,7 @@ def reference_greedy(model, n):
         model.setup_caches(1, 256)
         logits = model(torch.tensor([ids]), torch.arange(len(ids)))
         ids.append(int(logits[0, -1].argmax()))
-    return ids[len(PROMPT):]
+    return ids[len(PROMPT) :]
 
 
 @torch.no_grad()
@@ -42,16 +59,26 @@ def test_greedy_matches_full_forward_decoding(model):
 
 def test_compiled_greedy_equals_eager(model):
     torch._dynamo.reset()
-    compiled = generate(model, PROMPT, max_new_tokens=30, sampling=GREEDY, steps=make_steps("default", compile_prefill=True))
+    compiled = generate(
+        model, PROMPT, max_new_tokens=30, sampling=GREEDY, steps=make_steps("default", compile_prefill=True)
+    )
     assert compiled.tokens == greedy(model).tokens
-    longer_prompt = generate(model, PROMPT * 2, max_new_tokens=5, sampling=GREEDY, steps=make_steps("default", compile_prefill=True))
-    assert longer_prompt.tokens == generate(model, PROMPT * 2, max_new_tokens=5, sampling=GREEDY, steps=make_steps("none")).tokens
+    longer_prompt = generate(
+        model, PROMPT * 2, max_new_tokens=5, sampling=GREEDY, steps=make_steps("default", compile_prefill=True)
+    )
+    assert (
+        longer_prompt.tokens
+        == generate(model, PROMPT * 2, max_new_tokens=5, sampling=GREEDY, steps=make_steps("none")).tokens
+    )
 
 
 def test_compiled_prefill_samples_with_top_k_and_top_p(model):
     torch._dynamo.reset()
     steps = make_steps("default", compile_prefill=True)
-    for prompt, sampling in ((PROMPT, SamplingConfig(temperature=0.8, top_k=50)), (PROMPT[:3], SamplingConfig(temperature=1.0, top_k=20, top_p=0.9))):
+    for prompt, sampling in (
+        (PROMPT, SamplingConfig(temperature=0.8, top_k=50)),
+        (PROMPT[:3], SamplingConfig(temperature=1.0, top_k=20, top_p=0.9)),
+    ):
         result = generate(model, prompt, max_new_tokens=4, sampling=sampling, steps=steps)
         assert len(result.tokens[0]) == 4 and all(0 <= t < 128 for t in result.tokens[0])
 
@@ -71,7 +98,15 @@ def test_batch_rows_agree_under_greedy(model):
 
 def test_batch_stops_when_every_row_has_stopped(model):
     torch.manual_seed(0)
-    sampled = generate(model, PROMPT, max_new_tokens=40, sampling=SamplingConfig(temperature=1.0, top_k=4), steps=make_steps("none"), batch_size=4, stop_ids=[7, 11])
+    sampled = generate(
+        model,
+        PROMPT,
+        max_new_tokens=40,
+        sampling=SamplingConfig(temperature=1.0, top_k=4),
+        steps=make_steps("none"),
+        batch_size=4,
+        stop_ids=[7, 11],
+    )
     for row in sampled.tokens:
         assert all(t not in (7, 11) for t in row[:-1])
         assert len(row) == 40 or row[-1] in (7, 11)

@@ -25,9 +25,29 @@ def checkpoint(tmp_path_factory):
 
 def generate(checkpoint, folder, mode, *extra):
     metrics = folder / f"metrics_{mode}.json"
-    command = [sys.executable, "-m", "gpt_fast", "generate", "--checkpoint_path", str(checkpoint), "--device", "cuda", "--compile", mode,
-               "--max_new_tokens", str(NEW_TOKENS), "--num_samples", "3", "--temperature", "0", "--ignore_eos", "--no_stream",
-               "--metrics_json", str(metrics), *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "gpt_fast",
+        "generate",
+        "--checkpoint_path",
+        str(checkpoint),
+        "--device",
+        "cuda",
+        "--compile",
+        mode,
+        "--max_new_tokens",
+        str(NEW_TOKENS),
+        "--num_samples",
+        "3",
+        "--temperature",
+        "0",
+        "--ignore_eos",
+        "--no_stream",
+        "--metrics_json",
+        str(metrics),
+        *extra,
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(metrics.read_text())
@@ -36,8 +56,11 @@ def generate(checkpoint, folder, mode, *extra):
 @pytest.fixture(scope="module")
 def runs(checkpoint, tmp_path_factory):
     folder = tmp_path_factory.mktemp("runs")
-    return {mode: generate(checkpoint, folder, mode, "--profile", str(folder / f"trace_{mode}")) | {"trace": folder / f"trace_{mode}.json"}
-            for mode in COMPILE_MODES}
+    return {
+        mode: generate(checkpoint, folder, mode, "--profile", str(folder / f"trace_{mode}"))
+        | {"trace": folder / f"trace_{mode}.json"}
+        for mode in COMPILE_MODES
+    }
 
 
 @pytest.mark.parametrize("mode", COMPILE_MODES)

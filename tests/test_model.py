@@ -8,8 +8,19 @@ from gpt_fast.shapes import get_shape
 
 def tiny_model(n_local_heads: int, tie: bool = False, seed: int = 0) -> Transformer:
     torch.manual_seed(seed)
-    config = ModelConfig(block_size=128, vocab_size=97, n_layer=2, n_head=4, dim=32, intermediate_size=48,
-                         n_local_heads=n_local_heads, head_dim=8, rope_base=10000.0, norm_eps=1e-5, tie_embeddings=tie)
+    config = ModelConfig(
+        block_size=128,
+        vocab_size=97,
+        n_layer=2,
+        n_head=4,
+        dim=32,
+        intermediate_size=48,
+        n_local_heads=n_local_heads,
+        head_dim=8,
+        rope_base=10000.0,
+        norm_eps=1e-5,
+        tie_embeddings=tie,
+    )
     model = Transformer(config)
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.3)
@@ -38,10 +49,17 @@ def test_one_query_attention_matches_sdpa(n_kv, dtype):
     q = torch.randn(2, 4, 1, 16, generator=generator).to(dtype)
     k, v = (torch.randn(2, n_kv, 24, 16, generator=generator).to(dtype) for _ in range(2))
     mask = torch.where(torch.arange(24) <= 9, 0.0, float("-inf"))[None].to(dtype)  # [1, S]: positions 0..9 filled
-    expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask.float(), enable_gqa=n_kv != 4)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=mask.float(), enable_gqa=n_kv != 4
+    )
     got = attend_one_query(q, k, v, mask)
     assert got.dtype == dtype and got.shape == q.shape
-    torch.testing.assert_close(got.float(), expected.to(dtype).float(), rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5 if dtype == torch.float32 else 1e-2)
+    torch.testing.assert_close(
+        got.float(),
+        expected.to(dtype).float(),
+        rtol=1e-5 if dtype == torch.float32 else 1e-2,
+        atol=1e-5 if dtype == torch.float32 else 1e-2,
+    )
 
 
 def test_last_only_returns_last_position():
@@ -66,11 +84,16 @@ def test_setup_caches_grows_for_a_longer_request():
     assert torch.isfinite(logits).all()
 
 
-@pytest.mark.parametrize("scaling", [
-    None,
-    RopeScaling(kind="linear", factor=4.0),
-    RopeScaling(kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64),
-])
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        None,
+        RopeScaling(kind="linear", factor=4.0),
+        RopeScaling(
+            kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64
+        ),
+    ],
+)
 def test_rope_frequencies_match_transformers(scaling):
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -80,7 +103,9 @@ def test_rope_frequencies_match_transformers(scaling):
         params = {"rope_type": scaling.kind, "rope_theta": 500000.0, "factor": scaling.factor}
         if scaling.kind == "llama3":
             params |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
-    hf_config = LlamaConfig(hidden_size=256, num_attention_heads=2, max_position_embeddings=1024, rope_parameters=params)
+    hf_config = LlamaConfig(
+        hidden_size=256, num_attention_heads=2, max_position_embeddings=1024, rope_parameters=params
+    )
     if scaling is None:
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -93,7 +118,9 @@ def test_rope_frequencies_match_transformers(scaling):
 def test_divisor_scaling_divides_inverse_frequencies():
     divisors = tuple(float(i + 1) for i in range(4))
     plain = rope_inv_freq(8, 10000.0, None)
-    torch.testing.assert_close(rope_inv_freq(8, 10000.0, RopeScaling(kind="divisors", divisors=divisors)), plain / torch.tensor(divisors))
+    torch.testing.assert_close(
+        rope_inv_freq(8, 10000.0, RopeScaling(kind="divisors", divisors=divisors)), plain / torch.tensor(divisors)
+    )
 
 
 def test_weight_shapes_use_fused_projections():

@@ -63,17 +63,20 @@ def test_same_seed_same_tokens():
     first = [sample(logits, config) for _ in range(20)]
     torch.manual_seed(123)
     second = [sample(logits, config) for _ in range(20)]
-    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"temperature": -0.1}, "temperature"),
-    ({"temperature": math.nan}, "temperature"),
-    ({"temperature": math.inf}, "temperature"),
-    ({"top_k": 0}, "top_k"),
-    ({"top_p": 0.0}, "top_p"),
-    ({"top_p": 1.5}, "top_p"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"top_k": 0}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+    ],
+)
 def test_invalid_settings(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingConfig(**kwargs)

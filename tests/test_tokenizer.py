@@ -13,7 +13,10 @@ from gpt_fast.tokenizer import HuggingFaceTokenizer, SentencePieceTokenizer, Tik
 
 transformers = pytest.importorskip("transformers")
 
-LLAMA3_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 def assert_same_as_transformers(ours, theirs, texts: list[str]) -> None:
@@ -29,7 +32,16 @@ def assert_same_as_transformers(ours, theirs, texts: list[str]) -> None:
 
 def sentencepiece_config(special_tokens: dict[str, int] | None = None) -> TokenizerConfig:
     specials = {"<unk>": 0, "<s>": 1, "</s>": 2, "<ctl>": 3, "<tool>": 4} if special_tokens is None else special_tokens
-    return TokenizerConfig(kind="sentencepiece", file="tokenizer.model", bos_id=1, add_bos=True, stop_ids=(2,), bos_token="<s>", eos_token="</s>", special_tokens=specials)
+    return TokenizerConfig(
+        kind="sentencepiece",
+        file="tokenizer.model",
+        bos_id=1,
+        add_bos=True,
+        stop_ids=(2,),
+        bos_token="<s>",
+        eos_token="</s>",
+        special_tokens=specials,
+    )
 
 
 def test_sentencepiece_matches_transformers(sentencepiece_dir: Path, varied_texts: list[str]) -> None:
@@ -50,7 +62,14 @@ def test_sentencepiece_decode_round_trips(sentencepiece_dir: Path, varied_texts:
 def test_huggingface_matches_transformers(byte_level_bpe_dir: Path, varied_texts: list[str]) -> None:
     tok = json.loads((byte_level_bpe_dir / "tokenizer.json").read_text())
     specials = {t["content"]: t["id"] for t in tok["added_tokens"]}
-    cfg = TokenizerConfig(kind="huggingface", file="tokenizer.json", bos_id=specials["<|begin_of_text|>"], add_bos=True, stop_ids=(specials["<|eot_id|>"],), special_tokens=specials)
+    cfg = TokenizerConfig(
+        kind="huggingface",
+        file="tokenizer.json",
+        bos_id=specials["<|begin_of_text|>"],
+        add_bos=True,
+        stop_ids=(specials["<|eot_id|>"],),
+        special_tokens=specials,
+    )
     ours = load_tokenizer(byte_level_bpe_dir, cfg)
     theirs = transformers.AutoTokenizer.from_pretrained(str(byte_level_bpe_dir))
     assert isinstance(ours, HuggingFaceTokenizer)
@@ -63,8 +82,15 @@ def test_huggingface_matches_transformers(byte_level_bpe_dir: Path, varied_texts
 def tiktoken_config(directory: Path, add_bos: bool = True) -> TokenizerConfig:
     added = json.loads((directory / "tokenizer_config.json").read_text())["added_tokens_decoder"]
     specials = {entry["content"]: int(token_id) for token_id, entry in added.items()}
-    return TokenizerConfig(kind="tiktoken", file="tokenizer.model", bos_id=specials["<|begin_of_text|>"], add_bos=add_bos,
-                           stop_ids=(specials["<|eot_id|>"],), special_tokens=specials, pattern=LLAMA3_PATTERN)
+    return TokenizerConfig(
+        kind="tiktoken",
+        file="tokenizer.model",
+        bos_id=specials["<|begin_of_text|>"],
+        add_bos=add_bos,
+        stop_ids=(specials["<|eot_id|>"],),
+        special_tokens=specials,
+        pattern=LLAMA3_PATTERN,
+    )
 
 
 def test_tiktoken_matches_transformers(tiktoken_dir: Path, varied_texts: list[str]) -> None:
@@ -84,8 +110,13 @@ def test_tiktoken_matches_tiktoken_with_all_specials_allowed(tiktoken_dir: Path,
 
     cfg = tiktoken_config(tiktoken_dir)
     ours = load_tokenizer(tiktoken_dir, cfg)
-    ranks = {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in (tiktoken_dir / "tokenizer.model").read_text().splitlines())}
-    encoding = tiktoken.Encoding("reference", pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=cfg.special_tokens)
+    ranks = {
+        base64.b64decode(token): int(rank)
+        for token, rank in (line.split() for line in (tiktoken_dir / "tokenizer.model").read_text().splitlines())
+    }
+    encoding = tiktoken.Encoding(
+        "reference", pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=cfg.special_tokens
+    )
     for text in varied_texts:
         assert ours.encode(text, bos=False) == encoding.encode(text, allowed_special="all"), text
 
@@ -99,7 +130,9 @@ def test_bos_is_added_only_when_asked_and_configured(tiktoken_dir: Path) -> None
     assert with_bos.stop_ids == (with_bos.cfg.special_tokens["<|eot_id|>"],)
 
 
-def test_unknown_ids_are_left_out_of_decode(sentencepiece_dir: Path, byte_level_bpe_dir: Path, tiktoken_dir: Path) -> None:
+def test_unknown_ids_are_left_out_of_decode(
+    sentencepiece_dir: Path, byte_level_bpe_dir: Path, tiktoken_dir: Path
+) -> None:
     json_cfg = TokenizerConfig(kind="huggingface", file="tokenizer.json", bos_id=None, add_bos=False, stop_ids=())
     for tok in (
         load_tokenizer(sentencepiece_dir, sentencepiece_config()),

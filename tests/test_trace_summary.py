@@ -29,24 +29,31 @@ def mark(name: str, ts: float, dur: float, pid: int = PID, cat: str = "user_anno
 
 def call(name: str, ts: float, corr: int | None, cat: str = "cuda_runtime", pid: int = PID):
     args = {} if corr is None else {"cbid": 211, "correlation": corr}
-    return {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": 7, "ts": ts, "dur": 4,
-            "args": args}
+    return {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": 7, "ts": ts, "dur": 4, "args": args}
 
 
 def gpu(name: str, ts: float, dur: float, corr: int | None, cat: str = "kernel"):
     # The args kineto writes for a CUDA kernel, so that the file has a realistic size.
-    args = {"queued": 0, "device": 0, "context": 1, "stream": 7, "registers per thread": 128,
-            "shared memory": 49152, "blocks per SM": 1.5, "warps per SM": 12.0,
-            "grid": [198, 1, 1], "block": [256, 1, 1], "est. achieved occupancy %": 19}
+    args = {
+        "queued": 0,
+        "device": 0,
+        "context": 1,
+        "stream": 7,
+        "registers per thread": 128,
+        "shared memory": 49152,
+        "blocks per SM": 1.5,
+        "warps per SM": 12.0,
+        "grid": [198, 1, 1],
+        "block": [256, 1, 1],
+        "est. achieved occupancy %": 19,
+    }
     if corr is not None:
         args["correlation"] = corr
-    return {"ph": "X", "cat": cat, "name": name, "pid": 0, "tid": 7, "ts": ts, "dur": dur,
-            "args": args}
+    return {"ph": "X", "cat": cat, "name": name, "pid": 0, "tid": 7, "ts": ts, "dur": dur, "args": args}
 
 
 def write_trace(path: Path, events: list[dict[str, Any]]) -> Path:
-    doc = {"schemaVersion": 1, "deviceProperties": [], "traceEvents": events,
-           "traceName": str(path)}
+    doc = {"schemaVersion": 1, "deviceProperties": [], "traceEvents": events, "traceName": str(path)}
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "wt", encoding="utf-8") as f:
         json.dump(doc, f)
@@ -64,8 +71,16 @@ def noise() -> list[dict[str, Any]]:
         call("cudaLaunchKernel", 150, 10_000_003, pid=PID + 1),  # inside a mark's time, other pid
         gpu("other_process_kernel", 160, 10, 10_000_003),
         mark(DECODE_MARK, 100, 500, pid=0, cat="gpu_user_annotation"),
-        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": PID, "tid": PID, "ts": 110,
-         "dur": 3, "args": {"External id": 3}},
+        {
+            "ph": "X",
+            "cat": "cpu_op",
+            "name": "aten::mm",
+            "pid": PID,
+            "tid": PID,
+            "ts": 110,
+            "dur": 3,
+            "args": {"External id": 3},
+        },
         {"ph": "s", "id": 1, "pid": PID, "tid": 7, "ts": 110, "cat": "ac2g", "name": "ac2g"},
         {"ph": "i", "s": "g", "name": "Record Window End", "pid": "", "tid": "", "ts": 6000},
     ]
@@ -88,8 +103,9 @@ def eager_events(tokens: int, launch_names: list[str], correlated: bool = True):
             kname = EAGER_KERNELS[j % len(EAGER_KERNELS)]
             events.append(gpu(kname, base + 200 + 50 * j, 40, corr if correlated else None))
         events.append(call("cudaMemcpyAsync", base + 400, 100 * i + 90))
-        events.append(gpu("Memcpy DtoH (Device -> Pinned)", base + 360, 2,
-                          100 * i + 90 if correlated else None, cat="gpu_memcpy"))
+        events.append(
+            gpu("Memcpy DtoH (Device -> Pinned)", base + 360, 2, 100 * i + 90 if correlated else None, cat="gpu_memcpy")
+        )
         events.append(call("cudaMemsetAsync", base + 410, 100 * i + 91))
         events.append(gpu("Memset (Device)", base + 180, 1, 100 * i + 91, cat="gpu_memset"))
     return events
@@ -156,17 +172,18 @@ def test_graph_trace_shares_correlation_ids(tmp_path, launch):
     assert s.largest_gaps == ((50, 950), (1050, 950), (2050, 950))
     assert s.top_kernels[0] == ("node0", 12, 120.0)
     assert short_summary(s).splitlines() == [
-        "decode: 4 tokens, 0.0 kernel launches/token, 1.0 graph launches/token, "
-        "6.0 GPU kernels/token",
+        "decode: 4 tokens, 0.0 kernel launches/token, 1.0 graph launches/token, 6.0 GPU kernels/token",
         "GPU busy 6.6% of decode; largest idle gap 950 µs",
     ]
 
 
 def test_kernels_without_correlation_fall_back_to_time(tmp_path):
     events = eager_events(4, CUDA_EAGER, correlated=False)
-    events += [gpu("before_decode", 50, 10, None),
-               gpu("in_slack", 3600 + TIME_FALLBACK_SLACK_US - 1, 1, None),
-               gpu("after_slack", 3600 + TIME_FALLBACK_SLACK_US + 1, 1, None)]
+    events += [
+        gpu("before_decode", 50, 10, None),
+        gpu("in_slack", 3600 + TIME_FALLBACK_SLACK_US - 1, 1, None),
+        gpu("after_slack", 3600 + TIME_FALLBACK_SLACK_US + 1, 1, None),
+    ]
     s = summarize_trace(write_trace(tmp_path / "nocorr.json", events))
     assert s.gpu_kernels == 4 * 3 + 1
     assert s.gpu_memcpys == 4
@@ -175,13 +192,23 @@ def test_kernels_without_correlation_fall_back_to_time(tmp_path):
 
 @pytest.mark.parametrize(
     ("name", "kind"),
-    [("cudaLaunchKernel", "kernel"), ("cudaLaunchKernelExC_v11060", "kernel"),
-     ("cuLaunchKernelEx", "kernel"), ("cudaLaunchCooperativeKernel_ptsz", "kernel"),
-     ("hipLaunchKernel_spt", "kernel"), ("hipExtLaunchKernel", "kernel"),
-     ("hipLaunchCooperativeKernel", "kernel"), ("cudaGraphLaunch_v10000", "graph"),
-     ("cuGraphLaunch_ptsz", "graph"), ("hipGraphLaunch_spt", "graph"),
-     ("cudaLaunchHostFunc", None), ("cudaGraphLaunchFoo", None), ("cudaMemcpyAsync", None),
-     ("aten::mm", None), ("xcudaLaunchKernel", None)],
+    [
+        ("cudaLaunchKernel", "kernel"),
+        ("cudaLaunchKernelExC_v11060", "kernel"),
+        ("cuLaunchKernelEx", "kernel"),
+        ("cudaLaunchCooperativeKernel_ptsz", "kernel"),
+        ("hipLaunchKernel_spt", "kernel"),
+        ("hipExtLaunchKernel", "kernel"),
+        ("hipLaunchCooperativeKernel", "kernel"),
+        ("cudaGraphLaunch_v10000", "graph"),
+        ("cuGraphLaunch_ptsz", "graph"),
+        ("hipGraphLaunch_spt", "graph"),
+        ("cudaLaunchHostFunc", None),
+        ("cudaGraphLaunchFoo", None),
+        ("cudaMemcpyAsync", None),
+        ("aten::mm", None),
+        ("xcudaLaunchKernel", None),
+    ],
 )
 def test_launch_kind_matches_exact_names_after_suffixes(name, kind):
     assert launch_kind(name) == kind
@@ -195,8 +222,7 @@ def test_report_formats(tmp_path):
     assert len(short_summary(s).splitlines()) == 2
     back = json.loads(json.dumps(s.to_dict()))
     assert back["kernel_launches_per_token"] == 3.0
-    assert back["top_kernels"][0] == {"name": "gemm", "count": 8, "total_us": 320.0,
-                                      "share": pytest.approx(2 / 3)}
+    assert back["top_kernels"][0] == {"name": "gemm", "count": 8, "total_us": 320.0, "share": pytest.approx(2 / 3)}
     assert back["largest_gaps"][0] == {"offset_us": 140, "gap_us": 860}
 
 
@@ -269,8 +295,7 @@ def test_missing_file(tmp_path):
 
 @pytest.mark.parametrize(
     "content",
-    [b'{"traceEvents": [{"ph": "X", "name": ', b"", b'{"traceEvents": [\xff]}',
-     b'{"traceEvents": []} trailing'],
+    [b'{"traceEvents": [{"ph": "X", "name": ', b"", b'{"traceEvents": [\xff]}', b'{"traceEvents": []} trailing'],
     ids=["truncated", "empty", "bad-bytes", "trailing"],
 )
 def test_malformed_json(tmp_path, content):

@@ -19,30 +19,60 @@ BOS, EOS = "<s>", "</s>"
 
 
 def train_bpe_tokenizer(folder: Path, vocab_size: int = 320) -> Tokenizer:
-    """A byte-level BPE tokenizer.json (+ tokenizer_config.json) whose post-processor prepends BOS, as Llama 3's does."""
+    """A byte-level BPE tokenizer.json (+ tokenizer_config.json) whose post-processor prepends BOS, as Llama 3's "
+    "does."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS, EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(CORPUS, trainer)
-    tokenizer.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, tokenizer.token_to_id(BOS))])
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", special_tokens=[(BOS, tokenizer.token_to_id(BOS))]
+    )
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS})
+    )
     return tokenizer
 
 
-def hf_llama_config(vocab_size: int, *, kv_heads: int = 2, tie: bool = False, rope_scaling: dict | None = None, layers: int = 2):  # noqa: ANN201
+def hf_llama_config(
+    vocab_size: int, *, kv_heads: int = 2, tie: bool = False, rope_scaling: dict | None = None, layers: int = 2
+):
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=kv_heads,
-        vocab_size=vocab_size, max_position_embeddings=256, tie_word_embeddings=tie, rope_scaling=rope_scaling,
-        rope_theta=10000.0, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=1,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab_size,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+        rope_scaling=rope_scaling,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        bos_token_id=0,
+        eos_token_id=1,
     )
 
 
-def save_hf_llama(folder: Path, *, kv_heads: int = 2, tie: bool = False, rope_scaling: dict | None = None, weights: str = "safetensors", seed: int = 0):  # noqa: ANN201
+def save_hf_llama(
+    folder: Path,
+    *,
+    kv_heads: int = 2,
+    tie: bool = False,
+    rope_scaling: dict | None = None,
+    weights: str = "safetensors",
+    seed: int = 0,
+):
     """A tiny random LlamaForCausalLM saved with save_pretrained: weights = safetensors | sharded | bin.
 
     transformers 5 only writes safetensors, so the legacy ``pytorch_model.bin`` is written with torch.save,
@@ -51,9 +81,14 @@ def save_hf_llama(folder: Path, *, kv_heads: int = 2, tie: bool = False, rope_sc
 
     tokenizer = train_bpe_tokenizer(folder)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(hf_llama_config(tokenizer.get_vocab_size(), kv_heads=kv_heads, tie=tie, rope_scaling=rope_scaling)).eval()
+    model = LlamaForCausalLM(
+        hf_llama_config(tokenizer.get_vocab_size(), kv_heads=kv_heads, tie=tie, rope_scaling=rope_scaling)
+    ).eval()
     with torch.no_grad():
-        for name, p in model.named_parameters():  # larger than the default init: well-separated logits, no argmax near-ties
+        for (
+            name,
+            p,
+        ) in model.named_parameters():  # larger than the default init: well-separated logits, no argmax near-ties
             p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.1 if name.endswith("norm.weight") else 0.25)
     model.save_pretrained(folder, max_shard_size="60KB" if weights == "sharded" else "5GB")
     if weights == "bin":

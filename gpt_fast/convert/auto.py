@@ -6,17 +6,16 @@ from pathlib import Path
 
 from gpt_fast.convert.gguf_file import convert_gguf
 from gpt_fast.convert.hf import convert_hf
+from gpt_fast.paths import CHECKPOINTS_DIR, HF_SUBDIR
 
 GGUF_MAGIC = b"GGUF"
-CHECKPOINTS_ROOT = Path("checkpoints")
-DOWNLOAD_SUBDIR = "hf"  # `gpt-fast download ORG/NAME` puts the hub files in checkpoints/ORG/NAME/hf
 
 
 def default_output_dir(source: Path) -> Path:
     """checkpoints/ORG/NAME/hf -> checkpoints/ORG/NAME (the blog's layout); otherwise checkpoints/<name>."""
-    if source.is_dir() and source.name == DOWNLOAD_SUBDIR:
+    if source.is_dir() and source.name == HF_SUBDIR:
         return source.parent
-    return CHECKPOINTS_ROOT / (source.stem if source.is_file() else source.name)
+    return CHECKPOINTS_DIR / (source.stem if source.is_file() else source.name)
 
 
 def is_gguf(path: Path) -> bool:

@@ -18,12 +18,13 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from gpt_fast.checkpoint import dtype_name, parse_dtype
 from gpt_fast.config import CheckpointConfig, ModelConfig, RopeScaling
+from gpt_fast.convert.gguf_tokenizer import tokenizer_from_gguf
 from gpt_fast.convert.layout import check_tensors, fuse_tensors
-from gpt_fast.convert.tokenizer_files import tokenizer_from_gguf
 from gpt_fast.convert.weight_files import TensorInfo
-from gpt_fast.convert.writer import writable_output_dir, write_checkpoint
+from gpt_fast.convert.writer import write_checkpoint
+from gpt_fast.device import dtype_name, parse_dtype
+from gpt_fast.fileio import check_output_dir
 
 GGUF_TO_HF = [
     (re.compile(r"token_embd\.weight"), "model.embed_tokens.weight"),
@@ -36,7 +37,11 @@ GGUF_TO_HF = [
     (re.compile(r"output\.weight"), "lm_head.weight"),
 ]
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1 GGUFs store the divisors of the rotary frequencies as a tensor
-PLAIN_DTYPES = {GGMLQuantizationType.F16: torch.float16, GGMLQuantizationType.BF16: torch.bfloat16, GGMLQuantizationType.F32: torch.float32}
+PLAIN_DTYPES = {
+    GGMLQuantizationType.F16: torch.float16,
+    GGMLQuantizationType.BF16: torch.bfloat16,
+    GGMLQuantizationType.F32: torch.float32,
+}
 
 
 def open_gguf(path: Path) -> GGUFReader:
@@ -120,7 +125,12 @@ def hf_name(name: str) -> str:
 
 
 def tensor_infos(reader: GGUFReader, src: Path) -> dict[str, TensorInfo]:
-    return {hf_name(t.name): TensorInfo(tuple(reversed([int(n) for n in t.shape])), PLAIN_DTYPES.get(t.tensor_type, torch.float32), src) for t in reader.tensors}
+    return {
+        hf_name(t.name): TensorInfo(
+            tuple(reversed([int(n) for n in t.shape])), PLAIN_DTYPES.get(t.tensor_type, torch.float32), src
+        )
+        for t in reader.tensors
+    }
 
 
 def unpermute_rotary(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -146,7 +156,7 @@ def source_dtype(reader: GGUFReader) -> torch.dtype:
 
 def convert_gguf(src: Path, out_dir: Path, dtype: str | None = None) -> Path:
     """Convert a llama-architecture GGUF file into ``out_dir``; return the path of the written ``model.pth``."""
-    writable_output_dir(out_dir)
+    check_output_dir(out_dir)
     reader = open_gguf(src)
     try:
         model = model_config_from_gguf(reader)
@@ -159,7 +169,10 @@ def convert_gguf(src: Path, out_dir: Path, dtype: str | None = None) -> Path:
     def prepare(stage: Path) -> CheckpointConfig:
         tok_config, chat_template = tokenizer_from_gguf(reader, stage)
         return CheckpointConfig(
-            model=model, tokenizer=tok_config, dtype=dtype_name(target), chat_template=chat_template,
+            model=model,
+            tokenizer=tok_config,
+            dtype=dtype_name(target),
+            chat_template=chat_template,
             source={"kind": "gguf", "path": str(src), "name": metadata(reader, "general.name", "")},
         )
 

@@ -9,14 +9,14 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from gpt_fast.checkpoint import dtype_name, parse_dtype
 from gpt_fast.config import CheckpointConfig
 from gpt_fast.convert.hf_config import architecture, model_config_from_hf
+from gpt_fast.convert.hf_tokenizer import tokenizer_from_hf_dir
 from gpt_fast.convert.layout import check_tensors, fuse_tensors, source_dtype
-from gpt_fast.convert.tokenizer_files import tokenizer_from_hf_dir
 from gpt_fast.convert.weight_files import iter_tensors, tensor_infos, weight_files
-from gpt_fast.convert.writer import writable_output_dir, write_checkpoint
-from gpt_fast.fileio import read_json_object
+from gpt_fast.convert.writer import write_checkpoint
+from gpt_fast.device import dtype_name, parse_dtype
+from gpt_fast.fileio import check_output_dir, read_json_object
 
 
 def convert_hf(src: Path, out_dir: Path, dtype: str | None = None) -> Path:
@@ -25,7 +25,7 @@ def convert_hf(src: Path, out_dir: Path, dtype: str | None = None) -> Path:
         raise FileNotFoundError(f"checkpoint folder not found: {src}")
     if out_dir.resolve() == src.resolve():
         raise ValueError(f"the output folder must differ from the source folder {src} (both hold a config.json)")
-    writable_output_dir(out_dir)
+    check_output_dir(out_dir)
     hf_config = read_json_object(src / "config.json")
     where = str(src / "config.json")
     model = model_config_from_hf(hf_config, where)
@@ -36,7 +36,10 @@ def convert_hf(src: Path, out_dir: Path, dtype: str | None = None) -> Path:
     target = parse_dtype(dtype) if dtype else source_dtype(infos)
     state = fuse_tensors((item for path in files for item in iter_tensors(path)), model, target)
     config = CheckpointConfig(
-        model=model, tokenizer=tok_config, dtype=dtype_name(target), chat_template=chat_template,
+        model=model,
+        tokenizer=tok_config,
+        dtype=dtype_name(target),
+        chat_template=chat_template,
         source={"kind": "huggingface", "path": str(src), "architecture": architecture(hf_config, where)},
     )
 

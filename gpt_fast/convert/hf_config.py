@@ -20,13 +20,17 @@ def architecture(hf: dict[str, Any], where: str) -> str:
     if names:
         name = names[0]
         if name not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"{where}: unsupported architecture {name} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+            raise ValueError(
+                f"{where}: unsupported architecture {name} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
         return name
     model_type = hf.get("model_type")
     if model_type is None:
-        raise ValueError(f"{where}: names no architecture (neither \"architectures\" nor \"model_type\")")
+        raise ValueError(f'{where}: names no architecture (neither "architectures" nor "model_type")')
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"{where}: unsupported architecture {model_type} (supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})")
+        raise ValueError(
+            f"{where}: unsupported architecture {model_type} (supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
+        )
     return model_type
 
 
@@ -52,7 +56,11 @@ def rope_settings(hf: dict[str, Any], where: str) -> tuple[float, RopeScaling | 
         return float(base), None
     if kind not in ("linear", "llama3"):
         raise ValueError(f"{where}: unsupported rope scaling type {kind!r} (supported: linear, llama3)")
-    keys = ("factor",) if kind == "linear" else ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    keys = (
+        ("factor",)
+        if kind == "linear"
+        else ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    )
     missing = [k for k in keys if k not in scaling]
     if missing:
         raise ValueError(f"{where}: rope scaling {kind!r} lacks {', '.join(missing)}")
@@ -63,17 +71,29 @@ def hf_config_dict(model: ModelConfig) -> dict[str, Any]:
     """The Hugging Face ``config.json`` fields of a Llama with this shape: the inverse of
     :func:`model_config_from_hf`, for building reference models in tests and benchmarks."""
     config = {
-        "architectures": ["LlamaForCausalLM"], "vocab_size": model.vocab_size, "hidden_size": model.dim,
-        "intermediate_size": model.intermediate_size, "num_hidden_layers": model.n_layer, "num_attention_heads": model.n_head,
-        "num_key_value_heads": model.n_local_heads, "head_dim": model.head_dim, "max_position_embeddings": model.block_size,
-        "rope_theta": model.rope_base, "rms_norm_eps": model.norm_eps, "tie_word_embeddings": model.tie_embeddings,
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": model.vocab_size,
+        "hidden_size": model.dim,
+        "intermediate_size": model.intermediate_size,
+        "num_hidden_layers": model.n_layer,
+        "num_attention_heads": model.n_head,
+        "num_key_value_heads": model.n_local_heads,
+        "head_dim": model.head_dim,
+        "max_position_embeddings": model.block_size,
+        "rope_theta": model.rope_base,
+        "rms_norm_eps": model.norm_eps,
+        "tie_word_embeddings": model.tie_embeddings,
     }
     scaling = model.rope_scaling
     if scaling is None:
         return config
     if scaling.kind == "divisors":
         raise ValueError("per-frequency rope divisors have no Hugging Face config equivalent")
-    keys = ("factor",) if scaling.kind == "linear" else ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    keys = (
+        ("factor",)
+        if scaling.kind == "linear"
+        else ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    )
     return config | {"rope_scaling": {"rope_type": scaling.kind, **{k: getattr(scaling, k) for k in keys}}}
 
 

@@ -14,9 +14,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from gpt_fast.checkpoint import DTYPES
+from gpt_fast.checkpoint import check_shapes
 from gpt_fast.config import ModelConfig
 from gpt_fast.convert.weight_files import TensorInfo
+from gpt_fast.device import DTYPES
 
 # HF tensor name pattern -> (our name, part of a fused tensor or None)
 NAME_MAP = [
@@ -30,7 +31,9 @@ NAME_MAP = [
     (re.compile(r"model\.norm\.weight"), "norm.weight", None),
     (re.compile(r"lm_head\.weight"), "output.weight", None),
 ]
-IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq|rope_freqs\.weight")  # buffers some checkpoints hold
+IGNORED = re.compile(
+    r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq|rope_freqs\.weight"
+)  # buffers some checkpoints hold
 FUSED_PARTS = {"wqkv": ("q", "k", "v"), "w13": ("gate", "up")}
 
 
@@ -58,17 +61,10 @@ def hf_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def check_tensors(infos: dict[str, TensorInfo], config: ModelConfig, src: Path) -> None:
     """Missing and unexpected names (all of them), then the first shape that disagrees with config.json."""
-    expected = hf_weight_shapes(config)
-    present = {n for n in infos if not IGNORED.fullmatch(n)}
+    present = {n: info.shape for n, info in infos.items() if not IGNORED.fullmatch(n)}
     if config.tie_embeddings:
-        present.discard("lm_head.weight")  # tied: a saved copy of the embedding table is redundant
-    missing, unexpected = sorted(expected.keys() - present), sorted(present - expected.keys())
-    problems = ([f"missing tensor(s): {', '.join(missing)}"] if missing else []) + ([f"unexpected tensor(s): {', '.join(unexpected)}"] if unexpected else [])
-    if problems:
-        raise ValueError(f"{src}: {'; '.join(problems)}")
-    for name, shape in expected.items():
-        if infos[name].shape != shape:
-            raise ValueError(f"{infos[name].file}: tensor {name} has shape {list(infos[name].shape)}, config.json expects {list(shape)}")
+        present.pop("lm_head.weight", None)  # tied: a saved copy of the embedding table is redundant
+    check_shapes(present, hf_weight_shapes(config), str(src))
 
 
 def source_dtype(infos: dict[str, TensorInfo]) -> torch.dtype:
@@ -88,7 +84,9 @@ def our_name(hf_name: str) -> tuple[str, str | None]:
     raise AssertionError(f"unmapped tensor {hf_name} passed the name check")
 
 
-def fuse_tensors(tensors: Iterable[tuple[str, torch.Tensor]], config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def fuse_tensors(
+    tensors: Iterable[tuple[str, torch.Tensor]], config: ModelConfig, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     """Our state dict from (HF name, tensor) pairs already checked by :func:`check_tensors`."""
     state: dict[str, torch.Tensor] = {}
     pending: dict[str, dict[str, torch.Tensor]] = {}
@@ -125,6 +123,6 @@ def split_tensors(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
             parts_of.setdefault(name, {})[part] = hf_name
     for name, parts in parts_of.items():
         order = FUSED_PARTS[name.split(".")[-2]]
-        for part, tensor in zip(order, state[name].split([hf_shapes[parts[p]][0] for p in order])):
+        for part, tensor in zip(order, state[name].split([hf_shapes[parts[p]][0] for p in order]), strict=True):
             out[parts[part]] = tensor
     return out

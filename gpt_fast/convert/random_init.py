@@ -11,10 +11,11 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from gpt_fast.checkpoint import dtype_name
 from gpt_fast.config import CheckpointConfig, ModelConfig, TokenizerConfig
-from gpt_fast.convert.tokenizer_files import bytes_to_unicode
-from gpt_fast.convert.writer import write_checkpoint, writable_output_dir
+from gpt_fast.convert.tokenizer_common import bytes_to_unicode
+from gpt_fast.convert.writer import write_checkpoint
+from gpt_fast.device import dtype_name
+from gpt_fast.fileio import check_output_dir
 from gpt_fast.model import weight_shapes
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -34,13 +35,21 @@ def byte_tokenizer(vocab_size: int) -> tuple[Tokenizer, TokenizerConfig]:
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens([BOS, EOS])
     config = TokenizerConfig(
-        kind="huggingface", file=TOKENIZER_FILE, bos_id=256, add_bos=True, stop_ids=(257,),
-        bos_token=BOS, eos_token=EOS, special_tokens={BOS: 256, EOS: 257},
+        kind="huggingface",
+        file=TOKENIZER_FILE,
+        bos_id=256,
+        add_bos=True,
+        stop_ids=(257,),
+        bos_token=BOS,
+        eos_token=EOS,
+        special_tokens={BOS: 256, EOS: 257},
     )
     return tokenizer, config
 
 
-def random_weights(model: ModelConfig, dtype: torch.dtype, seed: int, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+def random_weights(
+    model: ModelConfig, dtype: torch.dtype, seed: int, device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
     """Weights drawn from N(0, 0.02²) (norm weights 1), identical for the same shape, dtype, seed and device type."""
     generator = torch.Generator(device=device).manual_seed(seed)
     state = {}
@@ -53,11 +62,25 @@ def random_weights(model: ModelConfig, dtype: torch.dtype, seed: int, device: st
     return state
 
 
-def make_random_checkpoint(model: ModelConfig, out_dir: Path, *, dtype: torch.dtype, seed: int = 0, device: str | torch.device = "cpu", source: str = "random") -> Path:
+def make_random_checkpoint(
+    model: ModelConfig,
+    out_dir: Path,
+    *,
+    dtype: torch.dtype,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    source: str = "random",
+) -> Path:
     """Write a random-weight checkpoint of shape ``model`` into ``out_dir``; return the weights path."""
-    writable_output_dir(out_dir)
+    check_output_dir(out_dir)
     tokenizer, tok_config = byte_tokenizer(model.vocab_size)
-    config = CheckpointConfig(model=model, tokenizer=tok_config, dtype=dtype_name(dtype), source={"kind": "random", "shape": source, "seed": seed})
+    config = CheckpointConfig(
+        model=model,
+        tokenizer=tok_config,
+        dtype=dtype_name(dtype),
+        source={"kind": "random", "shape": source, "seed": seed},
+    )
+
     def prepare(stage: Path) -> CheckpointConfig:
         tokenizer.save(str(stage / TOKENIZER_FILE))
         return config

@@ -7,7 +7,6 @@ tensors is refused before it can run.
 from __future__ import annotations
 
 import json
-import pickle
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,6 +14,8 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+
+from gpt_fast.checkpoint import load_torch_weights
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -39,7 +40,9 @@ def weight_files(src: Path) -> list[Path]:
     for single in (SAFETENSORS_SINGLE, BIN_SINGLE):
         if (src / single).is_file():
             return [src / single]
-    raise FileNotFoundError(f"no weights in {src} (looked for {SAFETENSORS_INDEX}, {SAFETENSORS_SINGLE}, {BIN_INDEX}, {BIN_SINGLE})")
+    raise FileNotFoundError(
+        f"no weights in {src} (looked for {SAFETENSORS_INDEX}, {SAFETENSORS_SINGLE}, {BIN_INDEX}, {BIN_SINGLE})"
+    )
 
 
 def shards_from_index(index: Path) -> list[Path]:
@@ -82,25 +85,6 @@ def safetensors_header(path: Path) -> dict[str, TensorInfo]:
     return infos
 
 
-def load_bin(path: Path) -> dict[str, torch.Tensor]:
-    """``torch.load`` with ``weights_only=True`` (memory-mapped where the format allows)."""
-    try:
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as err:
-            if "mmap" not in str(err):
-                raise
-            state = torch.load(path, map_location="cpu", weights_only=True)  # legacy (non-zip) format
-    except pickle.UnpicklingError as err:
-        reason = str(err).strip().splitlines()[0]
-        raise ValueError(f"{path}: unsafe pickle refused, it holds more than tensors ({reason})") from None
-    except (RuntimeError, EOFError, OSError) as err:
-        raise ValueError(f"{path}: not a readable PyTorch weights file ({str(err).strip().splitlines()[0]})") from None
-    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
-        raise ValueError(f"{path}: does not hold a dict of tensors")
-    return state
-
-
 def tensor_infos(files: list[Path]) -> dict[str, TensorInfo]:
     """Names, shapes and dtypes of every tensor in ``files``, read without loading the data."""
     infos: dict[str, TensorInfo] = {}
@@ -108,7 +92,7 @@ def tensor_infos(files: list[Path]) -> dict[str, TensorInfo]:
         if path.suffix == ".safetensors":
             found = safetensors_header(path)
         else:
-            found = {name: TensorInfo(tuple(t.shape), t.dtype, path) for name, t in load_bin(path).items()}
+            found = {name: TensorInfo(tuple(t.shape), t.dtype, path) for name, t in load_torch_weights(path).items()}
         for name in found.keys() & infos.keys():
             raise ValueError(f"tensor {name} appears in both {infos[name].file.name} and {path.name}")
         infos.update(found)
@@ -118,7 +102,7 @@ def tensor_infos(files: list[Path]) -> dict[str, TensorInfo]:
 def iter_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of one weight file, one at a time."""
     if path.suffix != ".safetensors":
-        yield from load_bin(path).items()
+        yield from load_torch_weights(path).items()
         return
     try:
         with safe_open(str(path), framework="pt") as f:

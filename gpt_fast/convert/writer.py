@@ -18,18 +18,6 @@ import torch
 from gpt_fast.config import CONFIG_FILE, CheckpointConfig
 
 
-def writable_output_dir(out_dir: Path) -> Path:
-    """Check before any work that ``out_dir`` exists or can be created, and is writable."""
-    existing = out_dir
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ValueError(f"output folder {out_dir}: {existing} is not a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise PermissionError(f"output folder {out_dir} is not writable")
-    return out_dir
-
-
 @contextmanager
 def staging_dir(out_dir: Path) -> Iterator[Path]:
     """A temporary folder inside ``out_dir`` that is always removed; ``out_dir`` is removed too if it was created
@@ -45,7 +33,9 @@ def staging_dir(out_dir: Path) -> Iterator[Path]:
             out_dir.rmdir()
 
 
-def write_checkpoint(out_dir: Path, state: Mapping[str, torch.Tensor], prepare: Callable[[Path], CheckpointConfig]) -> CheckpointConfig:
+def write_checkpoint(
+    out_dir: Path, state: Mapping[str, torch.Tensor], prepare: Callable[[Path], CheckpointConfig]
+) -> CheckpointConfig:
     """Write the tokenizer files (``prepare(stage)`` writes them into the staging folder and returns the
     checkpoint's config), ``config.json`` and ``state`` as ``config.weights``, then move them all into ``out_dir``."""
     with staging_dir(out_dir) as stage:
@@ -56,4 +46,3 @@ def write_checkpoint(out_dir: Path, state: Mapping[str, torch.Tensor], prepare: 
         for name in sorted((p.name for p in stage.iterdir()), key=lambda n: n == config.weights):
             os.replace(stage / name, out_dir / name)
     return config
-

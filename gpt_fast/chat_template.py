@@ -35,7 +35,9 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     """transformers' ``tojson``: plain ``json.dumps``, without jinja's HTML escaping, keeping non-ASCII text."""
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -46,14 +48,23 @@ def _strftime_now(fmt: str) -> str:
 
 @lru_cache(maxsize=8)
 def _compile(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env.from_string(template)
 
 
-def render_chat(template: str, messages: list[dict[str, str]], *, bos_token: str | None, eos_token: str | None, add_generation_prompt: bool = True) -> str:
+def render_chat(
+    template: str,
+    messages: list[dict[str, str]],
+    *,
+    bos_token: str | None,
+    eos_token: str | None,
+    add_generation_prompt: bool = True,
+) -> str:
     """The prompt text of ``messages`` (dicts with "role" and "content"), as transformers'
     ``apply_chat_template(..., tokenize=False)`` renders it.
 
@@ -63,7 +74,9 @@ def render_chat(template: str, messages: list[dict[str, str]], *, bos_token: str
     variables: dict[str, Any] = {"bos_token": bos_token, "eos_token": eos_token}
     variables = {name: value for name, value in variables.items() if value is not None}
     cleaned = [{key: value for key, value in message.items() if value is not None} for message in messages]
-    return _compile(template).render(messages=cleaned, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **variables)
+    return _compile(template).render(
+        messages=cleaned, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **variables
+    )
 
 
 def chat_prompt_ids(tokenizer: Tokenizer, template: str | None, messages: list[dict[str, str]]) -> list[int]:

@@ -1,0 +1,64 @@
+"""Devices and dtypes: the user's choice resolved and checked, names for reports, synchronization and memory."""
+
+from __future__ import annotations
+
+import resource
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_CHOICES = ("auto", *DTYPES)  # auto: bfloat16 on a GPU (float16 where it has no bfloat16), float32 on the CPU
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {v: k for k, v in DTYPES.items()}[dtype]
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """``None``: the GPU if there is one (CUDA or ROCm), else the CPU."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r} is not a device (use cpu or cuda)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name!r} is not supported (use cpu or cuda)")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: no CUDA or ROCm GPU is available to torch {torch.__version__}")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: only {torch.cuda.device_count()} GPU(s) present")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if name not in DTYPES:
+        raise ValueError(f"--dtype {name!r} is not one of {', '.join(DTYPE_CHOICES)}")
+    return DTYPES[name]
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+
+
+def device_synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def memory_used() -> tuple[float, str]:
+    """Peak memory in GB: the CUDA caching allocator's reservation on a GPU, else the process's peak RSS."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_reserved() / 1e9, "GPU, peak reserved"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, "host, peak RSS"
