@@ -1,3 +1,4 @@
 from gpt_fast.cli import main
 
-main()
+if __name__ == "__main__":  # not when a spawned process (bench) imports this module again
+    main()

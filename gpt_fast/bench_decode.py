@@ -9,6 +9,7 @@ TTFT, compile time, memory.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -17,14 +18,12 @@ from dataclasses import dataclass
 import torch
 
 from gpt_fast.bench import copy_bandwidth_gbps
-from gpt_fast.checkpoint import model_from_state
 from gpt_fast.config import ModelConfig
 from gpt_fast.convert.hf_config import hf_config_dict
 from gpt_fast.convert.layout import split_tensors
 from gpt_fast.convert.random_init import random_weights
-from gpt_fast.device import device_name, device_synchronize, parse_dtype
-from gpt_fast.generate import Steps, compiled_prefill, generate, make_steps
-from gpt_fast.model import Transformer, weight_bytes_per_token
+from gpt_fast.device import device_name, device_synchronize, dtype_name, parse_dtype
+from gpt_fast.engine import Engine, EngineOptions
 from gpt_fast.sampling import SamplingConfig
 from gpt_fast.settings import apply_torch_settings
 from gpt_fast.shapes import SHAPES, get_shape
@@ -76,20 +75,21 @@ def measure(
 
 def ours_runners(
     state: dict[str, torch.Tensor], shape: ModelConfig, mode: str, device: torch.device, dtype: torch.dtype
-) -> tuple[Run, Run]:
+) -> tuple[tuple[Run, Run], int]:
     """Decode as ``gpt-fast generate --compile MODE`` does (eager prefill); the first token of the long prompt
-    as with ``--compile_prefill`` (one compiled prefill for every prompt length)."""
-    model = model_from_state(shape, state, device, dtype)
-    decode_steps = make_steps(mode)
-    ttft_steps = decode_steps if mode == "none" else Steps(compiled_prefill(), decode_steps.decode, mode)
+    as with ``--compile_prefill`` (one compiled prefill for every prompt length). Also the weight bytes a decode
+    step reads."""
+    options = EngineOptions(compile=mode, device=str(device), dtype=dtype_name(dtype))
+    decode_engine = Engine.from_state(shape, state, options)
+    ttft_engine = Engine.from_state(shape, state, dataclasses.replace(options, compile_prefill=mode != "none"))
 
-    def runner(steps: Steps) -> Run:
+    def runner(engine: Engine) -> Run:
         def run(prompt: list[int], new_tokens: int) -> None:
-            generate(model, prompt, max_new_tokens=new_tokens, sampling=BLOG_SAMPLING, steps=steps)
+            engine.generate_ids(prompt, new_tokens, BLOG_SAMPLING)
 
         return run
 
-    return runner(decode_steps), runner(ttft_steps)
+    return (runner(decode_engine), runner(ttft_engine)), decode_engine.weight_bytes_per_token
 
 
 def hf_runners(
@@ -156,9 +156,8 @@ def run_benchmark(
     prompt = torch.randint(0, shape.vocab_size, (prompt_tokens,), generator=generator).tolist()
     ttft_prompt = torch.randint(0, shape.vocab_size, (ttft_tokens,), generator=generator).tolist()
     copy_gbps = copy_bandwidth_gbps(device)
-    with torch.device("meta"):
-        bytes_per_token = weight_bytes_per_token(Transformer(shape).to(dtype))
-    runners = {f"gpt-fast {mode}": lambda: ours_runners(state, shape, mode, device, dtype)}
+    ours, bytes_per_token = ours_runners(state, shape, mode, device, dtype)
+    runners = {f"gpt-fast {mode}": lambda: ours}
     if peers:
         try:
             import transformers

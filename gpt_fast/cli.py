@@ -1,39 +1,47 @@
-"""The `gpt-fast` command. User mistakes end as one line on stderr and a non-zero exit status."""
+"""The `gpt-fast` command. User mistakes end as one line on stderr and a non-zero exit status, before any weights
+are read; every command sits on the engine API (:mod:`gpt_fast.engine`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
-from gpt_fast.bench import markdown_table, run_bench
-from gpt_fast.config import load_checkpoint_config
-from gpt_fast.convert.auto import convert_source
-from gpt_fast.convert.random_init import make_random_checkpoint
-from gpt_fast.default_model import ensure_default_checkpoint
-from gpt_fast.device import parse_dtype, resolve_device
-from gpt_fast.download import download as fetch
+from gpt_fast import __version__
+from gpt_fast.device import DTYPE_CHOICES, DTYPES, parse_dtype
+from gpt_fast.engine import Engine, EngineOptions
+from gpt_fast.fileio import STDOUT
 from gpt_fast.generate import COMPILE_MODES
-from gpt_fast.interactive import chat_loop
-from gpt_fast.runner import Engine, EngineOptions, GenerateOptions, run_generate, write_stdout
+from gpt_fast.runner import DEFAULT_PROMPT, GenerateOptions, check_text, run_generate, write_stdout
 from gpt_fast.sampling import SamplingConfig
 from gpt_fast.settings import apply_torch_settings
-from gpt_fast.shapes import get_shape
-from gpt_fast.trace_summary import format_summary, summarize_trace
 
 EXIT_USER_ERROR = 1
 EXIT_INTERRUPTED = 130
 GENERATE = GenerateOptions()
-ENGINE = EngineOptions(checkpoint_path=Path("."))
+ENGINE = EngineOptions()
 SAMPLING = SamplingConfig()
+Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 
-def option(*names: str, **kwargs: object):  # noqa: ANN201 - a click decorator
-    """A click option that also answers to the dashed spelling of an underscored name (--max_new_tokens, "
-    "--max-new-tokens)."""
+class Choice(click.Choice):
+    """A choice that ``--help`` lists, whose error reads like all of ours: ``--compile 'x' is not one of …``."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if value in self.choices:
+            return value
+        name = param.opts[0] if param is not None else "value"
+        raise ValueError(f"{name} {value!r} is not one of {', '.join(map(str, self.choices))}")
+
+
+def option(*names: str, **kwargs: Any) -> Decorator:
+    """A click option that also answers to the dashed spelling of an underscored name (--max_new_tokens,
+    --max-new-tokens)."""
     spellings = list(names)
     for name in names:
         if name.startswith("--") and "_" in name:
@@ -41,21 +49,22 @@ def option(*names: str, **kwargs: object):  # noqa: ANN201 - a click decorator
     return click.option(*spellings, **kwargs)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 120})
+@click.version_option(__version__, "--version", prog_name="gpt-fast", message="%(prog)s %(version)s")
 def cli() -> None:
     """Fast LLM text generation in native PyTorch."""
 
 
-def checkpoint_option(func):  # noqa: ANN001, ANN201 - a click decorator
+def checkpoint_option(func: Callable[..., Any]) -> Callable[..., Any]:
     return option(
         "--checkpoint_path",
-        type=click.Path(path_type=Path),
         default=None,
-        help="A converted checkpoint's model.pth (or its folder). Default: the embedded SmolLM2-135M-Instruct.",
+        help="A converted checkpoint's model.pth or folder, or ORG/NAME prepared in checkpoints/. "
+        "Default: the embedded SmolLM2-135M-Instruct.",
     )(func)
 
 
-def sampling_options(func):  # noqa: ANN001, ANN201 - a click decorator
+def sampling_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """--temperature, --top_k, --top_p (applied in reverse so that help lists them in this order)."""
     func = option(
         "--top_p",
@@ -67,38 +76,68 @@ def sampling_options(func):  # noqa: ANN001, ANN201 - a click decorator
     func = option(
         "--top_k", type=int, default=SAMPLING.top_k, show_default=True, help="Sample among the k most likely tokens."
     )(func)
-    func = option("--temperature", type=float, default=SAMPLING.temperature, show_default=True, help="0 = greedy.")(
+    return option("--temperature", type=float, default=SAMPLING.temperature, show_default=True, help="0 = greedy.")(
         func
     )
-    return func
 
 
-def engine_options(func):  # noqa: ANN001, ANN201 - a click decorator
-    """--compile, --compile_prefill, --device, --dtype."""
+def device_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """--device, --dtype."""
     func = option(
         "--dtype",
+        type=Choice(DTYPE_CHOICES),
         default=ENGINE.dtype,
         show_default=True,
-        help="auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16 or float16.",
+        help="auto: bfloat16 on a GPU, float32 on the CPU.",
     )(func)
-    func = option("--device", default=None, help="cpu or cuda[:N]. Default: cuda when present.")(func)
+    return option("--device", default=None, metavar="[cpu|cuda|cuda:N]", help="Default: the GPU when present.")(func)
+
+
+def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """--compile, --compile_prefill, --device, --dtype."""
+    func = device_options(func)
     func = option("--compile_prefill", is_flag=True, help="Also compile the prefill (dynamic shapes).")(func)
-    func = option(
-        "--compile", "compile_mode", default=ENGINE.compile, show_default=True, help=f"{', '.join(COMPILE_MODES)}."
+    return option(
+        "--compile",
+        "compile_mode",
+        type=Choice(COMPILE_MODES),
+        default=ENGINE.compile,
+        show_default=True,
+        help="The torch.compile mode (none: eager).",
     )(func)
-    return func
 
 
-def default_checkpoint_if_none(path: Path | None) -> Path:
-    if path is not None:
-        return path
-    return ensure_default_checkpoint()
+def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
+    """``--prompt TEXT``, ``--prompt -`` (standard input) or ``--prompt_file FILE``, read as they are."""
+    if prompt is not None and prompt_file is not None:
+        raise ValueError("give --prompt or --prompt_file, not both")
+    if prompt_file is not None:
+        return decode_utf8(prompt_file.read_bytes(), f"--prompt_file {prompt_file}")
+    if prompt == STDOUT:
+        return decode_utf8(sys.stdin.buffer.read(), "--prompt - (standard input)")
+    return DEFAULT_PROMPT if prompt is None else prompt
+
+
+def decode_utf8(data: bytes, what: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{what} is not valid UTF-8 text") from None
+
+
+def write_stderr(text: str) -> None:
+    sys.stderr.write(text)
+    sys.stderr.flush()
 
 
 @cli.command()
 @checkpoint_option
-@option("--prompt", default=GENERATE.prompt, show_default=True, help="Input prompt.")
+@option("--prompt", default=None, help=f"Input prompt; - reads it from standard input. [default: {DEFAULT_PROMPT}]")
+@option(
+    "--prompt_file", type=click.Path(path_type=Path, dir_okay=False), default=None, help="Read the prompt from FILE."
+)
 @option("--chat", is_flag=True, help="Apply the checkpoint's chat template to the prompt (one user turn).")
+@option("--system", default=None, help="With --chat: a system message before the user turn.")
 @option(
     "--max_new_tokens",
     type=int,
@@ -115,19 +154,26 @@ def default_checkpoint_if_none(path: Path | None) -> Path:
 )
 @sampling_options
 @engine_options
-@option("--profile", default=None, help="Record the last sample with the PyTorch profiler into PATH.json (Perfetto).")
+@option(
+    "--profile",
+    default=None,
+    help="Record one more sample with the PyTorch profiler (kept out of the averages) into PATH (a .json file, or "
+    "a folder for trace.json) for Perfetto.",
+)
 @option("--batch_size", type=int, default=GENERATE.batch_size, show_default=True, help="Sequences generated at once.")
-@option("--seed", type=int, default=None, help="Seed for reproducible sampling.")
+@option("--seed", type=int, default=None, help="Seed for reproducible sampling (0 to 2**64-1).")
 @option("--ignore_eos", is_flag=True, help="Always generate --max_new_tokens (for benchmarks).")
 @option(
     "--metrics_json",
     type=click.Path(path_type=Path),
     default=None,
-    help="Write all figures and token ids here as JSON.",
+    help="Write all figures and token ids here as JSON (- for standard output; the report then goes to stderr).",
 )
 @option("--no_stream", is_flag=True, help="Print each sample's text at its end instead of token by token.")
 def generate(
-    checkpoint_path: Path | None,
+    checkpoint_path: str | None,
+    prompt: str | None,
+    prompt_file: Path | None,
     temperature: float,
     top_k: int,
     top_p: float,
@@ -136,15 +182,18 @@ def generate(
     device: str | None,
     dtype: str,
     no_stream: bool,
-    **kwargs: object,
+    **kwargs: Any,
 ) -> None:
     """Generate text and report load time, compilation time, tokens/sec, bandwidth and memory."""
     opts = GenerateOptions(
-        sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p), stream=not no_stream, **kwargs
+        prompt=read_prompt(prompt, prompt_file),
+        sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p),
+        stream=not no_stream,
+        **kwargs,
     )
-    engine = EngineOptions(default_checkpoint_if_none(checkpoint_path), compile_mode, compile_prefill, device, dtype)
+    engine = Engine.open(checkpoint_path, EngineOptions(compile_mode, compile_prefill, device, dtype))
     apply_torch_settings()
-    run_generate(engine, opts)
+    run_generate(engine, opts, write_stderr if str(opts.metrics_json) == STDOUT else write_stdout)
 
 
 @cli.command()
@@ -154,7 +203,7 @@ def generate(
 @sampling_options
 @engine_options
 def chat(
-    checkpoint_path: Path | None,
+    checkpoint_path: str | None,
     max_new_tokens: int,
     system: str | None,
     temperature: float,
@@ -165,17 +214,28 @@ def chat(
     device: str | None,
     dtype: str,
 ) -> None:
-    """Chat with a model that has a chat template, streaming each answer."""
-    if max_new_tokens < 1:
-        raise ValueError(f"--max_new_tokens must be >= 1, got {max_new_tokens}")
+    """Chat with a model that has a chat template, streaming each answer (Ctrl-C stops an answer, Ctrl-D ends)."""
+    from gpt_fast.interactive import chat_loop, check_can_chat
+    from gpt_fast.runner import load_reporting
+
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
-    engine = Engine(
-        EngineOptions(default_checkpoint_if_none(checkpoint_path), compile_mode, compile_prefill, device, dtype),
-        write_stdout,
-    )
+    if system is not None:
+        check_text(system, "--system")
+    engine = Engine.open(checkpoint_path, EngineOptions(compile_mode, compile_prefill, device, dtype))
+    check_can_chat(engine)
+    engine.check_fits(engine.chat_ids([{"role": "user", "content": "?"}]), max_new_tokens)
+    enable_line_editing()
     apply_torch_settings()
-    engine.load()
-    chat_loop(engine, sampling, max_new_tokens, input, system)
+    load_reporting(engine, write_stdout)
+    chat_loop(engine, sampling, max_new_tokens, input, write_stdout, system)
+
+
+def enable_line_editing() -> None:
+    """Arrow keys and history for ``input()``, where the platform has readline."""
+    try:
+        import readline  # noqa: F401 - importing it is what turns line editing on
+    except ImportError:
+        return
 
 
 @cli.command()
@@ -193,14 +253,18 @@ def chat(
 )
 @option("--batch_size", type=int, default=1, show_default=True)
 @sampling_options
-@option("--device", default=None, help="cpu or cuda[:N]. Default: cuda when present.")
-@option("--dtype", default=ENGINE.dtype, show_default=True)
+@device_options
 @option("--seed", type=int, default=0, show_default=True)
 @option(
     "--profile",
-    type=click.Path(path_type=Path),
     default=None,
-    help="Keep each mode's trace in this folder, and summarize it.",
+    help="Record one more sample per mode with the profiler (kept out of the figures): a folder (trace_compile_MODE"
+    ".json in it) or a file prefix (PREFIX_MODE.json); each trace is summarized.",
+)
+@option(
+    "--warm_cache",
+    is_flag=True,
+    help="Measure a warm start: each mode's compile cache is filled by a priming run first (default: an empty one).",
 )
 @option(
     "--output_dir",
@@ -211,30 +275,42 @@ def chat(
 )
 @option("--title", default=None, help="Chart title (default: the checkpoint folder's name).")
 def bench(
-    checkpoint_path: Path | None,
+    checkpoint_path: str | None,
     modes: str,
+    prompt: str,
+    temperature: float,
+    top_k: int,
+    top_p: float,
     device: str | None,
-    profile: Path | None,
+    dtype: str,
+    warm_cache: bool,
     output_dir: Path,
     title: str | None,
-    **kwargs: object,
+    **kwargs: Any,
 ) -> None:
     """Compare compile modes on one checkpoint: tokens/sec, TTFT, bandwidth (and its share of the measured copy
-    bandwidth), compile time, memory; as Markdown, JSON, CSV and a bar chart."""
-    checkpoint = default_checkpoint_if_none(checkpoint_path)
-    args = [token for name, value in kwargs.items() for token in (f"--{name}", str(value))] + ["--ignore_eos"]
+    bandwidth), compile time and whether its cache was cold or warm, memory; as Markdown, JSON, CSV and a chart."""
+    from gpt_fast.bench import markdown_table, parse_modes, run_bench
+    from gpt_fast.engine import find_checkpoint
+
+    mode_list = parse_modes(modes)
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    opts = GenerateOptions(prompt=prompt, sampling=sampling, ignore_eos=True, stream=False, **kwargs)
+    checkpoint = find_checkpoint(checkpoint_path)
     report = run_bench(
         checkpoint,
-        [m.strip() for m in modes.split(",") if m.strip()],
-        args,
+        mode_list,
+        EngineOptions(device=device, dtype=dtype),
+        opts,
         output_dir,
-        resolve_device(device),
-        profile_dir=profile,
-        title=title or checkpoint.resolve().parent.name,
+        warm_cache=warm_cache,
+        title=title or checkpoint.resolve().name,
         command=" ".join(["gpt-fast", *sys.argv[1:]]),
         progress=lambda line: click.echo(line, err=True),
     )
     click.echo(markdown_table(report))
+    if not any(r.ok for r in report.results):
+        raise ValueError(f"every mode failed; see the logs in {output_dir}")
 
 
 @cli.command("trace-summary")
@@ -243,6 +319,8 @@ def bench(
 @option("--top", type=int, default=10, show_default=True, help="How many kernels to list.")
 def trace_summary(trace: Path, as_json: bool, top: int) -> None:
     """Summarize the decode phase of a trace written by `generate --profile`: launches, kernels, GPU idle time."""
+    from gpt_fast.trace_summary import format_summary, summarize_trace
+
     summary = summarize_trace(trace, top=top)
     click.echo(json.dumps(summary.to_dict(), indent=2) if as_json else format_summary(summary))
 
@@ -255,12 +333,24 @@ def trace_summary(trace: Path, as_json: bool, top: int) -> None:
     default=None,
     help="Default: checkpoints/ORG/NAME for a downloaded checkpoints/ORG/NAME/hf, else checkpoints/<source name>.",
 )
-@option("--dtype", default=None, help="float32, bfloat16 or float16. Default: keep the source's precision.")
+@option(
+    "--dtype",
+    type=Choice(tuple(DTYPES)),
+    default=None,
+    help="Cast the weights (default: keep the source's precision).",
+)
 def convert(source: Path, output_dir: Path | None, dtype: str | None) -> None:
     """Convert a Hugging Face checkpoint folder or a .gguf file into model.pth + config.json + tokenizer."""
-    out = convert_source(source, output_dir, dtype)
-    click.echo(f"Model config {dataclasses.asdict(load_checkpoint_config(out.parent).model)}")
-    click.echo(f"Saved checkpoint to {out}")
+    from gpt_fast.convert.auto import convert_source
+
+    report_converted(convert_source(source, output_dir, dtype))
+
+
+def report_converted(weights: Path) -> None:
+    from gpt_fast.config import load_checkpoint_config
+
+    click.echo(f"Model config {dataclasses.asdict(load_checkpoint_config(weights.parent).model)}")
+    click.echo(f"Saved checkpoint to {weights}")
 
 
 @cli.command()
@@ -269,13 +359,29 @@ def convert(source: Path, output_dir: Path | None, dtype: str | None) -> None:
 @option("--revision", default=None, help="Branch, tag or commit (default: main).")
 def download(repo_id: str, hf_token: str | None, revision: str | None) -> None:
     """Download a Hugging Face checkpoint's config, tokenizer and weights into checkpoints/REPO_ID/hf."""
+    from gpt_fast.download import download as fetch
+
     click.echo(f"Downloaded {repo_id} to {fetch(repo_id, hf_token=hf_token, revision=revision)}")
+
+
+@cli.command()
+@click.argument("repo_id")
+@option("--hf_token", default=None, help="Hugging Face token (default: the HF_TOKEN environment variable).")
+@option("--revision", default=None, help="Branch, tag or commit (default: main).")
+def prepare(repo_id: str, hf_token: str | None, revision: str | None) -> None:
+    """Download REPO_ID into checkpoints/REPO_ID/hf and convert it into checkpoints/REPO_ID (the blog's prepare.sh)."""
+    from gpt_fast.convert.auto import convert_source
+    from gpt_fast.download import download as fetch
+
+    hf_dir = fetch(repo_id, hf_token=hf_token, revision=revision)
+    click.echo(f"Downloaded {repo_id} to {hf_dir}")
+    report_converted(convert_source(hf_dir, hf_dir.parent))
 
 
 @cli.command("random-checkpoint")
 @click.argument("shape")
 @option("--output_dir", type=click.Path(path_type=Path), required=True)
-@option("--dtype", default="bfloat16", show_default=True)
+@option("--dtype", type=Choice(tuple(DTYPES)), default="bfloat16", show_default=True)
 @option("--seed", type=int, default=0, show_default=True)
 @option(
     "--device",
@@ -285,14 +391,17 @@ def download(repo_id: str, hf_token: str | None, revision: str | None) -> None:
 )
 def random_checkpoint(shape: str, output_dir: Path, dtype: str, seed: int, device: str) -> None:
     """Write a random-weight checkpoint of a named SHAPE (llama-2-7b, llama-3-8b, smollm2-135m, tiny)."""
+    from gpt_fast.convert.random_init import make_random_checkpoint
+    from gpt_fast.shapes import get_shape
+
     path = make_random_checkpoint(
         get_shape(shape), output_dir, dtype=parse_dtype(dtype), seed=seed, device=device, source=shape
     )
     click.echo(f"Saved checkpoint to {path}")
 
 
-def one_line(err: BaseException) -> str:
-    text = str(err).strip() or type(err).__name__
+def one_line(text: str) -> str:
+    """An error message on one line: its lines joined, runs of white space folded."""
     return " ".join(text.split())
 
 
@@ -304,9 +413,9 @@ def main(argv: list[str] | None = None) -> None:
         click.echo("error: interrupted", err=True)
         sys.exit(EXIT_INTERRUPTED)
     except click.ClickException as err:
-        click.echo(f"error: {one_line(Exception(err.format_message()))}", err=True)
+        click.echo(f"error: {one_line(err.format_message())}", err=True)
         sys.exit(err.exit_code)
     except (ValueError, OSError) as err:
-        click.echo(f"error: {one_line(err)}", err=True)
+        click.echo(f"error: {one_line(str(err)) or type(err).__name__}", err=True)
         sys.exit(EXIT_USER_ERROR)
     sys.exit(code if isinstance(code, int) else 0)

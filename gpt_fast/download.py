@@ -8,11 +8,15 @@ come from the local Hugging Face cache instead.
 from __future__ import annotations
 
 import fnmatch
+import logging
 import os
 import re
 import shutil
+import socket
 import sys
-from collections.abc import Iterable
+import urllib.parse
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from huggingface_hub import HfApi, constants, snapshot_download
@@ -57,6 +61,12 @@ WEIGHT_FORMATS = (
 REPO_ID = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?/[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?")
 TRUE_VALUES = {"1", "ON", "YES", "TRUE"}
 # connection-level errors of the HTTP client huggingface_hub uses (httpx2, httpx or requests), by module and name
+REACH_TIMEOUT_S = 5.0  # a first connection to the hub's host that takes longer counts as unreachable
+PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+NEXT_STEPS = (
+    "with the files already in the local Hugging Face cache, set HF_HUB_OFFLINE=1; for a mirror, set HF_ENDPOINT; "
+    "or convert a local folder: gpt-fast convert PATH"
+)
 TRANSPORT_ERRORS = (
     ("httpx2", "TransportError"),
     ("httpx", "TransportError"),
@@ -112,10 +122,39 @@ def weight_files(files: set[str]) -> set[str]:
 
 
 def fetch(repo_id: str, revision: str | None, token: str | None, hf_dir: Path) -> None:
-    listing = HfApi(token=token).list_repo_files(repo_id, revision=revision)
-    wanted = files_to_fetch(listing)
-    require_weights(wanted, f"{repo_id} has")
-    snapshot_download(repo_id, revision=revision, token=token, local_dir=hf_dir, allow_patterns=wanted)
+    check_reachable(constants.ENDPOINT)
+    with quiet_hub():
+        listing = HfApi(token=token).list_repo_files(repo_id, revision=revision)
+        wanted = files_to_fetch(listing)
+        require_weights(wanted, f"{repo_id} has")
+        snapshot_download(repo_id, revision=revision, token=token, local_dir=hf_dir, allow_patterns=wanted)
+
+
+def check_reachable(endpoint: str) -> None:
+    """Fail in seconds, in one line, when the hub's host cannot be reached at all (no name resolution, no
+    connection), rather than after huggingface_hub's half a minute of retries. Behind a proxy the direct
+    connection says nothing, so it is not tried."""
+    if any(os.environ.get(name) for name in PROXY_VARIABLES):
+        return
+    url = urllib.parse.urlsplit(endpoint)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=REACH_TIMEOUT_S).close()
+    except OSError as err:
+        reason = err.strerror or first_line(err)
+        raise ConnectionError(f"cannot reach the Hugging Face hub at {endpoint} ({reason}); {NEXT_STEPS}") from err
+
+
+@contextmanager
+def quiet_hub() -> Iterator[None]:
+    """huggingface_hub logs every retry as a warning; the error we raise says what went wrong, once."""
+    logger = logging.getLogger("huggingface_hub")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def copy_from_cache(repo_id: str, revision: str | None, hf_dir: Path) -> None:
@@ -192,6 +231,9 @@ def hub_error(err: BaseException, repo_id: str, revision: str | None) -> Excepti
 
 def unreachable(err: BaseException, repo_id: str) -> Exception:
     if is_offline():
-        return FileNotFoundError(f"offline and {repo_id} is not in the local Hugging Face cache")
+        return FileNotFoundError(
+            f"offline and {repo_id} is not in the local Hugging Face cache; unset HF_HUB_OFFLINE to download it, "
+            "or convert a local folder: gpt-fast convert PATH"
+        )
     reason = err.__cause__ if isinstance(err, LocalEntryNotFoundError) and err.__cause__ is not None else err
-    return ConnectionError(f"cannot reach the Hugging Face hub: {first_line(reason)}")
+    return ConnectionError(f"cannot reach the Hugging Face hub: {first_line(reason)}; {NEXT_STEPS}")

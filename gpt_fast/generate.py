@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,6 +149,16 @@ class StopTracker:
                 self.stopped_at[row] = self.steps_seen
         self.steps_seen += 1
 
+    def admit(self, steps: list[list[int]]) -> list[list[int]]:
+        """Observe each step's tokens in turn; return the steps that came before every row had stopped."""
+        admitted = []
+        for step_tokens in steps:
+            if self.all_stopped:
+                break
+            self.observe(step_tokens)
+            admitted.append(step_tokens)
+        return admitted
+
     @property
     def all_stopped(self) -> bool:
         return all(s is not None for s in self.stopped_at)
@@ -166,7 +176,6 @@ class GenerationResult:
         return max(len(row) for row in self.tokens)
 
 
-@torch.no_grad()
 def generate(
     model: Transformer,
     prompt_ids: Sequence[int],
@@ -180,7 +189,42 @@ def generate(
     profile_marks: bool = False,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` for ``batch_size`` copies of the prompt; stop early once every row has
-    produced one of ``stop_ids`` (pass none to always generate ``max_new_tokens``)."""
+    produced one of ``stop_ids`` (pass none to always generate ``max_new_tokens``). ``on_tokens`` receives each
+    step's tokens as they arrive."""
+    stream = generate_stream(
+        model,
+        prompt_ids,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        steps=steps,
+        batch_size=batch_size,
+        stop_ids=stop_ids,
+        emit=on_tokens is not None,
+        profile_marks=profile_marks,
+    )
+    while True:
+        try:
+            step_tokens = next(stream)
+        except StopIteration as done:
+            return done.value
+        on_tokens(step_tokens)
+
+
+@torch.no_grad()
+def generate_stream(
+    model: Transformer,
+    prompt_ids: Sequence[int],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    steps: Steps,
+    batch_size: int = 1,
+    stop_ids: Sequence[int] = (),
+    emit: bool = True,
+    profile_marks: bool = False,
+) -> Generator[list[int], None, GenerationResult]:
+    """:func:`generate` as a generator: yields each step's tokens (one per batch row) once the device has produced
+    them (with ``emit``; else nothing), and returns the :class:`GenerationResult`."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not prompt_ids:
@@ -191,15 +235,8 @@ def generate(
     sequence = model.decode_state.tokens  # [B, S]: the prompt, then the new tokens
     mark = torch.profiler.record_function if profile_marks else (lambda _name: contextlib.nullcontext())
     prompt = torch.tensor(prompt_ids, dtype=torch.long, device=device).repeat(batch_size, 1)  # [B, T]
-    host = HostTokens(device, batch_size, max_new_tokens) if stop_ids or on_tokens is not None else None
+    host = HostTokens(device, batch_size, max_new_tokens) if stop_ids or emit else None
     stops = StopTracker(batch_size, stop_ids)
-
-    def consume(rows: list[list[int]]) -> None:
-        for step_tokens in rows:
-            if not stops.all_stopped:
-                stops.observe(step_tokens)
-                if on_tokens is not None:
-                    on_tokens(step_tokens)
 
     device_synchronize(device)
     start = time.perf_counter()
@@ -211,7 +248,9 @@ def generate(
     while produced < max_new_tokens:
         if host is not None:
             host.push(sequence[:, length + produced - 1])
-            consume(host.ready())
+            for step_tokens in stops.admit(host.ready()):
+                if emit:
+                    yield step_tokens
             if stops.all_stopped:
                 break
         with mark(DECODE_MARK):
@@ -220,7 +259,9 @@ def generate(
         produced += 1
     if host is not None and not stops.all_stopped:
         host.push(sequence[:, length + produced - 1])
-        consume(host.ready(wait=True))
+        for step_tokens in stops.admit(host.ready(wait=True)):
+            if emit:
+                yield step_tokens
     device_synchronize(device)
     seconds = time.perf_counter() - start
     rows = sequence[:, length : length + produced].tolist()

@@ -14,15 +14,23 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from gpt_fast.fileio import atomic_path, check_output_file
+from gpt_fast.fileio import atomic_path, check_output_dir, check_output_file
 
 PREFILL_MARK = "gpt_fast::prefill"
 DECODE_MARK = "gpt_fast::decode"
 
 
-def trace_file(path_prefix: str | os.PathLike) -> Path:
-    """``PATH.json`` for ``--profile PATH``, after checking that its folder exists and is writable."""
-    return check_output_file(Path(f"{os.fspath(path_prefix)}.json"), "--profile")
+def trace_file(profile: str | os.PathLike, name: str = "trace", variant: str = "") -> Path:
+    """The trace file ``--profile PATH`` names, after checking that it can be written: a folder (an existing one, or
+    PATH ending in ``/``, then created) holds ``NAME.json``; any other PATH is the file itself, ``.json`` added unless
+    present. ``variant`` tells apart the files of several runs (one per compile mode): ``PATH_VARIANT.json``."""
+    text = os.fspath(profile)
+    if text.endswith(("/", os.sep)):
+        check_output_dir(Path(text), "--profile").mkdir(parents=True, exist_ok=True)
+    if Path(text).is_dir():
+        return check_output_file(Path(text) / f"{name}.json", "--profile")
+    stem = text.removesuffix(".json")
+    return check_output_file(Path(f"{stem}_{variant}.json" if variant else f"{stem}.json"), "--profile")
 
 
 @contextlib.contextmanager

@@ -11,10 +11,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+# Below this temperature sampling is greedy: the limit of the distribution as the temperature goes to 0, and dividing
+# the logits by an ever smaller number would overflow to infinities (and NaN probabilities).
+MIN_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    temperature: float = 0.8  # 0 = greedy argmax
+    temperature: float = 0.8  # 0 (or below MIN_TEMPERATURE) = greedy argmax
     top_k: int | None = 200  # None = the whole vocabulary
     top_p: float = 1.0  # 1 = no nucleus filtering
     # Whether top-p filters: a plain bool, because torch.compile may treat the floats above as symbolic values,
@@ -36,7 +40,7 @@ class SamplingConfig:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE
 
 
 def top_p_filter(sorted_logits: torch.Tensor, top_p: float) -> torch.Tensor:

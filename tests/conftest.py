@@ -211,6 +211,16 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_checkpoint(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model converted once for the session (float32 weights, as the GGUF dequantizes)."""
+    from gpt_fast.convert.gguf_file import convert_gguf
+
+    out = tmp_path_factory.mktemp("smollm2-checkpoint") / "checkpoint"
+    convert_gguf(smollm2_gguf, out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def smollm2_hf_tokenizer(smollm2_gguf: Path):
     """transformers' own tokenizer for the SmolLM2 GGUF."""
     transformers = pytest.importorskip("transformers")

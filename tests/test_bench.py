@@ -6,9 +6,12 @@ import json
 import pytest
 import torch
 
+from gpt_fast import bench
 from gpt_fast.bench import copy_bandwidth_gbps
 from gpt_fast.cli import main
 from gpt_fast.convert.random_init import make_random_checkpoint
+from gpt_fast.engine import EngineOptions
+from gpt_fast.runner import GenerateOptions
 from gpt_fast.shapes import get_shape
 
 
@@ -34,7 +37,7 @@ def bench_run(tmp_path_factory):
                 "--output_dir",
                 str(out),
                 "--profile",
-                str(folder / "traces"),
+                str(folder / "traces") + "/",
             ]
         )
     assert exit_info.value.code == 0
@@ -109,3 +112,62 @@ def test_unknown_mode_is_refused(tmp_path, capsys):
         )
     assert exit_info.value.code == 1
     assert "fastest" in capsys.readouterr().err
+
+
+def test_compile_caches_are_cold_by_default(bench_run):
+    out, _ = bench_run
+    by_mode = {r["mode"]: r for r in json.loads((out / "bench.json").read_text())["results"]}
+    assert by_mode["none"]["compile_cache"] is None and by_mode["default"]["compile_cache"] == "cold"
+    assert "| default | cold |" in (out / "bench.md").read_text()
+
+
+def test_profiled_sample_stays_out_of_the_figures(bench_run):
+    out, _ = bench_run
+    metrics = json.loads((out / "metrics_default.json").read_text())
+    result = {r["mode"]: r for r in json.loads((out / "bench.json").read_text())["results"]}["default"]
+    timed = [s["tokens_per_sec"] for s in metrics["samples"] if not s["warmup"] and not s["profiled"]]
+    assert result["samples"] == len(timed) == 2 and metrics["samples"][-1]["profiled"]
+    assert result["tokens_per_sec_median"] == pytest.approx(sorted(timed)[0] / 2 + sorted(timed)[1] / 2)
+    assert result["profiled_tokens_per_sec"] == pytest.approx(metrics["samples"][-1]["tokens_per_sec"])
+
+
+def test_warm_cache_primes_each_mode_with_its_own_cache(tmp_path, monkeypatch):
+    runs = []
+
+    def fake_child(run):
+        runs.append(run)
+        return "stopped here"  # a failure ends the mode: the runs so far are what is checked
+
+    monkeypatch.setattr(bench, "run_child", fake_child)
+    engine, generate = EngineOptions(device="cpu"), GenerateOptions(num_samples=4, profile=str(tmp_path) + "/")
+    result = bench.run_mode(tmp_path / "ckpt", "default", engine, generate, tmp_path, copy_gbps=1.0, warm_cache=True)
+    assert not result.ok and result.error == "priming run: stopped here"
+    (priming,) = runs
+    assert (
+        priming.generate.num_samples == 1 and priming.generate.profile is None and priming.engine.compile == "default"
+    )
+    runs.clear()
+    monkeypatch.setattr(
+        bench, "run_child", lambda run: runs.append(run) or (object() if len(runs) == 1 else "measured")
+    )
+    result = bench.run_mode(tmp_path / "ckpt", "default", engine, generate, tmp_path, copy_gbps=1.0, warm_cache=True)
+    assert [r.generate.num_samples for r in runs] == [1, 4] and runs[0].compile_cache == runs[1].compile_cache
+    assert result.error == "measured" and result.compile_cache == "warm"
+    runs.clear()
+    monkeypatch.setattr(bench, "run_child", fake_child)
+    bench.run_mode(tmp_path / "ckpt", "default", engine, generate, tmp_path, copy_gbps=1.0, warm_cache=False)
+    bench.run_mode(tmp_path / "ckpt", "none", engine, generate, tmp_path, copy_gbps=1.0, warm_cache=False)
+    assert len(runs) == 2 and runs[0].compile_cache != runs[1].compile_cache  # each mode an empty cache of its own
+
+
+def test_bench_fails_when_every_mode_failed(tmp_path, capsys):
+    checkpoint = make_random_checkpoint(get_shape("tiny"), tmp_path / "tiny", dtype=torch.float32)
+    checkpoint.write_bytes(b"not a weights file")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--checkpoint_path", str(checkpoint), "--modes", "none", "--device", "cpu",
+              "--output_dir", str(tmp_path / "out"), "--num_samples", "1", "--max_new_tokens", "2"])  # fmt: skip
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith("error: every mode failed")
+    report = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert not report["results"][0]["ok"] and "model.pth" in report["results"][0]["error"]

@@ -1,18 +1,21 @@
 """`gpt-fast` end to end on a tiny random checkpoint: the figures, the trace, the JSON, and every bad input."""
 
+import io
 import json
 import os
+import re
+import shutil
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+from gpt_fast import __version__
 from gpt_fast.cli import main
 from gpt_fast.convert.random_init import make_random_checkpoint
-from gpt_fast.interactive import chat_loop
-from gpt_fast.runner import Engine, EngineOptions
-from gpt_fast.sampling import SamplingConfig
 from gpt_fast.shapes import get_shape
 
 
@@ -225,23 +228,6 @@ def test_chat_without_a_template(checkpoint, capsys):
     assert code == 1 and "no chat template" in err
 
 
-def test_chat_loop_keeps_the_conversation(smollm2_gguf, tmp_path):
-    from gpt_fast.convert.gguf_file import convert_gguf
-
-    convert_gguf(smollm2_gguf, tmp_path / "smol")
-    written = []
-    engine = Engine(EngineOptions(tmp_path / "smol", device="cpu"), written.append)
-    engine.load()
-    turns = iter(["What is the capital of France?", "And of Italy?", "/exit"])
-    seen = []
-    original = engine.chat_ids
-    engine.chat_ids = lambda messages: seen.append([dict(m) for m in messages]) or original(messages)
-    chat_loop(engine, SamplingConfig(temperature=0), 30, lambda prompt: next(turns))
-    assert [m["role"] for m in seen[1]] == ["user", "assistant", "user"]
-    assert "Paris" in seen[1][1]["content"]
-    assert "Rome" in "".join(written)
-
-
 def test_random_checkpoint_and_convert_commands(tmp_path, capsys):
     code, out, err = run(
         ["random-checkpoint", "tiny", "--output_dir", str(tmp_path / "r"), "--dtype", "float32"], capsys
@@ -251,3 +237,147 @@ def test_random_checkpoint_and_convert_commands(tmp_path, capsys):
     assert code == 1 and "known shapes: llama-2-7b, llama-3-8b, smollm2-135m, tiny" in err
     code, _, err = run(["convert", str(tmp_path / "r" / "model.pth")], capsys)
     assert code == 1 and "neither a Hugging Face checkpoint folder nor a GGUF file" in err
+
+
+def test_version(capsys):
+    code, out, _ = run(["--version"], capsys)
+    assert code == 0 and out.strip() == f"gpt-fast {__version__}"
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_help_lists_the_choices_whole(command, capsys):
+    code, out, _ = run([command, "--help"], capsys)
+    assert code == 0
+    assert "[none|default|reduce-overhead|max-autotune]" in out
+    assert "[auto|float32|bfloat16|float16]" in out and "[cpu|cuda|cuda:N]" in out
+
+
+@pytest.mark.parametrize(
+    "profile, written",
+    [("run", "run.json"), ("run.json", "run.json"), ("folder/", "folder/trace.json"), (".", "trace.json")],
+)
+def test_profile_path_forms(profile, written, checkpoint, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(generate_args(checkpoint, "--profile", profile, "--max_new_tokens", "3"), capsys)
+    assert code == 0, err
+    assert (tmp_path / written).is_file() and f"Trace written to {Path(written)}" in out.replace("./", "")
+    assert not list(tmp_path.rglob("*.json.json"))
+
+
+def test_profiled_sample_is_reported_apart(checkpoint, tmp_path, capsys):
+    metrics_path = tmp_path / "m.json"
+    args = generate_args(checkpoint, "--profile", str(tmp_path / "t"), "--num_samples", "3", "--ignore_eos")
+    code, out, err = run([*args, "--metrics_json", str(metrics_path)], capsys)
+    assert code == 0, err
+    metrics = json.loads(metrics_path.read_text())
+    assert [(s["warmup"], s["profiled"]) for s in metrics["samples"]] == [
+        (True, False),
+        (False, False),
+        (False, False),
+        (False, True),
+    ]
+    timed = metrics["samples"][1:3]
+    assert metrics["average_tokens_per_sec"] == pytest.approx(sum(s["tokens_per_sec"] for s in timed) / 2)
+    assert metrics["averaged_over"] == "samples 2-3"
+    assert "Profiled sample: 12 tokens" in out and "(not in the averages" in out
+    assert "Average tokens/sec (samples 2-3):" in out
+    assert metrics["trace"]["tokens"] == 11
+
+
+def test_a_single_sample_is_labelled_warm_up(checkpoint, tmp_path, capsys):
+    code, out, err = run(generate_args(checkpoint, "--num_samples", "1"), capsys)
+    assert code == 0, err
+    assert "Sample 1/1: 12 tokens" in out and "(warm-up)" in out
+    assert "Average tokens/sec (warm-up, includes one-time set-up):" in out
+
+
+def test_metrics_to_standard_output(checkpoint, capsys):
+    code, out, err = run(generate_args(checkpoint, "--metrics_json", "-", "--num_samples", "1"), capsys)
+    assert code == 0, err
+    assert json.loads(out)["samples"][0]["new_tokens"] >= 1  # stdout holds the JSON alone
+    assert "Average tokens/sec" in err
+
+
+def test_prompt_from_standard_input_and_from_a_file(checkpoint, tmp_path, capsys, monkeypatch):
+    prompt = "def f(x):\n    return x\n"
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(prompt.encode())))
+    metrics = tmp_path / "stdin.json"
+    code, _, err = run(generate_args(checkpoint, "--prompt", "-", "--metrics_json", str(metrics)), capsys)
+    assert code == 0, err
+    assert json.loads(metrics.read_text())["prompt_ids"] == [256, *prompt.encode()]
+    (tmp_path / "p.txt").write_text(prompt)
+    code, _, err = run(
+        generate_args(checkpoint, "--prompt_file", str(tmp_path / "p.txt"), "--metrics_json", str(metrics)), capsys
+    )
+    assert code == 0, err
+    assert json.loads(metrics.read_text())["prompt_ids"] == [256, *prompt.encode()]
+
+
+MORE_BAD_INPUTS = {
+    "seed below zero": (["--seed", "-1"], r"--seed must be in 0..2\*\*64-1"),
+    "seed too large": (["--seed", str(2**64)], r"--seed must be in 0..2\*\*64-1"),
+    "system without chat": (["--system", "be brief"], "--system goes with --chat"),
+    "invalid UTF-8 prompt": (
+        ["--prompt", b"caf\xff".decode("utf-8", "surrogateescape")],
+        "--prompt is not valid UTF-8",
+    ),
+    "prompt and prompt file": (["--prompt", "x", "--prompt_file", "p.txt"], "give --prompt or --prompt_file, not both"),
+    "metrics into a folder": (["--metrics_json", "."], "--metrics_json: . is a folder"),
+    "unknown device": (["--device", "tpu"], "--device 'tpu' is not a device"),
+    "unsupported device": (["--device", "meta"], "--device 'meta' is not supported"),
+    "chat without a template": (["--chat"], "no chat template"),
+}
+
+
+@pytest.mark.parametrize("name", list(MORE_BAD_INPUTS))
+def test_more_bad_input_is_one_line_before_loading(name, checkpoint, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args, message = MORE_BAD_INPUTS[name]
+    code, out, err = run(["generate", "--checkpoint_path", str(checkpoint), *args], capsys)
+    assert code == 1 and len(err.strip().splitlines()) == 1 and err.startswith("error: ")
+    assert re.search(message, err), err
+    assert "Loading model" not in out and list(tmp_path.iterdir()) == []
+
+
+def test_invalid_utf8_prompt_file(checkpoint, tmp_path, capsys):
+    (tmp_path / "p.txt").write_bytes(b"caf\xe9")
+    code, _, err = run(generate_args(checkpoint, "--prompt_file", str(tmp_path / "p.txt")), capsys)
+    assert code == 1 and f"--prompt_file {tmp_path / 'p.txt'} is not valid UTF-8" in err
+
+
+def test_checkpoint_named_org_slash_name(checkpoint, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(checkpoint.parent, tmp_path / "checkpoints" / "acme" / "tiny")
+    code, out, err = run(generate_args("acme/tiny", "--num_samples", "1"), capsys)
+    assert code == 0, err
+    code, _, err = run(generate_args("acme/missing"), capsys)
+    assert code == 1 and "prepare it with: gpt-fast prepare acme/missing" in err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [([], "no chat template"), (["--max_new_tokens", "100000"], "exceeds the model's context")],
+)
+def test_chat_refuses_before_loading(args, message, checkpoint, smollm2_checkpoint, capsys):
+    target = checkpoint if not args else smollm2_checkpoint
+    code, out, err = run(["chat", "--checkpoint_path", str(target), *args], capsys)
+    assert code == 1 and message in err and "Loading model" not in out
+
+
+def test_ctrl_c_during_generate_exits_130_and_writes_nothing(checkpoint, tmp_path):
+    metrics = tmp_path / "m.json"
+    script = (
+        "import signal\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even if it was ignored\n"
+        "from gpt_fast.cli import main\n"
+        f"main(['generate', '--checkpoint_path', {str(checkpoint)!r}, '--max_new_tokens', '400', '--num_samples',"
+        f" '1000', '--ignore_eos', '--no_stream', '--metrics_json', {str(metrics)!r}])\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while "Sample 1/" not in proc.stdout.readline():
+        assert proc.poll() is None, proc.stderr.read()
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert stderr.strip().splitlines()[-1] == "error: interrupted"
+    assert list(tmp_path.iterdir()) == []

@@ -11,9 +11,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 from tiny import train_bpe_tokenizer
 
-from gpt_fast.checkpoint import load_model
-from gpt_fast.config import load_checkpoint_config
 from gpt_fast.convert.gguf_file import convert_gguf
+from gpt_fast.engine import Engine
 
 DIM, HEADS, KV_HEADS, INTER, LAYERS = 256, 4, 2, 512, 2  # K-quant rows hold multiples of 256 values
 LAYER_TYPES = [
@@ -142,8 +141,8 @@ def test_logits_match_transformers_loading_the_same_file(synthetic):
 
     path, out = synthetic
     reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    config = load_checkpoint_config(out)
-    model = load_model(out, config, torch.device("cpu"), torch.float32)
+    engine = Engine.load(out, device="cpu", dtype="float32")
+    model, config = engine.model, engine.config
     assert config.dtype == "float32"
     tokens = torch.randint(0, config.model.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
     model.setup_caches(1, 64)
@@ -154,8 +153,7 @@ def test_logits_match_transformers_loading_the_same_file(synthetic):
 
 def test_config_comes_from_the_metadata(synthetic):
     _, out = synthetic
-    config = load_checkpoint_config(out)
-    load_model(out, config, torch.device("cpu"), torch.float32)
+    config = Engine.load(out, device="cpu", dtype="float32").config
     assert (config.model.dim, config.model.n_head, config.model.n_local_heads, config.model.block_size) == (
         DIM,
         HEADS,
@@ -168,8 +166,7 @@ def test_config_comes_from_the_metadata(synthetic):
 def test_rope_freqs_tensor_becomes_divisors(tmp_path, tokenizer):
     divisors = np.linspace(1.0, 8.0, DIM // HEADS // 2)
     convert_gguf(write_gguf(tmp_path / "scaled.gguf", tokenizer, rope_freqs=divisors), tmp_path / "out")
-    config = load_checkpoint_config(tmp_path / "out")
-    load_model(tmp_path / "out", config, torch.device("cpu"), torch.float32)
+    config = Engine.load(tmp_path / "out", device="cpu", dtype="float32").config
     assert config.model.rope_scaling.kind == "divisors"
     np.testing.assert_allclose(config.model.rope_scaling.divisors, divisors, rtol=1e-6)
 

@@ -11,10 +11,8 @@ import pytest
 import torch
 from tiny import save_hf_llama
 
-from gpt_fast.checkpoint import load_model
-from gpt_fast.config import load_checkpoint_config
 from gpt_fast.convert.hf import convert_hf
-from gpt_fast.generate import generate, make_steps
+from gpt_fast.engine import Engine
 from gpt_fast.sampling import SamplingConfig
 
 LLAMA3_ROPE = {
@@ -38,9 +36,8 @@ def converted(request, tmp_path_factory):
     hf_model = save_hf_llama(src, **CASES[request.param])
     out = src.parent / f"{request.param}-converted"
     convert_hf(src, out, dtype="float32")
-    config = load_checkpoint_config(out)
-    model = load_model(out, config, torch.device("cpu"), torch.float32)
-    return hf_model, model, config
+    engine = Engine.load(out, device="cpu", dtype="float32")
+    return hf_model, engine.model, engine
 
 
 @torch.no_grad()
@@ -54,18 +51,19 @@ def test_logits_match_transformers(converted):
 
 @torch.no_grad()
 def test_greedy_tokens_match_transformers(converted):
-    hf_model, model, _ = converted
+    hf_model, _, engine = converted
     prompt = [0, 45, 67, 120, 7, 99]
     ids = torch.tensor([prompt])
     expected = hf_model.generate(
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=1
     )[0, len(prompt) :].tolist()
-    ours = generate(model, prompt, max_new_tokens=40, sampling=SamplingConfig(temperature=0), steps=make_steps("none"))
+    ours = engine.generate_ids(prompt, 40, SamplingConfig(temperature=0), ignore_eos=True)
     assert ours.tokens[0] == expected
 
 
 def test_config_records_the_source(converted):
-    hf_model, _, config = converted
+    hf_model, _, engine = converted
+    config = engine.config
     assert config.model.tie_embeddings == hf_model.config.tie_word_embeddings
     assert config.model.n_local_heads == hf_model.config.num_key_value_heads
     assert config.source["architecture"] == "LlamaForCausalLM"

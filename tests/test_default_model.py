@@ -10,23 +10,13 @@ import pytest
 import torch
 
 from gpt_fast import default_model
-from gpt_fast.checkpoint import load_model
 from gpt_fast.config import load_checkpoint_config
-from gpt_fast.convert.gguf_file import convert_gguf
-from gpt_fast.generate import generate, make_steps
+from gpt_fast.engine import Engine
 from gpt_fast.sampling import SamplingConfig
-from gpt_fast.tokenizer import load_tokenizer
 
 PROMPTS = ["def quicksort(arr):", "The capital of France is", "Once upon a time,", "1, 2, 3, 4,"]
 CHATS = ["What is the capital of France?", "Write a haiku about the sea."]
 NEW_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def smollm2_checkpoint(smollm2_gguf, tmp_path_factory):
-    out = tmp_path_factory.mktemp("smollm2") / "checkpoint"
-    convert_gguf(smollm2_gguf, out)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +31,7 @@ def reference(smollm2_gguf):
 
 @pytest.fixture(scope="module")
 def ours(smollm2_checkpoint):
-    config = load_checkpoint_config(smollm2_checkpoint)
-    model = load_model(smollm2_checkpoint, config, torch.device("cpu"), torch.float32)
-    return load_tokenizer(smollm2_checkpoint, config.tokenizer), model, config
+    return Engine.load(smollm2_checkpoint, device="cpu", dtype="float32")
 
 
 def reference_greedy(hf_model, ids):
@@ -59,14 +47,12 @@ def reference_greedy(hf_model, ids):
     return out[0, ids.shape[1] :].tolist()
 
 
-def our_greedy(model, ids):
-    return generate(
-        model, ids, max_new_tokens=NEW_TOKENS, sampling=SamplingConfig(temperature=0), steps=make_steps("none")
-    ).tokens[0]
+def our_greedy(engine, ids):
+    return engine.generate_ids(ids, NEW_TOKENS, SamplingConfig(temperature=0), ignore_eos=True).tokens[0]
 
 
 def test_config(ours):
-    _, _, config = ours
+    config = ours.config
     model = config.model
     assert (model.n_layer, model.dim, model.n_head, model.n_local_heads, model.vocab_size, model.block_size) == (
         30,
@@ -82,7 +68,7 @@ def test_config(ours):
 @torch.no_grad()
 def test_logits_match_transformers(ours, reference):
     hf_tok, hf_model = reference
-    _, model, _ = ours
+    model = ours.model
     ids = hf_tok("def quicksort(arr):\n    if len(arr) <= 1:", return_tensors="pt").input_ids
     model.setup_caches(1, 64)
     diff = (model(ids, torch.arange(ids.shape[1])) - hf_model(ids).logits).abs().max().item()
@@ -92,40 +78,32 @@ def test_logits_match_transformers(ours, reference):
 @torch.no_grad()
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_continuations_match_transformers(ours, reference, prompt):
-    tokenizer, model, _ = ours
     hf_tok, hf_model = reference
-    ids = tokenizer.encode(prompt, bos=True)
+    ids = ours.encode(prompt)
     assert ids == hf_tok(prompt).input_ids
-    assert our_greedy(model, ids) == reference_greedy(hf_model, ids)
+    assert our_greedy(ours, ids) == reference_greedy(hf_model, ids)
 
 
 @torch.no_grad()
 @pytest.mark.parametrize("question", CHATS)
 def test_greedy_chat_answers_match_transformers(ours, reference, question):
-    from gpt_fast.chat_template import chat_prompt_ids
-
-    tokenizer, model, config = ours
     hf_tok, hf_model = reference
     messages = [{"role": "user", "content": question}]
-    ids = chat_prompt_ids(tokenizer, config.chat_template, messages)
+    ids = ours.encode(question, chat=True)
     expected_ids = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)[
         "input_ids"
     ]
     assert ids == list(expected_ids)
-    assert our_greedy(model, ids) == reference_greedy(hf_model, ids)
+    assert our_greedy(ours, ids) == reference_greedy(hf_model, ids)
 
 
 def test_compiled_greedy_equals_eager(ours):
     """The compiled decode step (inductor: attention for one query as fused reductions) picks the same tokens."""
-    tokenizer, model, _ = ours
     torch._dynamo.reset()
-    compiled = make_steps("default")
+    compiled = Engine.load(ours.checkpoint_dir, compile="default", device="cpu", dtype="float32")
     for prompt in PROMPTS[:2]:
-        ids = tokenizer.encode(prompt, bos=True)
-        tokens = generate(
-            model, ids, max_new_tokens=NEW_TOKENS, sampling=SamplingConfig(temperature=0), steps=compiled
-        ).tokens[0]
-        assert tokens == our_greedy(model, ids)
+        ids = ours.encode(prompt)
+        assert our_greedy(compiled, ids) == our_greedy(ours, ids)
 
 
 def test_default_checkpoint_is_prepared_once_per_user(smollm2_gguf, tmp_path, monkeypatch):

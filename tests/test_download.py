@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -108,6 +109,7 @@ class FakeHub:
         self.tokens: list[str | None] = []
         self.downloads: list[dict] = []
         hub = self
+        monkeypatch.setattr(dl, "check_reachable", lambda endpoint: None)  # the stand-in hub is always there
 
         class Api:
             def __init__(self, token: str | None = None) -> None:
@@ -170,7 +172,11 @@ def test_offline_replaces_earlier_files(hf_cache: Path, tmp_path: Path) -> None:
 
 
 def test_offline_repo_not_cached(hf_cache: Path, tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match=f"^offline and {REPO} is not in the local Hugging Face cache$"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=f"^offline and {REPO} is not in the local Hugging Face cache; unset HF_HUB_OFFLINE to download it, "
+        "or convert a local folder: gpt-fast convert PATH$",
+    ):
         download(REPO, root=tmp_path)
     assert not (tmp_path / REPO).exists()
 
@@ -462,6 +468,25 @@ def test_hub_unreachable_during_snapshot(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setattr(dl, "snapshot_download", unreachable)
     with pytest.raises(ConnectionError, match="^cannot reach the Hugging Face hub: .*Connection refused"):
         download(REPO, root=tmp_path)
+
+
+def test_an_unreachable_hub_fails_at_once_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in dl.PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    with socket.socket() as listener:  # a port nothing listens on: connections are refused
+        listener.bind(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+    for endpoint in (f"http://127.0.0.1:{port}", "https://no-such-host.invalid"):
+        with pytest.raises(ConnectionError) as info:
+            dl.check_reachable(endpoint)
+        message = str(info.value)
+        assert message.startswith(f"cannot reach the Hugging Face hub at {endpoint} (") and "\n" not in message
+        assert "HF_HUB_OFFLINE=1" in message and "HF_ENDPOINT" in message and "gpt-fast convert PATH" in message
+
+
+def test_the_reachability_check_steps_aside_behind_a_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
+    dl.check_reachable("https://no-such-host.invalid")
 
 
 # --- online, against a local stand-in for the hub -----------------------------------------------------------------

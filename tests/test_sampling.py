@@ -11,6 +11,15 @@ def test_temperature_zero_is_argmax():
     assert torch.equal(sample(logits, SamplingConfig(temperature=0)), logits.argmax(-1))
 
 
+@pytest.mark.parametrize("temperature", [1e-30, 1e-12, 1e-6])
+def test_temperatures_too_small_to_divide_by_are_greedy(temperature):
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 1e9
+    logits[:, 7] = 1e11  # one clear winner per row; divided by 1e-30 the logits would overflow to infinity
+    for top_p in (1.0, 0.9):
+        config = SamplingConfig(temperature=temperature, top_k=None, top_p=top_p)
+        assert sample(logits, config).tolist() == [7, 7, 7]
+
+
 def test_top_k_never_leaves_the_k_best():
     torch.manual_seed(0)
     logits = torch.randn(4, 100)

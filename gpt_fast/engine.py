@@ -1,0 +1,338 @@
+"""The engine: gpt-fast as a Python library, and the one boundary every command sits on.
+
+    from gpt_fast import Engine, SamplingConfig
+    engine = Engine.load("checkpoints/ORG/NAME", compile="reduce-overhead", device="cuda")  # or Engine.load()
+    for piece in engine.stream("def quicksort(arr):", max_new_tokens=200, sampling=SamplingConfig(0.8, 200)):
+        print(piece, end="")
+
+An engine is opened in two steps so that a command can refuse a bad request before any weights are read:
+:meth:`Engine.open` reads the checkpoint's ``config.json`` (once) and its tokenizer and resolves the device;
+:meth:`Engine.load_weights` then reads the weights. :meth:`Engine.load` does both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gpt_fast.chat_template import chat_prompt_ids
+from gpt_fast.checkpoint import load_model, model_from_state
+from gpt_fast.config import CheckpointConfig, ModelConfig, load_checkpoint_config, resolve_checkpoint_dir
+from gpt_fast.default_model import ensure_default_checkpoint
+from gpt_fast.device import DTYPE_CHOICES, device_name, dtype_name, resolve_device, resolve_dtype
+from gpt_fast.generate import COMPILE_MODES, GenerationResult, cache_length, generate, generate_stream, make_steps
+from gpt_fast.model import Transformer, weight_bytes_per_token
+from gpt_fast.paths import CHECKPOINTS_DIR
+from gpt_fast.profiling import record_trace
+from gpt_fast.sampling import SamplingConfig
+from gpt_fast.textstream import TextStream
+from gpt_fast.tokenizer import Tokenizer, load_tokenizer
+
+DEFAULT_MAX_NEW_TOKENS = 200
+Message = dict[str, str]  # {"role": ..., "content": ...}
+_REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How a checkpoint runs: compile mode (``none`` = eager), whether the prefill is compiled too, device
+    (None: the GPU if there is one) and dtype (``auto``: bfloat16 on a GPU, float32 on the CPU)."""
+
+    compile: str = "none"
+    compile_prefill: bool = False
+    device: str | None = None
+    dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"--compile {self.compile!r} is not one of {', '.join(COMPILE_MODES)}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPE_CHOICES)}")
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One generated continuation."""
+
+    prompt_ids: list[int]
+    ids: list[int]  # the new tokens, a stop token included
+    text: str  # their text, special tokens left out
+    finish_reason: str  # "stop" (a stop token) or "length" (max_new_tokens reached)
+    seconds: float  # prefill + decode, wall time
+    ttft_seconds: float  # time to the first new token
+
+    @property
+    def tokens_per_sec(self) -> float:
+        return len(self.ids) / self.seconds
+
+
+def find_checkpoint(checkpoint: str | Path | None) -> Path:
+    """The checkpoint folder for a path (the folder or its ``model.pth``), an ``ORG/NAME`` prepared under
+    ``checkpoints/``, or None: the embedded default model (prepared on first use)."""
+    if checkpoint is None:
+        return ensure_default_checkpoint().parent
+    path = Path(checkpoint)
+    if path.exists():
+        return resolve_checkpoint_dir(path)
+    name = str(checkpoint)
+    if _REPO_ID.fullmatch(name):
+        prepared = CHECKPOINTS_DIR / name
+        if prepared.is_dir():
+            return prepared
+        raise FileNotFoundError(
+            f"checkpoint not found: {name} (nor {prepared}); prepare it with: gpt-fast prepare {name}"
+        )
+    raise FileNotFoundError(f"checkpoint not found: {path}")
+
+
+class Engine:
+    """A checkpoint ready to generate: config, tokenizer, device, dtype, the (compiled) step functions and, once
+    :meth:`load_weights` has run, the model."""
+
+    def __init__(
+        self,
+        options: EngineOptions,
+        model_config: ModelConfig,
+        *,
+        checkpoint_dir: Path | None = None,
+        config: CheckpointConfig | None = None,
+        state: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Use :meth:`open`, :meth:`load` or :meth:`from_state`."""
+        self.options = options
+        self.model_config = model_config
+        self.checkpoint_dir = checkpoint_dir
+        self.config = config  # the checkpoint's config.json; None for weights given in memory
+        self.device = resolve_device(options.device)
+        self.dtype = resolve_dtype(options.dtype, self.device)
+        self._tokenizer = load_tokenizer(checkpoint_dir, config.tokenizer) if config is not None else None
+        self._state = state
+        self._steps = make_steps(options.compile, options.compile_prefill)
+        self._model: Transformer | None = None
+        self._profile_marks = False
+        self.load_seconds: float | None = None
+
+    @classmethod
+    def open(cls, checkpoint: str | Path | None = None, options: EngineOptions | None = None) -> Engine:
+        """Everything but the weights: every check that needs no weights happens here."""
+        directory = find_checkpoint(checkpoint)
+        config = load_checkpoint_config(directory)
+        return cls(options or EngineOptions(), config.model, checkpoint_dir=directory, config=config)
+
+    @classmethod
+    def load(
+        cls,
+        checkpoint: str | Path | None = None,
+        *,
+        compile: str = "none",
+        compile_prefill: bool = False,
+        device: str | None = None,
+        dtype: str = "auto",
+    ) -> Engine:
+        """Open ``checkpoint`` (None: the default model) and read its weights."""
+        engine = cls.open(checkpoint, EngineOptions(compile, compile_prefill, device, dtype))
+        engine.load_weights()
+        return engine
+
+    @classmethod
+    def from_state(
+        cls, model_config: ModelConfig, state: Mapping[str, torch.Tensor], options: EngineOptions | None = None
+    ) -> Engine:
+        """An engine over weights already in memory (benchmarks on random weights). It has no tokenizer: it takes
+        and gives token ids only (:meth:`generate_ids`), and never stops early."""
+        engine = cls(options or EngineOptions(), model_config, state=state)
+        engine.load_weights()
+        return engine
+
+    def load_weights(self) -> None:
+        start = time.perf_counter()
+        if self._state is not None:
+            self._model = model_from_state(self.model_config, self._state, self.device, self.dtype)
+            self._state = None
+        else:
+            self._model = load_model(self.checkpoint_dir, self.config, self.device, self.dtype)
+        self.load_seconds = time.perf_counter() - start
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            raise RuntimeError("this engine has no tokenizer (its weights were given in memory): use token ids")
+        return self._tokenizer
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return self._tokenizer.stop_ids if self._tokenizer is not None else ()
+
+    @property
+    def model(self) -> Transformer:
+        if self._model is None:
+            raise RuntimeError("the engine's weights are not loaded yet: call load_weights() first")
+        return self._model
+
+    @property
+    def compile(self) -> str:
+        return self.options.compile
+
+    @property
+    def device_name(self) -> str:
+        return device_name(self.device)
+
+    @property
+    def dtype_name(self) -> str:
+        return dtype_name(self.dtype)
+
+    @property
+    def weight_bytes_per_token(self) -> int:
+        """Bytes of weights one decode step reads (see :func:`gpt_fast.model.weight_bytes_per_token`)."""
+        return weight_bytes_per_token(self.model)
+
+    # --- text ---------------------------------------------------------------------------------------------------
+
+    def encode(self, text: str, *, chat: bool = False, system: str | None = None) -> list[int]:
+        """Prompt ids of ``text``: as written (special-token strings in it become their ids, BOS added as the
+        checkpoint says) or, with ``chat``, as one user turn (after an optional system message) through the
+        checkpoint's chat template."""
+        if chat:
+            return self.chat_ids(user_turn(text, system))
+        if system is not None:
+            raise ValueError("--system goes with --chat (a system message is part of a chat)")
+        return self.tokenizer.encode(text, bos=True)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.config.chat_template if self.config is not None else None
+
+    def chat_ids(self, messages: Sequence[Message]) -> list[int]:
+        """Prompt ids of a conversation rendered with the checkpoint's chat template, ready for the answer."""
+        return chat_prompt_ids(self.tokenizer, self.chat_template, list(messages))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``, special tokens left out."""
+        return self.tokenizer.decode(ids, skip_special=True)
+
+    def check_fits(self, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
+        """Raise ValueError (before any allocation) if the request does not fit the model's context."""
+        if max_new_tokens < 1:
+            raise ValueError(f"--max_new_tokens must be >= 1, got {max_new_tokens}")
+        if not prompt_ids:
+            raise ValueError("the prompt encodes to no tokens")
+        cache_length(len(prompt_ids), max_new_tokens, self.model_config.block_size)
+
+    # --- generation ---------------------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: str | Sequence[str],
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        sampling: SamplingConfig | None = None,
+        *,
+        chat: bool = False,
+        system: str | None = None,
+        ignore_eos: bool = False,
+    ) -> list[Completion]:
+        """A completion for each prompt (one after another). Every prompt is encoded and checked against the
+        context before the first is generated."""
+        texts = [prompts] if isinstance(prompts, str) else list(prompts)
+        all_ids = [self.encode(text, chat=chat, system=system) for text in texts]
+        for ids in all_ids:
+            self.check_fits(ids, max_new_tokens)
+        return [self._complete(ids, max_new_tokens, sampling or SamplingConfig(), ignore_eos) for ids in all_ids]
+
+    def _complete(self, ids: list[int], max_new_tokens: int, sampling: SamplingConfig, ignore_eos: bool) -> Completion:
+        result = self.generate_ids(ids, max_new_tokens, sampling, ignore_eos=ignore_eos)
+        new = result.tokens[0]
+        finish = "stop" if new and new[-1] in self.stop_ids and not ignore_eos else "length"
+        return Completion(ids, new, self.decode(new), finish, result.seconds, result.ttft_seconds)
+
+    def stream(
+        self,
+        prompt: str,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        sampling: SamplingConfig | None = None,
+        *,
+        chat: bool = False,
+        system: str | None = None,
+    ) -> Iterator[str]:
+        """The continuation's text, piece by piece as it is generated (a piece is held back until it is whole
+        UTF-8). Stops at a stop token or after ``max_new_tokens``."""
+        ids = self.encode(prompt, chat=chat, system=system)
+        return self.stream_ids(ids, max_new_tokens, sampling or SamplingConfig())
+
+    def stream_ids(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingConfig) -> Iterator[str]:
+        """:meth:`stream` for prompt ids already encoded."""
+        self.check_fits(prompt_ids, max_new_tokens)
+        pieces: list[str] = []
+        text = TextStream(self.tokenizer, prompt_ids, pieces.append)
+        steps = generate_stream(
+            self.model,
+            prompt_ids,
+            max_new_tokens=max_new_tokens,
+            sampling=sampling,
+            steps=self._steps,
+            stop_ids=self.stop_ids,
+            profile_marks=self._profile_marks,
+        )
+        for step_tokens in steps:
+            text.push(step_tokens[0])
+            yield from pieces
+            pieces.clear()
+
+    def generate_ids(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        sampling: SamplingConfig,
+        *,
+        batch_size: int = 1,
+        ignore_eos: bool = False,
+        on_text: Callable[[str], None] | None = None,
+    ) -> GenerationResult:
+        """The lower-level call the commands use: ``batch_size`` copies of one prompt already encoded; the first
+        row's text goes to ``on_text`` as it is generated."""
+        self.check_fits(prompt_ids, max_new_tokens)
+        on_tokens = None
+        if on_text is not None:
+            stream = TextStream(self.tokenizer, prompt_ids, on_text)
+
+            def on_tokens(step_tokens: list[int]) -> None:
+                stream.push(step_tokens[0])
+
+        return generate(
+            self.model,
+            prompt_ids,
+            max_new_tokens=max_new_tokens,
+            sampling=sampling,
+            steps=self._steps,
+            batch_size=batch_size,
+            stop_ids=() if ignore_eos else self.stop_ids,
+            on_tokens=on_tokens,
+            profile_marks=self._profile_marks,
+        )
+
+    @contextlib.contextmanager
+    def profiled(self, trace_path: Path) -> Iterator[None]:
+        """Record the generations inside the block with the PyTorch profiler into ``trace_path`` (Perfetto), with the
+        prefill and every decode step marked for ``gpt-fast trace-summary``."""
+        self._profile_marks = True
+        try:
+            with record_trace(trace_path, self.device):
+                yield
+        finally:
+            self._profile_marks = False
+
+
+def user_turn(text: str, system: str | None = None) -> list[Message]:
+    """A conversation of one user message, after a system message if one is given."""
+    return ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": text}]
+
+
+def set_seed(seed: int | None) -> None:
+    """Seed sampling (torch's global generator, on every device) when ``seed`` is given."""
+    if seed is not None:
+        torch.manual_seed(seed)

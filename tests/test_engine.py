@@ -1,0 +1,111 @@
+"""The Python API: opening before loading, encoding, generating and streaming, engines over in-memory weights,
+finding checkpoints, and the README's example run as written."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpt_fast import Completion, Engine, EngineOptions, SamplingConfig
+from gpt_fast.convert.random_init import make_random_checkpoint, random_weights
+from gpt_fast.shapes import get_shape
+
+GREEDY = SamplingConfig(temperature=0)
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_random_checkpoint(get_shape("tiny"), tmp_path_factory.mktemp("tiny"), dtype=torch.float32, seed=3)
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_checkpoint):
+    return Engine.load(smollm2_checkpoint, device="cpu")
+
+
+def test_open_reads_no_weights(tiny):
+    engine = Engine.open(tiny, EngineOptions(device="cpu"))
+    assert engine.checkpoint_dir == tiny.parent and engine.config.model == get_shape("tiny")
+    assert engine.encode("hi") == [256, *b"hi"]
+    with pytest.raises(RuntimeError, match="load_weights"):
+        engine.model  # noqa: B018 - the property is what is tested
+    engine.load_weights()
+    assert engine.load_seconds > 0 and engine.model.config == engine.config.model
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [({"compile": "turbo"}, "--compile 'turbo' is not one of"), ({"dtype": "int4"}, "--dtype 'int4' is not one of")],
+)
+def test_options_check_themselves(options, message):
+    with pytest.raises(ValueError, match=message):
+        EngineOptions(**options)
+
+
+def test_generate_gives_text_ids_and_timings(smol):
+    (completion,) = smol.generate(prompts=["The capital of France is"], max_new_tokens=8, sampling=GREEDY)
+    assert isinstance(completion, Completion) and "Paris" in completion.text
+    assert completion.prompt_ids == smol.encode("The capital of France is") and len(completion.ids) == 8
+    assert completion.finish_reason == "length" and completion.text == smol.decode(completion.ids)
+    assert completion.seconds > completion.ttft_seconds > 0 and completion.tokens_per_sec > 0
+
+
+def test_a_stop_token_finishes_a_chat_answer(smol):
+    (completion,) = smol.generate("What is 2 + 2?", max_new_tokens=100, sampling=GREEDY, chat=True)
+    assert completion.finish_reason == "stop" and completion.ids[-1] in smol.tokenizer.stop_ids
+
+
+def test_stream_pieces_make_the_generated_text(smol):
+    prompt = "def quicksort(arr):"
+    streamed = "".join(smol.stream(prompt, max_new_tokens=24, sampling=GREEDY))
+    (completion,) = smol.generate(prompt, max_new_tokens=24, sampling=GREEDY)
+    assert streamed == completion.text
+
+
+def test_every_prompt_is_checked_before_the_first_is_generated(smol, monkeypatch):
+    monkeypatch.setattr(smol, "generate_ids", lambda *a, **k: pytest.fail("generated before checking"))
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        smol.generate(["short", "long " * 9000], max_new_tokens=4)
+
+
+def test_system_message_needs_chat(smol):
+    with pytest.raises(ValueError, match="--system goes with --chat"):
+        smol.encode("hi", system="be brief")
+    assert smol.encode("hi", chat=True, system="be brief") != smol.encode("hi", chat=True)
+
+
+def test_engine_over_weights_in_memory_takes_ids():
+    shape = get_shape("tiny")
+    engine = Engine.from_state(shape, random_weights(shape, torch.float32, seed=0), EngineOptions(device="cpu"))
+    result = engine.generate_ids([1, 2, 3], 5, GREEDY)
+    assert len(result.tokens[0]) == 5 and engine.stop_ids == ()
+    with pytest.raises(RuntimeError, match="no tokenizer"):
+        engine.encode("hi")
+
+
+def test_checkpoint_by_org_and_name(tiny, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "checkpoints" / "acme").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "acme" / "tiny").symlink_to(tiny.parent)
+    assert Engine.open("acme/tiny").checkpoint_dir == Path("checkpoints/acme/tiny")
+    with pytest.raises(FileNotFoundError, match="prepare it with: gpt-fast prepare acme/other"):
+        Engine.open("acme/other")
+
+
+def readme_python_example() -> str:
+    section = README.read_text().split("## Python API", 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+@pytest.mark.slow
+def test_readme_python_example_runs_as_written(smollm2_gguf, tmp_path):
+    """On the default model (prepared in this session's cache, as a user's first `Engine.load()` would)."""
+    result = subprocess.run(
+        [sys.executable, "-c", readme_python_example()], capture_output=True, text=True, cwd=tmp_path, timeout=600
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout

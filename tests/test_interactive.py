@@ -1,0 +1,72 @@
+"""`gpt-fast chat`'s loop: the conversation is kept, /reset and /exit, and Ctrl-C stops an answer, not the chat."""
+
+import pytest
+
+from gpt_fast.engine import Engine
+from gpt_fast.interactive import answer, chat_loop
+from gpt_fast.sampling import SamplingConfig
+
+GREEDY = SamplingConfig(temperature=0)
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_checkpoint):
+    return Engine.load(smollm2_checkpoint, device="cpu")
+
+
+def test_chat_loop_keeps_the_conversation(engine, monkeypatch):
+    written = []
+    turns = iter(["What is the capital of France?", "And of Italy?", "/exit"])
+    seen = []
+    original = engine.chat_ids
+    monkeypatch.setattr(
+        engine, "chat_ids", lambda messages: seen.append([dict(m) for m in messages]) or original(messages)
+    )
+    chat_loop(engine, GREEDY, 30, lambda prompt: next(turns), written.append)
+    assert [m["role"] for m in seen[1]] == ["user", "assistant", "user"]
+    assert "Paris" in seen[1][1]["content"]
+    assert "Rome" in "".join(written)
+
+
+def test_reset_starts_over_with_the_system_message(engine, monkeypatch):
+    turns = iter(["Hi", "/reset", "Hello", "/exit"])
+    seen = []
+    original = engine.chat_ids
+    monkeypatch.setattr(
+        engine, "chat_ids", lambda messages: seen.append([dict(m) for m in messages]) or original(messages)
+    )
+    chat_loop(engine, GREEDY, 5, lambda prompt: next(turns), [].append, system="Be brief.")
+    assert [[m["role"] for m in messages] for messages in seen] == [["system", "user"], ["system", "user"]]
+
+
+class InterruptedStream:
+    """Stands in for the engine: two pieces of an answer, then Ctrl-C."""
+
+    def stream_ids(self, ids, max_new_tokens, sampling):
+        yield "Paris"
+        yield " is"
+        raise KeyboardInterrupt
+
+
+def test_ctrl_c_stops_the_answer_and_keeps_what_was_said():
+    written = []
+    assert answer(InterruptedStream(), [1, 2], 10, GREEDY, written.append) == "Paris is"
+    assert "".join(written) == "Paris is [stopped]\n"
+
+
+def test_ctrl_c_at_the_prompt_and_end_of_input(engine):
+    events = iter([KeyboardInterrupt, EOFError])
+
+    def read(prompt):
+        raise next(events)
+
+    written = []
+    chat_loop(engine, GREEDY, 5, read, written.append)  # returns at end of input, not at Ctrl-C
+    assert written[-2:] == ["\n", "\n"]
+
+
+def test_a_turn_too_long_for_the_context_starts_over(engine):
+    turns = iter(["word " * 9000, "/exit"])
+    written = []
+    chat_loop(engine, GREEDY, 5, lambda prompt: next(turns), written.append)
+    assert any("exceeds the model's context" in line and "starting a new conversation" in line for line in written)
