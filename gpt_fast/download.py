@@ -84,6 +84,8 @@ def download(
     """
     check_repo_id(repo_id)
     hf_dir = Path(root) / repo_id / HF_SUBDIR
+    if not is_offline():
+        check_reachable(constants.ENDPOINT)
     try:
         if is_offline():
             copy_from_cache(repo_id, revision, hf_dir)
@@ -122,7 +124,6 @@ def weight_files(files: set[str]) -> set[str]:
 
 
 def fetch(repo_id: str, revision: str | None, token: str | None, hf_dir: Path) -> None:
-    check_reachable(constants.ENDPOINT)
     with quiet_hub():
         listing = HfApi(token=token).list_repo_files(repo_id, revision=revision)
         wanted = files_to_fetch(listing)
