@@ -26,7 +26,7 @@ import torch
 
 from gpt_fast.device import device_name
 from gpt_fast.engine import Engine, EngineOptions
-from gpt_fast.fileio import first_line, write_text_atomic
+from gpt_fast.fileio import atomic_path, first_line, write_text_atomic
 from gpt_fast.generate import COMPILE_MODES
 from gpt_fast.metrics import RunMetrics
 from gpt_fast.profiling import trace_file
@@ -257,7 +257,7 @@ def _cells(r: ModeResult, traced: bool) -> list[str]:
 
 def write_csv(path: Path, report: BenchReport) -> None:
     names = [f for f in ModeResult.__dataclass_fields__ if f not in ("trace", "log")]
-    with path.open("w", newline="") as f:
+    with atomic_path(path) as tmp, tmp.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=names)
         writer.writeheader()
         for r in report.results:
@@ -290,7 +290,8 @@ def write_chart(path: Path, report: BenchReport, title: str) -> bool:
     ax.set_ylabel("Inference throughput (tokens/sec)")
     ax.set_title(f"{title}\n{report.device_name}, torch {report.torch_version}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)
     return True
 

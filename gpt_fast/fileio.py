@@ -5,13 +5,19 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import stat
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
 
 STDOUT = "-"  # an output path meaning standard output
 
@@ -41,9 +47,9 @@ def read_json_object(path: Path) -> dict[str, Any]:
 
 
 def check_output_file(path: Path, flag: str) -> Path:
-    """Check, before any work, that ``path`` can be written: standard output (``-``), an existing device or pipe
-    (written through), or a file in an existing, writable folder."""
-    if str(path) == STDOUT:
+    """Check, before any work, that ``path`` can be written: standard output or error (``-``, ``/dev/stdout``),
+    an existing device or pipe (written through), or a file in an existing, writable folder."""
+    if standard_stream(path) is not None:
         return path
     if path.is_dir():
         raise IsADirectoryError(f"{flag}: {path} is a folder")
@@ -71,38 +77,138 @@ def check_output_dir(out_dir: Path, flag: str = "output folder") -> Path:
     return out_dir
 
 
-def _default_file_mode() -> int:
+def default_mode(bits: int) -> int:
+    """The permissions a new file (``0o666``) or folder (``0o777``) gets under the process's umask."""
     mask = os.umask(0)
     os.umask(mask)
-    return 0o666 & ~mask
+    return bits & ~mask
 
 
 @contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
-    """A new temporary file beside ``path`` (unpredictable name, created exclusively, so a planted link is never
-    followed) for the block to write; renamed onto ``path`` when the block succeeds, removed otherwise. Readers
-    never see a partial file, and an interrupted write leaves what was there."""
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    tmp = Path(name)
+    """A temporary path for the block to write, renamed onto ``path`` when the block succeeds; removed otherwise.
+    Readers never see a partial file, and an interrupted write leaves what was there.
+
+    The temporary path lies in a new private folder beside ``path`` (unpredictable name, created exclusively by
+    ``mkdtemp``, mode 0700), so nobody can plant a link at it, even for code that opens it by name (``torch.save``,
+    the profiler's trace export). A link at ``path`` itself is replaced by the file, never followed."""
+    folder = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    tmp = folder / path.name
     try:
-        os.fchmod(fd, _default_file_mode())
-        os.close(fd)
         yield tmp
         os.replace(tmp, path)
     finally:
-        tmp.unlink(missing_ok=True)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def standard_stream(path: Path) -> TextIO | None:
+    """Standard output or error when ``path`` is ``-`` or names the file descriptor 1 or 2 is open on:
+    ``/dev/stdout``, ``/proc/self/fd/2``, or the file the shell redirected standard output to. Such a path is
+    written through the stream, after what was already printed, never truncated or replaced (``/dev/stdout`` is a
+    link: replacing it would take it away from every process, and as root it can be)."""
+    if str(path) == STDOUT:
+        return sys.stdout
+    try:
+        target = path.stat()
+    except (OSError, ValueError):
+        return None
+    for fd, stream in ((1, sys.stdout), (2, sys.stderr)):
+        try:
+            if os.path.samestat(target, os.fstat(fd)):
+                return stream
+        except OSError:  # closed
+            continue
+    return None
+
+
+def write_through(path: Path, text: str) -> bool:
+    """Write ``text`` into ``path`` if it is an existing device or pipe (``/dev/null``, a named pipe), which cannot
+    be replaced atomically; False, writing nothing, when it is not one. Opened without creating or truncating, and
+    checked again once open, so a regular file swapped in meanwhile is never written this way."""
+    try:
+        if stat.S_ISREG(path.stat().st_mode):
+            return False
+    except FileNotFoundError:
+        return False
+    fd = os.open(path, os.O_WRONLY | getattr(os, "O_NOCTTY", 0))  # a terminal never becomes ours to control
+    if stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return False
+    with os.fdopen(fd, "w", encoding="utf-8") as out:
+        out.write(text)
+    return True
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically; ``-`` is standard output, and an existing device or pipe (such as
-    ``/dev/stdout``) is written through rather than replaced."""
-    if str(path) == STDOUT:
-        sys.stdout.write(text)
-        sys.stdout.flush()
+    """Write ``text`` to ``path``: standard output or error (``-``, ``/dev/stdout``) and devices or pipes are written
+    through; anything else is replaced atomically (a link to a regular file is replaced by a file, its target left
+    as it was: following it would let a link planted at a predictable output path redirect the write)."""
+    stream = standard_stream(path)
+    if stream is not None:
+        stream.write(text)
+        stream.flush()
         return
-    if path.exists() and not stat.S_ISREG(path.stat().st_mode):
-        with path.open("w", encoding="utf-8") as out:
-            out.write(text)
+    if write_through(path, text):
         return
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
+
+
+@contextmanager
+def file_lock(path: Path, on_wait: Callable[[], None]) -> Iterator[None]:
+    """Hold the exclusive lock named by the file ``path`` for the block; ``on_wait()`` is called once if another
+    holder makes us wait. The file is created if needed (never through a link) and removed on release.
+
+    With ``fcntl`` the lock is ``flock``'s: waiting, released by the system when a holder dies, and exclusive
+    between threads too (each opens its own file description). Without it (Windows) the file's exclusive creation
+    is the lock: a second holder is refused, and a file left by a killed holder must be deleted by hand."""
+    if fcntl is None:
+        fd = _create_lock_file(path)
+    else:
+        fd = _flock(path, on_wait)
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        os.close(fd)
+
+
+def _create_lock_file(path: Path) -> int:
+    try:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    except FileExistsError:
+        raise FileExistsError(
+            f"{path} exists: another gpt-fast process is writing there (delete it if none is running)"
+        ) from None
+
+
+def _flock(path: Path, on_wait: Callable[[], None]) -> int:
+    """An open descriptor of ``path`` holding its flock. A holder removes the file before releasing it, so a waiter
+    that then gets the lock of the removed file opens the path again."""
+    waited = False
+    while True:
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(f"lock file {path} is not a regular file")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if not waited:
+                    on_wait()
+                    waited = True
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            if _names(fd, path):
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+
+
+def _names(fd: int, path: Path) -> bool:
+    """Whether ``path`` still names the file open as ``fd``."""
+    try:
+        return os.path.samestat(os.fstat(fd), os.lstat(path))
+    except FileNotFoundError:
+        return False

@@ -190,3 +190,10 @@ def test_unsupported_architecture(tmp_path, tokenizer):
     path = write_gguf(tmp_path / "other.gguf", tokenizer, architecture="gpt2")
     with pytest.raises(ValueError, match="unsupported architecture gpt2"):
         convert_gguf(path, tmp_path / "out")
+
+
+def test_the_folder_holding_the_gguf_is_not_written_into(tmp_path, tokenizer):
+    path = write_gguf(tmp_path / "tiny.gguf", tokenizer)
+    with pytest.raises(FileExistsError, match=f"refusing to write into {tmp_path}: it holds tiny.gguf"):
+        convert_gguf(path, tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["tiny.gguf"]

@@ -11,6 +11,7 @@ import pytest
 import torch
 from tiny import save_hf_llama
 
+from gpt_fast.config import load_checkpoint_config
 from gpt_fast.convert.hf import convert_hf
 from gpt_fast.engine import Engine
 from gpt_fast.sampling import SamplingConfig
@@ -260,6 +261,46 @@ def test_ctrl_c_during_conversion_leaves_nothing(hf_dir, tmp_path):
     assert proc.returncode == 130
     assert stderr.strip().splitlines()[-1] == "error: interrupted"
     assert not out.exists()
+
+
+def tree(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def run_cli(argv, capsys):
+    from gpt_fast.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    out, err = capsys.readouterr()
+    return exit_info.value.code, out, err
+
+
+def test_converting_again_in_the_blog_layout_keeps_the_source(tmp_path, monkeypatch, capsys):
+    """`convert checkpoints/ORG/NAME/hf` writes checkpoints/ORG/NAME, the folder its source lies in: a second
+    conversion replaces the checkpoint as a whole and hf/ stays as it was."""
+    monkeypatch.chdir(tmp_path)
+    src = tmp_path / "checkpoints" / "org" / "name" / "hf"
+    save_hf_llama(src, weights="sharded")
+    source_files = tree(src)
+    for dtype in ("float32", "bfloat16"):
+        code, out, err = run_cli(["convert", "checkpoints/org/name/hf", "--dtype", dtype], capsys)
+        assert code == 0, err
+    out_dir = src.parent
+    assert sorted(p.name for p in out_dir.iterdir()) == ["config.json", "hf", "model.pth", "tokenizer.json"]
+    assert load_checkpoint_config(out_dir).dtype == "bfloat16" and tree(src) == source_files
+    assert [p.name for p in out_dir.parent.iterdir()] == ["name"]
+
+
+def test_converting_into_a_hugging_face_folder_is_one_error_line(hf_dir, tmp_path, capsys):
+    other = tmp_path / "other"
+    save_hf_llama(other)
+    before = tree(other)
+    capsys.readouterr()  # transformers' progress bars
+    code, _, err = run_cli(["convert", str(hf_dir), "--output_dir", str(other)], capsys)
+    assert code == 1 and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"error: refusing to write into {other}: its config.json is not a gpt-fast checkpoint's")
+    assert tree(other) == before and sorted(p.name for p in tmp_path.iterdir()) == ["hf", "other"]
 
 
 @pytest.mark.parametrize("shape", ["llama-2-7b", "llama-3-8b", "smollm2-135m", "tiny"])

@@ -22,9 +22,8 @@ from gpt_fast.config import CheckpointConfig, ModelConfig, RopeScaling
 from gpt_fast.convert.gguf_tokenizer import tokenizer_from_gguf
 from gpt_fast.convert.layout import check_tensors, fuse_tensors
 from gpt_fast.convert.weight_files import TensorInfo
-from gpt_fast.convert.writer import write_checkpoint
+from gpt_fast.convert.writer import check_checkpoint_output, write_checkpoint
 from gpt_fast.device import dtype_name, parse_dtype
-from gpt_fast.fileio import check_output_dir
 
 GGUF_TO_HF = [
     (re.compile(r"token_embd\.weight"), "model.embed_tokens.weight"),
@@ -156,7 +155,7 @@ def source_dtype(reader: GGUFReader) -> torch.dtype:
 
 def convert_gguf(src: Path, out_dir: Path, dtype: str | None = None) -> Path:
     """Convert a llama-architecture GGUF file into ``out_dir``; return the path of the written ``model.pth``."""
-    check_output_dir(out_dir)
+    check_checkpoint_output(out_dir)
     reader = open_gguf(src)
     try:
         model = model_config_from_gguf(reader)

@@ -14,9 +14,9 @@ from gpt_fast.convert.hf_config import architecture, model_config_from_hf
 from gpt_fast.convert.hf_tokenizer import tokenizer_from_hf_dir
 from gpt_fast.convert.layout import check_tensors, fuse_tensors, source_dtype
 from gpt_fast.convert.weight_files import iter_tensors, tensor_infos, weight_files
-from gpt_fast.convert.writer import write_checkpoint
+from gpt_fast.convert.writer import check_checkpoint_output, write_checkpoint
 from gpt_fast.device import dtype_name, parse_dtype
-from gpt_fast.fileio import check_output_dir, read_json_object
+from gpt_fast.fileio import read_json_object
 
 
 def convert_hf(src: Path, out_dir: Path, dtype: str | None = None) -> Path:
@@ -25,7 +25,7 @@ def convert_hf(src: Path, out_dir: Path, dtype: str | None = None) -> Path:
         raise FileNotFoundError(f"checkpoint folder not found: {src}")
     if out_dir.resolve() == src.resolve():
         raise ValueError(f"the output folder must differ from the source folder {src} (both hold a config.json)")
-    check_output_dir(out_dir)
+    check_checkpoint_output(out_dir)
     hf_config = read_json_object(src / "config.json")
     where = str(src / "config.json")
     model = model_config_from_hf(hf_config, where)

@@ -13,9 +13,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from gpt_fast.config import CheckpointConfig, ModelConfig, TokenizerConfig
 from gpt_fast.convert.tokenizer_common import bytes_to_unicode
-from gpt_fast.convert.writer import write_checkpoint
+from gpt_fast.convert.writer import check_checkpoint_output, write_checkpoint
 from gpt_fast.device import dtype_name
-from gpt_fast.fileio import check_output_dir
 from gpt_fast.model import weight_shapes
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -72,7 +71,7 @@ def make_random_checkpoint(
     source: str = "random",
 ) -> Path:
     """Write a random-weight checkpoint of shape ``model`` into ``out_dir``; return the weights path."""
-    check_output_dir(out_dir)
+    check_checkpoint_output(out_dir)
     tokenizer, tok_config = byte_tokenizer(model.vocab_size)
     config = CheckpointConfig(
         model=model,
