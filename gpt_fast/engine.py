@@ -113,6 +113,7 @@ class Engine:
         self.dtype = resolve_dtype(options.dtype, self.device)
         self._tokenizer = load_tokenizer(checkpoint_dir, config.tokenizer) if config is not None else None
         self._state = state
+        self._folder_id = folder_identity(checkpoint_dir)
         self._steps = make_steps(options.compile, options.compile_prefill)
         self._model: Transformer | None = None
         self._profile_marks = False
@@ -156,6 +157,8 @@ class Engine:
             self._model = model_from_state(self.model_config, self._state, self.device, self.dtype)
             self._state = None
         else:
+            if folder_identity(self.checkpoint_dir) != self._folder_id:
+                raise ValueError(f"checkpoint {self.checkpoint_dir} was replaced since it was opened; run again")
             self._model = load_model(self.checkpoint_dir, self.config, self.device, self.dtype)
         self.load_seconds = time.perf_counter() - start
 
@@ -325,6 +328,15 @@ class Engine:
                 yield
         finally:
             self._profile_marks = False
+
+
+def folder_identity(folder: Path | None) -> tuple[int, int] | None:
+    """Which folder is at ``folder`` now: a conversion replaces a checkpoint by swapping in a new folder, and the
+    weights must come from the folder whose config was read."""
+    if folder is None:
+        return None
+    info = folder.stat()
+    return info.st_dev, info.st_ino
 
 
 def user_turn(text: str, system: str | None = None) -> list[Message]:

@@ -2,6 +2,7 @@
 finding checkpoints, and the README's example run as written."""
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,16 @@ def test_open_reads_no_weights(tiny):
         engine.model  # noqa: B018 - the property is what is tested
     engine.load_weights()
     assert engine.load_seconds > 0 and engine.model.config == engine.config.model
+
+
+def test_weights_come_from_the_folder_whose_config_was_read(tiny, tmp_path):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(tiny.parent, folder)
+    engine = Engine.open(folder, EngineOptions(device="cpu"))
+    folder.rename(tmp_path / "old")
+    shutil.copytree(tiny.parent, folder)  # a conversion swapped in another checkpoint meanwhile
+    with pytest.raises(ValueError, match="was replaced since it was opened"):
+        engine.load_weights()
 
 
 @pytest.mark.parametrize(
