@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from gpt_fast.chat_template import chat_prompt_ids
-from gpt_fast.checkpoint import load_model
+from gpt_fast.checkpoint import check_tokenizer_size, load_model
 from gpt_fast.config import CheckpointConfig, load_checkpoint_config, resolve_checkpoint_dir
 from gpt_fast.device import device_name, dtype_name, memory_used, resolve_device, resolve_dtype
 from gpt_fast.fileio import check_output_file, write_text_atomic
@@ -107,6 +107,9 @@ class Engine:
         self.checkpoint_dir = resolve_checkpoint_dir(opts.checkpoint_path)
         self.config: CheckpointConfig = load_checkpoint_config(self.checkpoint_dir)
         self.tokenizer: Tokenizer = load_tokenizer(self.checkpoint_dir, self.config.tokenizer)
+        check_tokenizer_size(
+            self.tokenizer.vocab_size, self.config.model, str(self.checkpoint_dir / self.config.tokenizer.file)
+        )
         self.steps = make_steps(opts.compile, opts.compile_prefill)
         self.write = write
         self.model = None
