@@ -1,20 +1,33 @@
 """Loading a converted checkpoint (``model.pth`` + ``config.json``) into a :class:`Transformer`, and the checks
-every weights file goes through (the converters' inputs too)."""
+every weights file goes through (the converters' inputs too).
+
+A ``torch.save`` file is a zip archive: a pickle naming the tensors (their dtype, shape and storage) and one
+record of raw bytes per storage. Everything that can be checked without the data is checked first, from the
+zip directory and the pickle alone (the records are memory-mapped, not read), so a file that does not match its
+config, or whose tensors would view more bytes than they hold, is refused before anything is allocated.
+"""
 
 from __future__ import annotations
 
 import pickle
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
-from gpt_fast.config import CheckpointConfig, ModelConfig, load_checkpoint_config
-from gpt_fast.fileio import first_line
-from gpt_fast.model import Transformer, weight_shapes
-from gpt_fast.tokenizer import load_tokenizer
+from gpt_fast.config import CONFIG_FILE, CheckpointConfig, ModelConfig, load_checkpoint_config
+from gpt_fast.device import DTYPES
+from gpt_fast.fileio import first_line, inside_folder, regular_file
+from gpt_fast.model import Transformer, weight_count, weight_shapes
+from gpt_fast.tokenizer import Tokenizer, load_tokenizer
 
 Shape = tuple[int, ...]
+SOURCE_DTYPES = (*DTYPES.values(), torch.float64)  # what a weights file may hold (float64 only as a source)
+# The pickle of a torch.save archive is read by torch's pure-Python weights-only unpickler, slowly (about 1 ms
+# per tensor): it may hold at most this many bytes per tensor its config describes (ours use about 150).
+PICKLE_BYTES_PER_TENSOR = 1024
+PICKLE_BYTES_MIN = 64 << 10
 
 
 def check_shapes(found: Mapping[str, Shape], expected: Mapping[str, Shape], where: str) -> None:
@@ -23,9 +36,9 @@ def check_shapes(found: Mapping[str, Shape], expected: Mapping[str, Shape], wher
     unexpected = sorted(set(found) - set(expected))
     problems = []
     if missing:
-        problems.append(f"missing tensor(s): {', '.join(missing)}")
+        problems.append(f"missing tensor(s): {_listing(missing)}")
     if unexpected:
-        problems.append(f"unexpected tensor(s): {', '.join(unexpected)}")
+        problems.append(f"unexpected tensor(s): {_listing(unexpected)}")
     if problems:
         raise ValueError(f"{where}: {'; '.join(problems)}")
     for name, shape in expected.items():
@@ -33,35 +46,155 @@ def check_shapes(found: Mapping[str, Shape], expected: Mapping[str, Shape], wher
             raise ValueError(f"{where}: tensor {name} has shape {list(found[name])}, config.json expects {list(shape)}")
 
 
-def load_torch_weights(path: Path, mmap: bool = True) -> dict[str, torch.Tensor]:
-    """A ``torch.save``'d dict of tensors, read with ``weights_only=True`` (a pickle that would build anything but
-    tensors is refused before it runs); memory-mapped when ``mmap`` and the file's format allow it."""
-    if not path.is_file():
-        raise FileNotFoundError(f"missing weights file {path}")
+def _listing(names: list[str], most: int = 20) -> str:
+    """Names separated by commas, at most ``most`` of them (the error stays one readable line)."""
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
+
+
+def check_tensor_count(found: int, expected: int, config: ModelConfig, where: str) -> None:
+    """Refuse, before any per-tensor work, a config that describes more tensors than the weights hold (a config
+    claiming millions of layers fails here, in microseconds)."""
+    if found < expected:
+        raise ValueError(f"{where} holds {found} tensors, a model of {config.n_layer} layers (n_layer) has {expected}")
+
+
+def check_tokenizer_size(tokens: int, config: ModelConfig, where: str) -> None:
+    """Every id the tokenizer can produce must have a row in the embedding table."""
+    if tokens > config.vocab_size:
+        raise ValueError(
+            f"{where}: the tokenizer has {tokens} tokens, more than the model's embedding table "
+            f"(model.vocab_size = {config.vocab_size})"
+        )
+
+
+def _archive_records(path: Path, max_tensors: int) -> list[int]:
+    """Check a ``torch.save`` zip archive from its directory alone; return the sizes of its data records."""
     try:
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-        except RuntimeError as err:
-            if not mmap or "mmap" not in str(err):
-                raise
-            state = torch.load(path, map_location="cpu", weights_only=True)  # legacy (non-zip) format
+        with zipfile.ZipFile(path) as archive:
+            members = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError) as err:
+        raise ValueError(f"{path} is not a torch.save archive (a zip file): {first_line(err)}") from None
+    pickles = [m for m in members if m.filename.partition("/")[2] == "data.pkl"]
+    if len(pickles) != 1:
+        raise ValueError(f"{path} is not a torch.save archive: it holds {len(pickles)} data.pkl, not 1")
+    compressed = [m.filename for m in members if m.compress_type != zipfile.ZIP_STORED]
+    if compressed:
+        raise ValueError(f"{path}: archive member {compressed[0]} is compressed (torch.save stores its data as is)")
+    if sum(m.file_size for m in members) > path.stat().st_size:
+        raise ValueError(f"{path}: the zip directory claims more bytes than the file holds")
+    limit = max(PICKLE_BYTES_MIN, PICKLE_BYTES_PER_TENSOR * max_tensors)
+    if pickles[0].file_size > limit:
+        raise ValueError(
+            f"{path}: its pickle of {pickles[0].file_size} bytes is too large for at most {max_tensors} tensors"
+        )
+    records = [m.file_size for m in members if m.filename.partition("/")[2].startswith("data/")]
+    if len(records) > max_tensors:
+        raise ValueError(f"{path} holds {len(records)} data records, more than the {max_tensors} tensors expected")
+    return records
+
+
+def _check_state(state: object, records: list[int], path: Path) -> dict[str, torch.Tensor]:
+    """A dict of floating-point tensors whose storages are exactly the archive's records, none viewing bytes
+    that no tensor holds."""
+    if not isinstance(state, dict):
+        raise ValueError(f"{path} holds a {type(state).__name__}, not a dict of tensors")
+    storages: dict[int, int] = {}  # data pointer -> size: the distinct storages, memory-mapped
+    held = 0
+    for name, tensor in state.items():
+        if not isinstance(name, str):
+            raise ValueError(f"{path}: tensor name {name!r} is not a string")
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{path}: {name} is a {type(tensor).__name__}, not a tensor")
+        if tensor.dtype not in SOURCE_DTYPES:
+            allowed = ", ".join(str(d).removeprefix("torch.") for d in SOURCE_DTYPES)
+            raise ValueError(f"{path}: tensor {name} has dtype {tensor.dtype}; weights must be one of {allowed}")
+        storage = tensor.untyped_storage()
+        if storage.nbytes():
+            storages[storage.data_ptr()] = storage.nbytes()
+        held += tensor.numel() * tensor.element_size()
+    if sorted(storages.values()) != sorted(size for size in records if size):
+        raise ValueError(f"{path}: its tensors' storages do not match the archive's data records (corrupt file)")
+    if sum(storages.values()) > held:
+        raise ValueError(
+            f"{path}: its tensors view {sum(storages.values())} bytes of storage but hold only {held} (hidden data)"
+        )
+    return state
+
+
+def _unpickler_reason(err: pickle.UnpicklingError) -> str:
+    """The line of torch's weights-only error that says what was refused (it comes amid lines of advice)."""
+    advice = ("Weights only load failed", "Please file an issue", "Check the documentation")
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return next((line for line in lines if not line.startswith(advice)), first_line(err))
+
+
+def load_torch_weights(path: Path, max_tensors: int) -> dict[str, torch.Tensor]:
+    """A ``torch.save``'d dict of at most ``max_tensors`` floating-point tensors, memory-mapped (nothing is read
+    until used), read with ``weights_only=True`` (a pickle that would build anything but tensors is refused
+    before it runs) after the archive's directory has been checked."""
+    if not path.exists():
+        raise FileNotFoundError(f"missing weights file {path}")
+    regular_file(path, "weights file")
+    records = _archive_records(path, max_tensors)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as err:
-        raise ValueError(f"{path}: unsafe pickle refused, it holds more than tensors ({first_line(err)})") from None
-    except (RuntimeError, EOFError, OSError) as err:
+        raise ValueError(
+            f"{path}: unsafe pickle refused, it holds more than tensors ({_unpickler_reason(err)})"
+        ) from None
+    except (RuntimeError, EOFError, OSError, ValueError, TypeError, KeyError, IndexError) as err:
         raise ValueError(f"{path} is not a readable weights file: {first_line(err)}") from None
-    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
-        raise ValueError(f"{path} does not hold a dict of tensors")
+    return _check_state(state, records, path)
+
+
+def check_finite(tensors: Mapping[str, torch.Tensor], where: str) -> None:
+    """Refuse NaN and infinite weights: each tensor's minimum and maximum (NaN propagates to both), one pass
+    over the data on the tensors' device (as fast as a sum, where ``isfinite(t).all()`` is many times slower on
+    a CPU), and one synchronization."""
+    names = [name for name, t in tensors.items() if t.numel()]
+    if not names:
+        return
+    bounds = torch.stack([torch.stack(tensors[name].aminmax()).float() for name in names])  # [N, 2]
+    finite = bounds.isfinite().all(dim=1).tolist()
+    bad = next((name for name, ok in zip(names, finite, strict=True) if not ok), None)
+    if bad is not None:
+        dtype = str(tensors[bad].dtype).removeprefix("torch.")
+        raise ValueError(f"{where}: tensor {bad} holds NaN or infinite values (in {dtype})")
+
+
+def checkpoint_weights(path: Path, config: CheckpointConfig) -> dict[str, torch.Tensor]:
+    """The weights file ``path`` of a converted checkpoint, memory-mapped and checked against ``config`` (size,
+    tensor count, names, shapes, dtype) before any data is read."""
+    tensors, parameters = weight_count(config.model)
+    needed = parameters * DTYPES[config.dtype].itemsize
+    if path.is_file() and path.stat().st_size < needed:
+        raise ValueError(
+            f"{path} holds {path.stat().st_size} bytes, config.json's model describes {parameters} parameters "
+            f"({needed} bytes in {config.dtype})"
+        )
+    state = load_torch_weights(path, tensors)
+    check_tensor_count(len(state), tensors, config.model, str(path))
+    check_shapes({name: tuple(t.shape) for name, t in state.items()}, weight_shapes(config.model), str(path))
+    for name, tensor in state.items():
+        if tensor.dtype != DTYPES[config.dtype]:
+            raise ValueError(f"{path}: tensor {name} is {tensor.dtype}, config.json says dtype {config.dtype}")
     return state
 
 
 def load_model(checkpoint_dir: Path, config: CheckpointConfig, device: torch.device, dtype: torch.dtype) -> Transformer:
-    """Build the model ``config`` describes and load its weights file onto ``device`` in ``dtype``."""
-    weights_path = checkpoint_dir / config.weights
-    # Memory-mapping saves a copy when the weights move to a GPU; on the CPU, computing from a private
-    # file mapping was measured 8x slower than from ordinary memory (SmolLM2-135M decode), so read it in.
-    state = load_torch_weights(weights_path, mmap=device.type != "cpu")
-    check_shapes({name: tuple(t.shape) for name, t in state.items()}, weight_shapes(config.model), str(weights_path))
-    return model_from_state(config.model, state, device, dtype)
+    """Build the model ``config`` describes and load its weights file onto ``device`` in ``dtype``; NaN or
+    infinite weights (also those made by converting to ``dtype``) are refused."""
+    path = inside_folder(checkpoint_dir, config.weights, f"{checkpoint_dir / CONFIG_FILE}: weights")
+    state = checkpoint_weights(path, config)
+    if device.type == "cpu":
+        # On the CPU, computing from a private file mapping was measured 8x slower than from ordinary memory
+        # (SmolLM2-135M decode), and copying out of the mapping page by page 4x slower than reading the file
+        # again; checked, the file is now read in whole.
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    model = model_from_state(config.model, state, device, dtype)
+    check_finite(dict(model.named_parameters()), str(path))
+    return model
 
 
 def check_checkpoint(checkpoint_dir: Path) -> CheckpointConfig:
@@ -69,11 +202,17 @@ def check_checkpoint(checkpoint_dir: Path) -> CheckpointConfig:
     weights' names and shapes (memory-mapped, nothing copied); raise what loading it would raise. The converter
     runs this on its staged result, so every check added to loading also guards what is written."""
     config = load_checkpoint_config(checkpoint_dir)
-    load_tokenizer(checkpoint_dir, config.tokenizer)
-    weights_path = Path(checkpoint_dir) / config.weights
-    state = load_torch_weights(weights_path, mmap=True)
-    check_shapes({name: tuple(t.shape) for name, t in state.items()}, weight_shapes(config.model), str(weights_path))
+    checkpoint_tokenizer(checkpoint_dir, config)
+    weights = inside_folder(checkpoint_dir, config.weights, f"{checkpoint_dir / CONFIG_FILE}: weights")
+    checkpoint_weights(weights, config)
     return config
+
+
+def checkpoint_tokenizer(checkpoint_dir: Path, config: CheckpointConfig) -> Tokenizer:
+    """The tokenizer ``config`` names, refused if it can produce ids beyond the model's embedding table."""
+    tokenizer = load_tokenizer(checkpoint_dir, config.tokenizer)
+    check_tokenizer_size(tokenizer.vocab_size, config.model, str(checkpoint_dir / config.tokenizer.file))
+    return tokenizer
 
 
 def model_from_state(

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpt_fast.fileio import read_json_object
+from gpt_fast.fileio import read_json_object, regular_file
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.pth"
@@ -23,6 +23,10 @@ FORMAT_NAME = "gpt-fast-checkpoint"
 FORMAT_VERSION = 1
 ROPE_SCALING_KINDS = ("llama3", "linear", "divisors")
 TOKENIZER_KINDS = ("sentencepiece", "tiktoken", "huggingface")
+WEIGHT_DTYPES = ("float32", "bfloat16", "float16")  # what a weights file may hold (gpt_fast.device.DTYPES)
+# Upper bound of every size in a model config (context, vocabulary, widths, layers, heads): 16M, far above any
+# real model (Llama 3.1 405B: 126 layers, width 16384) and small enough that products of sizes stay exact.
+MAX_SIZE = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -40,10 +44,13 @@ class RopeScaling:
     def __post_init__(self) -> None:
         if self.kind not in ROPE_SCALING_KINDS:
             raise ValueError(f"rope_scaling.kind {self.kind!r} is not one of {', '.join(ROPE_SCALING_KINDS)}")
-        _require(self.factor > 0, "rope_scaling.factor must be > 0")
+        _require_positive_number(self.factor, "rope_scaling.factor")
         if self.kind == "llama3":
             for name in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
                 _require(getattr(self, name) is not None, f"rope_scaling.{name} is required for kind 'llama3'")
+            _require_positive_number(self.low_freq_factor, "rope_scaling.low_freq_factor")
+            _require_positive_number(self.high_freq_factor, "rope_scaling.high_freq_factor")
+            _require_size(self.original_max_position_embeddings, "rope_scaling.original_max_position_embeddings")
             _require(
                 self.high_freq_factor > self.low_freq_factor,
                 "rope_scaling.high_freq_factor must exceed low_freq_factor",
@@ -52,10 +59,8 @@ class RopeScaling:
             (self.kind == "divisors") == (self.divisors is not None),
             "rope_scaling.divisors goes with kind 'divisors' only",
         )
-        _require(
-            self.divisors is None or all(math.isfinite(d) and d > 0 for d in self.divisors),
-            "rope_scaling.divisors must be > 0",
-        )
+        for i, divisor in enumerate(self.divisors or ()):
+            _require_positive_number(divisor, f"rope_scaling.divisors[{i}]")
 
 
 @dataclass(frozen=True)
@@ -86,21 +91,16 @@ class ModelConfig:
             "n_local_heads",
             "head_dim",
         ):
-            value = getattr(self, name)
-            _require(
-                isinstance(value, int) and not isinstance(value, bool) and value > 0,
-                f"model.{name} must be a positive integer, got {value!r}",
-            )
+            _require_size(getattr(self, name), f"model.{name}")
         _require(
             self.n_head % self.n_local_heads == 0,
             f"model.n_head ({self.n_head}) must be a multiple of n_local_heads ({self.n_local_heads})",
         )
         _require(self.head_dim % 2 == 0, f"model.head_dim ({self.head_dim}) must be even for rotary embeddings")
+        _require_positive_number(self.rope_base, "model.rope_base")
+        _require_positive_number(self.norm_eps, "model.norm_eps")
         _require(
-            math.isfinite(self.rope_base) and self.rope_base > 0, f"model.rope_base must be > 0, got {self.rope_base!r}"
-        )
-        _require(
-            math.isfinite(self.norm_eps) and self.norm_eps > 0, f"model.norm_eps must be > 0, got {self.norm_eps!r}"
+            isinstance(self.tie_embeddings, bool), f"model.tie_embeddings must be a bool, got {self.tie_embeddings!r}"
         )
         divisors = self.rope_scaling.divisors if self.rope_scaling else None
         _require(
@@ -134,13 +134,16 @@ class TokenizerConfig:
     def __post_init__(self) -> None:
         if self.kind not in TOKENIZER_KINDS:
             raise ValueError(f"tokenizer.kind {self.kind!r} is not one of {', '.join(TOKENIZER_KINDS)}")
-        _require(
-            not Path(self.file).is_absolute() and ".." not in Path(self.file).parts,
-            f"tokenizer.file must be a path inside the checkpoint folder, got {self.file!r}",
-        )
+        _require_inside(self.file, "tokenizer.file")
         _require(not (self.add_bos and self.bos_id is None), "tokenizer.add_bos is true but tokenizer.bos_id is null")
         _require(self.kind != "tiktoken" or bool(self.pattern), "tokenizer.pattern is required for kind 'tiktoken'")
         object.__setattr__(self, "stop_ids", tuple(self.stop_ids))
+
+    def token_ids(self) -> dict[str, int]:
+        """Every token id the config names, by field: bos_id, stop_ids[i], special_tokens[text]."""
+        ids = {} if self.bos_id is None else {"bos_id": self.bos_id}
+        ids |= {f"stop_ids[{i}]": token_id for i, token_id in enumerate(self.stop_ids)}
+        return ids | {f"special_tokens[{text!r}]": token_id for text, token_id in self.special_tokens.items()}
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,16 @@ class CheckpointConfig:
     weights: str = WEIGHTS_FILE
     source: dict[str, Any] = field(default_factory=dict)  # provenance only (what it was converted from)
 
+    def __post_init__(self) -> None:
+        _require(self.dtype in WEIGHT_DTYPES, f"dtype {self.dtype!r} is not one of {', '.join(WEIGHT_DTYPES)}")
+        _require_inside(self.weights, "weights")
+        vocab = self.model.vocab_size
+        for name, token_id in self.tokenizer.token_ids().items():
+            _require(
+                0 <= token_id < vocab,
+                f"tokenizer.{name} = {token_id} is outside the model's vocabulary (model.vocab_size = {vocab})",
+            )
+
     def to_json(self) -> str:
         payload = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **dataclasses.asdict(self)}
         return json.dumps(payload, indent=2, ensure_ascii=False) + "\n"
@@ -162,6 +175,29 @@ class CheckpointConfig:
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
+
+
+def _require_size(value: Any, name: str) -> None:
+    _require(
+        isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_SIZE,
+        f"{name} must be a positive integer (at most {MAX_SIZE}), got {value!r}",
+    )
+
+
+def _require_inside(name: str, field: str) -> None:
+    """A file name relative to the checkpoint folder, not leaving it (symbolic links are followed at load)."""
+    path = Path(name)
+    _require(
+        bool(name) and not path.is_absolute() and ".." not in path.parts,
+        f"{field} must be a path inside the checkpoint folder, got {name!r}",
+    )
+
+
+def _require_positive_number(value: Any, name: str) -> None:
+    _require(
+        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0,
+        f"{name} must be a finite number > 0, got {value!r}",
+    )
 
 
 def _build(cls: type, data: Any, where: str) -> Any:
@@ -216,7 +252,8 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
         _require(isinstance(value, int) and not isinstance(value, bool), f"{where} must be an integer, got {value!r}")
     elif hint is float:
         _require(
-            isinstance(value, (int, float)) and not isinstance(value, bool), f"{where} must be a number, got {value!r}"
+            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+            f"{where} must be a finite number, got {value!r}",
         )
         return float(value)
     elif hint is str:
@@ -244,14 +281,14 @@ def resolve_checkpoint_dir(path: str | Path) -> Path:
     path = Path(path)
     if path.is_dir():
         return path
-    if path.exists():
-        return path.parent
-    raise FileNotFoundError(f"checkpoint not found: {path}")
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    return regular_file(path, "checkpoint").parent
 
 
 def load_checkpoint_config(checkpoint_dir: str | Path) -> CheckpointConfig:
     """Read and validate ``config.json`` from a converted checkpoint folder."""
     config_path = Path(checkpoint_dir) / CONFIG_FILE
-    if not config_path.is_file():
+    if not config_path.exists():
         raise FileNotFoundError(f"missing {config_path} (convert the checkpoint first: gpt-fast convert SOURCE)")
     return checkpoint_config_from_dict(read_json_object(config_path), str(config_path))

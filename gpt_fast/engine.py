@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from gpt_fast.chat_template import chat_prompt_ids
-from gpt_fast.checkpoint import load_model, model_from_state
+from gpt_fast.checkpoint import checkpoint_tokenizer, load_model, model_from_state
 from gpt_fast.config import CheckpointConfig, ModelConfig, load_checkpoint_config, resolve_checkpoint_dir
 from gpt_fast.default_model import ensure_default_checkpoint
 from gpt_fast.device import DTYPE_CHOICES, device_name, dtype_name, resolve_device, resolve_dtype
@@ -32,7 +32,7 @@ from gpt_fast.paths import CHECKPOINTS_DIR
 from gpt_fast.profiling import record_trace
 from gpt_fast.sampling import SamplingConfig
 from gpt_fast.textstream import TextStream
-from gpt_fast.tokenizer import Tokenizer, load_tokenizer
+from gpt_fast.tokenizer import Tokenizer
 
 DEFAULT_MAX_NEW_TOKENS = 200
 Message = dict[str, str]  # {"role": ..., "content": ...}
@@ -111,7 +111,7 @@ class Engine:
         self.config = config  # the checkpoint's config.json; None for weights given in memory
         self.device = resolve_device(options.device)
         self.dtype = resolve_dtype(options.dtype, self.device)
-        self._tokenizer = load_tokenizer(checkpoint_dir, config.tokenizer) if config is not None else None
+        self._tokenizer = checkpoint_tokenizer(checkpoint_dir, config) if config is not None else None
         self._state = state
         self._folder_id = folder_identity(checkpoint_dir)
         self._steps = make_steps(options.compile, options.compile_prefill)

@@ -33,17 +33,44 @@ def first_line(err: BaseException) -> str:
 
 def read_json_object(path: Path) -> dict[str, Any]:
     """A JSON file holding an object; FileNotFoundError or a one-line ValueError naming the file otherwise."""
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"missing {path}")
+    regular_file(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path} is not valid JSON: {err}") from None
     except RecursionError:
         raise ValueError(f"{path} is not valid JSON: nested too deeply") from None
+    except ValueError as err:  # also UnicodeDecodeError, and integers of more digits than Python converts
+        raise ValueError(f"{path} is not valid JSON: {first_line(err)}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object")
+        raise ValueError(f"{path} must hold a JSON object, not a {type(data).__name__}")
     return data
+
+
+def regular_file(path: Path, what: str = "") -> Path:
+    """``path`` if it is a regular file (or a link to one); FileNotFoundError, or a one-line ValueError for a
+    folder, pipe, socket or device, decided from ``stat`` without opening it (opening a pipe would block)."""
+    label = f"{what} {path}" if what else str(path)
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise FileNotFoundError(f"missing {label}") from None
+    if not stat.S_ISREG(mode):
+        kind = "a folder" if stat.S_ISDIR(mode) else "not a regular file (a pipe, socket or device)"
+        raise ValueError(f"{label} is {kind}")
+    return path
+
+
+def inside_folder(folder: Path, name: str, field: str) -> Path:
+    """``folder / name`` for a file name read from a file (``field`` says where): relative, without ``..``, and
+    still inside ``folder`` once symbolic links are resolved; a one-line ValueError otherwise."""
+    relative = Path(name)
+    if not name or relative.is_absolute() or ".." in relative.parts:
+        raise ValueError(f"{field}: {name!r} is not a path inside {folder}")
+    path = folder / relative
+    if not path.resolve().is_relative_to(folder.resolve()):
+        raise ValueError(f"{field}: {name!r} leads outside {folder} (through a symbolic link)")
+    return path
 
 
 def check_output_file(path: Path, flag: str) -> Path:

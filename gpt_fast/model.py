@@ -195,6 +195,16 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
+def weight_count(config: ModelConfig) -> tuple[int, int]:
+    """``(tensors, parameters)`` a checkpoint for ``config`` holds, computed without listing them: cheap however
+    large the config claims to be, so that a weights file can be checked against it before anything is built."""
+    dim = config.dim
+    per_layer = dim * (config.q_size + 2 * config.kv_size) + config.q_size * dim + 3 * dim * config.intermediate_size
+    per_layer += 2 * dim  # the two norms
+    tables = 1 if config.tie_embeddings else 2  # the embedding table, and the output projection unless tied
+    return 6 * config.n_layer + tables + 1, tables * config.vocab_size * dim + config.n_layer * per_layer + dim
+
+
 def weight_bytes_per_token(model: Transformer) -> int:
     """Bytes of weights read to decode one token: all parameters except the embedding table, which is only
     gathered one row at a time — unless it is tied to the output projection, which reads all of it."""

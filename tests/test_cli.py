@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 
 from gpt_fast import __version__
 from gpt_fast.cli import main
+from gpt_fast.convert.hf_config import hf_config_dict
 from gpt_fast.convert.random_init import make_random_checkpoint
 from gpt_fast.shapes import get_shape
 
@@ -390,3 +392,111 @@ def test_ctrl_c_during_generate_exits_130_and_writes_nothing(checkpoint, tmp_pat
     assert proc.returncode == 130
     assert stderr.strip().splitlines()[-1] == "error: interrupted"
     assert list(tmp_path.iterdir()) == []
+
+
+def edit_config(edit):
+    def apply(folder):
+        config = json.loads((folder / "config.json").read_text())
+        edit(config)
+        (folder / "config.json").write_text(json.dumps(config))
+
+    return apply
+
+
+def poison_weights(folder):
+    state = torch.load(folder / "model.pth", weights_only=True)
+    state["norm.weight"][0] = float("nan")
+    torch.save(state, folder / "model.pth")
+
+
+def grow_tokenizer(folder):
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.add_tokens(["<one too many>"])
+    tokenizer.save(str(folder / "tokenizer.json"))
+
+
+# Edits of a copy of the tiny checkpoint -> what `gpt-fast generate`'s one error line says
+HOSTILE_CHECKPOINTS = {
+    "bool as a string": (
+        edit_config(lambda c: c["model"].update(tie_embeddings="false")),
+        r"config.json.model.tie_embeddings must be true or false, got 'false'",
+    ),
+    "ten million layers": (
+        edit_config(lambda c: c["model"].update(n_layer=10**7)),
+        r"model.pth holds \d+ bytes, config.json's model describes \d+ parameters",
+    ),
+    "infinite rope factor": (
+        edit_config(lambda c: c["model"].update(rope_scaling={"kind": "linear", "factor": float("inf")})),
+        r"rope_scaling.factor must be a finite number, got inf",
+    ),
+    "bos outside the vocabulary": (
+        edit_config(lambda c: c["tokenizer"].update(bos_id=600)),
+        r"tokenizer.bos_id = 600 is outside the model's vocabulary \(model.vocab_size = 512\)",
+    ),
+    "weights outside the folder": (
+        edit_config(lambda c: c.update(weights="../model.pth")),
+        r"weights must be a path inside the checkpoint folder",
+    ),
+    "text as weights": (
+        lambda f: (f / "model.pth").write_text("weights\n" * 10**5),
+        r"model.pth is not a torch.save archive",
+    ),
+    "a pipe as weights": (lambda f: (f / "model.pth").unlink() or os.mkfifo(f / "model.pth"), r"not a regular file"),
+    "nan weights": (poison_weights, r"model.pth: tensor norm.weight holds NaN or infinite values"),
+    "tokenizer larger than the embedding": (
+        grow_tokenizer,
+        r"tokenizer.json: the tokenizer has 513 tokens, more than the model's embedding table",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_CHECKPOINTS))
+def test_hostile_checkpoint_is_one_line_and_non_zero(name, checkpoint, capsys, tmp_path):
+    edit, message = HOSTILE_CHECKPOINTS[name]
+    folder = tmp_path / "ckpt"
+    shutil.copytree(checkpoint.parent, folder)
+    edit(folder)
+    (tmp_path / "out").mkdir()
+    code, _, err = run(generate_args(folder, "--metrics_json", str(tmp_path / "out" / "m.json")), capsys)
+    assert code == 1 and len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
+    assert str(folder) in err and re.search(message, err), err
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def huge_token_gguf(path):
+    """A GGUF whose one token is a million characters long."""
+    token = b"a" * 10**6
+    entry = struct.pack("<Q", 21) + b"tokenizer.ggml.tokens" + struct.pack("<IIQQ", 9, 8, 1, len(token)) + token
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + entry)
+    return path
+
+
+def bad_hf_folder(path):
+    path.mkdir()
+    config = hf_config_dict(get_shape("tiny")) | {"tie_word_embeddings": "false"}
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+HOSTILE_SOURCES = {
+    "a pipe": (lambda p: os.mkfifo(p) or p, r"source .*src is not a regular file \(a pipe, socket or device\)"),
+    "a GGUF token of a million characters": (huge_token_gguf, r"tokenizer.ggml.tokens\[0\] is 1000000 bytes long"),
+    "an HF config of the wrong types": (bad_hf_folder, r"field tie_word_embeddings has the wrong type"),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_SOURCES))
+@pytest.mark.parametrize("existing", [False, True], ids=["new output", "existing checkpoint"])
+def test_hostile_source_writes_nothing(name, existing, checkpoint, capsys, tmp_path):
+    make, message = HOSTILE_SOURCES[name]
+    source = make(tmp_path / "src")
+    out = tmp_path / "out"
+    if existing:
+        shutil.copytree(checkpoint.parent, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()} if existing else None
+    code, _, err = run(["convert", str(source), "--output_dir", str(out)], capsys)
+    assert code == 1 and len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
+    assert re.search(message, err), err
+    assert ({p.name: p.read_bytes() for p in out.iterdir()} if existing else out.exists()) == (before or False)

@@ -1,5 +1,8 @@
 import dataclasses
 import json
+import math
+import os
+import re
 
 import pytest
 
@@ -95,3 +98,103 @@ def test_checkpoint_path_may_be_the_weights_file_or_its_folder(tmp_path):
 def test_shape_registry_lists_known_names():
     with pytest.raises(ValueError, match="known shapes: llama-2-7b, llama-3-8b, smollm2-135m, tiny"):
         get_shape("llama-2-7B")
+
+
+def nested(depth):
+    return "[" * depth + "]" * depth
+
+
+# config.json edits (a function of the JSON object, or the file's text) -> what the one-line error must say
+BAD_CONFIGS = {
+    "model is a list": (lambda c: c.update(model=[]), r"config.json.model must be a JSON object, got list"),
+    "bool as a string": (lambda c: c["model"].update(tie_embeddings="false"), r"tie_embeddings must be true or false"),
+    "null size": (lambda c: c["model"].update(n_layer=None), r"model.n_layer must be an integer, got None"),
+    "size as a string": (lambda c: c["model"].update(dim="64"), r"model.dim must be an integer"),
+    "zero heads": (lambda c: c["model"].update(n_head=0), r"model.n_head must be a positive integer"),
+    "negative size": (lambda c: c["model"].update(vocab_size=-5), r"model.vocab_size must be a positive integer"),
+    "absurd layers": (
+        lambda c: c["model"].update(n_layer=10**8),
+        r"model.n_layer must be a positive integer \(at most",
+    ),
+    "absurd width": (lambda c: c["model"].update(dim=10**30), r"model.dim must be a positive integer \(at most"),
+    "infinite rope base": (lambda c: c["model"].update(rope_base=math.inf), r"model.rope_base must be a finite number"),
+    "nan norm eps": (lambda c: c["model"].update(norm_eps=math.nan), r"model.norm_eps must be a finite number"),
+    "infinite rope factor": (
+        lambda c: c["model"].update(rope_scaling={"kind": "linear", "factor": math.inf}),
+        r"rope_scaling.factor must be a finite number",
+    ),
+    "zero low_freq_factor": (
+        lambda c: c["model"].update(rope_scaling={**LLAMA3, "low_freq_factor": 0}),
+        r"rope_scaling.low_freq_factor must be a finite number > 0, got 0",
+    ),
+    "zero old context": (
+        lambda c: c["model"].update(rope_scaling={**LLAMA3, "original_max_position_embeddings": 0}),
+        r"rope_scaling.original_max_position_embeddings must be a positive integer",
+    ),
+    "zero divisor": (
+        lambda c: c["model"].update(rope_scaling={"kind": "divisors", "divisors": [1.0] * 7 + [0.0]}),
+        r"rope_scaling.divisors\[7\] must be a finite number > 0",
+    ),
+    "bos outside the vocabulary": (
+        lambda c: c["tokenizer"].update(bos_id=512),
+        r"tokenizer.bos_id = 512 is outside the model's vocabulary \(model.vocab_size = 512\)",
+    ),
+    "negative stop id": (lambda c: c["tokenizer"].update(stop_ids=[2, -1]), r"tokenizer.stop_ids\[1\] = -1 is outside"),
+    "special token outside": (
+        lambda c: c["tokenizer"]["special_tokens"].update({"<x>": 10**6}),
+        r"tokenizer.special_tokens\['<x>'\] = 1000000 is outside",
+    ),
+    "stop ids an object": (lambda c: c["tokenizer"].update(stop_ids={"a": 1}), r"tokenizer.stop_ids must be a list"),
+    "integer dtype": (lambda c: c.update(dtype="int8"), r"dtype 'int8' is not one of float32, bfloat16, float16"),
+    "weights outside the folder": (
+        lambda c: c.update(weights="../other/model.pth"),
+        r"weights must be a path inside the checkpoint folder, got '../other/model.pth'",
+    ),
+    "weights absolute": (lambda c: c.update(weights="/etc/passwd"), r"weights must be a path inside the checkpoint"),
+    "weights empty": (lambda c: c.update(weights=""), r"weights must be a path inside the checkpoint"),
+    "a list, not an object": ("[1, 2]", r"must hold a JSON object, not a list"),
+    "nested too deeply": ('{"source": ' + nested(100_000) + "}", r"not valid JSON: nested too deeply"),
+    "an integer of 5000 digits": ('{"x": ' + "9" * 5000 + "}", r"not valid JSON: .*digits"),
+    "not UTF-8": (b'{"x": "\xff"}', r"not valid JSON"),
+}
+LLAMA3 = {
+    "kind": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_CONFIGS))
+def test_bad_config_is_one_line_naming_file_and_field(name, tmp_path):
+    edit, message = BAD_CONFIGS[name]
+    path = tmp_path / "config.json"
+    if isinstance(edit, bytes):
+        path.write_bytes(edit)
+    elif isinstance(edit, str):
+        path.write_text(edit)
+    else:
+        data = config_dict()
+        edit(data)
+        path.write_text(json.dumps(data))  # json writes NaN and Infinity, as Python's reader accepts them
+    with pytest.raises(ValueError) as info:
+        load_checkpoint_config(tmp_path)
+    assert str(path) in str(info.value) and len(str(info.value).splitlines()) == 1
+    assert re.search(message, str(info.value)), info.value
+
+
+def test_a_pipe_is_refused_without_opening_it(tmp_path):
+    """Opening a FIFO for reading would block until a writer comes; it is refused from its ``stat``."""
+    os.mkfifo(tmp_path / "config.json")
+    with pytest.raises(ValueError, match=r"config.json is not a regular file"):
+        load_checkpoint_config(tmp_path)
+    os.mkfifo(tmp_path / "model.pth")
+    with pytest.raises(ValueError, match=r"checkpoint .*model.pth is not a regular file"):
+        resolve_checkpoint_dir(tmp_path / "model.pth")
+
+
+def test_the_tokenizer_ids_are_checked_against_the_model():
+    tokenizer = dataclasses.replace(TOKENIZER, stop_ids=(2, 512))
+    with pytest.raises(ValueError, match=r"tokenizer.stop_ids\[1\] = 512 is outside the model's vocabulary"):
+        CheckpointConfig(model=get_shape("tiny"), tokenizer=tokenizer, dtype="float32")

@@ -2,6 +2,8 @@
 transformers loading the same file; and broken files."""
 
 import json
+import re
+import struct
 
 import numpy as np
 import pytest
@@ -61,7 +63,8 @@ def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, 2, weight.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(weight.shape)
 
 
-def write_gguf(path, tokenizer, *, architecture="llama", tied=False, seed=0, rope_freqs=None):
+def write_gguf(path, tokenizer, *, architecture="llama", tied=False, seed=0, rope_freqs=None, edit=None):
+    """A synthetic llama GGUF; ``edit(writer)``, if given, runs last, before the file is written."""
     rng = np.random.default_rng(seed)
     vocab = tokenizer.get_vocab_size()
     writer = GGUFWriter(str(path), architecture)
@@ -115,6 +118,8 @@ def write_gguf(path, tokenizer, *, architecture="llama", tied=False, seed=0, rop
         writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     if not tied:
         tensor("output.weight", (vocab, DIM), Q.Q6_K)
+    if edit is not None:
+        edit(writer)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -197,3 +202,159 @@ def test_the_folder_holding_the_gguf_is_not_written_into(tmp_path, tokenizer):
     with pytest.raises(FileExistsError, match=f"refusing to write into {tmp_path}: it holds tiny.gguf"):
         convert_gguf(path, tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == ["tiny.gguf"]
+
+
+def gguf_string(text):
+    return struct.pack("<Q", len(text)) + text
+
+
+def raw_gguf(*, tensors=0, keys=0, body=b"", version=3):
+    """A GGUF header written byte by byte, followed by some padding."""
+    return b"GGUF" + struct.pack("<IQQ", version, tensors, keys) + body + bytes(64)
+
+
+def key(name, value_type, payload):
+    return gguf_string(name.encode()) + struct.pack("<I", value_type) + payload
+
+
+def tensor_entry(name, dims, tensor_type, offset):
+    return gguf_string(name) + struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims, tensor_type, offset)
+
+
+STRING, ARRAY, UINT8 = 8, 9, 0
+# Headers that would make the gguf library (or what follows it) loop, allocate or recurse without bound
+HOSTILE_HEADERS = {
+    "too short": (b"GGUF\x03\x00", r"truncated \(6 bytes\)"),
+    "version 1": (raw_gguf(version=1), r"version 1 \(supported: 2, 3\)"),
+    "2**60 tensors": (raw_gguf(tensors=2**60), r"the tensor count is 1152921504606846976 \(at most 65536\)"),
+    "2**40 metadata": (raw_gguf(keys=2**40), r"the metadata count is 1099511627776 \(at most 65536\)"),
+    "an array of 2**40 bytes": (
+        raw_gguf(keys=1, body=key("a", ARRAY, struct.pack("<IQ", UINT8, 2**40))),
+        r"the length of array a is 1099511627776 \(at most 1048576\)",
+    ),
+    "many large arrays": (
+        raw_gguf(
+            keys=3,
+            body=b"".join(key(f"a{i}", ARRAY, struct.pack("<IQ", UINT8, 2**20) + bytes(2**20)) for i in range(3)),
+        ),
+        r"array a2 brings the metadata's array elements past 2097152",
+    ),
+    "arrays nested": (
+        raw_gguf(keys=1, body=key("a", ARRAY, struct.pack("<IQ", ARRAY, 1) * 1000)),
+        r"array a holds arrays \(nested arrays are not supported\)",
+    ),
+    "a string of 2**40 bytes": (
+        raw_gguf(keys=1, body=key("a", STRING, struct.pack("<Q", 2**40))),
+        r"string a is 1099511627776 bytes long \(at most 1048576\)",
+    ),
+    "a string past the end": (
+        raw_gguf(keys=1, body=key("a", STRING, struct.pack("<Q", 1000))),
+        r"truncated at the string a",
+    ),
+    "an unknown value type": (raw_gguf(keys=1, body=key("a", 99, b"")), r"metadata a has unknown type 99"),
+    "a five-dimensional tensor": (
+        raw_gguf(tensors=1, body=tensor_entry(b"t", [1] * 5, 0, 0)),
+        r"tensor t has 5 dimensions \(at most 4\)",
+    ),
+    "an unknown tensor type": (raw_gguf(tensors=1, body=tensor_entry(b"t", [4], 999, 0)), r"tensor t has unknown type"),
+    "a tensor past the end": (
+        raw_gguf(tensors=1, body=tensor_entry(b"t", [4], 0, 2**40)),
+        r"tensor t lies past the end of the file",
+    ),
+    "alignment zero": (
+        raw_gguf(keys=1, body=key("general.alignment", 4, struct.pack("<I", 0))),
+        r"general.alignment 0 is not a power of two",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_HEADERS))
+def test_hostile_headers_are_refused_before_the_gguf_library_reads_them(name, tmp_path):
+    data, message = HOSTILE_HEADERS[name]
+    path = tmp_path / "hostile.gguf"
+    path.write_bytes(data)
+    with pytest.raises(ValueError) as info:
+        convert_gguf(path, tmp_path / "out")
+    text = str(info.value)
+    assert text.startswith(f"{path} is not a readable GGUF file: ") and len(text.splitlines()) == 1, text
+    assert re.search(message, text), text
+    assert not (tmp_path / "out").exists()
+
+
+def set_tokens(change):
+    def edit(writer):
+        tokens = [str(t) for t in writer.kv_data[0]["tokenizer.ggml.tokens"].value]
+        types = list(writer.kv_data[0]["tokenizer.ggml.token_type"].value)
+        change(tokens, types)
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+
+    return edit
+
+
+def set_key(name, adder, value):
+    return lambda writer: writer.kv_data[0].pop(name, None) and getattr(writer, adder)(name, value)
+
+
+def poison(name):
+    def edit(writer):
+        writer.tensors[0][name].tensor[3] = np.nan
+
+    return edit
+
+
+# write_gguf edits -> what the one-line error says
+BAD_GGUF_FILES = {
+    "a token of a million characters": (
+        set_tokens(lambda tokens, types: tokens.__setitem__(5, "a" * 10**6)),
+        r"tokenizer.ggml.tokens\[5\] is 1000000 bytes long \(at most 4096\)",
+    ),
+    "more tokens than the embedding": (
+        set_tokens(lambda tokens, types: tokens.append("extra") or types.append(1)),
+        r"tokenizer.ggml.tokens: the tokenizer has 301 tokens, more than the model's embedding table "
+        r"\(model.vocab_size = 300\)",
+    ),
+    "width as a string": (
+        set_key("llama.embedding_length", "add_string", "256"),
+        r"GGUF metadata llama.embedding_length has the wrong type or value \(STRING; it must be a positive integer\)",
+    ),
+    "zero heads": (
+        set_key("llama.attention.head_count", "add_uint32", 0),
+        r"llama.attention.head_count has the wrong type or value \(UINT32; it must be a positive integer\)",
+    ),
+    "nan rope base": (
+        set_key("llama.rope.freq_base", "add_float32", float("nan")),
+        r"llama.rope.freq_base has the wrong type or value \(FLOAT32; it must be a finite number\)",
+    ),
+    "infinite rope factor": (
+        lambda w: (
+            w.add_string("llama.rope.scaling.type", "linear") or w.add_float32("llama.rope.scaling.factor", np.inf)
+        ),
+        r"llama.rope.scaling.factor has the wrong type or value",
+    ),
+    "zero rope factor": (
+        lambda w: w.add_string("llama.rope.scaling.type", "linear") or w.add_float32("llama.rope.scaling.factor", 0.0),
+        r"rope_scaling.factor must be a finite number > 0",
+    ),
+    "ten million layers": (
+        set_key("llama.block_count", "add_uint32", 10**7),
+        r"holds 21 tensors, a model of 10000000 layers \(n_layer\) has 90000003",
+    ),
+    "an integer tensor": (
+        lambda w: w.add_tensor("extra.weight", np.zeros(4, dtype=np.int32)),
+        r"tensor extra.weight has integer type I32",
+    ),
+    "nan weight": (poison("blk.0.attn_norm.weight"), r"tensor model.layers.0.input_layernorm.weight holds NaN"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_GGUF_FILES))
+def test_bad_gguf_is_one_line_naming_the_file(name, tmp_path, tokenizer):
+    edit, message = BAD_GGUF_FILES[name]
+    path = write_gguf(tmp_path / "bad.gguf", tokenizer, edit=edit)
+    with pytest.raises(ValueError) as info:
+        convert_gguf(path, tmp_path / "out")
+    text = str(info.value)
+    assert str(path) in text and len(text.splitlines()) == 1, text
+    assert re.search(message, text), text
+    assert not (tmp_path / "out").exists()

@@ -1,15 +1,20 @@
 """HF folder -> our checkpoint: parity with transformers, and every way a source folder can be broken."""
 
 import json
+import math
 import os
 import pickle
+import re
+import shutil
 import signal
+import struct
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
-from tiny import save_hf_llama
+from tiny import save_hf_llama, torch_archive
 
 from gpt_fast.config import load_checkpoint_config
 from gpt_fast.convert.hf import convert_hf
@@ -200,8 +205,7 @@ def test_unsafe_pickle_is_refused_without_running(tmp_path):
     marker = tmp_path / "payload-ran"
     payload = RunsCode()
     payload.marker = marker
-    with (src / "pytorch_model.bin").open("wb") as f:
-        pickle.dump({"model.embed_tokens.weight": payload}, f)
+    torch_archive(src / "pytorch_model.bin", pickle.dumps({"model.embed_tokens.weight": payload}))
     convert_fails(src, tmp_path / "out", "unsafe pickle")
     assert not marker.exists()
 
@@ -318,5 +322,198 @@ def test_split_tensors_is_the_inverse_of_fusing():
 
     shape = get_shape("tiny")
     state = random_weights(shape, torch.float32, seed=0)
-    again = fuse_tensors(split_tensors(state, shape).items(), shape, torch.float32)
+    again = fuse_tensors(split_tensors(state, shape).items(), shape, torch.float32, Path("state"))
     assert again.keys() == state.keys() and all(torch.equal(again[k], state[k]) for k in state)
+
+
+@pytest.fixture(scope="module")
+def pristine_sharded(tmp_path_factory):
+    src = tmp_path_factory.mktemp("pristine") / "hf"
+    save_hf_llama(src, weights="sharded")
+    return src
+
+
+def edit_json(name, edit):
+    def apply(src):
+        data = json.loads((src / name).read_text())
+        edit(data)
+        (src / name).write_text(json.dumps(data))  # NaN and Infinity as Python's json writes (and reads) them
+
+    return apply
+
+
+def edit_header(shard_number, edit):
+    """Rewrite a shard's safetensors header (a dict) with ``edit``, keeping its data."""
+
+    def apply(src):
+        path = shard(src, shard_number)
+        raw = path.read_bytes()
+        (length,) = struct.unpack("<Q", raw[:8])
+        header = json.loads(raw[8 : 8 + length])
+        header = edit(header) or header
+        text = json.dumps(header).encode()
+        path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + length :])
+
+    return apply
+
+
+def as_bin(edit):
+    """Replace the shards by one pytorch_model.bin holding the same tensors after ``edit(state)``."""
+
+    def apply(src):
+        from safetensors.torch import load_file
+
+        state = {}
+        for path in sorted(src.glob("*.safetensors")):
+            state.update(load_file(path))
+            path.unlink()
+        (src / "model.safetensors.index.json").unlink()
+        edit(state)
+        torch.save(state, src / "pytorch_model.bin")
+
+    return apply
+
+
+def link_shard_out(src):
+    outside = src.parent / "outside.safetensors"
+    shard(src).rename(outside)
+    shard(src).symlink_to(outside)
+
+
+def set_nan(state):
+    state["model.norm.weight"][3] = float("nan")
+
+
+def first_entry(header):
+    return header[next(k for k in header if k != "__metadata__")]
+
+
+# Edits of a sharded HF folder -> what the one-line error says (each is caught before any tensor is converted,
+# except NaN weights, which need the data)
+BAD_HF_SOURCES = {
+    "bool as a string": (
+        edit_json("config.json", lambda c: c.update(tie_word_embeddings="false")),
+        r"config.json: field tie_word_embeddings has the wrong type \('false'; it must be true or false\)",
+    ),
+    "zero heads": (
+        edit_json("config.json", lambda c: c.update(num_attention_heads=0)),
+        r"field num_attention_heads has the wrong type \(0; it must be a positive integer\)",
+    ),
+    "null size": (edit_json("config.json", lambda c: c.update(vocab_size=None)), r"missing field vocab_size"),
+    "architectures a string": (
+        edit_json("config.json", lambda c: c.update(architectures="LlamaForCausalLM")),
+        r"field architectures has the wrong type",
+    ),
+    "sliding_window a bool": (
+        edit_json("config.json", lambda c: c.update(sliding_window=True)),
+        r"field sliding_window has the wrong type",
+    ),
+    "ten million layers": (
+        edit_json("config.json", lambda c: c.update(num_hidden_layers=10**7)),
+        r"hf holds 21 tensors, a model of 10000000 layers \(n_layer\) has 90000003",
+    ),
+    "absurd width": (
+        edit_json("config.json", lambda c: c.update(hidden_size=10**30)),
+        r"model.dim must be a positive integer \(at most 16777216\)",
+    ),
+    "infinite rope factor": (
+        edit_json("config.json", lambda c: c.update(rope_scaling={"rope_type": "linear", "factor": math.inf})),
+        r"rope_scaling: field factor has the wrong type \(inf; it must be a finite number\)",
+    ),
+    "zero low_freq_factor": (
+        edit_json("config.json", lambda c: c.update(rope_scaling={**LLAMA3_ROPE, "low_freq_factor": 0})),
+        r"rope_scaling.low_freq_factor must be a finite number > 0, got 0",
+    ),
+    "rope_scaling a list": (
+        edit_json("config.json", lambda c: c.update(rope_scaling=[1])),
+        r"field rope_scaling has the wrong type",
+    ),
+    "config a list": (lambda src: (src / "config.json").write_text("[]"), r"config.json must hold a JSON object"),
+    "config nested too deeply": (
+        lambda src: (src / "config.json").write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"),
+        r"config.json is not valid JSON: nested too deeply",
+    ),
+    "vocabulary larger than the embedding": (
+        edit_json("config.json", lambda c: c.update(vocab_size=c["vocab_size"] - 1)),
+        r"tokenizer.json: the tokenizer has 320 tokens, more than the model's embedding table "
+        r"\(model.vocab_size = 319\)",
+    ),
+    "header a list": (edit_header(1, lambda h: [h]), r"00001-of-00007.safetensors: the safetensors header must be"),
+    "header entry lacks a field": (
+        edit_header(1, lambda h: first_entry(h).pop("data_offsets") and None),
+        r"must be an object with exactly the fields data_offsets, dtype, shape",
+    ),
+    "integer dtype": (
+        edit_header(1, lambda h: first_entry(h).update(dtype="I32")),
+        r"tensor model.embed_tokens.weight has unsupported dtype 'I32'",
+    ),
+    "negative shape": (
+        edit_header(1, lambda h: first_entry(h).update(shape=[-320, -64])),
+        r"shape must be a list of non-negative integers",
+    ),
+    "shape a string": (
+        edit_header(1, lambda h: first_entry(h).update(shape="320x64")),
+        r"shape must be a list of non-negative integers",
+    ),
+    "offsets that disagree with the shape": (
+        edit_header(1, lambda h: first_entry(h).update(shape=[320, 65])),
+        r"data_offsets \[0, 81920\] span 81920 bytes, its F32 \[320, 65\] needs 83200",
+    ),
+    "overlapping tensors": (
+        edit_header(4, lambda h: h["model.layers.0.post_attention_layernorm.weight"].update(data_offsets=[0, 256])),
+        r"overlaps the one before",
+    ),
+    "metadata of numbers": (
+        edit_header(1, lambda h: h.update(__metadata__={"format": 1})),
+        r"__metadata__ must be an object of strings",
+    ),
+    "header longer than the file": (
+        lambda src: shard(src).write_bytes(struct.pack("<Q", 2**62) + shard(src).read_bytes()[8:]),
+        r"safetensors header of 4611686018427387904 bytes in a file of",
+    ),
+    "shard a pipe": (lambda src: shard(src).unlink() or os.mkfifo(shard(src)), r"is not a regular file"),
+    "index a list": (
+        lambda src: (src / "model.safetensors.index.json").write_text("[]"),
+        r"model.safetensors.index.json must hold a JSON object",
+    ),
+    "weight_map a list": (
+        edit_json("model.safetensors.index.json", lambda i: i.update(weight_map=[])),
+        r"weight_map must be an object of tensor name -> shard file name",
+    ),
+    "weight_map of numbers": (
+        edit_json("model.safetensors.index.json", lambda i: i["weight_map"].update({"lm_head.weight": 6})),
+        r"weight_map must be an object of tensor name -> shard file name",
+    ),
+    "shard outside the folder": (
+        edit_json("model.safetensors.index.json", lambda i: i["weight_map"].update({"x": "../other.safetensors"})),
+        r"weight_map: '../other.safetensors' is not a path inside",
+    ),
+    "shard by absolute path": (
+        edit_json("model.safetensors.index.json", lambda i: i["weight_map"].update({"x": "/etc/passwd"})),
+        r"weight_map: '/etc/passwd' is not a path inside",
+    ),
+    "shard linked out of the folder": (link_shard_out, r"leads outside .* \(through a symbolic link\)"),
+    "nan weight": (as_bin(set_nan), r"hf: tensor model.norm.weight holds NaN or infinite values"),
+    "integer weight in a .bin": (
+        as_bin(lambda s: s.update({"model.norm.weight": s["model.norm.weight"].long()})),
+        r"pytorch_model.bin: tensor model.norm.weight has dtype torch.int64",
+    ),
+    "text file as a .bin": (
+        lambda src: as_bin(lambda s: None)(src) or (src / "pytorch_model.bin").write_text("hi"),
+        r"pytorch_model.bin is not a torch.save archive",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_HF_SOURCES))
+def test_bad_source_is_one_line_naming_the_file(name, pristine_sharded, tmp_path):
+    edit, message = BAD_HF_SOURCES[name]
+    src = tmp_path / "hf"
+    shutil.copytree(pristine_sharded, src)
+    edit(src)
+    with pytest.raises((ValueError, OSError)) as info:
+        convert_hf(src, tmp_path / "out")
+    text = str(info.value)
+    assert str(src) in text and len(text.splitlines()) == 1, text
+    assert re.search(message, text), text
+    assert not (tmp_path / "out").exists()

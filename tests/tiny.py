@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import json
+import math
+import pickle
+import zipfile
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -96,3 +101,50 @@ def save_hf_llama(
         state = {k: v for k, v in model.state_dict().items() if not (tie and k == "lm_head.weight")}
         torch.save(state, folder / "pytorch_model.bin")
     return model
+
+
+def torch_archive(path: Path, data_pkl: bytes, records: dict[str, bytes] | None = None, compression: int = 0) -> Path:
+    """A zip archive laid out as ``torch.save`` writes one, holding ``data_pkl`` as its pickle and ``records``
+    (storage key -> bytes) as its data, stored with ``compression`` (a zipfile constant): for building broken
+    and hostile weights files."""
+    template = io.BytesIO()
+    torch.save({}, template)
+    with zipfile.ZipFile(template) as source, zipfile.ZipFile(path, "w") as out:
+        prefix = source.namelist()[0].partition("/")[0]
+        for info in source.infolist():
+            out.writestr(info.filename, data_pkl if info.filename.endswith("/data.pkl") else source.read(info))
+        for key, data in (records or {}).items():
+            out.writestr(f"{prefix}/data/{key}", data, compress_type=compression)
+    return path
+
+
+class _Storage:
+    def __init__(self, key: str, numel: int) -> None:
+        self.key, self.numel = key, numel
+
+
+class _Tensor:
+    """Pickles as a float32 tensor of ``shape`` on a storage of ``numel`` elements, whatever its shape needs."""
+
+    def __init__(self, storage: _Storage, shape: tuple[int, ...]) -> None:
+        self.storage, self.shape = storage, shape
+
+    def __reduce__(self):
+        strides = tuple(math.prod(self.shape[i + 1 :]) for i in range(len(self.shape)))
+        return torch._utils._rebuild_tensor_v2, (self.storage, 0, self.shape, strides, False, OrderedDict())
+
+
+def tensor_pickle(tensors: dict, storage_numel: int) -> bytes:
+    """The pickle ``torch.save`` would write for ``tensors`` (name -> shape), each on its own float32 storage
+    (keys "0", "1", ...) declared to hold ``storage_numel`` elements."""
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj):
+            if isinstance(obj, _Storage):
+                return ("storage", torch.FloatStorage, obj.key, "cpu", obj.numel)
+            return None
+
+    buffer = io.BytesIO()
+    state = {name: _Tensor(_Storage(str(i), storage_numel), shape) for i, (name, shape) in enumerate(tensors.items())}
+    Pickler(buffer, protocol=2).dump(state)
+    return buffer.getvalue()

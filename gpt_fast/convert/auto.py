@@ -8,6 +8,7 @@ from pathlib import Path
 from gpt_fast.convert.gguf_file import convert_gguf
 from gpt_fast.convert.hf import convert_hf
 from gpt_fast.convert.writer import output_lock
+from gpt_fast.fileio import regular_file
 from gpt_fast.paths import CHECKPOINTS_DIR, HF_SUBDIR
 
 GGUF_MAGIC = b"GGUF"
@@ -41,6 +42,6 @@ def convert_source_into(source: Path, out: Path, dtype: str | None) -> Path:
         raise FileNotFoundError(f"source not found: {source}")
     if source.is_dir():
         return convert_hf(source, out, dtype)
-    if not is_gguf(source):
+    if not is_gguf(regular_file(source, "source")):
         raise ValueError(f"{source} is neither a Hugging Face checkpoint folder nor a GGUF file")
     return convert_gguf(source, out, dtype)

@@ -7,6 +7,7 @@ rotary halves interleaved; they are put back in the Hugging Face layout our rota
 
 from __future__ import annotations
 
+import math
 import re
 import struct
 from collections.abc import Iterator
@@ -15,15 +16,18 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
+from gpt_fast.checkpoint import check_tokenizer_size
 from gpt_fast.config import CheckpointConfig, ModelConfig, RopeScaling
+from gpt_fast.convert.gguf_header import check_gguf_header
 from gpt_fast.convert.gguf_tokenizer import tokenizer_from_gguf
 from gpt_fast.convert.layout import check_tensors, fuse_tensors
 from gpt_fast.convert.weight_files import TensorInfo
 from gpt_fast.convert.writer import check_checkpoint_output, write_checkpoint
 from gpt_fast.device import dtype_name, parse_dtype
+from gpt_fast.fileio import first_line, regular_file
 
 GGUF_TO_HF = [
     (re.compile(r"token_embd\.weight"), "model.embed_tokens.weight"),
@@ -35,6 +39,7 @@ GGUF_TO_HF = [
     (re.compile(r"output_norm\.weight"), "model.norm.weight"),
     (re.compile(r"output\.weight"), "lm_head.weight"),
 ]
+TOKENS_KEY = "tokenizer.ggml.tokens"
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1 GGUFs store the divisors of the rotary frequencies as a tensor
 PLAIN_DTYPES = {
     GGMLQuantizationType.F16: torch.float16,
@@ -43,23 +48,56 @@ PLAIN_DTYPES = {
 }
 
 
+INTEGER_TYPES = {
+    GGMLQuantizationType.I8,
+    GGMLQuantizationType.I16,
+    GGMLQuantizationType.I32,
+    GGMLQuantizationType.I64,
+}
+_REQUIRED = object()
+# The kinds of metadata value a key may be asked to hold, named as the error message says them.
+INT, NUMBER, STR = "a positive integer", "a finite number", "a string"
+_INT_VALUES = {
+    GGUFValueType.UINT8,
+    GGUFValueType.INT8,
+    GGUFValueType.UINT16,
+    GGUFValueType.INT16,
+    GGUFValueType.UINT32,
+    GGUFValueType.INT32,
+    GGUFValueType.UINT64,
+    GGUFValueType.INT64,
+}
+_VALUE_TYPES = {
+    INT: _INT_VALUES,
+    NUMBER: _INT_VALUES | {GGUFValueType.FLOAT32, GGUFValueType.FLOAT64},
+    STR: {GGUFValueType.STRING},
+}
+
+
 def open_gguf(path: Path) -> GGUFReader:
-    if not path.is_file():
+    """The file's reader, once its header has been checked to be bounded (see :mod:`gguf_header`)."""
+    if not path.exists():
         raise FileNotFoundError(f"GGUF file not found: {path}")
+    regular_file(path, "GGUF file")
+    check_gguf_header(path)
     try:
         return GGUFReader(path)
     except (ValueError, KeyError, IndexError, OSError, struct.error, TypeError) as err:
-        raise ValueError(f"{path} is not a readable GGUF file (corrupt or truncated): {err}") from None
+        raise ValueError(f"{path} is not a readable GGUF file (corrupt or truncated): {first_line(err)}") from None
 
 
-def metadata(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    """A metadata value; without a default, its absence is an error."""
+def metadata(reader: GGUFReader, key: str, kind: str, default: Any = _REQUIRED) -> Any:
+    """A single metadata value of ``kind``; absent, ``default`` (an error without one)."""
     field = reader.get_field(key)
-    if field is not None:
-        return field.contents()
-    if default is None:
-        raise ValueError(f"GGUF metadata lacks {key}")
-    return default
+    if field is None:
+        if default is _REQUIRED:
+            raise ValueError(f"GGUF metadata lacks {key}")
+        return default
+    value = field.contents() if field.types[:1] and field.types[0] in _VALUE_TYPES[kind] else None
+    if value is None or (kind == INT and value <= 0) or (kind == NUMBER and not math.isfinite(value)):
+        types = "/".join(t.name for t in field.types)
+        raise ValueError(f"GGUF metadata {key} has the wrong type or value ({types}; it must be {kind})")
+    return value
 
 
 def find_tensor(reader: GGUFReader, name: str) -> Any:
@@ -81,34 +119,34 @@ def rope_scaling(reader: GGUFReader) -> RopeScaling | None:
     freqs = find_tensor(reader, ROPE_FREQS)
     if freqs is not None:
         return RopeScaling(kind="divisors", divisors=tuple(tensor_data(freqs).float().ravel().tolist()))
-    kind = metadata(reader, "llama.rope.scaling.type", "none")
+    kind = metadata(reader, "llama.rope.scaling.type", STR, "none")
     if kind == "none":
         return None
     if kind != "linear":
         raise ValueError(f"unsupported rope scaling type {kind!r} (supported: linear, rope_freqs)")
-    return RopeScaling(kind="linear", factor=float(metadata(reader, "llama.rope.scaling.factor")))
+    return RopeScaling(kind="linear", factor=float(metadata(reader, "llama.rope.scaling.factor", NUMBER)))
 
 
 def model_config_from_gguf(reader: GGUFReader) -> ModelConfig:
-    arch = metadata(reader, "general.architecture")
+    arch = metadata(reader, "general.architecture", STR)
     if arch != "llama":
         raise ValueError(f"unsupported architecture {arch} (supported: llama)")
     embedding = find_tensor(reader, "token_embd.weight")
     if embedding is None:
         raise ValueError("no token_embd.weight tensor")
-    dim = metadata(reader, "llama.embedding_length")
-    n_head = metadata(reader, "llama.attention.head_count")
+    dim = metadata(reader, "llama.embedding_length", INT)
+    n_head = metadata(reader, "llama.attention.head_count", INT)
     return ModelConfig(
-        block_size=metadata(reader, "llama.context_length"),
-        vocab_size=metadata(reader, "llama.vocab_size", int(embedding.shape[1])),
-        n_layer=metadata(reader, "llama.block_count"),
+        block_size=metadata(reader, "llama.context_length", INT),
+        vocab_size=metadata(reader, "llama.vocab_size", INT, int(embedding.shape[-1])),
+        n_layer=metadata(reader, "llama.block_count", INT),
         n_head=n_head,
         dim=dim,
-        intermediate_size=metadata(reader, "llama.feed_forward_length"),
-        n_local_heads=metadata(reader, "llama.attention.head_count_kv", n_head),
-        head_dim=metadata(reader, "llama.attention.key_length", dim // n_head),
-        rope_base=float(metadata(reader, "llama.rope.freq_base", 10000.0)),
-        norm_eps=float(metadata(reader, "llama.attention.layer_norm_rms_epsilon")),
+        intermediate_size=metadata(reader, "llama.feed_forward_length", INT),
+        n_local_heads=metadata(reader, "llama.attention.head_count_kv", INT, n_head),
+        head_dim=metadata(reader, "llama.attention.key_length", INT, dim // n_head),
+        rope_base=float(metadata(reader, "llama.rope.freq_base", NUMBER, 10000.0)),
+        norm_eps=float(metadata(reader, "llama.attention.layer_norm_rms_epsilon", NUMBER)),
         tie_embeddings=find_tensor(reader, "output.weight") is None,
         rope_scaling=rope_scaling(reader),
     )
@@ -124,6 +162,9 @@ def hf_name(name: str) -> str:
 
 
 def tensor_infos(reader: GGUFReader, src: Path) -> dict[str, TensorInfo]:
+    integer = next((t for t in reader.tensors if t.tensor_type in INTEGER_TYPES), None)
+    if integer is not None:
+        raise ValueError(f"{src}: tensor {integer.name} has integer type {integer.tensor_type.name}")
     return {
         hf_name(t.name): TensorInfo(
             tuple(reversed([int(n) for n in t.shape])), PLAIN_DTYPES.get(t.tensor_type, torch.float32), src
@@ -161,9 +202,12 @@ def convert_gguf(src: Path, out_dir: Path, dtype: str | None = None) -> Path:
         model = model_config_from_gguf(reader)
     except ValueError as err:
         raise ValueError(f"{src}: {err}") from None
+    tokens = reader.get_field(TOKENS_KEY)
+    if tokens is not None:
+        check_tokenizer_size(len(tokens.data), model, f"{src}: {TOKENS_KEY}")
     check_tensors(tensor_infos(reader, src), model, src)
     target = parse_dtype(dtype) if dtype else source_dtype(reader)
-    state = fuse_tensors(hf_tensors(reader, model), model, target)
+    state = fuse_tensors(hf_tensors(reader, model), model, target, src)
 
     def prepare(stage: Path) -> CheckpointConfig:
         tok_config, chat_template = tokenizer_from_gguf(reader, stage)
@@ -172,7 +216,7 @@ def convert_gguf(src: Path, out_dir: Path, dtype: str | None = None) -> Path:
             tokenizer=tok_config,
             dtype=dtype_name(target),
             chat_template=chat_template,
-            source={"kind": "gguf", "path": str(src), "name": metadata(reader, "general.name", "")},
+            source={"kind": "gguf", "path": str(src), "name": metadata(reader, "general.name", STR, "")},
         )
 
     return out_dir / write_checkpoint(out_dir, state, prepare).weights

@@ -9,14 +9,16 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from gpt_fast.checkpoint import check_tokenizer_size
 from gpt_fast.config import CheckpointConfig
 from gpt_fast.convert.hf_config import architecture, model_config_from_hf
 from gpt_fast.convert.hf_tokenizer import tokenizer_from_hf_dir
-from gpt_fast.convert.layout import check_tensors, fuse_tensors, source_dtype
+from gpt_fast.convert.layout import check_tensors, fuse_tensors, max_source_tensors, source_dtype
 from gpt_fast.convert.weight_files import iter_tensors, tensor_infos, weight_files
 from gpt_fast.convert.writer import check_checkpoint_output, write_checkpoint
 from gpt_fast.device import dtype_name, parse_dtype
 from gpt_fast.fileio import read_json_object
+from gpt_fast.tokenizer import load_tokenizer
 
 
 def convert_hf(src: Path, out_dir: Path, dtype: str | None = None) -> Path:
@@ -30,18 +32,24 @@ def convert_hf(src: Path, out_dir: Path, dtype: str | None = None) -> Path:
     where = str(src / "config.json")
     model = model_config_from_hf(hf_config, where)
     tok_config, tok_files, chat_template = tokenizer_from_hf_dir(src, hf_config)
+    folder = tok_files[0].parent  # tok_config.file is the name of the first file, here in its source folder
+    check_tokenizer_size(load_tokenizer(folder, tok_config).vocab_size, model, str(folder / tok_config.file))
     files = weight_files(src)
-    infos = tensor_infos(files)
+    max_tensors = max_source_tensors(model)
+    infos = tensor_infos(files, max_tensors)
     check_tensors(infos, model, src)
     target = parse_dtype(dtype) if dtype else source_dtype(infos)
-    state = fuse_tensors((item for path in files for item in iter_tensors(path)), model, target)
-    config = CheckpointConfig(
-        model=model,
-        tokenizer=tok_config,
-        dtype=dtype_name(target),
-        chat_template=chat_template,
-        source={"kind": "huggingface", "path": str(src), "architecture": architecture(hf_config, where)},
-    )
+    try:
+        config = CheckpointConfig(
+            model=model,
+            tokenizer=tok_config,
+            dtype=dtype_name(target),
+            chat_template=chat_template,
+            source={"kind": "huggingface", "path": str(src), "architecture": architecture(hf_config, where)},
+        )
+    except ValueError as err:  # a token id outside the vocabulary
+        raise ValueError(f"{src}: {err}") from None
+    state = fuse_tensors((item for path in files for item in iter_tensors(path, max_tensors)), model, target, src)
 
     def prepare(stage: Path) -> CheckpointConfig:
         for path in tok_files:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
 from gpt_fast.config import ModelConfig, RopeScaling
@@ -12,11 +14,43 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
 }
 SUPPORTED_MODEL_TYPES = set(SUPPORTED_ARCHITECTURES.values())
+_REQUIRED = object()
+# The kinds of value a field may be asked to hold, named as the error message says them.
+INT, NUMBER, BOOL, STR, OBJECT, STRINGS = (
+    "a positive integer",
+    "a finite number",
+    "true or false",
+    "a string",
+    "an object",
+    "a list of strings",
+)
+_KINDS: dict[str, Callable[[Any], bool]] = {
+    INT: lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
+    NUMBER: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+    BOOL: lambda v: isinstance(v, bool),
+    STR: lambda v: isinstance(v, str),
+    OBJECT: lambda v: isinstance(v, dict),
+    STRINGS: lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+}
+
+
+def _field(hf: dict[str, Any], name: str, where: str, kind: str, default: Any = _REQUIRED) -> Any:
+    """Field ``name`` of a JSON object, which must be ``kind`` (one of ``_KINDS``); absent or null, ``default``
+    (an error without one). Nothing is converted: ``"false"`` is not a bool and ``"64"`` is not a number."""
+    value = hf.get(name)
+    if value is None:
+        if default is _REQUIRED:
+            raise ValueError(f"{where}: missing field {name}")
+        return default
+    if not _KINDS[kind](value):
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        raise ValueError(f"{where}: field {name} has the wrong type ({shown}; it must be {kind})")
+    return value
 
 
 def architecture(hf: dict[str, Any], where: str) -> str:
     """The checkpoint's architecture as it names itself; a clear error for any other family."""
-    names = hf.get("architectures") or []
+    names = _field(hf, "architectures", where, STRINGS, [])
     if names:
         name = names[0]
         if name not in SUPPORTED_ARCHITECTURES:
@@ -24,7 +58,7 @@ def architecture(hf: dict[str, Any], where: str) -> str:
                 f"{where}: unsupported architecture {name} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
         return name
-    model_type = hf.get("model_type")
+    model_type = _field(hf, "model_type", where, STR, None)
     if model_type is None:
         raise ValueError(f'{where}: names no architecture (neither "architectures" nor "model_type")')
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -34,24 +68,18 @@ def architecture(hf: dict[str, Any], where: str) -> str:
     return model_type
 
 
-def _field(hf: dict[str, Any], name: str, where: str, kind: type | tuple[type, ...] = int) -> Any:
-    if name not in hf or hf[name] is None:
-        raise ValueError(f"{where}: missing field {name}")
-    value = hf[name]
-    if not isinstance(value, kind) or isinstance(value, bool):
-        raise ValueError(f"{where}: field {name} has the wrong type ({value!r})")
-    return value
-
-
 def rope_settings(hf: dict[str, Any], where: str) -> tuple[float, RopeScaling | None]:
     """rope base and scaling from either the transformers-4 fields (rope_theta, rope_scaling) or the
     transformers-5 ``rope_parameters`` object."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or params
-    base = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    if not isinstance(base, (int, float)) or isinstance(base, bool):
-        raise ValueError(f"{where}: field rope_theta has the wrong type ({base!r})")
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    params = _field(hf, "rope_parameters", where, OBJECT, {})
+    scaling = _field(hf, "rope_scaling", where, OBJECT, None)
+    scaling_where = f"{where}: rope_scaling" if scaling is not None else f"{where}: rope_parameters"
+    scaling = params if scaling is None else scaling
+    base = _field(params, "rope_theta", f"{where}: rope_parameters", NUMBER, None)
+    base = _field(hf, "rope_theta", where, NUMBER, 10000.0) if base is None else base
+    kind = _field(scaling, "rope_type", scaling_where, STR, None) or _field(
+        scaling, "type", scaling_where, STR, "default"
+    )
     if kind == "default":
         return float(base), None
     if kind not in ("linear", "llama3"):
@@ -61,10 +89,16 @@ def rope_settings(hf: dict[str, Any], where: str) -> tuple[float, RopeScaling | 
         if kind == "linear"
         else ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     )
-    missing = [k for k in keys if k not in scaling]
+    missing = [k for k in keys if scaling.get(k) is None]
     if missing:
         raise ValueError(f"{where}: rope scaling {kind!r} lacks {', '.join(missing)}")
-    return float(base), RopeScaling(kind=kind, **{k: scaling[k] for k in keys})
+    values = {
+        k: _field(scaling, k, scaling_where, INT if k == "original_max_position_embeddings" else NUMBER) for k in keys
+    }
+    try:
+        return float(base), RopeScaling(kind=kind, **values)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
 
 
 def hf_config_dict(model: ModelConfig) -> dict[str, Any]:
@@ -98,36 +132,38 @@ def hf_config_dict(model: ModelConfig) -> dict[str, Any]:
 
 
 def model_config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
-    """Map a Llama/Mistral config.json onto our ModelConfig, refusing features our model does not implement."""
+    """Map a Llama/Mistral config.json onto our ModelConfig, refusing features our model does not implement and
+    fields of the wrong JSON type."""
     architecture(hf, where)
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{where}: unsupported hidden_act {hf['hidden_act']!r} (only silu)")
+    hidden_act = _field(hf, "hidden_act", where, STR, "silu")
+    if hidden_act != "silu":
+        raise ValueError(f"{where}: unsupported hidden_act {hidden_act!r} (only silu)")
     for flag in ("attention_bias", "mlp_bias"):
-        if hf.get(flag):
+        if _field(hf, flag, where, BOOL, False):
             raise ValueError(f"{where}: unsupported {flag}=true")
-    dim = _field(hf, "hidden_size", where)
-    n_head = _field(hf, "num_attention_heads", where)
-    block_size = _field(hf, "max_position_embeddings", where)
-    window = hf.get("sliding_window")
-    if isinstance(window, int) and window < block_size:
+    dim = _field(hf, "hidden_size", where, INT)
+    n_head = _field(hf, "num_attention_heads", where, INT)
+    block_size = _field(hf, "max_position_embeddings", where, INT)
+    window = _field(hf, "sliding_window", where, INT, None)
+    if window is not None and window < block_size:
         # Attention limited to the window equals full attention for sequences that fit in it.
         block_size = window
     rope_base, rope_scaling = rope_settings(hf, where)
-    head_dim = hf.get("head_dim") or dim // n_head
+    fields = {
+        "block_size": block_size,
+        "vocab_size": _field(hf, "vocab_size", where, INT),
+        "n_layer": _field(hf, "num_hidden_layers", where, INT),
+        "n_head": n_head,
+        "dim": dim,
+        "intermediate_size": _field(hf, "intermediate_size", where, INT),
+        "n_local_heads": _field(hf, "num_key_value_heads", where, INT, n_head),
+        "head_dim": _field(hf, "head_dim", where, INT, dim // n_head),
+        "rope_base": rope_base,
+        "norm_eps": float(_field(hf, "rms_norm_eps", where, NUMBER)),
+        "tie_embeddings": _field(hf, "tie_word_embeddings", where, BOOL, False),
+        "rope_scaling": rope_scaling,
+    }
     try:
-        return ModelConfig(
-            block_size=block_size,
-            vocab_size=_field(hf, "vocab_size", where),
-            n_layer=_field(hf, "num_hidden_layers", where),
-            n_head=n_head,
-            dim=dim,
-            intermediate_size=_field(hf, "intermediate_size", where),
-            n_local_heads=hf.get("num_key_value_heads") or n_head,
-            head_dim=head_dim,
-            rope_base=rope_base,
-            norm_eps=float(_field(hf, "rms_norm_eps", where, (int, float))),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            rope_scaling=rope_scaling,
-        )
+        return ModelConfig(**fields)
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from gpt_fast.checkpoint import check_shapes
+from gpt_fast.checkpoint import check_finite, check_shapes, check_tensor_count
 from gpt_fast.config import ModelConfig
 from gpt_fast.convert.weight_files import TensorInfo
 from gpt_fast.device import DTYPES
@@ -35,6 +35,17 @@ IGNORED = re.compile(
     r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq|rope_freqs\.weight"
 )  # buffers some checkpoints hold
 FUSED_PARTS = {"wqkv": ("q", "k", "v"), "w13": ("gate", "up")}
+
+
+def hf_weight_count(config: ModelConfig) -> int:
+    """How many tensors :func:`hf_weight_shapes` lists, computed without listing them."""
+    return 9 * config.n_layer + (2 if config.tie_embeddings else 3)
+
+
+def max_source_tensors(config: ModelConfig) -> int:
+    """The most tensors a source of this shape may hold: its weights, a copy of a tied output projection, and the
+    buffers some checkpoints keep (one rotary table per layer, one rope_freqs)."""
+    return hf_weight_count(config) + config.n_layer + 2
 
 
 def hf_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -64,6 +75,7 @@ def check_tensors(infos: dict[str, TensorInfo], config: ModelConfig, src: Path) 
     present = {n: info.shape for n, info in infos.items() if not IGNORED.fullmatch(n)}
     if config.tie_embeddings:
         present.pop("lm_head.weight", None)  # tied: a saved copy of the embedding table is redundant
+    check_tensor_count(len(present), hf_weight_count(config), config, str(src))
     check_shapes(present, hf_weight_shapes(config), str(src))
 
 
@@ -85,17 +97,19 @@ def our_name(hf_name: str) -> tuple[str, str | None]:
 
 
 def fuse_tensors(
-    tensors: Iterable[tuple[str, torch.Tensor]], config: ModelConfig, dtype: torch.dtype
+    tensors: Iterable[tuple[str, torch.Tensor]], config: ModelConfig, dtype: torch.dtype, src: Path
 ) -> dict[str, torch.Tensor]:
-    """Our state dict from (HF name, tensor) pairs already checked by :func:`check_tensors`."""
+    """Our state dict from (HF name, tensor) pairs already checked by :func:`check_tensors`; NaN and infinite
+    values (in the source, or made by converting to ``dtype``) are refused, naming the tensor."""
     state: dict[str, torch.Tensor] = {}
     pending: dict[str, dict[str, torch.Tensor]] = {}
-    with tqdm(total=len(hf_weight_shapes(config)), desc="Converting", unit="tensor") as progress:
+    with tqdm(total=hf_weight_count(config), desc="Converting", unit="tensor") as progress:
         for hf_name, tensor in tensors:
             if IGNORED.fullmatch(hf_name) or (config.tie_embeddings and hf_name == "lm_head.weight"):
                 continue
             name, part = our_name(hf_name)
             tensor = tensor.to(dtype).contiguous()
+            check_finite({hf_name: tensor}, str(src))
             progress.update()
             if part is None:
                 state[name] = tensor
