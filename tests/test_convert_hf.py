@@ -9,13 +9,11 @@ import sys
 
 import pytest
 import torch
-from tiny import save_hf_llama
+from tiny import hf_greedy, our_greedy, save_hf_llama
 
 from gpt_fast.checkpoint import load_model
 from gpt_fast.config import load_checkpoint_config
 from gpt_fast.convert.hf import convert_hf
-from gpt_fast.generate import generate, make_steps
-from gpt_fast.sampling import SamplingConfig
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -56,12 +54,7 @@ def test_logits_match_transformers(converted):
 def test_greedy_tokens_match_transformers(converted):
     hf_model, model, _ = converted
     prompt = [0, 45, 67, 120, 7, 99]
-    ids = torch.tensor([prompt])
-    expected = hf_model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=1
-    )[0, len(prompt) :].tolist()
-    ours = generate(model, prompt, max_new_tokens=40, sampling=SamplingConfig(temperature=0), steps=make_steps("none"))
-    assert ours.tokens[0] == expected
+    assert our_greedy(model, prompt, 40) == hf_greedy(hf_model, prompt, 40)
 
 
 def test_config_records_the_source(converted):

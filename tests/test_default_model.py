@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import hf_greedy, our_greedy
 
 from gpt_fast import default_model
 from gpt_fast.checkpoint import load_model
 from gpt_fast.config import load_checkpoint_config
 from gpt_fast.convert.gguf_file import convert_gguf
-from gpt_fast.generate import generate, make_steps
-from gpt_fast.sampling import SamplingConfig
+from gpt_fast.generate import make_steps
 from gpt_fast.tokenizer import load_tokenizer
 
 PROMPTS = ["def quicksort(arr):", "The capital of France is", "Once upon a time,", "1, 2, 3, 4,"]
@@ -44,25 +44,6 @@ def ours(smollm2_checkpoint):
     config = load_checkpoint_config(smollm2_checkpoint)
     model = load_model(smollm2_checkpoint, config, torch.device("cpu"), torch.float32)
     return load_tokenizer(smollm2_checkpoint, config.tokenizer), model, config
-
-
-def reference_greedy(hf_model, ids):
-    ids = torch.tensor([ids])
-    out = hf_model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=NEW_TOKENS,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    return out[0, ids.shape[1] :].tolist()
-
-
-def our_greedy(model, ids):
-    return generate(
-        model, ids, max_new_tokens=NEW_TOKENS, sampling=SamplingConfig(temperature=0), steps=make_steps("none")
-    ).tokens[0]
 
 
 def test_config(ours):
@@ -96,7 +77,7 @@ def test_greedy_continuations_match_transformers(ours, reference, prompt):
     hf_tok, hf_model = reference
     ids = tokenizer.encode(prompt, bos=True)
     assert ids == hf_tok(prompt).input_ids
-    assert our_greedy(model, ids) == reference_greedy(hf_model, ids)
+    assert our_greedy(model, ids, NEW_TOKENS) == hf_greedy(hf_model, ids, NEW_TOKENS)
 
 
 @torch.no_grad()
@@ -112,7 +93,7 @@ def test_greedy_chat_answers_match_transformers(ours, reference, question):
         "input_ids"
     ]
     assert ids == list(expected_ids)
-    assert our_greedy(model, ids) == reference_greedy(hf_model, ids)
+    assert our_greedy(model, ids, NEW_TOKENS) == hf_greedy(hf_model, ids, NEW_TOKENS)
 
 
 def test_compiled_greedy_equals_eager(ours):
@@ -122,10 +103,7 @@ def test_compiled_greedy_equals_eager(ours):
     compiled = make_steps("default")
     for prompt in PROMPTS[:2]:
         ids = tokenizer.encode(prompt, bos=True)
-        tokens = generate(
-            model, ids, max_new_tokens=NEW_TOKENS, sampling=SamplingConfig(temperature=0), steps=compiled
-        ).tokens[0]
-        assert tokens == our_greedy(model, ids)
+        assert our_greedy(model, ids, NEW_TOKENS, compiled) == our_greedy(model, ids, NEW_TOKENS)
 
 
 def test_default_checkpoint_is_prepared_once_per_user(smollm2_gguf, tmp_path, monkeypatch):
