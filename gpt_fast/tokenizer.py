@@ -1,7 +1,8 @@
 """Runtime tokenizers: SentencePiece, tiktoken and Hugging Face ``tokenizer.json``, behind one interface.
 
-Each gives the ids Hugging Face transformers gives for the same files: special-token strings in the text (as a
-rendered chat template holds them) become their ids, and BOS is added here, as the checkpoint config says.
+Each gives the ids Hugging Face transformers gives for the same files (SentencePiece: those sentencepiece gives,
+see SentencePieceTokenizer): special-token strings in the text (as a rendered chat template holds them) become their
+ids, and BOS is added here, as the checkpoint config says.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import tokenizers
 from gpt_fast.config import TokenizerConfig
 
 SPACE_MARK = "\u2581"  # SentencePiece's visible space, "▁"
-_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_SPACE_RUN = re.compile(" {2,}")
+_ESCAPED_BYTE = re.compile("[\udc80-\udcff]")  # what "surrogateescape" makes of a byte that is not UTF-8
 
 
 class Tokenizer(ABC):
@@ -126,25 +128,42 @@ def read_tiktoken_ranks(path: Path, data: bytes | None = None) -> dict[bytes, in
 class SentencePieceTokenizer(Tokenizer):
     """A SentencePiece ``tokenizer.model`` (Llama 2, Mistral, TinyLlama, open_llama).
 
-    Encodes like transformers' ``LlamaTokenizer``: special tokens are matched in the text, and the "▁" prefix
-    SentencePiece calls ``add_dummy_prefix`` goes only before text that starts the input and does not already
-    start with a space (so ``" hi"`` is ``▁hi``, and text right after a special token gets no prefix).
+    Text is encoded as sentencepiece encodes it with the model's own normalizer (``nmt_nfkc`` and its whitespace
+    handling included), which is how these models were trained and how Meta's and open_llama's reference code
+    tokenize. Special tokens are matched in the text, as transformers matches them, and stand in the text as
+    opaque symbols: no dummy prefix goes next to them, and whitespace beside them is kept as sentencepiece keeps
+    whitespace in the middle of a text (one "▁" for a run of spaces when the model removes extra whitespace).
     """
 
     def __init__(self, path: Path, cfg: TokenizerConfig) -> None:
         super().__init__(cfg)
         proto = read_sentencepiece_proto(path)
-        self._prefix = proto.normalizer_spec.add_dummy_prefix
-        proto.normalizer_spec.add_dummy_prefix = False  # added per piece of text in _encode
-        try:
-            self._sp = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
-        except RuntimeError as err:
-            raise ValueError(f"cannot load SentencePiece model {path}: {err}") from None
+        spec = proto.normalizer_spec
+        self._sp = _processor(path, proto)
+        # The model's normalizer alone (no whitespace handling), and the model with no normalizer at all: text
+        # next to a special token is normalized by the first, its whitespace handled here, and segmented by the
+        # second.
+        self._normalizer = _processor(
+            path, proto, add_dummy_prefix=False, remove_extra_whitespaces=False, escape_whitespaces=False
+        )
+        self._segmenter = _processor(
+            path,
+            proto,
+            name="identity",
+            precompiled_charsmap=b"",
+            add_dummy_prefix=False,
+            remove_extra_whitespaces=False,
+        )
+        self._dummy_prefix = spec.add_dummy_prefix
+        self._collapse = spec.remove_extra_whitespaces
+        self._trailing = " " + SPACE_MARK if spec.escape_whitespaces else " "
         self._pieces = self._sp.get_piece_size()
         self._splitter = _SpecialSplitter(cfg.special_tokens)
         self._special_text = {token_id: text for text, token_id in cfg.special_tokens.items()}
         self._skipped = {i for i in range(self._pieces) if self._sp.is_control(i) or self._sp.is_unknown(i)}
         self._skipped |= {i for i in self._special_text if i >= self._pieces}
+        # byte pieces are "<0xNN>"
+        self._bytes = {i: int(self._sp.id_to_piece(i)[3:5], 16) for i in range(self._pieces) if self._sp.is_byte(i)}
 
     @property
     def vocab_size(self) -> int:
@@ -155,48 +174,75 @@ class SentencePieceTokenizer(Tokenizer):
         for offset, part in self._splitter.split(text):
             if isinstance(part, int):
                 ids.append(part)
-                continue
-            if self._prefix and offset == 0 and not part.startswith((" ", SPACE_MARK)):
-                part = SPACE_MARK + part
-            ids.extend(self._sp.encode(part))
+            else:
+                ids.extend(self._encode_run(part, starts=offset == 0, ends=offset + len(part) == len(text)))
         return ids
 
+    def _encode_run(self, run: str, starts: bool, ends: bool) -> list[int]:
+        """Ids of a run of text between special tokens; ``starts``/``ends``: it starts/ends the input.
+
+        The whole input is encoded by sentencepiece itself. Otherwise the run is normalized by the model's
+        normalizer and its whitespace handled as sentencepiece handles it: with ``remove_extra_whitespaces``,
+        runs of spaces become one and spaces at the start and end of the input go, while spaces next to a special
+        token stay as one; the dummy prefix goes only before text that starts the input.
+        """
+        if starts and ends:
+            return self._sp.encode(run)
+        text = self._normalizer.normalize(run)
+        if self._collapse:
+            text = _SPACE_RUN.sub(" ", text)
+            text = text.lstrip(" ") if starts else text
+            text = text.rstrip(self._trailing) if ends else text
+        if starts and self._dummy_prefix and text:
+            text = " " + text
+        return self._segmenter.encode(text)
+
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
-        """Decode as transformers' Llama decoder does: "▁" -> space, byte pieces -> UTF-8, then drop one
-        leading space (the dummy prefix) from the whole text."""
-        pieces = []
+        """Decode as sentencepiece does, with special tokens written out (left out with ``skip_special``): "▁" is a
+        space, byte pieces are UTF-8 (U+FFFD per invalid byte), and the first piece loses its leading "▁" (the
+        dummy prefix); with ``remove_extra_whitespaces``, every piece does until some text is written."""
+        out: list[str] = []
+        pending = bytearray()
+        stripping = self._dummy_prefix or self._collapse
         for token_id in ids:
+            if token_id not in self._special_text and not 0 <= token_id < self._pieces:
+                continue
             if skip_special and token_id in self._skipped:
                 continue
+            if token_id in self._bytes:
+                pending.append(self._bytes[token_id])
+                continue
+            out.append(_utf8_or_replacement(pending))
+            pending.clear()
             if token_id in self._special_text:
-                pieces.append(self._special_text[token_id])
-            elif 0 <= token_id < self._pieces:
-                pieces.append(self._sp.id_to_piece(token_id).replace(SPACE_MARK, " "))
-        text = _join_byte_pieces(pieces)
-        return text[1:] if self._prefix and text.startswith(" ") else text
-
-
-def _join_byte_pieces(pieces: list[str]) -> str:
-    """Join pieces, turning each run of ``<0xNN>`` pieces into its UTF-8 text (one U+FFFD per byte if invalid)."""
-    out: list[str] = []
-    pending = bytearray()
-    for piece in pieces:
-        match = _BYTE_PIECE.fullmatch(piece)
-        if match:
-            pending.append(int(match.group(1), 16))
-            continue
+                out.append(self._special_text[token_id])
+                continue
+            piece = self._sp.id_to_piece(token_id)
+            if stripping and any(out):
+                stripping = False
+            elif stripping:
+                piece, stripping = piece.removeprefix(SPACE_MARK), self._collapse
+            out.append(piece.replace(SPACE_MARK, " "))
         out.append(_utf8_or_replacement(pending))
-        pending.clear()
-        out.append(piece)
-    out.append(_utf8_or_replacement(pending))
-    return "".join(out)
+        return "".join(out)
+
+
+def _processor(path: Path, proto: Any, **normalizer: Any) -> spm.SentencePieceProcessor:
+    """A sentencepiece processor for ``proto`` with the given fields of its normalizer spec changed."""
+    changed = type(proto)()
+    changed.CopyFrom(proto)
+    for field, value in normalizer.items():
+        setattr(changed.normalizer_spec, field, value)
+    try:
+        return spm.SentencePieceProcessor(model_proto=changed.SerializeToString())
+    except RuntimeError as err:
+        raise ValueError(f"cannot load SentencePiece model {path}: {err}") from None
 
 
 def _utf8_or_replacement(data: bytes) -> str:
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        return "\ufffd" * len(data)
+    """UTF-8 text of byte pieces, each byte that is not part of a valid character made U+FFFD (as sentencepiece
+    decodes them)."""
+    return _ESCAPED_BYTE.sub("\ufffd", data.decode("utf-8", errors="surrogateescape"))
 
 
 class TiktokenTokenizer(Tokenizer):

@@ -14,12 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import save_hf_llama, torch_archive
+from tiny import hf_greedy, our_greedy, save_hf_llama, torch_archive
 
 from gpt_fast.config import load_checkpoint_config
 from gpt_fast.convert.hf import convert_hf
 from gpt_fast.engine import Engine
-from gpt_fast.sampling import SamplingConfig
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -59,12 +58,7 @@ def test_logits_match_transformers(converted):
 def test_greedy_tokens_match_transformers(converted):
     hf_model, _, engine = converted
     prompt = [0, 45, 67, 120, 7, 99]
-    ids = torch.tensor([prompt])
-    expected = hf_model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=1
-    )[0, len(prompt) :].tolist()
-    ours = engine.generate_ids(prompt, 40, SamplingConfig(temperature=0), ignore_eos=True)
-    assert ours.tokens[0] == expected
+    assert our_greedy(engine, prompt, 40) == hf_greedy(hf_model, prompt, 40)
 
 
 def test_config_records_the_source(converted):

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import hf_greedy, our_greedy
 
 from gpt_fast import default_model
 from gpt_fast.config import load_checkpoint_config
 from gpt_fast.engine import Engine
-from gpt_fast.sampling import SamplingConfig
 
 PROMPTS = ["def quicksort(arr):", "The capital of France is", "Once upon a time,", "1, 2, 3, 4,"]
 CHATS = ["What is the capital of France?", "Write a haiku about the sea."]
@@ -32,23 +32,6 @@ def reference(smollm2_gguf):
 @pytest.fixture(scope="module")
 def ours(smollm2_checkpoint):
     return Engine.load(smollm2_checkpoint, device="cpu", dtype="float32")
-
-
-def reference_greedy(hf_model, ids):
-    ids = torch.tensor([ids])
-    out = hf_model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=NEW_TOKENS,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    return out[0, ids.shape[1] :].tolist()
-
-
-def our_greedy(engine, ids):
-    return engine.generate_ids(ids, NEW_TOKENS, SamplingConfig(temperature=0), ignore_eos=True).tokens[0]
 
 
 def test_config(ours):
@@ -81,7 +64,7 @@ def test_greedy_continuations_match_transformers(ours, reference, prompt):
     hf_tok, hf_model = reference
     ids = ours.encode(prompt)
     assert ids == hf_tok(prompt).input_ids
-    assert our_greedy(ours, ids) == reference_greedy(hf_model, ids)
+    assert our_greedy(ours, ids, NEW_TOKENS) == hf_greedy(hf_model, ids, NEW_TOKENS)
 
 
 @torch.no_grad()
@@ -94,7 +77,7 @@ def test_greedy_chat_answers_match_transformers(ours, reference, question):
         "input_ids"
     ]
     assert ids == list(expected_ids)
-    assert our_greedy(ours, ids) == reference_greedy(hf_model, ids)
+    assert our_greedy(ours, ids, NEW_TOKENS) == hf_greedy(hf_model, ids, NEW_TOKENS)
 
 
 def test_compiled_greedy_equals_eager(ours):
@@ -103,7 +86,7 @@ def test_compiled_greedy_equals_eager(ours):
     compiled = Engine.load(ours.checkpoint_dir, compile="default", device="cpu", dtype="float32")
     for prompt in PROMPTS[:2]:
         ids = ours.encode(prompt)
-        assert our_greedy(compiled, ids) == our_greedy(ours, ids)
+        assert our_greedy(compiled, ids, NEW_TOKENS) == our_greedy(ours, ids, NEW_TOKENS)
 
 
 def test_default_checkpoint_is_prepared_once_per_user(smollm2_gguf, tmp_path, monkeypatch):

@@ -82,19 +82,10 @@ def save_hf_llama(
 
     transformers 5 only writes safetensors, so the legacy ``pytorch_model.bin`` is written with torch.save,
     as older transformers did."""
-    from transformers import LlamaForCausalLM
-
     tokenizer = train_bpe_tokenizer(folder)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(
-        hf_llama_config(tokenizer.get_vocab_size(), kv_heads=kv_heads, tie=tie, rope_scaling=rope_scaling)
-    ).eval()
-    with torch.no_grad():
-        for (
-            name,
-            p,
-        ) in model.named_parameters():  # larger than the default init: well-separated logits, no argmax near-ties
-            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.1 if name.endswith("norm.weight") else 0.25)
+    model = random_llama(
+        hf_llama_config(tokenizer.get_vocab_size(), kv_heads=kv_heads, tie=tie, rope_scaling=rope_scaling), seed
+    )
     model.save_pretrained(folder, max_shard_size="60KB" if weights == "sharded" else "5GB")
     if weights == "bin":
         (folder / "model.safetensors").unlink()
@@ -148,3 +139,39 @@ def tensor_pickle(tensors: dict, storage_numel: int) -> bytes:
     state = {name: _Tensor(_Storage(str(i), storage_numel), shape) for i, (name, shape) in enumerate(tensors.items())}
     Pickler(buffer, protocol=2).dump(state)
     return buffer.getvalue()
+
+
+def random_llama(config, seed: int = 0):
+    """A LlamaForCausalLM with random weights larger than the default init: well-separated logits, no argmax
+    near-ties."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            norm = name.endswith("norm.weight")
+            p.normal_(1.0 if norm else 0.0, 0.1 if norm else 0.25)
+    return model
+
+
+@torch.no_grad()
+def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of ``prompt``, with no stop token."""
+    ids = torch.tensor([prompt])
+    out = hf_model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def our_greedy(engine, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Our greedy continuation of ``prompt`` through the engine's API, with no stop token."""
+    from gpt_fast.sampling import SamplingConfig
+
+    return engine.generate_ids(prompt, max_new_tokens, SamplingConfig(temperature=0), ignore_eos=True).tokens[0]

@@ -166,7 +166,8 @@ def _from_tokenizer_model(path: Path, meta: _HfMetadata) -> TokenizerConfig:
 
 def _sentencepiece_config(path: Path, data: bytes, meta: _HfMetadata) -> TokenizerConfig:
     """SentencePiece: control, unknown and user-defined pieces are matched whole in the text (as transformers
-    does), BOS/EOS default to the model's own, and BOS is added unless tokenizer_config.json says otherwise."""
+    does), BOS/EOS default to the model's own, and BOS is added unless tokenizer_config.json says otherwise. The
+    normalizer (and so the dummy prefix and whitespace handling) is the model file's own, read at run time."""
     try:
         proto = read_sentencepiece_proto(path, data)
     except ValueError:
