@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gpt_fast import default_model
-from gpt_fast.checkpoint import check_checkpoint, load_torch_weights
+from gpt_fast.checkpoint import check_checkpoint, checkpoint_weights
 from gpt_fast.config import CONFIG_FILE, CheckpointConfig
 from gpt_fast.convert import writer
 from gpt_fast.convert.random_init import byte_tokenizer, make_random_checkpoint, random_weights
@@ -34,7 +34,7 @@ def seed_of(out: Path) -> int:
     """The seed of the whole checkpoint in ``out``: its config's, after checking that its weights are that seed's."""
     config = check_checkpoint(out)
     seed = config.source["seed"]
-    state = load_torch_weights(out / config.weights)
+    state = checkpoint_weights(out / config.weights, config)
     expected = random_weights(TINY, torch.float32, seed)
     assert all(torch.equal(state[name], expected[name]) for name in expected), f"{out} mixes two conversions"
     return seed
@@ -164,13 +164,17 @@ def prepare_with_tokenizer_file(name: str):
 @pytest.mark.parametrize(
     "tokenizer_file, drop, message",
     [
-        ("tokenizer.json", "tok_embeddings.weight", r"{out}/model.pth: missing tensor\(s\): tok_embeddings.weight"),
+        (
+            "tokenizer.json",
+            "tok_embeddings.weight",
+            r"{out}/model.pth: missing tensor\(s\): tok_embeddings.weight; unexpected tensor\(s\): renamed.weight",
+        ),
         ("nowhere.json", None, "tokenizer file not found: {out}/nowhere.json"),
     ],
     ids=["missing-tensor", "missing-tokenizer"],
 )
 def test_what_generate_would_reject_is_not_written(blog_layout, tokenizer_file, drop, message):
-    state = {k: v for k, v in random_weights(TINY, torch.float32, 2).items() if k != drop}
+    state = {("renamed.weight" if k == drop else k): v for k, v in random_weights(TINY, torch.float32, 2).items()}
     before = snapshot(blog_layout)
     with pytest.raises(
         ValueError,
