@@ -90,9 +90,9 @@ TIME_FALLBACK_SLACK_US = 10_000.0
 LARGEST_GAPS = 5
 
 # Input bounds (see _GuardedReader); module constants so that tests can lower them.
-MAX_JSON_BYTES = 4 << 30  # of JSON text in all, after gzip
-MAX_EVENT_BYTES = 1 << 20  # read without completing one trace event
-MAX_DEPTH = 64  # nesting of arrays and objects; kineto writes 6 at most
+MAX_JSON_BYTES = 4 << 30  # of JSON text in all, once gunzipped
+MAX_EVENT_BYTES = 1 << 20  # read without completing one trace event (kineto's are well under 10 kB)
+MAX_DEPTH = 64  # nesting of arrays and objects (kineto's traces nest a handful of levels)
 READ_BYTES = 1 << 16  # bytes handed to the parser at a time; it holds the events parsed from one read
 
 _NO_CORRELATION = -1
@@ -101,7 +101,7 @@ _OTHER_CALL, _KERNEL_LAUNCH, _GRAPH_LAUNCH = 0, 1, 2
 _CALL_CODES = {"kernel": _KERNEL_LAUNCH, "graph": _GRAPH_LAUNCH}
 _GZIP_MAGIC = b"\x1f\x8b"
 _NUMBER_TYPES = (int, float)  # as ijson builds them with use_float=True
-_MARK_PREFIXES = (DECODE_MARK, PREFILL_MARK, STEP_MARK_PREFIX)
+_MARK_PREFIXES = (DECODE_MARK, PREFILL_MARK, STEP_MARK_PREFIX)  # a cheap first test of a name
 _QUOTE, _BACKSLASH, _OPEN, _CLOSE = ord('"'), ord("\\"), ord("{"), ord("}")
 _CASE_BIT = 0x20  # "[" | 0x20 == "{" and "]" | 0x20 == "}"
 
@@ -145,7 +145,7 @@ class TraceSummary:
 
     @property
     def unit(self) -> str:
-        """ "token", "step" or "trace": what ``units`` counts."""
+        """What ``units`` counts: "token", "step" or "trace"."""
         return UNITS[self.scope]
 
     def per_unit(self, count: float) -> float:
@@ -155,30 +155,33 @@ class TraceSummary:
         """Fraction of the in-scope kernel time that ``total_us`` represents."""
         return total_us / self.kernel_time_us if self.kernel_time_us > 0 else 0.0
 
-    # The names of the decode-only summaries that came first; None outside the decode scope.
+    # The names of the decode-only summaries that came first, for their callers; None outside the decode scope.
+    def _in_decode(self, value: float | None) -> float | None:
+        return value if self.scope == SCOPE_DECODE else None
+
     @property
     def tokens(self) -> int | None:
         return self.units if self.scope == SCOPE_DECODE else None
 
     @property
     def decode_window_us(self) -> float | None:
-        return self.gpu_window_us if self.scope == SCOPE_DECODE else None
+        return self._in_decode(self.gpu_window_us)
 
     @property
     def decode_wall_us(self) -> float | None:
-        return self.wall_us if self.scope == SCOPE_DECODE else None
+        return self._in_decode(self.wall_us)
 
     @property
     def kernel_launches_per_token(self) -> float | None:
-        return self.per_unit(self.kernel_launches) if self.scope == SCOPE_DECODE else None
+        return self._in_decode(self.per_unit(self.kernel_launches))
 
     @property
     def graph_launches_per_token(self) -> float | None:
-        return self.per_unit(self.graph_launches) if self.scope == SCOPE_DECODE else None
+        return self._in_decode(self.per_unit(self.graph_launches))
 
     @property
     def gpu_kernels_per_token(self) -> float | None:
-        return self.per_unit(self.gpu_kernels) if self.scope == SCOPE_DECODE else None
+        return self._in_decode(self.per_unit(self.gpu_kernels))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (for ``--json``): the fields, ``unit``, and the count and per-unit figures named after
@@ -306,7 +309,8 @@ class _GuardedReader:
     * Depth: yajl accepts any nesting, and ijson builds a path string per level, so that its time and
       memory grow with the square of the depth (40 000 levels: 10 s and 4 GB). Brackets outside strings
       are counted here, with numpy, before the parser sees them; strings are told by their unescaped
-      quotes. On invalid JSON the count may be off after the first error, but yajl stops there too.
+      quotes. Past a syntax error the count may go wrong (it runs a read ahead of yajl), so that invalid
+      JSON may be called too deep rather than malformed: a one-line ValueError either way.
     """
 
     def __init__(self, stream: BinaryIO, path: Path) -> None:
