@@ -318,7 +318,9 @@ def bench(
 @option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @option("--top", type=int, default=10, show_default=True, help="How many kernels to list.")
 def trace_summary(trace: Path, as_json: bool, top: int) -> None:
-    """Summarize the decode phase of a trace written by `generate --profile`: launches, kernels, GPU idle time."""
+    """Summarize any torch.profiler trace (plain or gzip): kernel and graph launches, GPU kernels, GPU busy share,
+    idle gaps, top kernels. Over the decode phase of a `generate --profile` trace, else per ProfilerStep#N
+    (torch.profiler's prof.step()), else over the whole trace; the output names the scope."""
     from gpt_fast.trace_summary import format_summary, summarize_trace
 
     summary = summarize_trace(trace, top=top)

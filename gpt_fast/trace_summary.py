@@ -1,27 +1,34 @@
-"""Decode-phase summary of a Chrome trace written by ``torch.profiler``.
+"""Summary of a Chrome trace written by ``torch.profiler``: launches, GPU kernels, GPU idle time.
 
-While profiling, the generator wraps the prefill in
-``torch.profiler.record_function(PREFILL_MARK)`` and every decode step in
-``torch.profiler.record_function(DECODE_MARK)``; ``prof.export_chrome_trace`` turns those
-into ``ph: "X"`` events of category ``user_annotation``. This module reads such a trace
-and reports, for the decode phase: tokens, runtime kernel/graph launches per token, GPU
-kernels per token, how busy the GPU was, its largest idle gaps and the kernels that took
-the time.
+The summary covers one scope of the trace, the first that applies:
+
+* "decode": while profiling, the generator wraps the prefill in
+  ``torch.profiler.record_function(PREFILL_MARK)`` and every decode step in
+  ``torch.profiler.record_function(DECODE_MARK)``; ``prof.export_chrome_trace`` turns those into
+  ``ph: "X"`` events of category ``user_annotation``. Figures are per decoded token.
+* "ProfilerStep": any other torch.profiler run whose loop calls ``prof.step()`` has a
+  ``ProfilerStep#N`` annotation around each recorded step. Figures are per step.
+* "whole trace": every event of the trace. Figures are totals.
+
+Reported: runtime kernel/graph launches (CUDA and HIP names), GPU kernels, how busy the GPU
+was, its largest idle gaps and the kernels that took the time.
 
 Attribution follows kineto's trace format: a runtime or driver call (``cuda_runtime`` /
-``cuda_driver``; ROCm's HIP calls are also written as ``cuda_runtime``) belongs to decode
-when its start lies inside a decode mark of the same process; a GPU kernel, memcpy or
-memset belongs to decode when its ``args.correlation`` is that of a decode-phase call.
-Every kernel of a CUDA/HIP graph replay carries the correlation id of the graph launch.
-GPU events without a correlation id fall back to time (see TIME_FALLBACK_SLACK_US).
+``cuda_driver``; ROCm's HIP calls are also written as ``cuda_runtime``) belongs to the scope
+when its start lies inside a mark of the same process; a GPU kernel, memcpy or memset belongs
+to it when its ``args.correlation`` is that of a call in the scope. Every kernel of a CUDA/HIP
+graph replay carries the correlation id of the graph launch. GPU events without a correlation
+id fall back to time (see TIME_FALLBACK_SLACK_US).
 
 Traces can be hundreds of MB, so the file (plain or gzip) is streamed with ijson in one
-pass and only compact columns (``array``/numpy) of the relevant events are kept.
+pass and only compact columns (``array``/numpy) of the relevant events are kept. The input
+itself is bounded (see _GuardedReader): its size, its nesting depth and the bytes of one event.
 """
 
 from __future__ import annotations
 
 import gzip
+import math
 import re
 import zlib
 from array import array
@@ -29,7 +36,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import ijson
 import numpy as np
@@ -70,15 +77,33 @@ KERNEL, MEMCPY, MEMSET = 0, 1, 2
 # Old kineto versions wrote "Kernel".
 GPU_CATEGORIES = {"kernel": KERNEL, "Kernel": KERNEL, "gpu_memcpy": MEMCPY, "gpu_memset": MEMSET}
 
-# GPU events without a correlation id count as decode when they start between the first
-# decode mark's start and the last one's end plus this much (the GPU lags the CPU).
+# What a summary covers (TraceSummary.scope) and what its per-unit figures divide by.
+SCOPE_DECODE, SCOPE_STEPS, SCOPE_WHOLE = "decode", "ProfilerStep", "whole trace"
+UNITS = {SCOPE_DECODE: "token", SCOPE_STEPS: "step", SCOPE_WHOLE: "trace"}
+_SCOPE_PHRASES = {SCOPE_DECODE: "decode", SCOPE_STEPS: "the profiler steps", SCOPE_WHOLE: "the trace"}
+# torch.profiler's annotation around each step recorded between two ``prof.step()`` calls.
+STEP_MARK_PREFIX = "ProfilerStep#"
+
+# GPU events without a correlation id count as in scope when they start between the first
+# mark's start and the last one's end plus this much (the GPU lags the CPU).
 TIME_FALLBACK_SLACK_US = 10_000.0
 LARGEST_GAPS = 5
 
+# Input bounds (see _GuardedReader); module constants so that tests can lower them.
+MAX_JSON_BYTES = 4 << 30  # of JSON text in all, once gunzipped
+MAX_EVENT_BYTES = 1 << 20  # read without completing one trace event (kineto's are well under 10 kB)
+MAX_DEPTH = 64  # nesting of arrays and objects (kineto's traces nest a handful of levels)
+READ_BYTES = 1 << 16  # bytes handed to the parser at a time; it holds the events parsed from one read
+
 _NO_CORRELATION = -1
+_MAX_CORRELATION = 2**63 - 1
 _OTHER_CALL, _KERNEL_LAUNCH, _GRAPH_LAUNCH = 0, 1, 2
 _CALL_CODES = {"kernel": _KERNEL_LAUNCH, "graph": _GRAPH_LAUNCH}
 _GZIP_MAGIC = b"\x1f\x8b"
+_NUMBER_TYPES = (int, float)  # as ijson builds them with use_float=True
+_MARK_PREFIXES = (DECODE_MARK, PREFILL_MARK, STEP_MARK_PREFIX)  # a cheap first test of a name
+_QUOTE, _BACKSLASH, _OPEN, _CLOSE = ord('"'), ord("\\"), ord("{"), ord("}")
+_CASE_BIT = 0x20  # "[" | 0x20 == "{" and "]" | 0x20 == "}"
 
 
 @lru_cache(maxsize=4096)
@@ -92,12 +117,18 @@ def launch_kind(name: str) -> str | None:
     return None
 
 
+def is_step_mark(name: str) -> bool:
+    """True for torch.profiler's ``ProfilerStep#N`` annotations."""
+    return name.startswith(STEP_MARK_PREFIX) and name[len(STEP_MARK_PREFIX) :].isdigit()
+
+
 @dataclass(frozen=True)
 class TraceSummary:
-    """Decode-phase figures of one trace; times are in microseconds."""
+    """Figures of one trace over its scope (SCOPE_*); times are in microseconds."""
 
     path: str
-    tokens: int
+    scope: str  # SCOPE_DECODE, SCOPE_STEPS or SCOPE_WHOLE
+    units: int  # what per-unit figures divide by: decoded tokens, profiler steps, or 1 (the whole trace)
     kernel_launches: int
     graph_launches: int
     gpu_kernels: int
@@ -105,35 +136,63 @@ class TraceSummary:
     gpu_memsets: int
     kernel_time_us: float
     busy_fraction: float | None
-    decode_window_us: float | None  # first decode kernel start to last decode kernel end
-    decode_wall_us: float  # first decode mark start to last decode mark end (CPU)
+    gpu_window_us: float | None  # first kernel start to last kernel end, in scope
+    wall_us: float  # CPU: first mark start to last mark end; whole trace: first event start to last event end
     largest_gaps: tuple[tuple[float, float], ...]  # (offset in window, gap), largest first
     top_kernels: tuple[tuple[str, int, float], ...]  # (name, count, total), largest first
     prefill_us: float | None  # wall time of all prefill marks together; None if unmarked
     prefills: int
 
     @property
-    def kernel_launches_per_token(self) -> float:
-        return self.kernel_launches / self.tokens
+    def unit(self) -> str:
+        """What ``units`` counts: "token", "step" or "trace"."""
+        return UNITS[self.scope]
 
-    @property
-    def graph_launches_per_token(self) -> float:
-        return self.graph_launches / self.tokens
-
-    @property
-    def gpu_kernels_per_token(self) -> float:
-        return self.gpu_kernels / self.tokens
+    def per_unit(self, count: float) -> float:
+        return count / self.units
 
     def kernel_share(self, total_us: float) -> float:
-        """Fraction of the decode kernel time that ``total_us`` represents."""
+        """Fraction of the in-scope kernel time that ``total_us`` represents."""
         return total_us / self.kernel_time_us if self.kernel_time_us > 0 else 0.0
 
+    # The names of the decode-only summaries that came first, for their callers; None outside the decode scope.
+    def _in_decode(self, value: float | None) -> float | None:
+        return value if self.scope == SCOPE_DECODE else None
+
+    @property
+    def tokens(self) -> int | None:
+        return self.units if self.scope == SCOPE_DECODE else None
+
+    @property
+    def decode_window_us(self) -> float | None:
+        return self._in_decode(self.gpu_window_us)
+
+    @property
+    def decode_wall_us(self) -> float | None:
+        return self._in_decode(self.wall_us)
+
+    @property
+    def kernel_launches_per_token(self) -> float | None:
+        return self._in_decode(self.per_unit(self.kernel_launches))
+
+    @property
+    def graph_launches_per_token(self) -> float | None:
+        return self._in_decode(self.per_unit(self.graph_launches))
+
+    @property
+    def gpu_kernels_per_token(self) -> float | None:
+        return self._in_decode(self.per_unit(self.gpu_kernels))
+
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form (for ``--json``), per-token figures included."""
+        """JSON-ready form (for ``--json``): the fields, ``unit``, and the count and per-unit figures named after
+        the unit: ``tokens`` and ``kernel_launches_per_token`` in decode, ``steps`` and ``..._per_step`` per
+        ProfilerStep, none for the whole trace."""
         out = asdict(self)
-        out["kernel_launches_per_token"] = self.kernel_launches_per_token
-        out["graph_launches_per_token"] = self.graph_launches_per_token
-        out["gpu_kernels_per_token"] = self.gpu_kernels_per_token
+        out["unit"] = self.unit
+        if self.scope != SCOPE_WHOLE:
+            out[f"{self.unit}s"] = self.units
+            for name in ("kernel_launches", "graph_launches", "gpu_kernels"):
+                out[f"{name}_per_{self.unit}"] = self.per_unit(out[name])
         out["largest_gaps"] = [{"offset_us": o, "gap_us": g} for o, g in self.largest_gaps]
         out["top_kernels"] = [
             {"name": n, "count": c, "total_us": t, "share": self.kernel_share(t)} for n, c, t in self.top_kernels
@@ -141,14 +200,30 @@ class TraceSummary:
         return out
 
 
+class _Marks:
+    """Start and end, per process, of the annotations that delimit a scope."""
+
+    def __init__(self) -> None:
+        self.pid, self.start, self.end = array("q"), array("d"), array("d")
+
+    def add(self, pid: int, ts: float, dur: float) -> None:
+        self.pid.append(pid)
+        self.start.append(ts)
+        self.end.append(ts + dur)
+
+    def __len__(self) -> int:
+        return len(self.start)
+
+
 class _Columns:
     """Compact columns of the events the summary needs; all else is dropped as read."""
 
     def __init__(self) -> None:
         self.events = 0
+        self.first_start, self.last_end = math.inf, -math.inf  # of all complete events
         self.pids: dict[Any, int] = {}
         self.names: dict[str, int] = {}
-        self.mark_pid, self.mark_start, self.mark_end = array("q"), array("d"), array("d")
+        self.decode, self.steps = _Marks(), _Marks()
         self.prefills, self.prefill_us = 0, 0.0
         self.call_pid, self.call_ts = array("q"), array("d")
         self.call_corr, self.call_kind = array("q"), array("b")
@@ -160,15 +235,20 @@ class _Columns:
         if not isinstance(event, dict) or event.get("ph") != "X":
             return
         name, ts = event.get("name"), event.get("ts")
-        if not isinstance(name, str) or not isinstance(ts, (int, float)):
+        if not isinstance(name, str) or not _is_time(ts):
             return
+        dur = _duration(event)
+        if ts < self.first_start:
+            self.first_start = ts
+        if ts + dur > self.last_end:
+            self.last_end = ts + dur
         cat = event.get("cat")
         cat = cat if isinstance(cat, str) else ""
         if cat in GPU_CATEGORIES:
-            self._add_gpu(event, GPU_CATEGORIES[cat], name, ts)
-        elif name in (DECODE_MARK, PREFILL_MARK):
+            self._add_gpu(event, GPU_CATEGORIES[cat], name, ts, dur)
+        elif name.startswith(_MARK_PREFIXES):
             if cat != GPU_MARK_CATEGORY:
-                self._add_mark(event, name, ts)
+                self._add_mark(event, name, ts, dur)
         else:
             kind = launch_kind(name)
             if kind is not None or cat in RUNTIME_CATEGORIES:
@@ -179,15 +259,14 @@ class _Columns:
         key = pid if isinstance(pid, (int, str)) else repr(pid)
         return self.pids.setdefault(key, len(self.pids))
 
-    def _add_mark(self, event: dict[str, Any], name: str, ts: float) -> None:
-        dur = _duration(event)
+    def _add_mark(self, event: dict[str, Any], name: str, ts: float, dur: float) -> None:
         if name == PREFILL_MARK:
             self.prefills += 1
             self.prefill_us += dur
-            return
-        self.mark_pid.append(self._pid(event))
-        self.mark_start.append(ts)
-        self.mark_end.append(ts + dur)
+        elif name == DECODE_MARK:
+            self.decode.add(self._pid(event), ts, dur)
+        elif is_step_mark(name):
+            self.steps.add(self._pid(event), ts, dur)
 
     def _add_call(self, event: dict[str, Any], kind: str | None, ts: float) -> None:
         self.call_pid.append(self._pid(event))
@@ -195,23 +274,95 @@ class _Columns:
         self.call_corr.append(_correlation(event))
         self.call_kind.append(_CALL_CODES.get(kind, _OTHER_CALL))
 
-    def _add_gpu(self, event: dict[str, Any], kind: int, name: str, ts: float) -> None:
+    def _add_gpu(self, event: dict[str, Any], kind: int, name: str, ts: float, dur: float) -> None:
         self.gpu_kind.append(kind)
         self.gpu_corr.append(_correlation(event))
         self.gpu_name.append(self.names.setdefault(name, len(self.names)))
         self.gpu_start.append(ts)
-        self.gpu_dur.append(_duration(event))
+        self.gpu_dur.append(dur)
+
+
+def _is_time(value: Any) -> bool:
+    """A finite int or float (not a bool, NaN or infinity)."""
+    return type(value) in _NUMBER_TYPES and -math.inf < value < math.inf
 
 
 def _duration(event: dict[str, Any]) -> float:
     dur = event.get("dur")
-    return float(dur) if isinstance(dur, (int, float)) and dur > 0 else 0.0
+    return float(dur) if _is_time(dur) and dur > 0 else 0.0
 
 
 def _correlation(event: dict[str, Any]) -> int:
     args = event.get("args")
     corr = args.get("correlation") if isinstance(args, dict) else None
-    return int(corr) if isinstance(corr, (int, float)) else _NO_CORRELATION
+    if type(corr) is float and corr.is_integer():
+        corr = int(corr)
+    return corr if type(corr) is int and 0 <= corr <= _MAX_CORRELATION else _NO_CORRELATION
+
+
+class _GuardedReader:
+    """A binary file for ijson that refuses, as one-line ValueErrors, input that would make the parse unbounded.
+
+    * Size: MAX_JSON_BYTES in all (a gzip bomb inflates without end), and MAX_EVENT_BYTES read without a
+      complete trace event: ijson builds each event whole in memory, and yajl re-reads a token that spans
+      two reads, which takes time quadratic in the token's length (a 100 MB number: minutes).
+    * Depth: yajl accepts any nesting, and ijson builds a path string per level, so that its time and
+      memory grow with the square of the depth (40 000 levels: 10 s and 4 GB). Brackets outside strings
+      are counted here, with numpy, before the parser sees them; strings are told by their unescaped
+      quotes. Past a syntax error the count may go wrong (it runs a read ahead of yajl), so that invalid
+      JSON may be called too deep rather than malformed: a one-line ValueError either way.
+    """
+
+    def __init__(self, stream: BinaryIO, path: Path) -> None:
+        self._stream, self._path = stream, path
+        self.size = 0  # bytes read so far
+        self.size_at_event = 0  # ``size`` when the consumer last took an event (see took_event)
+        self._depth = 0
+        self._in_string = False
+        self._backslashes = 0  # length of the run of backslashes that ended the last read
+
+    def took_event(self) -> None:
+        self.size_at_event = self.size
+
+    def read(self, size: int = READ_BYTES) -> bytes:
+        if self.size - self.size_at_event > MAX_EVENT_BYTES:
+            raise ValueError(f"{self._path}: more than {MAX_EVENT_BYTES} bytes of JSON without a complete trace event")
+        chunk = self._stream.read(size)
+        self.size += len(chunk)
+        if self.size > MAX_JSON_BYTES:
+            raise ValueError(f"{self._path}: more than {MAX_JSON_BYTES} bytes of JSON (a gzip bomb?)")
+        if chunk:
+            self._count_depth(chunk)
+        return chunk
+
+    def _count_depth(self, chunk: bytes) -> None:
+        data = np.frombuffer(chunk, np.uint8)
+        quotes = self._unescaped_quotes(chunk, data)  # positions
+        folded = data | _CASE_BIT
+        brackets = np.flatnonzero((folded == _OPEN) | (folded == _CLOSE))
+        outside = (np.searchsorted(quotes, brackets) + self._in_string) & 1 == 0
+        steps = np.where(folded[brackets[outside]] == _OPEN, 1, -1)
+        if len(steps):
+            depth = np.cumsum(steps) + self._depth
+            if int(depth.max()) > MAX_DEPTH:
+                raise ValueError(f"{self._path}: JSON nested deeper than {MAX_DEPTH} levels")
+            self._depth = int(depth[-1])
+        self._in_string ^= len(quotes) % 2 == 1
+
+    def _unescaped_quotes(self, chunk: bytes, data: np.ndarray) -> np.ndarray:
+        """Positions of the quotes of ``chunk`` that open or close a string (not preceded by an odd run of
+        backslashes, counting those at the end of the previous read)."""
+        quotes = np.flatnonzero(data == _QUOTE)
+        if not self._backslashes and b"\\" not in chunk:
+            return quotes
+        others = np.flatnonzero(data != _BACKSLASH)  # holds every quote
+        if len(others) == 0:
+            self._backslashes += len(chunk)
+            return quotes
+        index = np.searchsorted(others, quotes)
+        previous = np.where(index > 0, others[index - 1], -1 - self._backslashes)
+        self._backslashes = len(chunk) - 1 - int(others[-1])
+        return quotes[(quotes - previous) % 2 == 1]
 
 
 def _events(path: Path) -> Iterator[Any]:
@@ -221,9 +372,11 @@ def _events(path: Path) -> Iterator[Any]:
     with path.open("rb") as raw:
         gzipped = raw.read(2) == _GZIP_MAGIC
         raw.seek(0)
-        stream = gzip.GzipFile(fileobj=raw, mode="rb") if gzipped else raw
+        reader = _GuardedReader(gzip.GzipFile(fileobj=raw, mode="rb") if gzipped else raw, path)
         try:
-            yield from ijson.items(stream, "traceEvents.item", use_float=True)
+            for event in ijson.items(reader, "traceEvents.item", use_float=True, buf_size=READ_BYTES):
+                reader.took_event()
+                yield event
         except (gzip.BadGzipFile, EOFError, zlib.error) as err:
             raise ValueError(f"{path}: corrupt gzip data ({first_line(err)})") from err
         except (ijson.JSONError, UnicodeDecodeError) as err:
@@ -236,16 +389,28 @@ def _read(path: Path) -> _Columns:
         columns.add(event)
     if columns.events == 0:
         raise ValueError(f"{path}: not a Chrome trace (no events in a traceEvents array)")
-    if not columns.mark_start:
-        raise ValueError(
-            f"{path}: the trace has no {DECODE_MARK!r} marks (was it written by `gpt-fast generate --profile`?)"
-        )
+    if columns.first_start > columns.last_end:
+        raise ValueError(f'{path}: the trace has no complete events (ph "X" with a name and a numeric ts)')
     return columns
 
 
-def _inside_marks(pid: np.ndarray, ts: np.ndarray, c: _Columns) -> np.ndarray:
-    """Mask of the (pid, ts) points that lie inside a decode mark of the same pid."""
-    mark_pid, start, end = (np.asarray(a) for a in (c.mark_pid, c.mark_start, c.mark_end))
+def _scope(c: _Columns, path: Path) -> tuple[str, _Marks | None]:
+    """The scope that applies to the trace, and its marks (None for the whole trace)."""
+    if len(c.decode):
+        return SCOPE_DECODE, c.decode
+    if c.prefills:
+        raise ValueError(
+            f"{path}: the trace has {PREFILL_MARK!r} but no {DECODE_MARK!r} marks: nothing was decoded in this "
+            "`gpt-fast generate --profile` run"
+        )
+    if len(c.steps):
+        return SCOPE_STEPS, c.steps
+    return SCOPE_WHOLE, None
+
+
+def _inside_marks(pid: np.ndarray, ts: np.ndarray, marks: _Marks) -> np.ndarray:
+    """Mask of the (pid, ts) points that lie inside a mark of the same pid."""
+    mark_pid, start, end = (np.asarray(a) for a in (marks.pid, marks.start, marks.end))
     inside = np.zeros(len(ts), dtype=bool)
     for p in np.unique(mark_pid):
         mine = mark_pid == p
@@ -260,13 +425,22 @@ def _inside_marks(pid: np.ndarray, ts: np.ndarray, c: _Columns) -> np.ndarray:
     return inside
 
 
-def _decode_gpu_mask(c: _Columns, decode_corr: np.ndarray) -> np.ndarray:
+def _gpu_mask(c: _Columns, marks: _Marks, scope_corr: np.ndarray) -> np.ndarray:
     corr, start = np.asarray(c.gpu_corr), np.asarray(c.gpu_start)
-    by_corr = np.isin(corr, decode_corr)
-    lo = min(c.mark_start)
-    hi = max(c.mark_end) + TIME_FALLBACK_SLACK_US
+    by_corr = np.isin(corr, scope_corr)
+    lo = min(marks.start)
+    hi = max(marks.end) + TIME_FALLBACK_SLACK_US
     by_time = (corr == _NO_CORRELATION) & (start >= lo) & (start <= hi)
     return by_corr | by_time
+
+
+def _in_scope(c: _Columns, marks: _Marks | None) -> tuple[np.ndarray, np.ndarray]:
+    """Masks of the runtime calls and of the GPU events that belong to the scope."""
+    if marks is None:
+        return np.ones(len(c.call_ts), dtype=bool), np.ones(len(c.gpu_start), dtype=bool)
+    call_in = _inside_marks(np.asarray(c.call_pid), np.asarray(c.call_ts), marks)
+    call_corr = np.asarray(c.call_corr)[call_in]
+    return call_in, _gpu_mask(c, marks, np.unique(call_corr[call_corr != _NO_CORRELATION]))
 
 
 def _idle_profile(
@@ -297,17 +471,17 @@ def _top_kernels(
 
 
 def _summarize(c: _Columns, path: Path, top: int) -> TraceSummary:
-    call_in = _inside_marks(np.asarray(c.call_pid), np.asarray(c.call_ts), c)
+    scope, marks = _scope(c, path)
+    call_in, gpu_in = _in_scope(c, marks)
     call_kind = np.asarray(c.call_kind)[call_in]
-    call_corr = np.asarray(c.call_corr)[call_in]
-    gpu_in = _decode_gpu_mask(c, np.unique(call_corr[call_corr != _NO_CORRELATION]))
     gpu_kind = np.asarray(c.gpu_kind)
     kernels = gpu_in & (gpu_kind == KERNEL)
     start, dur = np.asarray(c.gpu_start)[kernels], np.asarray(c.gpu_dur)[kernels]
     busy, window, gaps = _idle_profile(start, start + dur)
     return TraceSummary(
         path=str(path),
-        tokens=len(c.mark_start),
+        scope=scope,
+        units=1 if marks is None else len(marks),
         kernel_launches=int(np.count_nonzero(call_kind == _KERNEL_LAUNCH)),
         graph_launches=int(np.count_nonzero(call_kind == _GRAPH_LAUNCH)),
         gpu_kernels=int(np.count_nonzero(kernels)),
@@ -315,8 +489,8 @@ def _summarize(c: _Columns, path: Path, top: int) -> TraceSummary:
         gpu_memsets=int(np.count_nonzero(gpu_in & (gpu_kind == MEMSET))),
         kernel_time_us=float(dur.sum()),
         busy_fraction=busy,
-        decode_window_us=window,
-        decode_wall_us=max(c.mark_end) - min(c.mark_start),
+        gpu_window_us=window,
+        wall_us=c.last_end - c.first_start if marks is None else max(marks.end) - min(marks.start),
         largest_gaps=gaps,
         top_kernels=_top_kernels(np.asarray(c.gpu_name)[kernels], dur, list(c.names), top),
         prefill_us=c.prefill_us if c.prefills else None,
@@ -325,11 +499,12 @@ def _summarize(c: _Columns, path: Path, top: int) -> TraceSummary:
 
 
 def summarize_trace(path: str | Path, top: int = 10) -> TraceSummary:
-    """Summarize the decode phase of the torch.profiler Chrome trace at ``path``.
+    """Summarize the torch.profiler Chrome trace at ``path`` over the first scope that applies: its decode
+    phase, its ProfilerStep#N steps, or the whole trace (see the module's docstring).
 
-    ``path`` may be gzipped. Raises FileNotFoundError for a missing file and ValueError
-    (one line, naming the file) for malformed JSON, a JSON file that is not a trace, or
-    a trace without DECODE_MARK events.
+    ``path`` may be gzipped. Raises FileNotFoundError for a missing file and ValueError (one line, naming
+    the file) for malformed or unbounded JSON (see _GuardedReader), a JSON file that is not a trace, or a
+    ``gpt-fast generate --profile`` trace with a prefill but no decode marks.
     """
     path = Path(path)
     return _summarize(_read(path), path, top)
@@ -347,14 +522,45 @@ def _short_name(name: str, width: int = 100) -> str:
     return name if len(name) <= width else name[: width - 1] + "…"
 
 
+def _scope_line(s: TraceSummary) -> str:
+    if s.scope == SCOPE_WHOLE:
+        return (
+            f"scope: whole trace (no {DECODE_MARK!r} or {STEP_MARK_PREFIX}N marks), "
+            f"{_time(s.wall_us)} from first to last event"
+        )
+    marks = f"{DECODE_MARK!r}" if s.scope == SCOPE_DECODE else f"{STEP_MARK_PREFIX}N"
+    return (
+        f"scope: {s.scope}, per {marks} mark: {_how_many(s)}, "
+        f"{_time(s.wall_us)} wall ({_time(s.per_unit(s.wall_us))}/{s.unit})"
+    )
+
+
+def _how_many(s: TraceSummary) -> str:
+    """'4 tokens', '1 step'."""
+    return f"{s.units} {s.unit}{'' if s.units == 1 else 's'}"
+
+
+def _figure(s: TraceSummary, count: int) -> str:
+    """A count per unit ('3.0'), or as it is over the whole trace."""
+    return str(count) if s.scope == SCOPE_WHOLE else f"{s.per_unit(count):.1f}"
+
+
+def _figures(s: TraceSummary, what: str, *pairs: tuple[int, str]) -> str:
+    """'WHAT per token: 3.0 kernel, 0.0 graph (12 kernel, 0 graph in total)', or 'WHAT: 12 kernel, 0 graph'."""
+    totals = ", ".join(f"{n} {name}" for n, name in pairs)
+    if s.scope == SCOPE_WHOLE:
+        return f"{what}: {totals}"
+    return (
+        f"{what} per {s.unit}: " + ", ".join(f"{_figure(s, n)} {name}" for n, name in pairs) + f" ({totals} in total)"
+    )
+
+
 def _gpu_lines(s: TraceSummary) -> list[str]:
-    if s.busy_fraction is None or s.decode_window_us is None:
-        return ["GPU: no kernels in the decode phase (CPU-only trace?)"]
-    n = s.tokens
+    if s.busy_fraction is None or s.gpu_window_us is None:
+        return [f"GPU: no kernels in {_SCOPE_PHRASES[s.scope]} (CPU-only trace?)"]
     lines = [
-        f"GPU per token: {s.gpu_kernels_per_token:.1f} kernels, {s.gpu_memcpys / n:.1f} "
-        f"memcpy, {s.gpu_memsets / n:.1f} memset ({s.gpu_kernels} kernels in total)",
-        f"GPU busy: {s.busy_fraction:.1%} of a {_time(s.decode_window_us)} decode window "
+        _figures(s, "GPU", (s.gpu_kernels, "kernels"), (s.gpu_memcpys, "memcpy"), (s.gpu_memsets, "memset")),
+        f"GPU busy: {s.busy_fraction:.1%} of a {_time(s.gpu_window_us)} window from first to last kernel "
         f"(kernel time {_time(s.kernel_time_us)})",
     ]
     gaps = ", ".join(f"{_time(g)} at +{_time(o)}" for o, g in s.largest_gaps)
@@ -365,31 +571,29 @@ def _gpu_lines(s: TraceSummary) -> list[str]:
 
 
 def format_summary(s: TraceSummary) -> str:
-    """Plain-text, multi-line report of a TraceSummary."""
-    prefill = (
-        f"{_time(s.prefill_us)} ({s.prefills} mark{'s' if s.prefills != 1 else ''})"
-        if s.prefill_us is not None
-        else f"not marked ({PREFILL_MARK!r})"
-    )
-    lines = [
-        f"trace: {s.path}",
-        f"decode: {s.tokens} tokens, {_time(s.decode_wall_us)} wall ({_time(s.decode_wall_us / s.tokens)}/token)",
-        f"prefill: {prefill}",
-        f"runtime launches per token: {s.kernel_launches_per_token:.1f} kernel, "
-        f"{s.graph_launches_per_token:.1f} graph ({s.kernel_launches} kernel, "
-        f"{s.graph_launches} graph in total)",
-    ]
+    """Plain-text, multi-line report of a TraceSummary; its second line names the scope."""
+    lines = [f"trace: {s.path}", _scope_line(s)]
+    if s.scope == SCOPE_DECODE:
+        prefill = (
+            f"{_time(s.prefill_us)} ({s.prefills} mark{'s' if s.prefills != 1 else ''})"
+            if s.prefill_us is not None
+            else f"not marked ({PREFILL_MARK!r})"
+        )
+        lines.append(f"prefill: {prefill}")
+    lines.append(_figures(s, "runtime launches", (s.kernel_launches, "kernel"), (s.graph_launches, "graph")))
     return "\n".join(lines + _gpu_lines(s))
 
 
 def short_summary(s: TraceSummary) -> str:
-    """Exactly two lines: launches/kernels per token, then GPU busy and largest gap."""
+    """Exactly two lines: the scope with launches and kernels per unit, then GPU busy and largest gap."""
+    head = f"{s.scope}:" if s.scope == SCOPE_WHOLE else f"{s.scope}: {_how_many(s)},"
+    per = "" if s.scope == SCOPE_WHOLE else f"/{s.unit}"
     first = (
-        f"decode: {s.tokens} tokens, {s.kernel_launches_per_token:.1f} kernel launches/token, "
-        f"{s.graph_launches_per_token:.1f} graph launches/token, "
-        f"{s.gpu_kernels_per_token:.1f} GPU kernels/token"
+        f"{head} {_figure(s, s.kernel_launches)} kernel launches{per}, "
+        f"{_figure(s, s.graph_launches)} graph launches{per}, {_figure(s, s.gpu_kernels)} GPU kernels{per}"
     )
+    phrase = _SCOPE_PHRASES[s.scope]
     if s.busy_fraction is None:
-        return f"{first}\nGPU: no kernels in the decode phase"
+        return f"{first}\nGPU: no kernels in {phrase}"
     gap = f"largest idle gap {_time(s.largest_gaps[0][1])}" if s.largest_gaps else "no idle gaps"
-    return f"{first}\nGPU busy {s.busy_fraction:.1%} of decode; {gap}"
+    return f"{first}\nGPU busy {s.busy_fraction:.1%} of {phrase}; {gap}"
