@@ -11,10 +11,10 @@ for ``'x' * 10**10``, ``10 ** (10 ** 10)`` or loops nested to 10**10 iterations.
 - work: each loop iteration, call, filter and operator is a step, and so are each :data:`STEP_CHARS` characters
   made or output and each unit of an integer argument of a filter, string method or ``range`` (a width, a count);
   one render takes at most :data:`MAX_STEPS` steps.
-- output: the rendered text holds at most :data:`MAX_TEXT` characters.
+- output: the rendered text holds at most :data:`MAX_TEXT` characters (text that ``{% set %}`` blocks and macros
+  capture, at most what :data:`MAX_STEPS` steps can output).
 
-Going past a bound raises ``SecurityError`` before the large value is made. Recursion ends at Python's limit
-(RecursionError).
+Going past a bound raises ``SecurityError``. Recursion ends at Python's limit (RecursionError).
 """
 
 from __future__ import annotations

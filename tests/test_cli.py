@@ -141,6 +141,7 @@ def test_module_entry_point(checkpoint):
 
 BAD_INPUTS = {
     "empty prompt": (["--prompt", ""], "--prompt is empty"),
+    "prompt not UTF-8": (["--prompt", "ab\udcffc"], "the prompt is not valid UTF-8: byte 0xFF at character 2"),
     "no new tokens": (["--max_new_tokens", "0"], "--max_new_tokens must be >= 1"),
     "negative temperature": (["--temperature", "-0.5"], "temperature must be a finite number >= 0"),
     "nan temperature": (["--temperature", "nan"], "temperature must be a finite number >= 0"),

@@ -157,6 +157,12 @@ def test_unsupported_gguf_tokenizer_is_named(tmp_path: Path) -> None:
     assert not (tmp_path / "out" / "tokenizer.json").exists()
 
 
+def test_gguf_vocabulary_that_cannot_encode_text_is_refused(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "tiny.gguf", "llama", ["<unk>", "<s>", "</s>"], [2, 3, 3], token_scores=[0.0] * 3)
+    with pytest.raises(ValueError, match=r"GGUF file's tokenizer .*: its BPE model gives no tokens for plain text"):
+        tokenizer_from_gguf(gguf.GGUFReader(path), tmp_path / "out")
+
+
 def test_merges_from_scores_rank_by_score_then_length() -> None:
     tokens = ["a", "b", "c", "ab", "bc", "abc"]
     assert merges_from_scores(tokens, [0, 0, 0, -1.0, -2.0, -0.5]) == [("ab", "c"), ("a", "bc"), ("a", "b"), ("b", "c")]
