@@ -14,10 +14,10 @@ import click
 
 from gpt_fast import __version__
 from gpt_fast.device import DTYPE_CHOICES, DTYPES, parse_dtype
-from gpt_fast.engine import Engine, EngineOptions
+from gpt_fast.engine import Engine, EngineOptions, user_turn
 from gpt_fast.fileio import STDOUT
 from gpt_fast.generate import COMPILE_MODES
-from gpt_fast.runner import DEFAULT_PROMPT, GenerateOptions, check_text, run_generate, write_stdout
+from gpt_fast.runner import DEFAULT_PROMPT, GenerateOptions, run_generate, write_stdout
 from gpt_fast.sampling import SamplingConfig
 from gpt_fast.settings import apply_torch_settings
 
@@ -219,11 +219,9 @@ def chat(
     from gpt_fast.runner import load_reporting
 
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
-    if system is not None:
-        check_text(system, "--system")
     engine = Engine.open(checkpoint_path, EngineOptions(compile_mode, compile_prefill, device, dtype))
     check_can_chat(engine)
-    engine.check_fits(engine.chat_ids([{"role": "user", "content": "?"}]), max_new_tokens)
+    engine.check_fits(engine.chat_ids(user_turn("?", system)), max_new_tokens)  # also checks the system message
     enable_line_editing()
     apply_torch_settings()
     load_reporting(engine, write_stdout)

@@ -49,7 +49,12 @@ def chat_loop(
         if not text.strip():
             continue
         messages.append({"role": "user", "content": text})
-        ids = engine.chat_ids(messages)
+        try:
+            ids = engine.chat_ids(messages)
+        except ValueError as err:  # the template refused the conversation (or the text is not valid UTF-8)
+            write(f"{err}; that message is left out\n")
+            messages.pop()
+            continue
         try:
             engine.check_fits(ids, max_new_tokens)
         except ValueError as err:

@@ -28,15 +28,6 @@ def write_stdout(text: str) -> None:
     sys.stdout.flush()
 
 
-def check_text(text: str, flag: str) -> str:
-    """``text`` must be valid Unicode (Python keeps bytes of invalid UTF-8 from the shell as lone surrogates)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError(f"{flag} is not valid UTF-8 text") from None
-    return text
-
-
 @dataclass(frozen=True)
 class GenerateOptions:
     """Everything `gpt-fast generate` takes besides the checkpoint and the engine options; the command's defaults
@@ -58,11 +49,8 @@ class GenerateOptions:
     def __post_init__(self) -> None:
         if not self.prompt:
             raise ValueError("--prompt is empty")
-        check_text(self.prompt, "--prompt")
-        if self.system is not None:
-            check_text(self.system, "--system")
-            if not self.chat:
-                raise ValueError("--system goes with --chat (a system message is part of a chat)")
+        if self.system is not None and not self.chat:
+            raise ValueError("--system goes with --chat (a system message is part of a chat)")
         for name in ("max_new_tokens", "num_samples", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")

@@ -156,6 +156,7 @@ def test_module_entry_point(checkpoint):
 
 BAD_INPUTS = {
     "empty prompt": (["--prompt", ""], "--prompt is empty"),
+    "prompt not UTF-8": (["--prompt", "ab\udcffc"], "the prompt is not valid UTF-8: byte 0xFF at character 2"),
     "no new tokens": (["--max_new_tokens", "0"], "--max_new_tokens must be >= 1"),
     "negative temperature": (["--temperature", "-0.5"], "temperature must be a finite number >= 0"),
     "nan temperature": (["--temperature", "nan"], "temperature must be a finite number >= 0"),
@@ -331,7 +332,7 @@ MORE_BAD_INPUTS = {
     "system without chat": (["--system", "be brief"], "--system goes with --chat"),
     "invalid UTF-8 prompt": (
         ["--prompt", b"caf\xff".decode("utf-8", "surrogateescape")],
-        "--prompt is not valid UTF-8",
+        "the prompt is not valid UTF-8: byte 0xFF at character 3",
     ),
     "prompt and prompt file": (["--prompt", "x", "--prompt_file", "p.txt"], "give --prompt or --prompt_file, not both"),
     "metrics into a folder": (["--metrics_json", "."], "--metrics_json: . is a folder"),

@@ -69,14 +69,13 @@ def special_added_tokens(hf_tokenizer) -> dict[str, int]:
     return {token.content: token_id for token_id, token in hf_tokenizer.added_tokens_decoder.items() if token.special}
 
 
-def test_sentencepiece_style_gguf_matches_transformers(
-    sentencepiece_dir: Path, tmp_path: Path, varied_texts: list[str]
-) -> None:
+def sentencepiece_style_gguf(sentencepiece_dir: Path, path: Path) -> Path:
+    """The tiny SentencePiece model as a "llama" GGUF vocabulary (its <tool> a user-defined, non-special token)."""
     from sentencepiece import sentencepiece_model_pb2
 
     proto = sentencepiece_model_pb2.ModelProto.FromString((sentencepiece_dir / "tokenizer.model").read_bytes())
-    path = write_gguf(
-        tmp_path / "sp.gguf",
+    return write_gguf(
+        path,
         "llama",
         [p.piece for p in proto.pieces],
         [p.type for p in proto.pieces],
@@ -86,6 +85,12 @@ def test_sentencepiece_style_gguf_matches_transformers(
         unk_token_id=0,
         chat_template="{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}",
     )
+
+
+def test_sentencepiece_style_gguf_matches_transformers(
+    sentencepiece_dir: Path, tmp_path: Path, varied_texts: list[str]
+) -> None:
+    path = sentencepiece_style_gguf(sentencepiece_dir, tmp_path / "sp.gguf")
     ours, cfg, template, _ = gguf_parity(path, tmp_path / "out", varied_texts)
     assert (cfg.add_bos, cfg.stop_ids) == (True, (2,))  # a "llama" vocabulary adds BOS unless the file says not
     assert template.startswith("{% for m in messages %}")
@@ -93,6 +98,26 @@ def test_sentencepiece_style_gguf_matches_transformers(
     for text in varied_texts:  # the same ids as the SentencePiece model the vocabulary came from, except where
         if not text.startswith((" ", "\u2581")):  # the GGUF vocabulary follows transformers, not sentencepiece
             assert ours.encode(text) == sp.encode(text), text
+
+
+def test_literal_text_after_a_control_token_encodes_as_after_any_added_token(
+    sentencepiece_dir: Path, tmp_path: Path
+) -> None:
+    """Its tokenizer.json puts "▁" only before the start of the text (Metaspace, prepend_scheme "first"): literal
+    text after the control token </s> encodes as transformers encodes it, special tokens split, after the
+    non-special added token <tool>."""
+    path = sentencepiece_style_gguf(sentencepiece_dir, tmp_path / "sp.gguf")
+    cfg, _ = tokenizer_from_gguf(gguf.GGUFReader(path), tmp_path / "out")
+    ours = load_tokenizer(tmp_path / "out", cfg)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    for literal in ["x</s>y", "hello <s> world", "</s>", " <unk>\n<tool>z"]:
+        after_tool = theirs.encode("<tool>" + literal, add_special_tokens=False, split_special_tokens=True)
+        assert after_tool[0] == theirs.convert_tokens_to_ids("<tool>") == 4
+        text = "</s>" + literal
+        assert ours.encode(text, bos=False, literal_spans=[(4, len(text))]) == [2, *after_tool[1:]], literal
+        assert ours.encode(literal, bos=False, literal_spans=[(0, len(literal))]) == theirs.encode(
+            literal, add_special_tokens=False, split_special_tokens=True
+        )
 
 
 def test_byte_level_gguf_matches_transformers(
@@ -131,6 +156,12 @@ def test_unsupported_gguf_tokenizer_is_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="'bert'"):
         tokenizer_from_gguf(gguf.GGUFReader(path), tmp_path / "out")
     assert not (tmp_path / "out" / "tokenizer.json").exists()
+
+
+def test_gguf_vocabulary_that_cannot_encode_text_is_refused(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "tiny.gguf", "llama", ["<unk>", "<s>", "</s>"], [2, 3, 3], token_scores=[0.0] * 3)
+    with pytest.raises(ValueError, match=r"GGUF file's tokenizer .*: its BPE model gives no tokens for plain text"):
+        tokenizer_from_gguf(gguf.GGUFReader(path), tmp_path / "out")
 
 
 def test_merges_from_scores_rank_by_score_then_length() -> None:

@@ -120,8 +120,9 @@ def test_end_of_turn_token_of_the_chat_template_is_a_stop_id(byte_level_bpe_dir:
         "{{ raise_exception('no assistant turns here') }}",
         "{% for m in messages %}{{ m['content'] }}\n{% endfor %}",
         "{{ messages[5]['content'] }}",
+        "{{ 'x' * 10**10 }}",
     ],
-    ids=["raises", "no-end-token", "undefined"],
+    ids=["raises", "no-end-token", "undefined", "too-costly"],
 )
 def test_templates_without_an_end_of_turn_token_leave_stop_ids(byte_level_bpe_dir: Path, template: str) -> None:
     cfg = dataclasses.replace(tokenizer_from_hf_dir(byte_level_bpe_dir, {})[0], stop_ids=(556,))
@@ -164,3 +165,24 @@ def test_chat_template_sources(sentencepiece_dir: Path, tmp_path: Path, files: d
     for name, content in files.items():
         (src / name).write_text(content if isinstance(content, str) else json.dumps(content))
     assert tokenizer_from_hf_dir(src, {})[2] == expected
+
+
+def test_tiktoken_file_with_duplicate_ranks_is_named_not_taken_for_sentencepiece(
+    tiktoken_dir: Path, tmp_path: Path
+) -> None:
+    src = copy_dir(tiktoken_dir, tmp_path / "ckpt")
+    lines = (src / "tokenizer.model").read_text().splitlines()
+    (src / "tokenizer.model").write_text("\n".join([*lines, f"{lines[300].split()[0]} 9"]) + "\n")
+    with pytest.raises(ValueError, match=rf"tokenizer\.model line {len(lines) + 1}: token \S+ is listed twice"):
+        tokenizer_from_hf_dir(src, {})
+
+
+def test_tokenizer_json_whose_model_cannot_encode_text_is_an_error(tmp_path: Path) -> None:
+    import tokenizers
+    from tokenizers import models, pre_tokenizers
+
+    tok = tokenizers.Tokenizer(models.WordPiece({"[UNK]": 0, "hello": 1}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(ValueError, match="tokenizer.json: its WordPiece model gives only its unknown token"):
+        tokenizer_from_hf_dir(tmp_path, {})

@@ -70,3 +70,16 @@ def test_a_turn_too_long_for_the_context_starts_over(engine):
     written = []
     chat_loop(engine, GREEDY, 5, lambda prompt: next(turns), written.append)
     assert any("exceeds the model's context" in line and "starting a new conversation" in line for line in written)
+
+
+def test_a_message_the_template_refuses_is_left_out(engine, monkeypatch):
+    turns = iter(["bad \udcff text", "Hi", "/exit"])
+    seen = []
+    original = engine.chat_ids
+    monkeypatch.setattr(
+        engine, "chat_ids", lambda messages: seen.append([dict(m) for m in messages]) or original(messages)
+    )
+    written = []
+    chat_loop(engine, GREEDY, 3, lambda prompt: next(turns), written.append)
+    assert any("not valid UTF-8" in line and "left out" in line for line in written)
+    assert [m["content"] for m in seen[-1]] == ["Hi"]

@@ -21,7 +21,7 @@ from gpt_fast.convert.tokenizer_common import (
     bytes_to_unicode,
     with_template_stop_id,
 )
-from gpt_fast.tokenizer import SPACE_MARK
+from gpt_fast.tokenizer import SPACE_MARK, check_encodes_text
 
 # Pre-tokenizer regexes by ``tokenizer.ggml.pre``: the ones transformers knows. Other names fall back to the
 # GPT-2 split of a plain byte-level pre-tokenizer, as in transformers.
@@ -84,6 +84,7 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader, out_dir: Path) -> tuple[Tokeniz
         )
     tok = builders[model](meta)
     specials = _add_gguf_added_tokens(tok, meta, byte_level=model == "gpt2")
+    check_encodes_text(tok, "the GGUF file's tokenizer (tokenizer.ggml.tokens)")
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     (Path(out_dir) / TOKENIZER_JSON).write_text(
         tok.to_str(), encoding="utf-8"

@@ -19,7 +19,7 @@ from gpt_fast.convert.tokenizer_common import (
     with_template_stop_id,
 )
 from gpt_fast.fileio import read_json_object
-from gpt_fast.tokenizer import read_sentencepiece_proto, read_tiktoken_ranks
+from gpt_fast.tokenizer import NotTiktokenError, read_sentencepiece_proto, read_tiktoken_ranks, read_tokenizer_json
 
 TOKENIZER_MODEL = "tokenizer.model"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -129,10 +129,7 @@ def _special_ids(
 
 
 def _from_tokenizer_json(path: Path, meta: _HfMetadata) -> TokenizerConfig:
-    try:
-        tok = tokenizers.Tokenizer.from_file(str(path))
-    except Exception as err:  # tokenizers raises a plain Exception for unreadable files
-        raise ValueError(f"cannot read tokenizer file {path}: {err}") from None
+    tok = read_tokenizer_json(path)
     special_tokens = {**meta.added_tokens(special_only=True)}
     special_tokens.update({t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special})
     ids = _special_ids(meta, tok.token_to_id, tok.id_to_token)
@@ -159,7 +156,7 @@ def _from_tokenizer_model(path: Path, meta: _HfMetadata) -> TokenizerConfig:
     data = path.read_bytes()
     try:
         ranks = read_tiktoken_ranks(path, data)
-    except ValueError:
+    except NotTiktokenError:
         return _sentencepiece_config(path, data, meta)
     return _tiktoken_config(path, ranks, meta)
 

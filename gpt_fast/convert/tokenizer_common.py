@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import jinja2
-
-from gpt_fast.chat_template import render_chat
+from gpt_fast.chat_template import ChatTemplateError, render_chat
 from gpt_fast.config import TokenizerConfig
 
 # The pre-tokenizer regex of Meta's Llama 3 tiktoken tokenizer: the default for tiktoken-format files.
@@ -37,7 +35,7 @@ def with_template_stop_id(cfg: TokenizerConfig, template: str | None) -> Tokeniz
         text = render_chat(
             template, messages, bos_token=cfg.bos_token, eos_token=cfg.eos_token, add_generation_prompt=False
         )
-    except (jinja2.TemplateError, TypeError, ValueError, LookupError):  # a template that rejects the probe
+    except ChatTemplateError:  # a template that rejects the probe
         return cfg
     _, found, after = text.rpartition(_TEMPLATE_PROBE)
     after = after.lstrip()
