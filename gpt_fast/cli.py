@@ -353,10 +353,17 @@ def report_converted(weights: Path) -> None:
     click.echo(f"Saved checkpoint to {weights}")
 
 
+def hub_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """REPO_ID, --hf_token, --revision."""
+    func = option("--revision", default=None, help="Branch, tag or commit (default: main).")(func)
+    func = option("--hf_token", default=None, help="Hugging Face token (default: the HF_TOKEN environment variable).")(
+        func
+    )
+    return click.argument("repo_id")(func)
+
+
 @cli.command()
-@click.argument("repo_id")
-@option("--hf_token", default=None, help="Hugging Face token (default: the HF_TOKEN environment variable).")
-@option("--revision", default=None, help="Branch, tag or commit (default: main).")
+@hub_options
 def download(repo_id: str, hf_token: str | None, revision: str | None) -> None:
     """Download a Hugging Face checkpoint's config, tokenizer and weights into checkpoints/REPO_ID/hf."""
     from gpt_fast.download import download as fetch
@@ -365,9 +372,7 @@ def download(repo_id: str, hf_token: str | None, revision: str | None) -> None:
 
 
 @cli.command()
-@click.argument("repo_id")
-@option("--hf_token", default=None, help="Hugging Face token (default: the HF_TOKEN environment variable).")
-@option("--revision", default=None, help="Branch, tag or commit (default: main).")
+@hub_options
 def prepare(repo_id: str, hf_token: str | None, revision: str | None) -> None:
     """Download REPO_ID into checkpoints/REPO_ID/hf and convert it into checkpoints/REPO_ID (the blog's prepare.sh)."""
     from gpt_fast.convert.auto import convert_source
