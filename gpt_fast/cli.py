@@ -4,6 +4,7 @@ are read; every command sits on the engine API (:mod:`gpt_fast.engine`)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import sys
 from collections.abc import Callable
@@ -65,24 +66,38 @@ def checkpoint_option(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def sampling_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """--temperature, --top_k, --top_p (applied in reverse so that help lists them in this order)."""
-    func = option(
+    """--temperature, --top_k, --top_p, handed to the command as one ``sampling`` (a checked SamplingConfig)."""
+
+    @functools.wraps(func)
+    def command(*args: Any, temperature: float, top_k: int, top_p: float, **kwargs: Any) -> Any:
+        return func(*args, sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p), **kwargs)
+
+    decorated = option(
         "--top_p",
         type=float,
         default=SAMPLING.top_p,
         show_default=True,
         help="Nucleus sampling: keep the smallest set of tokens reaching this probability.",
-    )(func)
-    func = option(
+    )(command)
+    decorated = option(
         "--top_k", type=int, default=SAMPLING.top_k, show_default=True, help="Sample among the k most likely tokens."
-    )(func)
+    )(decorated)
     return option("--temperature", type=float, default=SAMPLING.temperature, show_default=True, help="0 = greedy.")(
-        func
+        decorated
     )
 
 
 def device_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """--device, --dtype."""
+    """--device, --dtype, handed to the command as ``engine_options`` (a checked EngineOptions)."""
+
+    @functools.wraps(func)
+    def command(*args: Any, device: str | None, dtype: str, **kwargs: Any) -> Any:
+        return func(*args, engine_options=EngineOptions(device=device, dtype=dtype), **kwargs)
+
+    return add_device_options(command)
+
+
+def add_device_options(func: Callable[..., Any]) -> Callable[..., Any]:
     func = option(
         "--dtype",
         type=Choice(DTYPE_CHOICES),
@@ -94,9 +109,16 @@ def device_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """--compile, --compile_prefill, --device, --dtype."""
-    func = device_options(func)
-    func = option("--compile_prefill", is_flag=True, help="Also compile the prefill (dynamic shapes).")(func)
+    """--compile, --compile_prefill, --device, --dtype, handed to the command as ``engine_options``."""
+
+    @functools.wraps(func)
+    def command(
+        *args: Any, compile_mode: str, compile_prefill: bool, device: str | None, dtype: str, **kwargs: Any
+    ) -> Any:
+        return func(*args, engine_options=EngineOptions(compile_mode, compile_prefill, device, dtype), **kwargs)
+
+    decorated = add_device_options(command)
+    decorated = option("--compile_prefill", is_flag=True, help="Also compile the prefill (dynamic shapes).")(decorated)
     return option(
         "--compile",
         "compile_mode",
@@ -104,7 +126,7 @@ def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
         default=ENGINE.compile,
         show_default=True,
         help="The torch.compile mode (none: eager).",
-    )(func)
+    )(decorated)
 
 
 def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
@@ -174,24 +196,13 @@ def generate(
     checkpoint_path: str | None,
     prompt: str | None,
     prompt_file: Path | None,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    compile_mode: str,
-    compile_prefill: bool,
-    device: str | None,
-    dtype: str,
+    engine_options: EngineOptions,
     no_stream: bool,
     **kwargs: Any,
 ) -> None:
     """Generate text and report load time, compilation time, tokens/sec, bandwidth and memory."""
-    opts = GenerateOptions(
-        prompt=read_prompt(prompt, prompt_file),
-        sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p),
-        stream=not no_stream,
-        **kwargs,
-    )
-    engine = Engine.open(checkpoint_path, EngineOptions(compile_mode, compile_prefill, device, dtype))
+    opts = GenerateOptions(prompt=read_prompt(prompt, prompt_file), stream=not no_stream, **kwargs)
+    engine = Engine.open(checkpoint_path, engine_options)
     apply_torch_settings()
     run_generate(engine, opts, write_stderr if str(opts.metrics_json) == STDOUT else write_stdout)
 
@@ -206,20 +217,14 @@ def chat(
     checkpoint_path: str | None,
     max_new_tokens: int,
     system: str | None,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    compile_mode: str,
-    compile_prefill: bool,
-    device: str | None,
-    dtype: str,
+    sampling: SamplingConfig,
+    engine_options: EngineOptions,
 ) -> None:
     """Chat with a model that has a chat template, streaming each answer (Ctrl-C stops an answer, Ctrl-D ends)."""
     from gpt_fast.interactive import chat_loop, check_can_chat
     from gpt_fast.runner import load_reporting
 
-    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
-    engine = Engine.open(checkpoint_path, EngineOptions(compile_mode, compile_prefill, device, dtype))
+    engine = Engine.open(checkpoint_path, engine_options)
     check_can_chat(engine)
     engine.check_fits(engine.chat_ids(user_turn("?", system)), max_new_tokens)  # also checks the system message
     enable_line_editing()
@@ -276,11 +281,7 @@ def bench(
     checkpoint_path: str | None,
     modes: str,
     prompt: str,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    device: str | None,
-    dtype: str,
+    engine_options: EngineOptions,
     warm_cache: bool,
     output_dir: Path,
     title: str | None,
@@ -292,13 +293,12 @@ def bench(
     from gpt_fast.engine import find_checkpoint
 
     mode_list = parse_modes(modes)
-    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
-    opts = GenerateOptions(prompt=prompt, sampling=sampling, ignore_eos=True, stream=False, **kwargs)
+    opts = GenerateOptions(prompt=prompt, ignore_eos=True, stream=False, **kwargs)
     checkpoint = find_checkpoint(checkpoint_path)
     report = run_bench(
         checkpoint,
         mode_list,
-        EngineOptions(device=device, dtype=dtype),
+        engine_options,
         opts,
         output_dir,
         warm_cache=warm_cache,
