@@ -1,29 +1,35 @@
 """Decode speed against the peers, in one process and one run: identical random weights of a named shape, ours
 (one compile mode) and — when transformers is importable — Hugging Face transformers with its static cache (which
-it compiles by itself) and eager. Prints one table: tok/s, GB/s, % of the copy bandwidth measured in the same run,
-TTFT, compile time, memory.
+it compiles by itself) and eager. With ``--quantize int8,int4``, the same weights quantized: ours in each scheme,
+upstream gpt-fast's int8 formula (``F.linear(x, w.to(x.dtype)) * scales``, compiled by inductor: our ``dequant``
+kernel) and, where torchao is importable, torchao's weight-only int8 and int4 (tinygemm layout) on our model.
+Prints one table: tok/s, its ratio to our unquantized row, GB/s (of the weights each row reads), % of the copy
+bandwidth measured in the same run, TTFT, compile time, memory.
 
-    python -m gpt_fast.bench_decode --shape llama-2-7b --device cuda
+    python -m gpt_fast.bench_decode --shape llama-2-7b --device cuda --quantize int8,int4
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import importlib.util
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from gpt_fast.bench import copy_bandwidth_gbps
-from gpt_fast.config import ModelConfig
+from gpt_fast.config import INT4_GROUP_SIZES, QUANT_MODES, ModelConfig, QuantConfig
 from gpt_fast.convert.hf_config import hf_config_dict
 from gpt_fast.convert.layout import split_tensors
 from gpt_fast.convert.random_init import random_weights
 from gpt_fast.device import device_name, device_synchronize, dtype_name, parse_dtype
 from gpt_fast.engine import Engine, EngineOptions
+from gpt_fast.quant.layout import quantize_state, stored_size
 from gpt_fast.sampling import SamplingConfig
 from gpt_fast.settings import apply_torch_settings
 from gpt_fast.shapes import SHAPES, get_shape
@@ -38,6 +44,7 @@ class Row:
     tokens_per_sec: float  # median of the timed runs
     ttft_ms: float  # a prompt of --ttft_prompt tokens, one new token
     memory_gb: float | None
+    bytes_per_token: int | None = None  # weights read per decoded token (None: as the first row)
 
 
 def timed(run: Callable[[], None], device: torch.device) -> float:
@@ -49,11 +56,12 @@ def timed(run: Callable[[], None], device: torch.device) -> float:
 
 
 Run = Callable[[list[int], int], None]  # generate (prompt ids, new tokens)
+Builder = Callable[[], tuple[tuple[Run, Run], int | None]]  # a row's decode and first-token runs, bytes per token
 
 
 def measure(
     name: str,
-    runs: tuple[Run, Run],
+    runs: tuple[tuple[Run, Run], int | None],
     prompt: list[int],
     ttft_prompt: list[int],
     new_tokens: int,
@@ -61,8 +69,9 @@ def measure(
     device: torch.device,
 ) -> Row:
     """A warm-up run (it compiles), ``repeats`` timed runs, then the time of a long prompt's first token (with
-    the second of ``runs``: decode and first-token runs may be set up differently)."""
-    run, ttft_run = runs
+    the second of ``runs``: decode and first-token runs may be set up differently). ``runs`` come with the
+    weight bytes a decode step reads, where known."""
+    (run, ttft_run), bytes_per_token = runs
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     first = timed(lambda: run(prompt, new_tokens), device)
@@ -70,19 +79,42 @@ def measure(
     ttft_run(ttft_prompt, 1)  # compiles the long prompt's shapes, where they are compiled
     ttft = statistics.median(timed(lambda: ttft_run(ttft_prompt, 1), device) for _ in range(3))
     memory = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
-    return Row(name, first, statistics.median(rates), 1e3 * ttft, memory)
+    return Row(name, first, statistics.median(rates), 1e3 * ttft, memory, bytes_per_token)
+
+
+@dataclass(frozen=True)
+class Subject:
+    """What every row of one run measures: the same weights (on the CPU), shape, compile mode, device and dtype."""
+
+    state: dict[str, torch.Tensor]
+    shape: ModelConfig
+    mode: str
+    device: torch.device
+    dtype: torch.dtype
 
 
 def ours_runners(
-    state: dict[str, torch.Tensor], shape: ModelConfig, mode: str, device: torch.device, dtype: torch.dtype
+    subject: Subject,
+    quant: QuantConfig | None = None,
+    kernel: str = "auto",
+    rework: Callable[[Engine], None] | None = None,
 ) -> tuple[tuple[Run, Run], int]:
     """Decode as ``gpt-fast generate --compile MODE`` does (eager prefill); the first token of the long prompt
-    as with ``--compile_prefill`` (one compiled prefill for every prompt length). Also the weight bytes a decode
-    step reads."""
-    options = EngineOptions(compile=mode, device=str(device), dtype=dtype_name(dtype))
-    state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}  # one copy, both engines share it
-    decode_engine = Engine.from_state(shape, state, options)
-    ttft_engine = Engine.from_state(shape, state, dataclasses.replace(options, compile_prefill=mode != "none"))
+    as with ``--compile_prefill`` (one compiled prefill for every prompt length). The weights quantized with
+    ``quant`` (their layers computing with ``kernel``), or changed by ``rework`` (torchao); also the weight bytes a
+    decode step reads."""
+    mode, device, dtype = subject.mode, subject.device, subject.dtype
+    options = EngineOptions(compile=mode, device=str(device), dtype=dtype_name(dtype), quant_kernel=kernel)
+    state = {name: t.to(device=device, dtype=dtype) for name, t in subject.state.items()}  # one copy, shared
+    if quant is not None:
+        state = quantize_state(state, subject.shape, quant, dtype, device)
+    engines = [
+        Engine.from_state(subject.shape, state, dataclasses.replace(options, compile_prefill=prefill), quant)
+        for prefill in (False, mode != "none")
+    ]
+    bytes_per_token = engines[0].weight_bytes_per_token
+    for engine in engines if rework is not None else ():
+        rework(engine)
 
     def runner(engine: Engine) -> Run:
         def run(prompt: list[int], new_tokens: int) -> None:
@@ -90,7 +122,27 @@ def ours_runners(
 
         return run
 
-    return (runner(decode_engine), runner(ttft_engine)), decode_engine.weight_bytes_per_token
+    return (runner(engines[0]), runner(engines[1])), bytes_per_token
+
+
+def torchao_rework(scheme: QuantConfig) -> Callable[[Engine], None]:
+    """Quantize an engine's layers with torchao as ``scheme`` does ours (the output projection left in float):
+    int8 per channel; int4 in groups, in tinygemm's layout (PyTorch's ``_weight_int4pack_mm``). torchao's own
+    inductor settings are not applied, so every row compiles with the same ones."""
+    from torch import nn
+    from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+
+    if scheme.mode == "int8":
+        config = Int8WeightOnlyConfig(set_inductor_config=False)
+    else:
+        config = Int4WeightOnlyConfig(
+            group_size=scheme.group_size, int4_packing_format="tile_packed_to_4d", set_inductor_config=False
+        )
+
+    def rework(engine: Engine) -> None:
+        quantize_(engine.model, config, filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn != "output")
+
+    return rework
 
 
 def hf_runners(
@@ -122,18 +174,21 @@ def hf_runners(
     return run, run
 
 
-def table(rows: list[Row], bytes_per_token: int, copy_gbps: float) -> str:
+def table(rows: list[Row], copy_gbps: float) -> str:
+    """One line per row; the ratio is to the first row's tok/s, GB/s of the weights each row reads."""
     lines = [
-        "| implementation | compile (s) | tok/s | GB/s | % of copy BW | TTFT (ms) | memory (GB) |",
-        "|---|---|---|---|---|---|---|",
+        "| implementation | compile (s) | tok/s | × first | weights read (GB) | GB/s | % of copy BW | TTFT (ms) | "
+        "memory (GB) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        bytes_per_token = r.bytes_per_token or rows[0].bytes_per_token
         gbps = bytes_per_token * r.tokens_per_sec / 1e9
         compile_s = "—" if r.compile_seconds is None else f"{r.compile_seconds:.1f}"
         memory = "—" if r.memory_gb is None else f"{r.memory_gb:.2f}"
         lines.append(
-            f"| {r.name} | {compile_s} | {r.tokens_per_sec:.1f} | {gbps:.0f} | {100 * gbps / copy_gbps:.1f} | "
-            f"{r.ttft_ms:.1f} | {memory} |"
+            f"| {r.name} | {compile_s} | {r.tokens_per_sec:.1f} | {r.tokens_per_sec / rows[0].tokens_per_sec:.2f} | "
+            f"{bytes_per_token / 1e9:.3f} | {gbps:.0f} | {100 * gbps / copy_gbps:.1f} | {r.ttft_ms:.1f} | {memory} |"
         )
     return "\n".join(lines)
 
@@ -149,6 +204,7 @@ def run_benchmark(
     ttft_tokens: int,
     repeats: int,
     peers: bool,
+    quantize: Sequence[QuantConfig] = (),
     write: Callable[[str], None] = print,
 ) -> list[Row]:
     shape = get_shape(shape_name)
@@ -157,41 +213,81 @@ def run_benchmark(
     prompt = torch.randint(0, shape.vocab_size, (prompt_tokens,), generator=generator).tolist()
     ttft_prompt = torch.randint(0, shape.vocab_size, (ttft_tokens,), generator=generator).tolist()
     copy_gbps = copy_bandwidth_gbps(device)
-    facts: dict[str, int] = {}
-
-    def build_ours() -> tuple[Run, Run]:  # built when measured, freed after, like the peers
-        runs, facts["bytes_per_token"] = ours_runners(state, shape, mode, device, dtype)
-        return runs
-
-    runners = {f"gpt-fast {mode}": build_ours}
+    subject = Subject(state, shape, mode, device, dtype)
+    runners: dict[str, Builder] = {f"gpt-fast {mode}": functools.partial(ours_runners, subject)}
+    runners |= quantized_runners(subject, quantize, write)
     if peers:
         try:
             import transformers
         except ImportError:
             write("transformers is not importable: peers skipped")
         else:
-            runners[f"transformers {transformers.__version__} static cache + compile"] = lambda: hf_runners(
-                state, shape, True, device, dtype
+            runners[f"transformers {transformers.__version__} static cache + compile"] = lambda: (
+                hf_runners(state, shape, True, device, dtype),
+                None,
             )
-            runners[f"transformers {transformers.__version__} eager"] = lambda: hf_runners(
-                state, shape, False, device, dtype
+            runners[f"transformers {transformers.__version__} eager"] = lambda: (
+                hf_runners(state, shape, False, device, dtype),
+                None,
             )
     rows = []
-    for name, build in runners.items():
+    for name, build in runners.items():  # each built when measured and freed after
         rows.append(measure(name, build(), prompt, ttft_prompt, new_tokens, repeats, device))
         write(f"measured: {rows[-1]}")
         torch._dynamo.reset()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    bytes_per_token = facts["bytes_per_token"]
     write(
         f"{shape_name}, {device_name(device)}, torch {torch.__version__}, {dtype}; copy bandwidth {copy_gbps:.0f} "
-        "GB/s; "
-        f"weights read per token {bytes_per_token / 1e9:.3f} GB; prompt {prompt_tokens} tokens, {new_tokens} new, "
-        f"TTFT prompt {ttft_tokens}"
+        f"GB/s; prompt {prompt_tokens} tokens, {new_tokens} new, TTFT prompt {ttft_tokens}"
     )
-    write(table(rows, bytes_per_token, copy_gbps))
+    write(table(rows, copy_gbps))
     return rows
+
+
+def quantized_runners(
+    subject: Subject, schemes: Sequence[QuantConfig], write: Callable[[str], None]
+) -> dict[str, Builder]:
+    """The rows of ``--quantize``: ours per scheme, upstream's int8, torchao's where importable."""
+    runners: dict[str, Builder] = {}
+    torchao = importlib.util.find_spec("torchao") is not None
+    if schemes and not torchao:
+        write("torchao is not importable: its rows skipped")
+    for scheme in schemes:
+        runners[f"gpt-fast {subject.mode} {scheme.name}"] = functools.partial(ours_runners, subject, scheme)
+        if scheme.mode == "int8":
+            runners[f"upstream-style {scheme.name} (dequant + F.linear, inductor)"] = functools.partial(
+                ours_runners, subject, scheme, "dequant"
+            )
+        if torchao:
+            from importlib.metadata import version
+
+            runners[f"torchao {version('torchao')} {scheme.name}"] = functools.partial(torchao_runs, subject, scheme)
+    return runners
+
+
+def torchao_runs(subject: Subject, scheme: QuantConfig) -> tuple[tuple[Run, Run], int | None]:
+    """torchao's layers on our model; the bytes they read are taken to be ours for the same scheme."""
+    runs, _ = ours_runners(subject, rework=torchao_rework(scheme))
+    return runs, scheme_bytes_per_token(subject.shape, scheme, subject.dtype)
+
+
+def scheme_bytes_per_token(shape: ModelConfig, scheme: QuantConfig, dtype: torch.dtype) -> int:
+    """The weight bytes a decode step of ``shape`` quantized with ``scheme`` reads, counted as
+    :func:`gpt_fast.model.weight_bytes_per_token` counts them: all but an embedding table that is not the output
+    projection."""
+    stored = stored_size(shape, scheme, dtype)[1]
+    table_is_output = shape.tie_embeddings and not scheme.output
+    return stored if table_is_output else stored - shape.vocab_size * shape.dim * dtype.itemsize
+
+
+def parse_schemes(text: str, group_size: int) -> list[QuantConfig]:
+    """``int8,int4`` -> the schemes (int4 in groups of ``group_size``)."""
+    names = [name for name in text.split(",") if name]
+    unknown = [name for name in names if name not in QUANT_MODES]
+    if unknown:
+        raise ValueError(f"--quantize {unknown[0]!r} is not one of {', '.join(QUANT_MODES)}")
+    return [QuantConfig(name, group_size if name == "int4" else None) for name in names]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -205,7 +301,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ttft_tokens", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no_peers", action="store_true")
+    parser.add_argument("--quantize", default="", help="Also these schemes, comma-separated: int8, int4.")
+    parser.add_argument("--group_size", type=int, default=128, choices=INT4_GROUP_SIZES)
     args = parser.parse_args(argv)
+    schemes = parse_schemes(args.quantize, args.group_size)
     apply_torch_settings()
     run_benchmark(
         args.shape,
@@ -217,6 +316,7 @@ def main(argv: list[str] | None = None) -> None:
         ttft_tokens=args.ttft_tokens,
         repeats=args.repeats,
         peers=not args.no_peers,
+        quantize=schemes,
     )
 
 

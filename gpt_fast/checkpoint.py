@@ -16,10 +16,12 @@ from pathlib import Path
 
 import torch
 
-from gpt_fast.config import CONFIG_FILE, CheckpointConfig, ModelConfig, load_checkpoint_config
+from gpt_fast.config import CONFIG_FILE, CheckpointConfig, ModelConfig, QuantConfig, load_checkpoint_config
 from gpt_fast.device import DTYPES
 from gpt_fast.fileio import first_line, inside_folder, regular_file
-from gpt_fast.model import Transformer, weight_count, weight_shapes
+from gpt_fast.model import Transformer, weight_count
+from gpt_fast.quant.layout import QUANTIZED_DTYPES, stored_size, stored_specs
+from gpt_fast.quant.linear import prepare_quantized, quantize_linears
 from gpt_fast.tokenizer import Tokenizer, load_tokenizer
 
 Shape = tuple[int, ...]
@@ -94,9 +96,11 @@ def _archive_records(path: Path, max_tensors: int) -> list[int]:
     return records
 
 
-def _check_state(state: object, records: list[int], path: Path) -> dict[str, torch.Tensor]:
-    """A dict of floating-point tensors whose storages are exactly the archive's records, none viewing bytes
-    that no tensor holds."""
+def _check_state(
+    state: object, records: list[int], path: Path, dtypes: tuple[torch.dtype, ...]
+) -> dict[str, torch.Tensor]:
+    """A dict of tensors of ``dtypes`` whose storages are exactly the archive's records, none viewing bytes that
+    no tensor holds."""
     if not isinstance(state, dict):
         raise ValueError(f"{path} holds a {type(state).__name__}, not a dict of tensors")
     storages: dict[int, int] = {}  # data pointer -> size: the distinct storages, memory-mapped
@@ -106,8 +110,8 @@ def _check_state(state: object, records: list[int], path: Path) -> dict[str, tor
             raise ValueError(f"{path}: tensor name {name!r} is not a string")
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"{path}: {name} is a {type(tensor).__name__}, not a tensor")
-        if tensor.dtype not in SOURCE_DTYPES:
-            allowed = ", ".join(str(d).removeprefix("torch.") for d in SOURCE_DTYPES)
+        if tensor.dtype not in dtypes:
+            allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
             raise ValueError(f"{path}: tensor {name} has dtype {tensor.dtype}; weights must be one of {allowed}")
         storage = tensor.untyped_storage()
         if storage.nbytes():
@@ -129,10 +133,12 @@ def _unpickler_reason(err: pickle.UnpicklingError) -> str:
     return next((line for line in lines if not line.startswith(advice)), first_line(err))
 
 
-def load_torch_weights(path: Path, max_tensors: int) -> dict[str, torch.Tensor]:
-    """A ``torch.save``'d dict of at most ``max_tensors`` floating-point tensors, memory-mapped (nothing is read
-    until used), read with ``weights_only=True`` (a pickle that would build anything but tensors is refused
-    before it runs) after the archive's directory has been checked."""
+def load_torch_weights(
+    path: Path, max_tensors: int, dtypes: tuple[torch.dtype, ...] = SOURCE_DTYPES
+) -> dict[str, torch.Tensor]:
+    """A ``torch.save``'d dict of at most ``max_tensors`` tensors of ``dtypes`` (floating point unless told),
+    memory-mapped (nothing is read until used), read with ``weights_only=True`` (a pickle that would build anything
+    but tensors is refused before it runs) after the archive's directory has been checked."""
     if not path.exists():
         raise FileNotFoundError(f"missing weights file {path}")
     regular_file(path, "weights file")
@@ -145,7 +151,7 @@ def load_torch_weights(path: Path, max_tensors: int) -> dict[str, torch.Tensor]:
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError, TypeError, KeyError, IndexError) as err:
         raise ValueError(f"{path} is not a readable weights file: {first_line(err)}") from None
-    return _check_state(state, records, path)
+    return _check_state(state, records, path, dtypes)
 
 
 def check_finite(tensors: Mapping[str, torch.Tensor], where: str) -> None:
@@ -165,26 +171,34 @@ def check_finite(tensors: Mapping[str, torch.Tensor], where: str) -> None:
 
 def checkpoint_weights(path: Path, config: CheckpointConfig) -> dict[str, torch.Tensor]:
     """The weights file ``path`` of a converted checkpoint, memory-mapped and checked against ``config`` (size,
-    tensor count, names, shapes, dtype) before any data is read."""
-    tensors, parameters = weight_count(config.model)
-    needed = parameters * DTYPES[config.dtype].itemsize
+    tensor count, names, shapes, dtypes, quantized tensors included) before any data is read."""
+    dtype, quant = DTYPES[config.dtype], config.quantization
+    tensors, needed = stored_size(config.model, quant, dtype)
     if path.is_file() and path.stat().st_size < needed:
+        scheme = "" if quant is None else f", quantized {quant.name}"
         raise ValueError(
-            f"{path} holds {path.stat().st_size} bytes, config.json's model describes {parameters} parameters "
-            f"({needed} bytes in {config.dtype})"
+            f"{path} holds {path.stat().st_size} bytes, config.json's model describes "
+            f"{weight_count(config.model)[1]} parameters ({needed} bytes in {config.dtype}{scheme})"
         )
-    state = load_torch_weights(path, tensors)
+    allowed = SOURCE_DTYPES if quant is None else (*SOURCE_DTYPES, QUANTIZED_DTYPES[quant.mode])
+    state = load_torch_weights(path, tensors, allowed)
     check_tensor_count(len(state), tensors, config.model, str(path))
-    check_shapes({name: tuple(t.shape) for name, t in state.items()}, weight_shapes(config.model), str(path))
+    specs = stored_specs(config.model, quant, dtype)
+    check_shapes({name: tuple(t.shape) for name, t in state.items()}, {n: s for n, (s, _) in specs.items()}, str(path))
     for name, tensor in state.items():
-        if tensor.dtype != DTYPES[config.dtype]:
-            raise ValueError(f"{path}: tensor {name} is {tensor.dtype}, config.json says dtype {config.dtype}")
+        if tensor.dtype != specs[name][1]:
+            expected = "the quantized dtype" if specs[name][1] != dtype else "dtype"
+            wanted = str(specs[name][1]).removeprefix("torch.")
+            raise ValueError(f"{path}: tensor {name} is {tensor.dtype}, config.json says {expected} {wanted}")
     return state
 
 
-def load_model(checkpoint_dir: Path, config: CheckpointConfig, device: torch.device, dtype: torch.dtype) -> Transformer:
-    """Build the model ``config`` describes and load its weights file onto ``device`` in ``dtype``; NaN or
-    infinite weights (also those made by converting to ``dtype``) are refused."""
+def load_model(
+    checkpoint_dir: Path, config: CheckpointConfig, device: torch.device, dtype: torch.dtype, kernel: str = "auto"
+) -> Transformer:
+    """Build the model ``config`` describes and load its weights file onto ``device`` in ``dtype`` (quantized
+    layers computing with ``kernel``); NaN or infinite weights (also those made by converting to ``dtype``) are
+    refused."""
     path = inside_folder(checkpoint_dir, config.weights, f"{checkpoint_dir / CONFIG_FILE}: weights")
     state = checkpoint_weights(path, config)
     if device.type == "cpu":
@@ -192,7 +206,7 @@ def load_model(checkpoint_dir: Path, config: CheckpointConfig, device: torch.dev
         # (SmolLM2-135M decode), and copying out of the mapping page by page 4x slower than reading the file
         # again; checked, the file is now read in whole.
         state = torch.load(path, map_location="cpu", weights_only=True)
-    model = model_from_state(config.model, state, device, dtype)
+    model = model_from_state(config.model, state, device, dtype, config.quantization, kernel)
     check_finite(dict(model.named_parameters()), str(path))
     return model
 
@@ -216,11 +230,21 @@ def checkpoint_tokenizer(checkpoint_dir: Path, config: CheckpointConfig) -> Toke
 
 
 def model_from_state(
-    config: ModelConfig, state: Mapping[str, torch.Tensor], device: torch.device, dtype: torch.dtype
+    config: ModelConfig,
+    state: Mapping[str, torch.Tensor],
+    device: torch.device,
+    dtype: torch.dtype,
+    quantization: QuantConfig | None = None,
+    kernel: str = "auto",
 ) -> Transformer:
     """The model for ``config`` holding ``state``'s tensors (no copy where they already have ``device`` and
-    ``dtype``), ready for inference."""
+    ``dtype``), ready for inference; with ``quantization``, its quantized layers compute with ``kernel``."""
     with torch.device("meta"):
         model = Transformer(config)
+        if quantization is not None:
+            quantize_linears(model, config, quantization)
     model.load_state_dict(state, assign=True)
-    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    if quantization is not None:
+        prepare_quantized(model, device, kernel)
+    return model

@@ -14,8 +14,10 @@ from typing import Any
 import click
 
 from gpt_fast import __version__
+from gpt_fast.config import INT4_GROUP_SIZES, QUANT_MODES, QuantConfig
 from gpt_fast.device import DTYPE_CHOICES, DTYPES, parse_dtype
 from gpt_fast.engine import Engine, EngineOptions, user_turn
+from gpt_fast.evaluate import DATASETS, EvalOptions
 from gpt_fast.fileio import STDOUT
 from gpt_fast.generate import COMPILE_MODES
 from gpt_fast.runner import DEFAULT_PROMPT, GenerateOptions, run_generate, write_stdout
@@ -27,6 +29,8 @@ EXIT_INTERRUPTED = 130
 GENERATE = GenerateOptions()
 ENGINE = EngineOptions()
 SAMPLING = SamplingConfig()
+EVAL = EvalOptions()
+DEFAULT_GROUP_SIZE = 128
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 
@@ -325,6 +329,40 @@ def trace_summary(trace: Path, as_json: bool, top: int) -> None:
     click.echo(json.dumps(summary.to_dict(), indent=2) if as_json else format_summary(summary))
 
 
+def quantize_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """--group_size and --quantize_output, handed to the command with the mode as ``quantization`` (a checked
+    QuantConfig, or None without a mode)."""
+
+    @functools.wraps(func)
+    def command(
+        *args: Any, quantize_mode: str | None, group_size: str | None, quantize_output: bool, **kwargs: Any
+    ) -> Any:
+        return func(*args, quantization=quant_config(quantize_mode, group_size, quantize_output), **kwargs)
+
+    decorated = option(
+        "--quantize_output",
+        is_flag=True,
+        help="Quantize the output projection too (by default it stays in the checkpoint's dtype).",
+    )(command)
+    return option(
+        "--group_size",
+        type=Choice(tuple(str(g) for g in INT4_GROUP_SIZES)),
+        default=None,
+        help=f"int4: inputs per scale and zero point. [default: {DEFAULT_GROUP_SIZE}]",
+    )(decorated)
+
+
+def quant_config(mode: str | None, group_size: str | None, output: bool) -> QuantConfig | None:
+    if mode is None:
+        if group_size is not None or output:
+            raise ValueError("--group_size and --quantize_output go with --quantize")
+        return None
+    if mode == "int8" and group_size is not None:
+        raise ValueError("--group_size goes with int4 (int8 has one scale per output channel)")
+    size = (int(group_size) if group_size is not None else DEFAULT_GROUP_SIZE) if mode == "int4" else None
+    return QuantConfig(mode=mode, group_size=size, output=output)
+
+
 @cli.command()
 @click.argument("source", type=click.Path(path_type=Path))
 @option(
@@ -339,18 +377,80 @@ def trace_summary(trace: Path, as_json: bool, top: int) -> None:
     default=None,
     help="Cast the weights (default: keep the source's precision).",
 )
-def convert(source: Path, output_dir: Path | None, dtype: str | None) -> None:
+@option("--quantize", "quantize_mode", type=Choice(QUANT_MODES), default=None, help="Also quantize: int8 or int4.")
+@quantize_options
+def convert(source: Path, output_dir: Path | None, dtype: str | None, quantization: QuantConfig | None) -> None:
     """Convert a Hugging Face checkpoint folder or a .gguf file into model.pth + config.json + tokenizer."""
     from gpt_fast.convert.auto import convert_source
 
-    report_converted(convert_source(source, output_dir, dtype))
+    report_converted(convert_source(source, output_dir, dtype, quantization))
 
 
 def report_converted(weights: Path) -> None:
     from gpt_fast.config import load_checkpoint_config
 
-    click.echo(f"Model config {dataclasses.asdict(load_checkpoint_config(weights.parent).model)}")
+    config = load_checkpoint_config(weights.parent)
+    click.echo(f"Model config {dataclasses.asdict(config.model)}")
+    if config.quantization is not None:
+        click.echo(f"Quantization {dataclasses.asdict(config.quantization)}")
     click.echo(f"Saved checkpoint to {weights}")
+
+
+@cli.command()
+@checkpoint_option
+@option("--mode", "quantize_mode", type=Choice(QUANT_MODES), required=True, help="int8 or int4.")
+@quantize_options
+@option("--output_dir", type=click.Path(path_type=Path), required=True, help="The new checkpoint folder.")
+@option(
+    "--device",
+    default="cpu",
+    show_default=True,
+    metavar="[cpu|cuda|cuda:N]",
+    help="Where the quantization arithmetic runs (a GPU is much faster for 7B models).",
+)
+def quantize(checkpoint_path: str | None, quantization: QuantConfig, output_dir: Path, device: str) -> None:
+    """Write a weight-only quantized copy of a converted checkpoint (the scheme is recorded in its config.json)."""
+    from gpt_fast.device import resolve_device
+    from gpt_fast.engine import find_checkpoint
+    from gpt_fast.quant.quantize import quantize_checkpoint
+
+    report_converted(
+        quantize_checkpoint(find_checkpoint(checkpoint_path), output_dir, quantization, resolve_device(device))
+    )
+
+
+@cli.command("eval")
+@checkpoint_option
+@option("--text", type=click.Path(path_type=Path, dir_okay=False), default=None, help="A UTF-8 text file to score.")
+@option(
+    "--dataset",
+    type=Choice(DATASETS),
+    default=None,
+    help="Score a dataset from the Hugging Face hub instead (wikitext-2: its test split; needs pyarrow).",
+)
+@option("--max_tokens", type=int, default=EVAL.max_tokens, show_default=True, help="Score the text's first N tokens.")
+@option("--window", type=int, default=EVAL.window, show_default=True, help="Tokens per window (at most the context).")
+@option("--stride", type=int, default=EVAL.stride, show_default=True, help="Tokens between window starts.")
+@option("--json", "as_json", is_flag=True, help="Print the result as a JSON object.")
+@device_options
+def eval_command(
+    checkpoint_path: str | None,
+    text: Path | None,
+    dataset: str | None,
+    max_tokens: int,
+    window: int,
+    stride: int,
+    as_json: bool,
+    engine_options: EngineOptions,
+) -> None:
+    """Perplexity on a text with a sliding window (default text: Python's documentation topics, pydoc_data.topics,
+    which ships with Python: nothing is downloaded)."""
+    from gpt_fast.evaluate import builtin_text, run_eval
+
+    options = EvalOptions(text=text, dataset=dataset, max_tokens=max_tokens, window=window, stride=stride)
+    engine = Engine.open(checkpoint_path, engine_options)
+    content = decode_utf8(text.read_bytes(), f"--text {text}") if text is not None else builtin_text(options)
+    run_eval(engine, options, content, as_json, write_stdout, write_stderr)
 
 
 def hub_options(func: Callable[..., Any]) -> Callable[..., Any]:

@@ -24,6 +24,8 @@ FORMAT_VERSION = 1
 ROPE_SCALING_KINDS = ("llama3", "linear", "divisors")
 TOKENIZER_KINDS = ("sentencepiece", "tiktoken", "huggingface")
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16")  # what a weights file may hold (gpt_fast.device.DTYPES)
+QUANT_MODES = ("int8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128, 256)
 # Upper bound of every size in a model config (context, vocabulary, widths, layers, heads): 16M, far above any
 # real model (Llama 3.1 405B: 126 layers, width 16384) and small enough that products of sizes stay exact.
 MAX_SIZE = 1 << 24
@@ -147,8 +149,46 @@ class TokenizerConfig:
 
 
 @dataclass(frozen=True)
+class QuantConfig:
+    """Weight-only quantization of a checkpoint's linear layers (the four projections of every layer, and the
+    output projection when ``output`` is true). ``int8``: one symmetric scale per output channel. ``int4``:
+    groups of ``group_size`` consecutive input columns, each with its own scale and zero point. Embeddings, norms,
+    scales and zero points stay in the checkpoint's ``dtype``."""
+
+    mode: str
+    group_size: int | None = None  # int4 only
+    output: bool = False
+
+    def __post_init__(self) -> None:
+        _require(self.mode in QUANT_MODES, f"quantization.mode {self.mode!r} is not one of {', '.join(QUANT_MODES)}")
+        if self.mode == "int4":
+            sizes = ", ".join(map(str, INT4_GROUP_SIZES))
+            _require(
+                self.group_size in INT4_GROUP_SIZES,
+                f"quantization.group_size must be one of {sizes} for int4, got {self.group_size!r}",
+            )
+        else:
+            _require(self.group_size is None, f"quantization.group_size goes with int4 only, got {self.group_size!r}")
+        _require(isinstance(self.output, bool), f"quantization.output must be true or false, got {self.output!r}")
+
+    def check_model(self, model: ModelConfig) -> None:
+        """Refuse a model whose layers this scheme cannot store."""
+        if self.mode != "int4":
+            return
+        for name in ("dim", "intermediate_size"):  # the input widths of the quantized layers (q_size is even)
+            size = getattr(model, name)
+            _require(size % 2 == 0, f"int4 quantization packs two input columns per byte: model.{name} ({size}) is odd")
+
+    @property
+    def name(self) -> str:
+        """``int8``, ``int4-g128``: as reports name the scheme."""
+        return self.mode if self.group_size is None else f"{self.mode}-g{self.group_size}"
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
-    """Everything ``config.json`` holds: the model shape, the tokenizer, the chat template, the weights' dtype."""
+    """Everything ``config.json`` holds: the model shape, the tokenizer, the chat template, the weights' dtype and
+    their quantization (None: none)."""
 
     model: ModelConfig
     tokenizer: TokenizerConfig
@@ -156,6 +196,7 @@ class CheckpointConfig:
     chat_template: str | None = None
     weights: str = WEIGHTS_FILE
     source: dict[str, Any] = field(default_factory=dict)  # provenance only (what it was converted from)
+    quantization: QuantConfig | None = None
 
     def __post_init__(self) -> None:
         _require(self.dtype in WEIGHT_DTYPES, f"dtype {self.dtype!r} is not one of {', '.join(WEIGHT_DTYPES)}")
@@ -166,6 +207,8 @@ class CheckpointConfig:
                 0 <= token_id < vocab,
                 f"tokenizer.{name} = {token_id} is outside the model's vocabulary (model.vocab_size = {vocab})",
             )
+        if self.quantization is not None:
+            self.quantization.check_model(self.model)
 
     def to_json(self) -> str:
         payload = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **dataclasses.asdict(self)}

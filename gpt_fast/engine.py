@@ -23,14 +23,16 @@ import torch
 
 from gpt_fast.chat_template import chat_prompt_ids
 from gpt_fast.checkpoint import checkpoint_tokenizer, load_model, model_from_state
-from gpt_fast.config import CheckpointConfig, ModelConfig, load_checkpoint_config, resolve_checkpoint_dir
+from gpt_fast.config import CheckpointConfig, ModelConfig, QuantConfig, load_checkpoint_config, resolve_checkpoint_dir
 from gpt_fast.default_model import ensure_default_checkpoint
 from gpt_fast.device import DTYPE_CHOICES, device_name, dtype_name, resolve_device, resolve_dtype
 from gpt_fast.generate import COMPILE_MODES, GenerationResult, cache_length, generate, generate_stream, make_steps
 from gpt_fast.model import Transformer, weight_bytes_per_token
 from gpt_fast.paths import CHECKPOINTS_DIR
 from gpt_fast.profiling import record_trace
+from gpt_fast.quant.kernels import KERNELS
 from gpt_fast.sampling import SamplingConfig
+from gpt_fast.scoring import token_log_likelihoods
 from gpt_fast.textstream import TextStream
 from gpt_fast.tokenizer import Tokenizer
 
@@ -42,18 +44,22 @@ _REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
 @dataclass(frozen=True)
 class EngineOptions:
     """How a checkpoint runs: compile mode (``none`` = eager), whether the prefill is compiled too, device
-    (None: the GPU if there is one) and dtype (``auto``: bfloat16 on a GPU, float32 on the CPU)."""
+    (None: the GPU if there is one), dtype (``auto``: bfloat16 on a GPU, float32 on the CPU) and the kernels of
+    a quantized checkpoint's layers (``auto``: see :func:`gpt_fast.quant.kernels.resolve_kernel`)."""
 
     compile: str = "none"
     compile_prefill: bool = False
     device: str | None = None
     dtype: str = "auto"
+    quant_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"--compile {self.compile!r} is not one of {', '.join(COMPILE_MODES)}")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPE_CHOICES)}")
+        if self.quant_kernel not in KERNELS:
+            raise ValueError(f"--quant_kernel {self.quant_kernel!r} is not one of {', '.join(KERNELS)}")
 
 
 @dataclass(frozen=True)
@@ -103,12 +109,14 @@ class Engine:
         checkpoint_dir: Path | None = None,
         config: CheckpointConfig | None = None,
         state: Mapping[str, torch.Tensor] | None = None,
+        quantization: QuantConfig | None = None,
     ) -> None:
         """Use :meth:`open`, :meth:`load` or :meth:`from_state`."""
         self.options = options
         self.model_config = model_config
         self.checkpoint_dir = checkpoint_dir
         self.config = config  # the checkpoint's config.json; None for weights given in memory
+        self.quantization = config.quantization if config is not None else quantization
         self.device = resolve_device(options.device)
         self.dtype = resolve_dtype(options.dtype, self.device)
         self._tokenizer = checkpoint_tokenizer(checkpoint_dir, config) if config is not None else None
@@ -143,23 +151,32 @@ class Engine:
 
     @classmethod
     def from_state(
-        cls, model_config: ModelConfig, state: Mapping[str, torch.Tensor], options: EngineOptions | None = None
+        cls,
+        model_config: ModelConfig,
+        state: Mapping[str, torch.Tensor],
+        options: EngineOptions | None = None,
+        quantization: QuantConfig | None = None,
     ) -> Engine:
-        """An engine over weights already in memory (benchmarks on random weights). It has no tokenizer: it takes
-        and gives token ids only (:meth:`generate_ids`), and never stops early."""
-        engine = cls(options or EngineOptions(), model_config, state=state)
+        """An engine over weights already in memory (benchmarks on random weights; ``quantization`` says how
+        ``state`` is quantized, as a checkpoint's config.json would). It has no tokenizer: it takes and gives
+        token ids only (:meth:`generate_ids`), and never stops early."""
+        engine = cls(options or EngineOptions(), model_config, state=state, quantization=quantization)
         engine.load_weights()
         return engine
 
     def load_weights(self) -> None:
         start = time.perf_counter()
         if self._state is not None:
-            self._model = model_from_state(self.model_config, self._state, self.device, self.dtype)
+            self._model = model_from_state(
+                self.model_config, self._state, self.device, self.dtype, self.quantization, self.options.quant_kernel
+            )
             self._state = None
         else:
             if folder_identity(self.checkpoint_dir) != self._folder_id:
                 raise ValueError(f"checkpoint {self.checkpoint_dir} was replaced since it was opened; run again")
-            self._model = load_model(self.checkpoint_dir, self.config, self.device, self.dtype)
+            self._model = load_model(
+                self.checkpoint_dir, self.config, self.device, self.dtype, self.options.quant_kernel
+            )
         self.load_seconds = time.perf_counter() - start
 
     @property
@@ -226,6 +243,19 @@ class Engine:
         if not prompt_ids:
             raise ValueError("the prompt encodes to no tokens")
         cache_length(len(prompt_ids), max_new_tokens, self.model_config.block_size)
+
+    # --- scoring ------------------------------------------------------------------------------------------------
+
+    def log_likelihoods(self, ids: Sequence[int]) -> torch.Tensor:
+        """``log p(ids[i] | ids[:i])`` for ``i = 1 .. len(ids) - 1`` under the model, float32 on the CPU: one
+        window of text scored in one forward pass (perplexity, :mod:`gpt_fast.evaluate`)."""
+        if len(ids) < 2:
+            raise ValueError(f"a window to score needs at least 2 tokens, got {len(ids)}")
+        if len(ids) > self.model_config.block_size:
+            raise ValueError(
+                f"a window of {len(ids)} tokens exceeds the model's context of {self.model_config.block_size} tokens"
+            )
+        return token_log_likelihoods(self.model, ids)
 
     # --- generation ---------------------------------------------------------------------------------------------
 

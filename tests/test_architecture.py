@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "gpt_fast"
-COMMANDS = {"cli", "runner", "interactive", "bench", "bench_decode"}
+COMMANDS = {"cli", "runner", "interactive", "bench", "bench_decode", "evaluate"}
 ENGINE_PRIVATE = {"model", "cache", "checkpoint", "tokenizer"}  # what commands reach only through the engine
 
 
@@ -32,6 +32,14 @@ MODULES = {module_name(p): imported(p) for p in PACKAGE.rglob("*.py")}
 @pytest.mark.parametrize("module", ["model", "cache"])
 def test_the_model_imports_only_its_config(module):
     assert MODULES[module] <= {"config", "cache"}
+
+
+QUANT_LAYERS = ["quant.schemes", "quant.layout", "quant.linear", "quant.kernels", "quant.triton_gemv"]
+
+
+@pytest.mark.parametrize("module", QUANT_LAYERS)
+def test_the_quantized_layers_import_only_the_model_and_each_other(module):
+    assert MODULES[module] <= {"config", "model", "cache", "quant", *QUANT_LAYERS}
 
 
 def test_the_engine_imports_no_command():

@@ -8,6 +8,7 @@ import pytest
 
 from gpt_fast.config import (
     CheckpointConfig,
+    QuantConfig,
     RopeScaling,
     TokenizerConfig,
     checkpoint_config_from_dict,
@@ -26,6 +27,18 @@ def config_dict(**model_overrides):
     data = json.loads(config.to_json())
     data["model"].update(model_overrides)
     return data
+
+
+def test_quantization_round_trips_and_defaults_to_none(tmp_path):
+    quantized = CheckpointConfig(
+        model=get_shape("tiny"), tokenizer=TOKENIZER, dtype="bfloat16", quantization=QuantConfig("int4", 64, True)
+    )
+    (tmp_path / "config.json").write_text(quantized.to_json())
+    assert load_checkpoint_config(tmp_path) == quantized
+    assert load_checkpoint_config(tmp_path).quantization.name == "int4-g64"
+    older = config_dict()
+    del older["quantization"]  # written before quantization existed
+    assert checkpoint_config_from_dict(older).quantization is None
 
 
 def test_round_trip_through_json(tmp_path):
@@ -152,6 +165,35 @@ BAD_CONFIGS = {
     ),
     "weights absolute": (lambda c: c.update(weights="/etc/passwd"), r"weights must be a path inside the checkpoint"),
     "weights empty": (lambda c: c.update(weights=""), r"weights must be a path inside the checkpoint"),
+    "quantization mode": (lambda c: c.update(quantization={"mode": "int3"}), r"quantization.mode 'int3' is not one"),
+    "int4 group of 7": (
+        lambda c: c.update(quantization={"mode": "int4", "group_size": 7}),
+        r"quantization.group_size must be one of 32, 64, 128, 256 for int4, got 7",
+    ),
+    "int4 without a group": (
+        lambda c: c.update(quantization={"mode": "int4"}),
+        r"quantization.group_size must be one of 32, 64, 128, 256 for int4, got None",
+    ),
+    "int8 with a group": (
+        lambda c: c.update(quantization={"mode": "int8", "group_size": 32}),
+        r"quantization.group_size goes with int4 only, got 32",
+    ),
+    "group as a string": (
+        lambda c: c.update(quantization={"mode": "int4", "group_size": "32"}),
+        r"quantization.group_size must be an integer",
+    ),
+    "output as a number": (
+        lambda c: c.update(quantization={"mode": "int8", "output": 1}),
+        r"quantization.output must be true or false, got 1",
+    ),
+    "unknown quantization field": (
+        lambda c: c.update(quantization={"mode": "int8", "bits": 8}),
+        r"config.json.quantization: unknown field\(s\) bits",
+    ),
+    "int4 of an odd width": (
+        lambda c: c.update(quantization={"mode": "int4", "group_size": 32}) or c["model"].update(dim=63),
+        r"int4 quantization packs two input columns per byte: model.dim \(63\) is odd",
+    ),
     "a list, not an object": ("[1, 2]", r"must hold a JSON object, not a list"),
     "nested too deeply": ('{"source": ' + nested(100_000) + "}", r"not valid JSON: nested too deeply"),
     "an integer of 5000 digits": ('{"x": ' + "9" * 5000 + "}", r"not valid JSON: .*digits"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+from gpt_fast.config import QuantConfig
 from gpt_fast.convert.gguf_file import convert_gguf
 from gpt_fast.convert.hf import convert_hf
 from gpt_fast.convert.writer import output_lock
@@ -26,22 +27,24 @@ def is_gguf(path: Path) -> bool:
         return f.read(4) == GGUF_MAGIC
 
 
-def convert_source(source: Path, output_dir: Path | None = None, dtype: str | None = None) -> Path:
-    """Convert ``source``; return the path of the written ``model.pth``.
+def convert_source(
+    source: Path, output_dir: Path | None = None, dtype: str | None = None, quantization: QuantConfig | None = None
+) -> Path:
+    """Convert ``source`` (and quantize it, with ``quantization``); return the path of the written ``model.pth``.
 
     The output folder's lock is held from the start when its parent exists (no folder is made for a mistyped
     source): a second conversion into it waits before reading its source, which may lie inside the folder (``hf/``)
     and is put back there first if an interrupted conversion had carried it aside."""
     out = output_dir if output_dir is not None else default_output_dir(source)
     with output_lock(out) if out.parent.is_dir() else contextlib.nullcontext():
-        return convert_source_into(source, out, dtype)
+        return convert_source_into(source, out, dtype, quantization)
 
 
-def convert_source_into(source: Path, out: Path, dtype: str | None) -> Path:
+def convert_source_into(source: Path, out: Path, dtype: str | None, quantization: QuantConfig | None) -> Path:
     if not source.exists():
         raise FileNotFoundError(f"source not found: {source}")
     if source.is_dir():
-        return convert_hf(source, out, dtype)
+        return convert_hf(source, out, dtype, quantization)
     if not is_gguf(regular_file(source, "source")):
         raise ValueError(f"{source} is neither a Hugging Face checkpoint folder nor a GGUF file")
-    return convert_gguf(source, out, dtype)
+    return convert_gguf(source, out, dtype, quantization)

@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 from gpt_fast.checkpoint import check_tokenizer_size
-from gpt_fast.config import CheckpointConfig, ModelConfig, RopeScaling
+from gpt_fast.config import CheckpointConfig, ModelConfig, QuantConfig, RopeScaling
 from gpt_fast.convert.gguf_header import check_gguf_header
 from gpt_fast.convert.gguf_tokenizer import tokenizer_from_gguf
 from gpt_fast.convert.layout import check_tensors, fuse_tensors
@@ -28,6 +28,7 @@ from gpt_fast.convert.weight_files import TensorInfo
 from gpt_fast.convert.writer import check_checkpoint_output, write_checkpoint
 from gpt_fast.device import dtype_name, parse_dtype
 from gpt_fast.fileio import first_line, regular_file
+from gpt_fast.quant.layout import quantize_state
 
 GGUF_TO_HF = [
     (re.compile(r"token_embd\.weight"), "model.embed_tokens.weight"),
@@ -194,12 +195,15 @@ def source_dtype(reader: GGUFReader) -> torch.dtype:
     return kinds.pop() if len(kinds) == 1 else torch.float32
 
 
-def convert_gguf(src: Path, out_dir: Path, dtype: str | None = None) -> Path:
-    """Convert a llama-architecture GGUF file into ``out_dir``; return the path of the written ``model.pth``."""
+def convert_gguf(src: Path, out_dir: Path, dtype: str | None = None, quantization: QuantConfig | None = None) -> Path:
+    """Convert a llama-architecture GGUF file into ``out_dir`` (quantized with ``quantization``); return the path
+    of the written ``model.pth``."""
     check_checkpoint_output(out_dir)
     reader = open_gguf(src)
     try:
         model = model_config_from_gguf(reader)
+        if quantization is not None:
+            quantization.check_model(model)
     except ValueError as err:
         raise ValueError(f"{src}: {err}") from None
     tokens = reader.get_field(TOKENS_KEY)
@@ -208,6 +212,8 @@ def convert_gguf(src: Path, out_dir: Path, dtype: str | None = None) -> Path:
     check_tensors(tensor_infos(reader, src), model, src)
     target = parse_dtype(dtype) if dtype else source_dtype(reader)
     state = fuse_tensors(hf_tensors(reader, model), model, target, src)
+    if quantization is not None:
+        state = quantize_state(state, model, quantization, target)
 
     def prepare(stage: Path) -> CheckpointConfig:
         tok_config, chat_template = tokenizer_from_gguf(reader, stage)
@@ -217,6 +223,7 @@ def convert_gguf(src: Path, out_dir: Path, dtype: str | None = None) -> Path:
             dtype=dtype_name(target),
             chat_template=chat_template,
             source={"kind": "gguf", "path": str(src), "name": metadata(reader, "general.name", STR, "")},
+            quantization=quantization,
         )
 
     return out_dir / write_checkpoint(out_dir, state, prepare).weights

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 from gpt_fast.checkpoint import check_tokenizer_size
-from gpt_fast.config import CheckpointConfig
+from gpt_fast.config import CheckpointConfig, QuantConfig
 from gpt_fast.convert.hf_config import architecture, model_config_from_hf
 from gpt_fast.convert.hf_tokenizer import tokenizer_from_hf_dir
 from gpt_fast.convert.layout import check_tensors, fuse_tensors, max_source_tensors, source_dtype
@@ -18,11 +18,13 @@ from gpt_fast.convert.weight_files import iter_tensors, tensor_infos, weight_fil
 from gpt_fast.convert.writer import check_checkpoint_output, write_checkpoint
 from gpt_fast.device import dtype_name, parse_dtype
 from gpt_fast.fileio import read_json_object
+from gpt_fast.quant.layout import quantize_state
 from gpt_fast.tokenizer import load_tokenizer
 
 
-def convert_hf(src: Path, out_dir: Path, dtype: str | None = None) -> Path:
-    """Convert the HF folder ``src`` into ``out_dir``; return the path of the written ``model.pth``."""
+def convert_hf(src: Path, out_dir: Path, dtype: str | None = None, quantization: QuantConfig | None = None) -> Path:
+    """Convert the HF folder ``src`` into ``out_dir`` (quantized with ``quantization``); return the path of the
+    written ``model.pth``."""
     if not src.is_dir():
         raise FileNotFoundError(f"checkpoint folder not found: {src}")
     if out_dir.resolve() == src.resolve():
@@ -46,10 +48,13 @@ def convert_hf(src: Path, out_dir: Path, dtype: str | None = None) -> Path:
             dtype=dtype_name(target),
             chat_template=chat_template,
             source={"kind": "huggingface", "path": str(src), "architecture": architecture(hf_config, where)},
+            quantization=quantization,
         )
-    except ValueError as err:  # a token id outside the vocabulary
+    except ValueError as err:  # a token id outside the vocabulary, a model the quantization does not fit
         raise ValueError(f"{src}: {err}") from None
     state = fuse_tensors((item for path in files for item in iter_tensors(path, max_tensors)), model, target, src)
+    if quantization is not None:
+        state = quantize_state(state, model, quantization, target)
 
     def prepare(stage: Path) -> CheckpointConfig:
         for path in tok_files:

@@ -1,0 +1,127 @@
+"""The products of activations with quantized weights, one function per scheme, each with the kernels it can use.
+
+A decode step multiplies a few rows of activations (up to :data:`FEW_ROWS`) by each weight matrix, and its time
+is the time to read the weights: that is what the specialized kernels are for. More rows (a prompt, a perplexity
+window) are a matrix product, done as ``dequant`` whatever the kernel: PyTorch's own weight-only kernels were
+measured 25 to 50 times slower than dequantize-then-``F.linear`` on the CPU for 1024 rows.
+
+- ``triton``: our Triton kernels (:mod:`gpt_fast.quant.triton_gemv`), on CUDA GPUs. Wrapped as
+  ``torch.library.triton_op`` so that ``torch.compile`` places them in its own generated code (and CUDA graphs
+  capture them).
+- ``aten``: PyTorch's own weight-only kernels, ``torch.ops.aten._weight_int8pack_mm`` and
+  ``_weight_int4pack_mm_for_cpu`` (the latter on a copy of the weights repacked once at load,
+  :mod:`gpt_fast.quant.linear`). The CPU's choice: they read the weights as they are, where ``dequant`` makes a
+  float copy of them per call.
+- ``dequant``: plain PyTorch, dequantize then ``F.linear``: runs everywhere (ROCm included, where our kernels are
+  not used) and in every compile mode; inductor fuses it into a dequantizing matrix-vector kernel for one row.
+  For int8 it is upstream gpt-fast's ``WeightOnlyInt8Linear`` formula, ``F.linear(x, w.to(x.dtype)) * scales``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from gpt_fast.quant.schemes import INT4_MID
+
+KERNELS = ("auto", "triton", "aten", "dequant")
+FEW_ROWS = 16  # activation rows the specialized kernels take; more are a matrix product
+
+
+def triton_usable(device: torch.device) -> bool:
+    """Our Triton kernels run on CUDA GPUs (not ROCm builds: untested there) where Triton is installed."""
+    return device.type == "cuda" and torch.version.hip is None and importlib.util.find_spec("triton") is not None
+
+
+def resolve_kernel(kernel: str, device: torch.device) -> str:
+    """``auto``: Triton on a CUDA GPU, PyTorch's own kernels on the CPU, plain PyTorch elsewhere."""
+    if kernel not in KERNELS:
+        raise ValueError(f"quantized kernel {kernel!r} is not one of {', '.join(KERNELS)}")
+    if kernel == "triton" and not triton_usable(device):
+        raise ValueError(f"the triton quantized kernels need a CUDA GPU with Triton installed, not {device}")
+    if kernel != "auto":
+        return kernel
+    if triton_usable(device):
+        return "triton"
+    return "aten" if device.type == "cpu" else "dequant"
+
+
+@functools.cache
+def triton_ops() -> SimpleNamespace:
+    """The Triton kernels as torch operators (registered on first use: nothing happens at import)."""
+    from torch.library import triton_op, wrap_triton
+
+    from gpt_fast.quant import triton_gemv
+
+    @triton_op("gpt_fast::int8_gemv", mutates_args=())
+    def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return triton_gemv.int8_gemv(x, weight, scales, wrap=wrap_triton)
+
+    @triton_op("gpt_fast::int4_gemv", mutates_args=())
+    def int4_gemv(
+        x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+    ) -> torch.Tensor:
+        return triton_gemv.int4_gemv(x, weight, scales, zeros, group_size, wrap=wrap_triton)
+
+    return SimpleNamespace(int8_gemv=int8_gemv, int4_gemv=int4_gemv)
+
+
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, kernel: str) -> torch.Tensor:
+    """``x`` [..., K] times the int8 ``weight`` [N, K] with per-channel ``scales`` [N] (in ``x``'s dtype)."""
+    rows = x.reshape(-1, x.shape[-1])
+    few = rows.shape[0] <= FEW_ROWS
+    if kernel == "triton" and few:
+        out = triton_ops().int8_gemv(rows.contiguous(), weight, scales)
+    elif kernel == "aten" and few:
+        out = torch.ops.aten._weight_int8pack_mm(rows, weight, scales)
+    else:
+        out = F.linear(rows, weight.to(x.dtype)) * scales
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def int4_dequantize(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The [N, K] matrix in ``scales``' dtype, written in plain PyTorch for inductor to fuse."""
+    out_features, n_groups = scales.shape
+    levels = torch.stack([weight & 0xF, weight >> 4], dim=-1).reshape(out_features, -1)  # [N, K]
+    cols = levels.shape[1]
+    pad = n_groups * group_size - cols
+    if pad:  # the shorter last group, padded for the reshape below
+        levels = F.pad(levels, (0, pad), value=INT4_MID)
+    grouped = levels.reshape(out_features, n_groups, group_size).to(scales.dtype)
+    w = (grouped - INT4_MID) * scales[..., None] + zeros[..., None]
+    return w.reshape(out_features, -1)[:, :cols]
+
+
+def int4_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    kernel: str,
+) -> torch.Tensor:
+    """``x`` [..., K] times the int4 ``weight`` [N, K / 2] with ``scales`` and ``zeros`` [N, groups]."""
+    rows = x.reshape(-1, x.shape[-1])
+    out_features = scales.shape[0]
+    if kernel == "triton" and rows.shape[0] <= FEW_ROWS:
+        out = triton_ops().int4_gemv(rows.contiguous(), weight, scales, zeros, group_size)
+    else:
+        out = F.linear(rows, int4_dequantize(weight, scales, zeros, group_size).to(x.dtype))
+    return out.reshape(*x.shape[:-1], out_features)
+
+
+def int4_cpu_linear(
+    x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """``x`` [..., K] times a weight repacked by ``torch.ops.aten._convert_weight_to_int4pack_for_cpu`` (columns
+    padded to a whole number of groups: ``x`` is padded with zeros to match)."""
+    rows = x.reshape(-1, x.shape[-1])
+    padded = scales_and_zeros.shape[0] * group_size
+    if padded != rows.shape[1]:
+        rows = F.pad(rows, (0, padded - rows.shape[1]))
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group_size, scales_and_zeros)
+    return out.reshape(*x.shape[:-1], packed.shape[0])

@@ -1,0 +1,121 @@
+"""Which tensors a quantized checkpoint holds: their names, shapes and dtypes, and how many bytes they take.
+
+A quantized linear layer ``P`` (``layers.0.attention.wqkv``, ...) stores, in place of ``P.weight`` in float:
+
+- int8: ``P.weight`` int8 [out, in] and ``P.scales`` [out];
+- int4: ``P.weight`` uint8 [out, in / 2] (two columns per byte) and ``P.scales``, ``P.zeros`` [out, groups].
+
+Scales and zeros, like every tensor that is not quantized, are in the checkpoint's ``dtype``. With
+``quantization.output`` the output projection is quantized too; for tied embeddings it is then stored apart
+(``output.*``) while the embedding table stays as it is, for the lookup.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+import torch
+from tqdm import tqdm
+
+from gpt_fast.config import ModelConfig, QuantConfig
+from gpt_fast.model import weight_count, weight_shapes
+from gpt_fast.quant.schemes import n_groups, quantize_int4, quantize_int8
+
+Shape = tuple[int, ...]
+LAYER_LINEAR = re.compile(r"layers\.\d+\.(attention\.(wqkv|wo)|feed_forward\.(w13|w2))")
+OUTPUT = "output"
+QUANTIZED_DTYPES = {"int8": torch.int8, "int4": torch.uint8}
+
+
+def quantized_linears(config: ModelConfig, quant: QuantConfig) -> dict[str, tuple[int, int]]:
+    """``prefix -> (out_features, in_features)`` of every linear layer ``quant`` quantizes, in model order."""
+    linears = {}
+    for name, shape in weight_shapes(config).items():
+        prefix = name.removesuffix(".weight")
+        if LAYER_LINEAR.fullmatch(prefix) or (prefix == OUTPUT and quant.output):
+            linears[prefix] = (shape[0], shape[1])
+    if quant.output and config.tie_embeddings:
+        linears[OUTPUT] = (config.vocab_size, config.dim)
+    return linears
+
+
+def quantized_tensors(out_features: int, in_features: int, quant: QuantConfig, dtype: torch.dtype) -> dict:
+    """``suffix -> (shape, dtype)`` of the tensors that stand for one quantized [out, in] weight."""
+    if quant.mode == "int8":
+        return {"weight": ((out_features, in_features), torch.int8), "scales": ((out_features,), dtype)}
+    groups = (out_features, n_groups(in_features, quant.group_size))
+    return {
+        "weight": ((out_features, in_features // 2), torch.uint8),
+        "scales": (groups, dtype),
+        "zeros": (groups, dtype),
+    }
+
+
+def stored_specs(
+    config: ModelConfig, quant: QuantConfig | None, dtype: torch.dtype
+) -> dict[str, tuple[Shape, torch.dtype]]:
+    """``name -> (shape, dtype)`` of every tensor a checkpoint of ``config`` holds."""
+    specs = {name: (shape, dtype) for name, shape in weight_shapes(config).items()}
+    if quant is None:
+        return specs
+    for prefix, (out_features, in_features) in quantized_linears(config, quant).items():
+        specs.pop(f"{prefix}.weight", None)
+        for suffix, spec in quantized_tensors(out_features, in_features, quant, dtype).items():
+            specs[f"{prefix}.{suffix}"] = spec
+    return specs
+
+
+def _bytes(specs: dict[str, tuple[Shape, torch.dtype]]) -> int:
+    return sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in specs.values())
+
+
+def stored_size(config: ModelConfig, quant: QuantConfig | None, dtype: torch.dtype) -> tuple[int, int]:
+    """``(tensors, bytes)`` a checkpoint of ``config`` holds, computed without listing every tensor (cheap however
+    many layers the config claims; see :func:`gpt_fast.model.weight_count`)."""
+    tensors, parameters = weight_count(config)
+    size = parameters * dtype.itemsize
+    if quant is None:
+        return tensors, size
+    extra_tensors = len(quantized_tensors(1, 2, quant, dtype)) - 1
+    dim, inter, qkv = config.dim, config.intermediate_size, config.q_size + 2 * config.kv_size
+    layer = [(qkv, dim), (dim, config.q_size), (2 * inter, dim), (dim, inter)]
+    linears = [(shape, config.n_layer) for shape in layer]
+    if quant.output:
+        linears.append(((config.vocab_size, dim), 1))
+        if config.tie_embeddings:  # stored apart: nothing of the embedding table is replaced
+            tensors += 1
+            size += config.vocab_size * dim * dtype.itemsize
+    for (out_features, in_features), count in linears:
+        quantized = _bytes(quantized_tensors(out_features, in_features, quant, dtype))
+        size += count * (quantized - out_features * in_features * dtype.itemsize)
+        tensors += count * extra_tensors
+    return tensors, size
+
+
+TIED_SOURCE = "tok_embeddings.weight"  # what a tied output projection is quantized from
+
+
+def quantize_state(
+    state: Mapping[str, torch.Tensor],
+    config: ModelConfig,
+    quant: QuantConfig,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+) -> dict[str, torch.Tensor]:
+    """The tensors of the quantized checkpoint from the float ``state`` of ``config``: each quantized layer's
+    ``weight`` replaced by its quantized tensors (computed and left on ``device``), scales and zeros in ``dtype``."""
+    out = dict(state)
+    linears = quantized_linears(config, quant)
+    for prefix in tqdm(linears, desc=f"Quantizing ({quant.name})", unit="layer"):
+        name = f"{prefix}.weight"
+        weight = state[TIED_SOURCE if prefix == OUTPUT and config.tie_embeddings else name].to(device)
+        if quant.mode == "int8":
+            parts = dict(zip(("weight", "scales"), quantize_int8(weight, dtype), strict=True))
+        else:
+            parts = dict(
+                zip(("weight", "scales", "zeros"), quantize_int4(weight, quant.group_size, dtype), strict=True)
+            )
+        out.pop(name, None)
+        out.update({f"{prefix}.{suffix}": tensor for suffix, tensor in parts.items()})
+    return out

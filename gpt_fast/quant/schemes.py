@@ -1,0 +1,116 @@
+"""The two weight-only schemes, as plain tensor functions: quantize a float matrix, and dequantize it back.
+
+int8: per output channel, symmetric: ``w ≈ q * scale`` with ``q`` in [-127, 127] and ``scale = max|w| / 127``
+over the row.
+
+int4: per group of ``group_size`` consecutive input columns of a row, asymmetric: ``w ≈ (q - 8) * scale + zero``
+with ``q`` in [0, 15]. ``zero`` is the value of ``q = 8`` (the convention of PyTorch's own int4 kernels,
+``torch.ops.aten._weight_int4pack_mm*``, so that one set of numbers serves every kernel). The range of each group
+is searched (:data:`INT4_CLIP_RATIOS`): shrinking it towards the group's mean can lower the squared error, as an
+outlier then costs one clipped weight instead of the resolution of all the others. A row whose length is not a
+multiple of ``group_size`` ends with a shorter group. Two columns share a byte: column ``2j`` in the low nibble
+of byte ``j``, column ``2j + 1`` in the high nibble.
+
+Scales and zero points are rounded to the dtype they are stored in *before* the weights are rounded to the grid,
+so the integers are the best ones for the numbers actually stored.
+"""
+
+from __future__ import annotations
+
+import torch
+
+INT8_MAX = 127
+INT4_LEVELS = 16
+INT4_MID = 8  # the level whose value is ``zero``
+# Fractions of a group's full range tried, keeping the one of least squared error (1.0: plain min/max).
+INT4_CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
+_TINY = 1e-12  # the smallest scale: an all-equal row or group quantizes exactly to its value
+
+
+def n_groups(in_features: int, group_size: int) -> int:
+    """Groups in a row of ``in_features`` columns (the last may be shorter)."""
+    return -(-in_features // group_size)
+
+
+def quantize_int8(weight: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` [N, K] -> ``q`` int8 [N, K] and ``scales`` [N] in ``scale_dtype``."""
+    w = weight.float()
+    scales = (w.abs().amax(dim=1) / INT8_MAX).clamp_min(_TINY).to(scale_dtype)
+    q = torch.round(w / scales.float()[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scales
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The float32 matrix [N, K] that ``q``, ``scales`` stand for."""
+    return q.float() * scales.float()[:, None]
+
+
+def _grouped(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` [N, K] float32 as [N, G, group_size], the last group padded with copies of the row's last column
+    (which changes neither its minimum nor its maximum), and which of those columns are real [G, group_size]."""
+    rows, cols = w.shape
+    pad = n_groups(cols, group_size) * group_size - cols
+    real = torch.arange(cols + pad, device=w.device) < cols
+    if pad:
+        w = torch.cat([w, w[:, -1:].expand(rows, pad)], dim=1)
+    return w.reshape(rows, -1, group_size), real.reshape(-1, group_size)
+
+
+def _int4_grid(
+    groups: torch.Tensor, low: torch.Tensor, high: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scales and zeros [N, G] (rounded to ``dtype``) for ranges ``low..high``, and the levels [N, G, S] of
+    ``groups`` on that grid."""
+    scales = ((high - low) / (INT4_LEVELS - 1)).clamp_min(_TINY).to(dtype)
+    zeros = (low + INT4_MID * scales.float()).to(dtype)
+    s, z = scales.float()[..., None], zeros.float()[..., None]
+    q = torch.round((groups - z) / s + INT4_MID).clamp_(0, INT4_LEVELS - 1)
+    return q, scales, zeros
+
+
+def quantize_int4(
+    weight: torch.Tensor, group_size: int, scale_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight`` [N, K] (K even) -> packed ``q`` uint8 [N, K/2], ``scales`` and ``zeros`` [N, ceil(K/group_size)]
+    in ``scale_dtype``."""
+    rows, cols = weight.shape
+    assert cols % 2 == 0, "int4 packs two columns per byte"
+    groups, real = _grouped(weight.float(), group_size)  # [N, G, S], [G, S]
+    low, high = groups.amin(dim=2), groups.amax(dim=2)
+    center = (groups * real).sum(dim=2) / real.sum(dim=1)
+    best = None
+    for ratio in INT4_CLIP_RATIOS:
+        q, scales, zeros = _int4_grid(
+            groups, center + (low - center) * ratio, center + (high - center) * ratio, scale_dtype
+        )
+        error = ((q - INT4_MID) * scales.float()[..., None] + zeros.float()[..., None] - groups).square()
+        error = (error * real).sum(dim=2)  # [N, G]: the padding copies do not count
+        if best is None:
+            best = [q, scales, zeros, error]
+            continue
+        better = error < best[3]  # [N, G]
+        best[0] = torch.where(better[..., None], q, best[0])
+        best[1] = torch.where(better, scales, best[1])
+        best[2] = torch.where(better, zeros, best[2])
+        best[3] = torch.minimum(error, best[3])
+    q, scales, zeros, _ = best
+    return pack_int4(q.reshape(rows, -1)[:, :cols].to(torch.uint8)), scales, zeros
+
+
+def pack_int4(levels: torch.Tensor) -> torch.Tensor:
+    """Levels [N, K] (uint8, 0..15, K even) -> bytes [N, K/2]: column 2j low nibble, 2j + 1 high nibble."""
+    return levels[:, 0::2] | (levels[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Bytes [N, K/2] -> levels [N, K] (uint8)."""
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+
+
+def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The float32 matrix [N, K] that ``packed``, ``scales``, ``zeros`` stand for."""
+    levels = unpack_int4(packed).float()
+    cols = levels.shape[1]
+    s = scales.float().repeat_interleave(group_size, dim=1)[:, :cols]
+    z = zeros.float().repeat_interleave(group_size, dim=1)[:, :cols]
+    return (levels - INT4_MID) * s + z

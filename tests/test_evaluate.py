@@ -1,0 +1,128 @@
+"""`gpt-fast eval`: sliding-window perplexity equal to transformers' loss on the same ids, the windows, the default
+text, and bad input in one line."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from gpt_fast.cli import main
+from gpt_fast.convert.hf import convert_hf
+from gpt_fast.engine import Engine
+from gpt_fast.evaluate import DEFAULT_TEXT, EvalOptions, builtin_text, perplexity, windows
+from tests.tiny import save_hf_llama
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A tiny transformers Llama and our engine over its conversion (float32)."""
+    folder = tmp_path_factory.mktemp("eval")
+    hf_model = save_hf_llama(folder / "hf")
+    convert_hf(folder / "hf", folder / "ours")
+    return hf_model, Engine.load(folder / "ours"), folder / "ours"
+
+
+@torch.no_grad()
+def transformers_perplexity(model, ids, window, stride):
+    """The Hugging Face guide's sliding-window loop ("Perplexity of fixed-length models"), each window's mean loss
+    weighted by the number of labels transformers actually scores in it."""
+    total, count, scored_until = 0.0, 0, 0
+    for begin in range(0, len(ids), stride):
+        end = min(begin + window, len(ids))
+        window_ids = torch.tensor([ids[begin:end]])
+        labels = window_ids.clone()
+        labels[:, : -(end - scored_until)] = -100
+        loss = model(window_ids, labels=labels).loss.item()
+        scored = (labels[:, 1:] != -100).sum().item()
+        total, count, scored_until = total + loss * scored, count + scored, end
+        if end == len(ids):
+            break
+    return math.exp(total / count), count
+
+
+@pytest.mark.parametrize("window, stride", [(64, 64), (16, 8), (16, 16), (20, 7)])
+def test_perplexity_equals_transformers_loss(models, window, stride):
+    hf_model, engine, _ = models
+    ids = torch.randint(0, engine.model_config.vocab_size, (50,), generator=torch.Generator().manual_seed(3)).tolist()
+    ours = perplexity(engine, ids, window, stride)
+    expected, count = transformers_perplexity(hf_model, ids, window, stride)
+    assert ours.tokens == count
+    assert ours.perplexity == pytest.approx(expected, rel=1e-4)
+
+
+@pytest.mark.parametrize("n, window, stride", [(50, 16, 8), (50, 16, 5), (17, 16, 16), (2, 16, 8), (1000, 100, 1)])
+def test_windows_score_every_token_once(n, window, stride):
+    scored = []
+    for begin, end, count in windows(n, window, stride):
+        assert end - begin <= window and 1 <= count <= end - begin - 1
+        scored += range(end - count, end)
+    assert len(scored) == len(set(scored)) and 0 not in scored
+    if stride < window:  # else each window's first token has no context in it, and goes unscored
+        assert sorted(scored) == list(range(1, n))
+
+
+def test_default_text_ships_with_python():
+    text = builtin_text(EvalOptions())
+    assert len(text) > 100_000 and 'The "assert" statement' in text
+    assert builtin_text(EvalOptions()) == text
+
+
+def test_eval_command_prints_a_table_and_json(models, tmp_path, capsys):
+    _, engine, folder = models
+    text = tmp_path / "text.txt"
+    text.write_text("The capital of France is Paris. " * 40)
+    argv = ["eval", "--checkpoint_path", str(folder), "--text", str(text), "--window", "32", "--stride", "16"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--json"])
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 0, err
+    result = json.loads(out)
+    ids = engine.encode(text.read_text())
+    assert result["tokens"] == len(ids) - 1 and result["quantization"] == "none" and result["text"] == str(text)
+    assert result["perplexity"] == pytest.approx(perplexity(engine, ids, 32, 16).perplexity, rel=1e-6)
+    with pytest.raises(SystemExit):
+        main([*argv, "--max_tokens", "40"])
+    out, _ = capsys.readouterr()
+    assert out.splitlines()[0].startswith("| checkpoint | quantization | device | dtype | text | tokens |")
+    assert f"| {folder} | none | CPU | float32 | {text} | 39 | 32 | 16 |" in out
+
+
+BAD = {
+    "both texts": (["--text", "x.txt", "--dataset", "wikitext-2"], "give --text or --dataset, not both"),
+    "unknown dataset": (["--dataset", "ptb"], "--dataset 'ptb' is not one of wikitext-2"),
+    "stride above the window": (["--window", "8", "--stride", "9"], "--stride must be in 1..--window (8), got 9"),
+    "one token": (["--max_tokens", "1"], "--max_tokens must be >= 2, got 1"),
+    "text not UTF-8": (["--text", "{bad}"], "is not valid UTF-8 text"),
+    "missing text": (["--text", "{missing}"], "No such file or directory"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_input_is_one_line(name, models, tmp_path, capsys):
+    (tmp_path / "bad.txt").write_bytes(b"caf\xe9")
+    args = [a.format(bad=tmp_path / "bad.txt", missing=tmp_path / "none.txt") for a in BAD[name][0]]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", "--checkpoint_path", str(models[2]), *args])
+    err = capsys.readouterr().err
+    assert exit_info.value.code != 0 and err.startswith("error: ") and len(err.strip().splitlines()) == 1
+    assert BAD[name][1] in err
+
+
+def test_wikitext_offline_without_a_cached_copy(models, tmp_path, capsys, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", "--checkpoint_path", str(models[2]), "--dataset", "wikitext-2"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and len(err.strip().splitlines()) == 1
+    assert (
+        "--dataset wikitext-2 (Salesforce/wikitext, " in err
+        and "offline and not in the local Hugging Face cache" in err
+    )
+
+
+def test_default_text_is_named():
+    assert EvalOptions().text_name == DEFAULT_TEXT == "pydoc_data.topics"

@@ -1,0 +1,72 @@
+"""GPU checks of the quantized layers (CUDA; on ROCm the Triton kernels are not used and these are skipped): the
+Triton kernels against a float64 product, and quantized weights in every compile mode giving eager's greedy
+tokens.
+
+    python -m pytest -q -m gpu tests/test_quant_gpu.py
+"""
+
+import pytest
+import torch
+
+from gpt_fast.config import QuantConfig
+from gpt_fast.convert.random_init import random_weights
+from gpt_fast.engine import Engine, EngineOptions
+from gpt_fast.generate import COMPILE_MODES
+from gpt_fast.quant.kernels import triton_usable
+from gpt_fast.quant.layout import quantize_state
+from gpt_fast.quant.schemes import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+from gpt_fast.sampling import SamplingConfig
+from gpt_fast.shapes import get_shape
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or not triton_usable(torch.device("cuda")), reason="needs CUDA and Triton"
+    ),
+]
+SCHEMES = [QuantConfig("int8"), QuantConfig("int4", 128), QuantConfig("int4", 32, output=True)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("n, k", [(4096, 4096), (1000, 576), (96, 200)])
+def test_triton_kernels_match_a_float64_product(dtype, rows, n, k):
+    from gpt_fast.quant import triton_gemv
+
+    torch.manual_seed(n + k + rows)
+    weight = torch.randn(n, k, device="cuda")
+    x = torch.randn(rows, k, device="cuda", dtype=dtype)
+    q, s = quantize_int8(weight, dtype)
+    expected = x.double() @ dequantize_int8(q, s).double().T
+    got = triton_gemv.int8_gemv(x, q, s).double()
+    assert ((got - expected).norm() / expected.norm()).item() < 1e-2
+    q, s, z = quantize_int4(weight, 64, dtype)
+    expected = x.double() @ dequantize_int4(q, s, z, 64).double().T
+    got = triton_gemv.int4_gemv(x, q, s, z, 64).double()
+    assert ((got - expected).norm() / expected.norm()).item() < 1e-2
+
+
+def greedy(state, quant, mode):
+    shape = get_shape("tiny")
+    engine = Engine.from_state(shape, state, EngineOptions(compile=mode, device="cuda", dtype="bfloat16"), quant)
+    prompt = list(range(1, 20))
+    engine.generate_ids(prompt, 24, SamplingConfig(temperature=0))  # warm-up: compiles, captures the graph
+    return engine.generate_ids(prompt, 24, SamplingConfig(temperature=0), ignore_eos=True).tokens[0]
+
+
+@pytest.fixture(scope="module", params=SCHEMES, ids=lambda q: f"{q.name}{'-output' if q.output else ''}")
+def quantized(request):
+    shape = get_shape("tiny")
+    state = random_weights(shape, torch.bfloat16, seed=5)
+    quant = request.param
+    return quantize_state(state, shape, quant, torch.bfloat16), quant
+
+
+@pytest.fixture(scope="module")
+def eager_tokens(quantized):
+    return greedy(*quantized, "none")
+
+
+@pytest.mark.parametrize("mode", [m for m in COMPILE_MODES if m != "none"])
+def test_every_compile_mode_gives_the_eager_tokens(quantized, eager_tokens, mode):
+    assert greedy(*quantized, mode) == eager_tokens

@@ -1,0 +1,120 @@
+"""The quantized products on the CPU, each kernel against a float64 product with the dequantized weights; the
+Triton kernels too, in Triton's interpreter, where Triton is installed."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from gpt_fast.config import QuantConfig
+from gpt_fast.quant.kernels import FEW_ROWS, int4_dequantize, int4_linear, int8_linear, resolve_kernel
+from gpt_fast.quant.linear import Int4Linear
+from gpt_fast.quant.schemes import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+
+# Relative error ||ours - exact|| / ||exact|| allowed against the float64 product: float32 arithmetic lands near
+# 1e-6; bfloat16 activations and scales (8 bits of mantissa) near 3e-3.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def relative_error(got, expected):
+    return ((got.double() - expected).norm() / expected.norm()).item()
+
+
+@pytest.mark.parametrize("kernel", ["aten", "dequant"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, FEW_ROWS + 3])
+def test_int8_matches_the_float_product(kernel, dtype, rows):
+    torch.manual_seed(rows)
+    q, scales = quantize_int8(torch.randn(96, 160), dtype)
+    x = torch.randn(2, rows, 160, dtype=dtype)
+    expected = x.double() @ dequantize_int8(q, scales).double().T
+    got = int8_linear(x, q, scales, kernel)
+    assert got.shape == (2, rows, 96) and got.dtype == dtype
+    assert relative_error(got, expected) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("kernel", ["aten", "dequant"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, FEW_ROWS + 3])
+@pytest.mark.parametrize("cols, group_size", [(256, 32), (576, 128), (200, 256)])
+def test_int4_matches_the_float_product(kernel, dtype, rows, cols, group_size):
+    """Through the layer, so that ``aten`` runs on its repacked copy (rows padded to whole groups)."""
+    torch.manual_seed(cols + rows)
+    q, scales, zeros = quantize_int4(torch.randn(64, cols), group_size, dtype)
+    layer = Int4Linear(cols, 64, QuantConfig("int4", group_size))
+    layer.load_state_dict({"weight": q, "scales": scales, "zeros": zeros}, assign=True)
+    layer.prepare(kernel)
+    assert layer.kernel == kernel
+    x = torch.randn(rows, cols, dtype=dtype)
+    expected = x.double() @ dequantize_int4(q, scales, zeros, group_size).double().T
+    got = layer(x)
+    assert got.shape == (rows, 64) and got.dtype == dtype
+    assert relative_error(got, expected) < TOLERANCE[dtype]
+
+
+def test_int4_dequantize_in_pytorch_matches_the_scheme():
+    q, scales, zeros = quantize_int4(torch.randn(32, 200), 64, torch.float32)
+    torch.testing.assert_close(int4_dequantize(q, scales, zeros, 64), dequantize_int4(q, scales, zeros, 64))
+    x = torch.randn(3, 200)
+    torch.testing.assert_close(
+        int4_linear(x, q, scales, zeros, 64, "dequant"), x @ dequantize_int4(q, scales, zeros, 64).T
+    )
+
+
+def test_cpu_int4_kernel_needs_rows_in_sixteens():
+    """torch's CPU int4 kernel takes 16 output rows at a time; another shape keeps the plain PyTorch path."""
+    layer = Int4Linear(64, 24, QuantConfig("int4", 32))
+    q, scales, zeros = quantize_int4(torch.randn(24, 64), 32, torch.float32)
+    layer.load_state_dict({"weight": q, "scales": scales, "zeros": zeros}, assign=True)
+    layer.prepare("aten")
+    assert layer.kernel == "dequant"
+
+
+def test_kernel_choice():
+    cpu = torch.device("cpu")
+    assert resolve_kernel("auto", cpu) == "aten"
+    assert resolve_kernel("dequant", cpu) == "dequant"
+    with pytest.raises(ValueError, match="the triton quantized kernels need a CUDA GPU"):
+        resolve_kernel("triton", cpu)
+    with pytest.raises(ValueError, match="quantized kernel 'fast' is not one of auto, triton, aten, dequant"):
+        resolve_kernel("fast", cpu)
+
+
+TRITON_CHECK = """
+import torch
+from gpt_fast.quant import triton_gemv
+from gpt_fast.quant.schemes import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+torch.manual_seed(0)
+worst = 0.0
+for rows, n, k in [(1, 64, 256), (3, 37, 200), (2, 16, 1024)]:
+    w, x = torch.randn(n, k), torch.randn(rows, k)
+    q, s = quantize_int8(w, torch.float32)
+    exact = x.double() @ dequantize_int8(q, s).double().T
+    for launch in [None, triton_gemv.Launch(4, 128, 4), triton_gemv.Launch(1, 256, 2, words=True)]:
+        got = triton_gemv.int8_gemv(x, q, s, launch).double()
+        worst = max(worst, ((got - exact).norm() / exact.norm()).item())
+    for group in (32, 128):
+        q, s, z = quantize_int4(w, group, torch.float32)
+        exact = x.double() @ dequantize_int4(q, s, z, group).double().T
+        for launch in [None, triton_gemv.Launch(8, 4 * group, 4), triton_gemv.Launch(2, group, 1, words=True)]:
+            got = triton_gemv.int4_gemv(x, q, s, z, group, launch).double()
+            worst = max(worst, ((got - exact).norm() / exact.norm()).item())
+print(worst)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_triton_kernels_in_the_interpreter():
+    """Both kernel families (bytes and 32-bit words), ragged shapes included, run by Triton's interpreter on
+    CPU tensors (TRITON_INTERPRET is read when the kernels are defined: a process of its own)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(TRITON_CHECK)], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert float(result.stdout.strip()) < 1e-5

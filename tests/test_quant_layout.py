@@ -1,0 +1,71 @@
+"""What a quantized checkpoint holds: the swapped model's state, the loader's expected names, shapes and dtypes,
+and the cheap count of tensors and bytes all agree."""
+
+import pytest
+import torch
+
+from gpt_fast.config import QuantConfig
+from gpt_fast.model import Transformer, weight_bytes_per_token
+from gpt_fast.quant.layout import quantize_state, quantized_linears, stored_size, stored_specs
+from gpt_fast.quant.linear import Int4Linear, Int8Linear, quantize_linears
+from gpt_fast.shapes import SHAPES, get_shape
+
+SCHEMES = [
+    QuantConfig("int8"),
+    QuantConfig("int8", output=True),
+    QuantConfig("int4", 128),
+    QuantConfig("int4", 32, True),
+]
+
+
+def scheme_id(quant):
+    return quant.name + ("-output" if quant.output else "")
+
+
+def swapped_model(shape, quant):
+    with torch.device("meta"):
+        model = Transformer(shape)
+        quantize_linears(model, shape, quant)
+    return model
+
+
+@pytest.mark.parametrize("quant", SCHEMES, ids=scheme_id)
+@pytest.mark.parametrize("shape_name", ["tiny", "smollm2-135m"])
+def test_the_swapped_model_holds_what_the_loader_expects(shape_name, quant):
+    shape = get_shape(shape_name)
+    model = swapped_model(shape, quant)
+    found = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
+    assert found == stored_specs(shape, quant, torch.float32)
+    quantized = [m for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear))]
+    assert len(quantized) == 4 * shape.n_layer + quant.output
+    assert (model.output is not None) == (quant.output or not shape.tie_embeddings)
+
+
+@pytest.mark.parametrize("quant", [None, *SCHEMES], ids=lambda q: "float" if q is None else scheme_id(q))
+@pytest.mark.parametrize("shape_name", list(SHAPES))
+def test_the_cheap_count_agrees_with_the_listing(shape_name, quant):
+    shape, dtype = get_shape(shape_name), torch.bfloat16
+    specs = stored_specs(shape, quant, dtype)
+    size = sum(torch.Size(s).numel() * d.itemsize for s, d in specs.values())
+    assert stored_size(shape, quant, dtype) == (len(specs), size)
+
+
+def test_tied_output_is_quantized_from_the_embedding_table():
+    shape = get_shape("smollm2-135m")
+    assert quantized_linears(shape, QuantConfig("int8", output=True))["output"] == (shape.vocab_size, shape.dim)
+    assert "output" not in quantized_linears(shape, QuantConfig("int8"))
+
+
+@pytest.mark.parametrize("quant", SCHEMES, ids=scheme_id)
+def test_bytes_per_token_count_the_quantized_tensors(quant):
+    """A decode step reads the quantized weights, their scales and zeros, the norms, and the embedding table
+    only where it is the output projection."""
+    from gpt_fast.convert.random_init import random_weights
+
+    shape = get_shape("tiny")
+    state = quantize_state(random_weights(shape, torch.float32, seed=0), shape, quant, torch.float32)
+    model = swapped_model(shape, quant)
+    model.load_state_dict(state, assign=True)
+    embedding = state["tok_embeddings.weight"].numel() * 4
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    assert weight_bytes_per_token(model) == total - embedding  # tiny's output is untied, or quantized apart
