@@ -44,7 +44,7 @@ class ModeResult:
     mode: str
     ok: bool
     error: str | None = None
-    compile_cache: str | None = None  # "cold" or "warm" (None for mode none, which compiles nothing)
+    compile_cache: str | None = None  # cold, warm or partly warm (None for mode none, which compiles nothing)
     compile_seconds: float | None = None
     tokens_per_sec_median: float | None = None
     tokens_per_sec_min: float | None = None
@@ -153,7 +153,7 @@ def mode_result(mode: str, metrics: RunMetrics, copy_gbps: float, cache: str | N
     return ModeResult(
         mode=mode,
         ok=True,
-        compile_cache=cache,
+        compile_cache=metrics.compile_cache,  # as measured in the run: the priming took, or the cache was empty
         compile_seconds=metrics.compile_seconds,
         tokens_per_sec_median=median_rate,
         tokens_per_sec_min=min(rates),

@@ -26,7 +26,16 @@ from gpt_fast.checkpoint import checkpoint_tokenizer, load_model, model_from_sta
 from gpt_fast.config import CheckpointConfig, ModelConfig, load_checkpoint_config, resolve_checkpoint_dir
 from gpt_fast.default_model import ensure_default_checkpoint
 from gpt_fast.device import DTYPE_CHOICES, device_name, dtype_name, resolve_device, resolve_dtype
-from gpt_fast.generate import COMPILE_MODES, GenerationResult, cache_length, generate, generate_stream, make_steps
+from gpt_fast.generate import (
+    COMPILE_MODES,
+    CompileCacheUse,
+    GenerationResult,
+    cache_length,
+    compile_cache_use,
+    generate,
+    generate_stream,
+    make_steps,
+)
 from gpt_fast.model import Transformer, weight_bytes_per_token
 from gpt_fast.paths import CHECKPOINTS_DIR
 from gpt_fast.profiling import record_trace
@@ -181,6 +190,11 @@ class Engine:
     @property
     def compile(self) -> str:
         return self.options.compile
+
+    @staticmethod
+    def compile_cache_use() -> CompileCacheUse:
+        """How the compilations so far used the on-disk compile cache (``.label``: warm, cold or partly warm)."""
+        return compile_cache_use()
 
     @property
     def device_name(self) -> str:

@@ -81,6 +81,28 @@ def compile_options(mode: str) -> dict[str, Any]:
     return options
 
 
+@dataclass(frozen=True)
+class CompileCacheUse:
+    """Graphs inductor loaded from its on-disk cache, and graphs it compiled afresh, in this process so far."""
+
+    hits: int
+    misses: int
+
+    @property
+    def label(self) -> str:
+        """ "warm" (every graph from the cache), "cold" (none) or "partly warm"."""
+        if self.misses == 0 and self.hits:
+            return "warm"
+        return "cold" if self.hits == 0 else "partly warm"
+
+
+def compile_cache_use() -> CompileCacheUse:
+    """How this process's compilations used inductor's FX graph cache (torch's own counters)."""
+    from torch._dynamo.utils import counters
+
+    return CompileCacheUse(counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"])
+
+
 def compiled_prefill() -> Callable[..., None]:
     """The prefill compiled once for every prompt length: the length dimension is marked dynamic (and only it:
     ``dynamic=True`` would also make the sampling settings symbolic), and no CUDA graphs."""

@@ -31,6 +31,7 @@ class RunMetrics:
     torch_version: str
     load_seconds: float
     compile_seconds: float | None  # wall time of the first sample, which compiled
+    compile_cache: str | None  # warm, cold or partly warm: how the compilations used inductor's on-disk cache
     weight_bytes_per_token: int
     prompt_ids: list[int]
     samples: list[SampleMetrics]

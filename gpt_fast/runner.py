@@ -127,7 +127,11 @@ class SampleRunner:
             tag = " (warm-up)" if sample.warmup else ""
             write(f"\nSample {index + 1}/{opts.num_samples}: {describe(sample)}{tag}\n")
             if index == 0 and self.engine.compile != "none":
-                write(f"Compilation time: {sample.seconds:.2f} seconds\n")
+                cache = self.engine.compile_cache_use()
+                write(
+                    f"Compilation time: {sample.seconds:.2f} seconds (compile cache {cache.label}: {cache.hits} of "
+                    f"{cache.hits + cache.misses} graphs loaded from it)\n"
+                )
         if self.trace_path is not None:
             with self.engine.profiled(self.trace_path):
                 sample = self.sample(warmup=False, profiled=True)
@@ -163,6 +167,7 @@ def report(engine: Engine, runner: SampleRunner, samples: list[SampleMetrics], w
         torch_version=torch.__version__,
         load_seconds=engine.load_seconds,
         compile_seconds=samples[0].seconds if engine.compile != "none" else None,
+        compile_cache=engine.compile_cache_use().label if engine.compile != "none" else None,
         weight_bytes_per_token=engine.weight_bytes_per_token,
         prompt_ids=runner.prompt_ids,
         samples=samples,

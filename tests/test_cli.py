@@ -502,3 +502,17 @@ def test_hostile_source_writes_nothing(name, existing, checkpoint, capsys, tmp_p
     assert code == 1 and len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
     assert re.search(message, err), err
     assert ({p.name: p.read_bytes() for p in out.iterdir()} if existing else out.exists()) == (before or False)
+
+
+@pytest.mark.slow
+def test_generate_says_whether_the_compile_cache_was_cold_or_warm(checkpoint, tmp_path):
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "TRITON_CACHE_DIR": str(tmp_path / "t")}
+    args = [sys.executable, "-m", "gpt_fast", "generate", "--checkpoint_path", str(checkpoint), "--compile", "default"]
+    labels = []
+    for _ in range(2):
+        result = subprocess.run(
+            [*args, "--max_new_tokens", "3", "--num_samples", "1"], capture_output=True, text=True, env=env, timeout=600
+        )
+        assert result.returncode == 0, result.stderr
+        labels.append(re.search(r"Compilation time: [\d.]+ seconds \(compile cache (\w+):", result.stdout).group(1))
+    assert labels == ["cold", "warm"]
