@@ -243,6 +243,77 @@ class SpeculativeResult(GenerationResult):
     speculative: SpeculativeMetrics
 
 
+class Rounds:
+    """The host's side of the rounds: starting one (its draft phase, then its verify step), reading back the
+    outcomes the device has written (one pinned host row per round, the first holding the prefill's token), and the
+    figures of them all."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        drafter: Drafter,
+        spec_steps: SpeculativeSteps,
+        sampling: SamplingConfig,
+        capacity: int,
+        mark: Callable[[str], contextlib.AbstractContextManager],
+    ) -> None:
+        self.model, self.drafter, self.spec_steps, self.sampling, self.mark = model, drafter, spec_steps, sampling, mark
+        device = model.tok_embeddings.weight.device
+        self.spec = drafter.spec
+        self.batch_size = self.spec.drafts.shape[0]
+        self.host = HostTokens(device, self.spec.out.numel(), capacity)  # rows of [B * (K + 2)]
+        self.timer = RoundTimer(device)
+        self.counts: list[int] = []  # new tokens of each round read back
+
+    def prefill(self, prompt: torch.Tensor, steps: Steps) -> None:
+        """The target's prefill and the drafter's; the first token goes to the host as a round of one token."""
+        steps.prefill(self.model, prompt, self.sampling)
+        self.drafter.prefill(prompt)
+        self.spec.out[:, 0] = self.model.decode_state.tokens[:, prompt.shape[1]]
+        self.spec.out[:, -1] = 1
+        self.host.push(self.spec.out.view(-1))
+
+    @property
+    def pending(self) -> int:
+        """Rounds started (the prefill's included) whose outcome has not been read back."""
+        return self.host.pending
+
+    def wait_oldest(self) -> None:
+        """Block until the oldest pending round's outcome has arrived."""
+        self.host.wait_next()
+
+    def start(self) -> None:
+        began = self.timer.stamp()
+        with self.mark(DRAFT_MARK):
+            self.drafter.draft(self.spec_steps, self.model.decode_state, self.sampling)
+        drafted = self.timer.stamp()
+        with self.mark(VERIFY_MARK):
+            torch.compiler.cudagraph_mark_step_begin()
+            self.spec_steps.verify(self.model, self.spec, self.sampling)
+        self.timer.add(began, drafted, self.timer.stamp())
+        self.host.push(self.spec.out.view(-1))
+
+    def read_back(self, wait: bool = False) -> list[list[list[int]]]:
+        """The new tokens of the rounds the device has finished (with ``wait``: of all), per round and position."""
+        rounds = unpack_rounds(self.host.ready(wait), self.batch_size)
+        self.counts.extend(len(r) for r in rounds)
+        return rounds
+
+    def metrics(self) -> SpeculativeMetrics:
+        """The figures of every round started, once the device has finished them all."""
+        self.read_back(wait=True)
+        draft_seconds, verify_seconds = self.timer.totals()
+        rounds = len(self.timer.rounds)
+        return SpeculativeMetrics.of(
+            self.drafter.name,
+            self.drafter.k,
+            rounds=rounds,
+            accepted=sum(self.counts[1:]) - rounds,
+            verify_seconds=verify_seconds,
+            draft_seconds=draft_seconds,
+        )
+
+
 @torch.no_grad()
 def speculative_stream(
     model: Transformer,
@@ -266,69 +337,36 @@ def speculative_stream(
     if not prompt_ids:
         raise ValueError("the prompt is empty")
     device = model.tok_embeddings.weight.device
-    length = len(prompt_ids)
-    cache = speculative_cache_length(length, max_new_tokens, drafter.k, model.config.block_size)
+    cache = speculative_cache_length(len(prompt_ids), max_new_tokens, drafter.k, model.config.block_size)
     model.setup_caches(batch_size, cache)
-    spec = drafter.setup(batch_size, cache, model.config.vocab_size, sampling, device)
-    state = model.decode_state
+    drafter.setup(batch_size, cache, model.config.vocab_size, sampling, device)
     mark = torch.profiler.record_function if profile_marks else (lambda _name: contextlib.nullcontext())
+    rounds = Rounds(model, drafter, spec_steps, sampling, max_new_tokens + MAX_ROUNDS_AHEAD + 1, mark)
     prompt = torch.tensor(prompt_ids, dtype=torch.long, device=device).repeat(batch_size, 1)  # [B, T]
-    # One host row per round, flattened [B * (K + 2)]: the first holds the prefill's token.
-    host = HostTokens(device, spec.out.numel(), max_new_tokens + MAX_ROUNDS_AHEAD + 1)
-    timer = RoundTimer(device)
     stops = StopTracker(batch_size, stop_ids)
     kept: list[list[int]] = []  # the new tokens, per position
-    counts: list[int] = []  # new tokens of each round read back (the first: the prefill's one)
-
-    def read_back(wait: bool = False) -> list[list[list[int]]]:
-        rounds = unpack_rounds(host.ready(wait), batch_size)
-        counts.extend(len(r) for r in rounds)
-        return rounds
 
     device_synchronize(device)
     start = time.perf_counter()
     with mark(PREFILL_MARK):
-        steps.prefill(model, prompt, sampling)
-        drafter.prefill(prompt)
-        spec.out[:, 0] = state.tokens[:, length]
-        spec.out[:, -1] = 1
-    host.push(spec.out.view(-1))
+        rounds.prefill(prompt, steps)
     device_synchronize(device)
     ttft = time.perf_counter() - start
     while len(kept) < max_new_tokens and not stops.all_stopped:
-        busy = host.pending >= MAX_ROUNDS_AHEAD or len(kept) + host.pending >= max_new_tokens
-        if busy:
-            host.wait_next()
+        if rounds.pending >= MAX_ROUNDS_AHEAD or len(kept) + rounds.pending >= max_new_tokens:
+            rounds.wait_oldest()  # far enough ahead (each pending round gives at least one token)
         else:
-            began = timer.stamp()
-            with mark(DRAFT_MARK):
-                drafter.draft(spec_steps, state, sampling)
-            drafted = timer.stamp()
-            with mark(VERIFY_MARK):
-                torch.compiler.cudagraph_mark_step_begin()
-                spec_steps.verify(model, spec, sampling)
-            timer.add(began, drafted, timer.stamp())
-            host.push(spec.out.view(-1))
-        for round_tokens in read_back():
+            rounds.start()
+        for round_tokens in rounds.read_back():
             for step_tokens in stops.admit(round_tokens[: max_new_tokens - len(kept)]):
                 kept.append(step_tokens)
                 if emit:
                     yield step_tokens
     device_synchronize(device)
     seconds = time.perf_counter() - start
-    read_back(wait=True)  # rounds started before the host saw the end: they count in the figures, not the text
-    draft_seconds, verify_seconds = timer.totals()
-    metrics = SpeculativeMetrics.of(
-        drafter.name,
-        drafter.k,
-        rounds=len(timer.rounds),
-        accepted=sum(counts[1:]) - len(timer.rounds),
-        verify_seconds=verify_seconds,
-        draft_seconds=draft_seconds,
-    )
     rows = [list(row) for row in zip(*kept, strict=True)]
     tokens = [row if end is None else row[: end + 1] for row, end in zip(rows, stops.stopped_at, strict=True)]
-    return SpeculativeResult(tokens, seconds, ttft, metrics)
+    return SpeculativeResult(tokens, seconds, ttft, rounds.metrics())
 
 
 def unpack_rounds(rounds: list[list[int]], batch_size: int) -> list[list[list[int]]]:

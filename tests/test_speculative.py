@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ from gpt_fast.speculative import (
 )
 
 GREEDY = SamplingConfig(temperature=0)
+PROMPTS = Path(__file__).resolve().parent.parent / "prompts"
 PROMPT = [5, 17, 42, 8, 99, 3, 17, 42, 8, 7, 5, 17]
 CONFIG = replace(get_shape("tiny"), block_size=1024, vocab_size=128)
 
@@ -167,6 +169,25 @@ def test_compiled_speculation_is_plain_decoding(target, drafts):
             assert speculate(target, drafts[name](3), mode="default", batch_size=batch_size).tokens == expected
         replay = Replay(PROMPT + expected[0] + [0] * 8, k=3)
         assert speculate(target, replay, mode="default", batch_size=batch_size).tokens == expected
+
+
+@torch.no_grad()
+def test_a_forward_over_several_positions_is_that_many_single_steps(target):
+    """What the verify step relies on: the causal mask and rotary embedding of a forward over T positions starting
+    anywhere in the cache, with stale entries beyond, give the logits of T one-position forwards."""
+    ids = torch.tensor([PROMPT + [9, 8, 7, 6, 5]])  # [1, 17]
+    target.setup_caches(1, 64)
+
+    def stale_from(position: int) -> None:
+        for layer in target.layers:
+            layer.attention.kv_cache.kv[..., position:, :].normal_()
+
+    stale_from(0)
+    target(ids[:, :12], torch.arange(12))
+    one_by_one = torch.cat([target(ids[:, p : p + 1], torch.tensor([p])) for p in range(12, 17)], dim=1)
+    stale_from(12)
+    together = target(ids[:, 12:], torch.arange(12, 17))  # [1, 5, V]
+    torch.testing.assert_close(together, one_by_one, rtol=1e-4, atol=1e-4)
 
 
 def test_the_cache_holds_the_rounds_the_host_may_run_ahead():
@@ -329,3 +350,13 @@ def test_a_draft_must_share_the_tokenizer(checkpoints, tmp_path):
     options = EngineOptions(speculative=SpeculativeOptions(draft_checkpoint=str(draft)))
     with pytest.raises(ValueError, match=r"draft/config\.json: tokenizer\.special_tokens differs from the target's"):
         Engine.open(checkpoints["target"], options)
+
+
+@pytest.mark.slow
+def test_the_default_model_copies_with_prompt_lookup_and_keeps_its_text(smollm2_checkpoint):
+    """Real weights: a copy-heavy prompt, greedy, the same text with and without prompt lookup, most proposals kept."""
+    engine = Engine.load(smollm2_checkpoint, device="cpu", dtype="float32")
+    prompt = engine.encode((PROMPTS / "rewrite_with_type_hints.txt").read_text(), chat=True)
+    expected = engine.generate_ids(prompt, 40, GREEDY).tokens
+    result = engine.generate_ids(prompt, 40, GREEDY, drafter=PromptLookup(3, 4))
+    assert result.tokens == expected and result.speculative.acceptance_rate > 0.5, engine.decode(expected[0])
