@@ -143,6 +143,17 @@ class HostTokens:
             event.record()
         self.events.append(event)
 
+    @property
+    def pending(self) -> int:
+        """Steps queued and not handed out yet."""
+        return len(self.events) - self.next_step
+
+    def wait_next(self) -> None:
+        """Block until the oldest step not handed out yet has arrived (the later ones may still be running)."""
+        event = self.events[self.next_step]
+        if event is not None:
+            event.synchronize()
+
     def ready(self, wait: bool = False) -> list[list[int]]:
         """Steps whose tokens have arrived, in order; with ``wait``, all queued steps."""
         rows = []
@@ -224,6 +235,11 @@ def generate(
         emit=on_tokens is not None,
         profile_marks=profile_marks,
     )
+    return drain(stream, on_tokens)
+
+
+def drain(stream: Generator[list[int], None, GenerationResult], on_tokens: TokenCallback | None) -> GenerationResult:
+    """Run a generation stream to its end, handing each step's tokens to ``on_tokens``; its result."""
     while True:
         try:
             step_tokens = next(stream)
