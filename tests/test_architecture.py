@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "gpt_fast"
-COMMANDS = {"cli", "runner", "interactive", "bench", "bench_decode", "evaluate"}
+COMMANDS = {"cli", "runner", "interactive", "bench", "bench_decode", "bench_speculative", "evaluate"}
 ENGINE_PRIVATE = {"model", "cache", "checkpoint", "tokenizer"}  # what commands reach only through the engine
 
 
