@@ -13,8 +13,10 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 from tiny import train_bpe_tokenizer
 
+from gpt_fast.config import QuantConfig
 from gpt_fast.convert.gguf_file import convert_gguf
 from gpt_fast.engine import Engine
+from gpt_fast.quant.schemes import dequantize_int4, quantize_int4
 
 DIM, HEADS, KV_HEADS, INTER, LAYERS = 256, 4, 2, 512, 2  # K-quant rows hold multiples of 256 values
 LAYER_TYPES = [
@@ -358,3 +360,27 @@ def test_bad_gguf_is_one_line_naming_the_file(name, tmp_path, tokenizer):
     assert str(path) in text and len(text.splitlines()) == 1, text
     assert re.search(message, text), text
     assert not (tmp_path / "out").exists()
+
+
+def test_q4_blocks_become_int4_groups_of_32_without_a_second_rounding(tmp_path, tokenizer):
+    """Layers whose every source tensor is Q4_0 or Q4_1 (layer 0's w13, layer 1's w2) keep gguf-py's dequantized
+    values exactly; the others are quantized from float like any converted weight."""
+    path = write_gguf(tmp_path / "tiny.gguf", tokenizer)
+    convert_gguf(path, tmp_path / "float")
+    convert_gguf(path, tmp_path / "int4", quantization=QuantConfig("int4", 32))
+    floats, quantized = (torch.load(tmp_path / d / "model.pth", weights_only=True) for d in ("float", "int4"))
+
+    def dequantized(prefix):
+        return dequantize_int4(*(quantized[f"{prefix}.{s}"] for s in ("weight", "scales", "zeros")), 32)
+
+    for prefix in ("layers.0.feed_forward.w13", "layers.1.feed_forward.w2"):
+        reference = floats[f"{prefix}.weight"]
+        torch.testing.assert_close(dequantized(prefix), reference, rtol=0, atol=1e-6)
+    for prefix in ("layers.0.attention.wqkv", "layers.1.attention.wo", "layers.1.feed_forward.w13"):
+        expected = quantize_int4(floats[f"{prefix}.weight"], 32, torch.float32)
+        got = tuple(quantized[f"{prefix}.{suffix}"] for suffix in ("weight", "scales", "zeros"))
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    convert_gguf(path, tmp_path / "g64", quantization=QuantConfig("int4", 64))  # another group: from float
+    g64 = torch.load(tmp_path / "g64" / "model.pth", weights_only=True)
+    expected = quantize_int4(floats["layers.1.feed_forward.w2.weight"], 64, torch.float32)
+    assert torch.equal(g64["layers.1.feed_forward.w2.zeros"], expected[2])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from gguf.quants import dequantize
 from gpt_fast.checkpoint import check_tokenizer_size
 from gpt_fast.config import CheckpointConfig, ModelConfig, QuantConfig, RopeScaling
 from gpt_fast.convert.gguf_header import check_gguf_header
+from gpt_fast.convert.gguf_quant import exact_int4_parts
 from gpt_fast.convert.gguf_tokenizer import tokenizer_from_gguf
 from gpt_fast.convert.layout import check_tensors, fuse_tensors
 from gpt_fast.convert.weight_files import TensorInfo
@@ -179,14 +180,24 @@ def unpermute_rotary(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     return weight.reshape(n_heads, weight.shape[0] // n_heads // 2, 2, -1).transpose(1, 2).reshape(weight.shape)
 
 
-def hf_tensors(reader: GGUFReader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    for t in reader.tensors:
-        name, data = hf_name(t.name), tensor_data(t)
+def hf_order(config: ModelConfig) -> Callable[[str, torch.Tensor], torch.Tensor]:
+    """The rows of the tensor of an HF name put in Hugging Face's order (q and k projections un-interleaved)."""
+
+    def reorder(name: str, data: torch.Tensor) -> torch.Tensor:
         if name.endswith("q_proj.weight"):
-            data = unpermute_rotary(data, config.n_head)
-        elif name.endswith("k_proj.weight"):
-            data = unpermute_rotary(data, config.n_local_heads)
-        yield name, data
+            return unpermute_rotary(data, config.n_head)
+        if name.endswith("k_proj.weight"):
+            return unpermute_rotary(data, config.n_local_heads)
+        return data
+
+    return reorder
+
+
+def hf_tensors(reader: GGUFReader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    reorder = hf_order(config)
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        yield name, reorder(name, tensor_data(t))
 
 
 def source_dtype(reader: GGUFReader) -> torch.dtype:
@@ -213,7 +224,9 @@ def convert_gguf(src: Path, out_dir: Path, dtype: str | None = None, quantizatio
     target = parse_dtype(dtype) if dtype else source_dtype(reader)
     state = fuse_tensors(hf_tensors(reader, model), model, target, src)
     if quantization is not None:
-        state = quantize_state(state, model, quantization, target)
+        raw = ((hf_name(t.name), t.tensor_type, t.data) for t in reader.tensors)
+        exact = exact_int4_parts(raw, model, quantization, hf_order(model))
+        state = quantize_state(state, model, quantization, target, given=exact)
 
     def prepare(stage: Path) -> CheckpointConfig:
         tok_config, chat_template = tokenizer_from_gguf(reader, stage)

@@ -93,6 +93,16 @@ def stored_size(config: ModelConfig, quant: QuantConfig | None, dtype: torch.dty
     return tensors, size
 
 
+def quantize_weight(
+    weight: torch.Tensor, quant: QuantConfig, dtype: torch.dtype, device: str | torch.device
+) -> dict[str, torch.Tensor]:
+    """``suffix -> tensor`` of one float [out, in] weight quantized on ``device``, scales and zeros in ``dtype``."""
+    weight = weight.to(device)
+    if quant.mode == "int8":
+        return dict(zip(("weight", "scales"), quantize_int8(weight, dtype), strict=True))
+    return dict(zip(("weight", "scales", "zeros"), quantize_int4(weight, quant.group_size, dtype), strict=True))
+
+
 TIED_SOURCE = "tok_embeddings.weight"  # what a tied output projection is quantized from
 
 
@@ -102,19 +112,22 @@ def quantize_state(
     quant: QuantConfig,
     dtype: torch.dtype,
     device: str | torch.device = "cpu",
+    given: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The tensors of the quantized checkpoint from the float ``state`` of ``config``: each quantized layer's
-    ``weight`` replaced by its quantized tensors (computed and left on ``device``), scales and zeros in ``dtype``."""
+    ``weight`` replaced by its quantized tensors (computed and left on ``device``), scales and zeros in ``dtype``.
+    The layers in ``given`` (``prefix -> {suffix: tensor}``) are taken from there as they are (their scales and
+    zeros cast to ``dtype``): a source quantized in this scheme already (:mod:`gpt_fast.convert.gguf_quant`)."""
     out = dict(state)
+    given = given or {}
     linears = quantized_linears(config, quant)
     for prefix in tqdm(linears, desc=f"Quantizing ({quant.name})", unit="layer"):
         name = f"{prefix}.weight"
-        weight = state[TIED_SOURCE if prefix == OUTPUT and config.tie_embeddings else name].to(device)
-        if quant.mode == "int8":
-            parts = dict(zip(("weight", "scales"), quantize_int8(weight, dtype), strict=True))
+        if prefix in given:
+            parts = {suffix: t if suffix == "weight" else t.to(dtype) for suffix, t in given[prefix].items()}
         else:
-            parts = dict(
-                zip(("weight", "scales", "zeros"), quantize_int4(weight, quant.group_size, dtype), strict=True)
+            parts = quantize_weight(
+                state[TIED_SOURCE if prefix == OUTPUT and config.tie_embeddings else name], quant, dtype, device
             )
         out.pop(name, None)
         out.update({f"{prefix}.{suffix}": tensor for suffix, tensor in parts.items()})
