@@ -81,7 +81,7 @@ class EngineOptions:
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeOptions):
             raise ValueError(f"speculative must be a SpeculativeOptions or None, got {self.speculative!r}")
         if self.quant_kernel not in KERNELS:
-            raise ValueError(f"--quant_kernel {self.quant_kernel!r} is not one of {', '.join(KERNELS)}")
+            raise ValueError(f"quant_kernel {self.quant_kernel!r} is not one of {', '.join(KERNELS)}")
 
 
 @dataclass(frozen=True)

@@ -126,3 +126,23 @@ def test_wikitext_offline_without_a_cached_copy(models, tmp_path, capsys, monkey
 
 def test_default_text_is_named():
     assert EvalOptions().text_name == DEFAULT_TEXT == "pydoc_data.topics"
+
+
+def test_wikitext_with_the_hub_unreachable(models, tmp_path, capsys, monkeypatch):
+    from huggingface_hub import constants
+
+    from gpt_fast import download
+
+    def unreachable(endpoint):
+        raise ConnectionError(f"cannot reach the Hugging Face hub at {endpoint} (Name or service not known); retry")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(download, "check_reachable", unreachable)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", "--checkpoint_path", str(models[2]), "--dataset", "wikitext-2", "--json"])
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 1 and not out and len(err.strip().splitlines()) == 1
+    assert err.startswith("error: --dataset wikitext-2 (Salesforce/wikitext, ")
+    assert "cannot reach the Hugging Face hub at" in err and err.strip().endswith("without the hub, use --text FILE")
