@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from gpt_fast.batching import MAX_BATCH, Batcher, BatchOptions, Event, Finished, Request
 from gpt_fast.chat_template import chat_prompt_ids
 from gpt_fast.checkpoint import checkpoint_tokenizer, load_model, model_from_state
 from gpt_fast.config import CheckpointConfig, ModelConfig, load_checkpoint_config, resolve_checkpoint_dir
@@ -31,6 +32,7 @@ from gpt_fast.model import Transformer, weight_bytes_per_token
 from gpt_fast.paths import CHECKPOINTS_DIR
 from gpt_fast.profiling import record_trace
 from gpt_fast.sampling import SamplingConfig
+from gpt_fast.slots import SlotSteps, make_slot_steps
 from gpt_fast.textstream import TextStream
 from gpt_fast.tokenizer import Tokenizer
 
@@ -115,6 +117,7 @@ class Engine:
         self._state = state
         self._folder_id = folder_identity(checkpoint_dir)
         self._steps = make_steps(options.compile, options.compile_prefill)
+        self._slot_steps: SlotSteps | None = None  # made on first use of a batcher
         self._model: Transformer | None = None
         self._profile_marks = False
         self.load_seconds: float | None = None
@@ -239,13 +242,16 @@ class Engine:
         system: str | None = None,
         ignore_eos: bool = False,
     ) -> list[Completion]:
-        """A completion for each prompt (one after another). Every prompt is encoded and checked against the
-        context before the first is generated."""
+        """A completion for each prompt; several prompts are generated together (:meth:`generate_many_ids`).
+        Every prompt is encoded and checked against the context before the first is generated."""
         texts = [prompts] if isinstance(prompts, str) else list(prompts)
         all_ids = [self.encode(text, chat=chat, system=system) for text in texts]
         for ids in all_ids:
             self.check_fits(ids, max_new_tokens)
-        return [self._complete(ids, max_new_tokens, sampling or SamplingConfig(), ignore_eos) for ids in all_ids]
+        sampling = sampling or SamplingConfig()
+        if len(all_ids) > 1:
+            return self.generate_many_ids(all_ids, max_new_tokens, sampling, ignore_eos=ignore_eos)
+        return [self._complete(ids, max_new_tokens, sampling, ignore_eos) for ids in all_ids]
 
     def _complete(self, ids: list[int], max_new_tokens: int, sampling: SamplingConfig, ignore_eos: bool) -> Completion:
         result = self.generate_ids(ids, max_new_tokens, sampling, ignore_eos=ignore_eos)
@@ -316,6 +322,53 @@ class Engine:
             stop_ids=() if ignore_eos else self.stop_ids,
             on_tokens=on_tokens,
             profile_marks=self._profile_marks,
+        )
+
+    def generate_many_ids(
+        self,
+        prompts_ids: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        sampling: SamplingConfig,
+        *,
+        ignore_eos: bool = False,
+    ) -> list[Completion]:
+        """A completion for each of several prompts already encoded, generated together by continuous batching (up
+        to MAX_BATCH at once; more wait for a slot). Each row samples with its own seed, drawn from torch's
+        generator, so that :func:`set_seed` makes the whole batch reproducible."""
+        for ids in prompts_ids:
+            self.check_fits(ids, max_new_tokens)
+        longest = max(len(ids) for ids in prompts_ids)
+        options = BatchOptions(
+            max_batch=min(len(prompts_ids), MAX_BATCH),
+            max_seq_length=cache_length(longest, max_new_tokens, self.model_config.block_size),
+            max_queue=len(prompts_ids),
+        )
+        batcher = self.batcher(options)
+        finished: dict[int, Finished] = {}
+        seeds = torch.randint(2**62, (len(prompts_ids),)).tolist()
+        for row, (ids, seed) in enumerate(zip(prompts_ids, seeds, strict=True)):
+
+            def keep(event: Event, row: int = row) -> None:
+                if isinstance(event, Finished):
+                    finished[row] = event
+
+            request = Request(tuple(ids), max_new_tokens, sampling, seed=seed, ignore_eos=ignore_eos)
+            batcher.submit(request, keep)
+        batcher.run()
+        return [self._completion(list(ids), finished[row]) for row, ids in enumerate(prompts_ids)]
+
+    def _completion(self, prompt_ids: list[int], done: Finished) -> Completion:
+        text = self.decode(done.ids) if self._tokenizer is not None else ""
+        return Completion(prompt_ids, list(done.ids), text, done.finish_reason, done.seconds, done.ttft_seconds or 0.0)
+
+    def batcher(self, options: BatchOptions | None = None) -> Batcher:
+        """A :class:`~gpt_fast.batching.Batcher` over this engine's model: requests from many clients decoded
+        together, each in its own slot of the cache (what `gpt-fast serve` runs). It takes over the model's cache:
+        run one batcher, or single-stream generation, at a time."""
+        if self._slot_steps is None:
+            self._slot_steps = make_slot_steps(self.options.compile, self.options.compile_prefill)
+        return Batcher(
+            self.model, self._slot_steps, options or BatchOptions(), tokenizer=self._tokenizer, stop_ids=self.stop_ids
         )
 
     @contextlib.contextmanager

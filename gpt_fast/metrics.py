@@ -32,7 +32,7 @@ class RunMetrics:
     load_seconds: float
     compile_seconds: float | None  # wall time of the first sample, which compiled
     weight_bytes_per_token: int
-    prompt_ids: list[int]
+    prompt_ids: list[int] | list[list[int]]  # one prompt's, or each prompt's (several generated together)
     samples: list[SampleMetrics]
     averaged_over: str  # which samples the averages are over, e.g. "samples 2-5"
     average_tokens_per_sec: float
