@@ -15,12 +15,19 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["Completion", "Engine", "EngineOptions", "SamplingConfig", "__version__"]
-_HOMES = {"Completion": "engine", "Engine": "engine", "EngineOptions": "engine", "SamplingConfig": "sampling"}
+__all__ = ["Completion", "Engine", "EngineOptions", "SamplingConfig", "SpeculativeOptions", "__version__"]
+_HOMES = {
+    "Completion": "engine",
+    "Engine": "engine",
+    "EngineOptions": "engine",
+    "SamplingConfig": "sampling",
+    "SpeculativeOptions": "speculative",
+}
 
 if TYPE_CHECKING:
     from gpt_fast.engine import Completion, Engine, EngineOptions
     from gpt_fast.sampling import SamplingConfig
+    from gpt_fast.speculative import SpeculativeOptions
 
 
 def __getattr__(name: str) -> Any:

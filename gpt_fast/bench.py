@@ -44,7 +44,7 @@ class ModeResult:
     mode: str
     ok: bool
     error: str | None = None
-    compile_cache: str | None = None  # "cold" or "warm" (None for mode none, which compiles nothing)
+    compile_cache: str | None = None  # cold, warm or partly warm (None for mode none, which compiles nothing)
     compile_seconds: float | None = None
     tokens_per_sec_median: float | None = None
     tokens_per_sec_min: float | None = None
@@ -57,6 +57,10 @@ class ModeResult:
     samples: int = 0
     weight_bytes_per_token: int | None = None
     profiled_tokens_per_sec: float | None = None  # the profiled sample, reported apart, never in the figures above
+    acceptance_rate: float | None = None  # speculative decoding, over the timed samples
+    tokens_per_step: float | None = None  # new tokens per verify step
+    draft_ms_per_step: float | None = None
+    verify_ms_per_step: float | None = None
     trace: dict | None = None  # trace-summary figures, when profiled
     log: str | None = None
 
@@ -150,10 +154,13 @@ def mode_result(mode: str, metrics: RunMetrics, copy_gbps: float, cache: str | N
     median_rate = statistics.median(rates)
     bandwidth = metrics.weight_bytes_per_token * median_rate / 1e9
     profiled = [s.tokens_per_sec for s in metrics.samples if s.profiled]
+    spec = metrics.speculative
+    names = ("acceptance_rate", "tokens_per_step", "draft_ms_per_step", "verify_ms_per_step")
+    speculative = {name: getattr(spec, name) for name in names} if spec is not None else {}
     return ModeResult(
         mode=mode,
         ok=True,
-        compile_cache=cache,
+        compile_cache=metrics.compile_cache,  # as measured in the run: the priming took, or the cache was empty
         compile_seconds=metrics.compile_seconds,
         tokens_per_sec_median=median_rate,
         tokens_per_sec_min=min(rates),
@@ -168,6 +175,7 @@ def mode_result(mode: str, metrics: RunMetrics, copy_gbps: float, cache: str | N
         profiled_tokens_per_sec=profiled[0] if profiled else None,
         trace=metrics.trace,
         log=str(log),
+        **speculative,
     )
 
 
@@ -213,10 +221,14 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def markdown_table(report: BenchReport) -> str:
-    """One row per mode; trace columns appear when the modes were profiled."""
+    """One row per mode; speculative-decoding columns appear when it was on, trace columns when the modes were
+    profiled."""
     traced = any(r.trace for r in report.results)
+    speculative = any(r.acceptance_rate is not None for r in report.results)
     header = ["mode", "compile cache", "compile (s)", "tok/s median", "tok/s min–max", "TTFT (ms)", "GB/s"]
     header += ["% of copy BW", "memory (GB)"]
+    if speculative:
+        header += ["acceptance", "tokens/verify step", "draft ms/step", "verify ms/step"]
     if traced:
         header += ["profiled tok/s", "kernel launches/token", "graph launches/token", "GPU kernels/token", "GPU busy"]
     rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -224,7 +236,7 @@ def markdown_table(report: BenchReport) -> str:
         if not r.ok:
             rows.append(f"| {r.mode} | failed: {r.error} |" + " |" * (len(header) - 2))
             continue
-        rows.append("| " + " | ".join(_cells(r, traced)) + " |")
+        rows.append("| " + " | ".join(_cells(r, traced, speculative)) + " |")
     head = ""
     if report.weight_bytes_per_token:
         head = (
@@ -240,12 +252,16 @@ def markdown_table(report: BenchReport) -> str:
     return head + "\n".join(rows) + notes + "\n"
 
 
-def _cells(r: ModeResult, traced: bool) -> list[str]:
+def _cells(r: ModeResult, traced: bool, speculative: bool) -> list[str]:
     rate = _fmt(r.tokens_per_sec_median, ".1f") + (" (warm-up only)" if r.warmup_only else "")
     cells = [r.mode, r.compile_cache or "—", _fmt(r.compile_seconds, ".1f"), rate]
     cells += [f"{r.tokens_per_sec_min:.1f}–{r.tokens_per_sec_max:.1f}", _fmt(r.ttft_ms_median, ".1f")]
     cells += [_fmt(r.bandwidth_gbps, ".0f"), _fmt(None if r.copy_fraction is None else 100 * r.copy_fraction, ".1f")]
     cells += [_fmt(r.memory_gb, ".2f")]
+    if speculative:
+        acceptance = "—" if r.acceptance_rate is None else f"{r.acceptance_rate:.1%}"
+        cells += [acceptance, _fmt(r.tokens_per_step, ".2f")]
+        cells += [_fmt(r.draft_ms_per_step, ".2f"), _fmt(r.verify_ms_per_step, ".2f")]
     if traced:
         t: dict[str, Any] = r.trace or {}
         busy = t.get("busy_fraction")

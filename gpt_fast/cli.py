@@ -21,6 +21,7 @@ from gpt_fast.generate import COMPILE_MODES
 from gpt_fast.runner import DEFAULT_PROMPT, GenerateOptions, run_generate, write_stdout
 from gpt_fast.sampling import SamplingConfig
 from gpt_fast.settings import apply_torch_settings
+from gpt_fast.speculative import DEFAULT_SPECULATE_K, SpeculativeOptions
 
 EXIT_USER_ERROR = 1
 EXIT_INTERRUPTED = 130
@@ -149,6 +150,44 @@ def read_prompts(prompts: tuple[str, ...], prompt_file: Path | None, prompts_fil
     return [read_prompt(prompts[0] if prompts else None, prompt_file)]
 
 
+def speculative_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """--draft_checkpoint_path, --prompt_lookup, --speculate_k, folded into the command's ``engine_options`` (so it
+    goes below the decorator that makes them)."""
+
+    @functools.wraps(func)
+    def command(
+        *args: Any,
+        draft_checkpoint_path: str | None,
+        prompt_lookup: int | None,
+        speculate_k: int | None,
+        engine_options: EngineOptions,
+        **kwargs: Any,
+    ) -> Any:
+        speculative = SpeculativeOptions.from_flags(draft_checkpoint_path, prompt_lookup, speculate_k)
+        return func(*args, engine_options=dataclasses.replace(engine_options, speculative=speculative), **kwargs)
+
+    decorated = option(
+        "--speculate_k",
+        type=int,
+        default=None,
+        help=f"Speculative decoding: tokens drafted per verify step. [default: {DEFAULT_SPECULATE_K}]",
+    )(command)
+    decorated = option(
+        "--prompt_lookup",
+        type=int,
+        default=None,
+        metavar="N",
+        help="Speculative decoding without a second model: draft what followed the last (up to) N tokens where they "
+        "occurred before, in the prompt or the text so far.",
+    )(decorated)
+    return option(
+        "--draft_checkpoint_path",
+        default=None,
+        help="Speculative decoding with a draft model: a smaller checkpoint (path or ORG/NAME) sharing the "
+        "target's tokenizer.",
+    )(decorated)
+
+
 def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
     """``--prompt TEXT``, ``--prompt -`` (standard input) or ``--prompt_file FILE``, read as they are."""
     if prompt is not None and prompt_file is not None:
@@ -207,6 +246,7 @@ def write_stderr(text: str) -> None:
 )
 @sampling_options
 @engine_options
+@speculative_options
 @option(
     "--profile",
     default=None,
@@ -236,6 +276,8 @@ def generate(
     generated together (continuous batching, as `gpt-fast serve` does)."""
     prompts = read_prompts(prompt, prompt_file, prompts_file)
     several = tuple(prompts) if len(prompts) > 1 else ()
+    if several:
+        engine_options.check_batching()
     opts = GenerateOptions(prompt=prompts[0], prompts=several, stream=not no_stream, **kwargs)
     engine = Engine.open(checkpoint_path, engine_options)
     apply_torch_settings()
@@ -248,6 +290,7 @@ def generate(
 @option("--system", default=None, help="A system message to start the conversation with.")
 @sampling_options
 @engine_options
+@speculative_options
 def chat(
     checkpoint_path: str | None,
     max_new_tokens: int,
@@ -292,6 +335,7 @@ def enable_line_editing() -> None:
 @option("--batch_size", type=int, default=1, show_default=True)
 @sampling_options
 @device_options
+@speculative_options
 @option("--seed", type=int, default=0, show_default=True)
 @option(
     "--profile",

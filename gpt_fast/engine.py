@@ -15,8 +15,8 @@ from __future__ import annotations
 import contextlib
 import re
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -27,12 +27,30 @@ from gpt_fast.checkpoint import checkpoint_tokenizer, load_model, model_from_sta
 from gpt_fast.config import CheckpointConfig, ModelConfig, load_checkpoint_config, resolve_checkpoint_dir
 from gpt_fast.default_model import ensure_default_checkpoint
 from gpt_fast.device import DTYPE_CHOICES, device_name, dtype_name, resolve_device, resolve_dtype
-from gpt_fast.generate import COMPILE_MODES, GenerationResult, cache_length, generate, generate_stream, make_steps
+from gpt_fast.drafters import Drafter
+from gpt_fast.generate import (
+    COMPILE_MODES,
+    CompileCacheUse,
+    GenerationResult,
+    cache_length,
+    compile_cache_use,
+    drain,
+    generate_stream,
+    make_steps,
+)
 from gpt_fast.model import Transformer, weight_bytes_per_token
 from gpt_fast.paths import CHECKPOINTS_DIR
 from gpt_fast.profiling import record_trace
 from gpt_fast.sampling import SamplingConfig
 from gpt_fast.slots import SlotSteps, make_slot_steps
+from gpt_fast.speculative import (
+    SpeculativeOptions,
+    SpeculativeSteps,
+    check_draft_config,
+    make_drafter,
+    make_speculative_steps,
+    speculative_stream,
+)
 from gpt_fast.textstream import TextStream
 from gpt_fast.tokenizer import Tokenizer
 
@@ -44,18 +62,31 @@ _REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
 @dataclass(frozen=True)
 class EngineOptions:
     """How a checkpoint runs: compile mode (``none`` = eager), whether the prefill is compiled too, device
-    (None: the GPU if there is one) and dtype (``auto``: bfloat16 on a GPU, float32 on the CPU)."""
+    (None: the GPU if there is one), dtype (``auto``: bfloat16 on a GPU, float32 on the CPU) and speculative
+    decoding (None: plain decoding)."""
 
     compile: str = "none"
     compile_prefill: bool = False
     device: str | None = None
     dtype: str = "auto"
+    speculative: SpeculativeOptions | None = None
 
     def __post_init__(self) -> None:
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"--compile {self.compile!r} is not one of {', '.join(COMPILE_MODES)}")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPE_CHOICES)}")
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeOptions):
+            raise ValueError(f"speculative must be a SpeculativeOptions or None, got {self.speculative!r}")
+
+    def check_batching(self) -> None:
+        """Continuous batching (several prompts, `gpt-fast serve`) decodes without speculation: a verify step keeps
+        one accepted length for all its rows, which independent requests do not share."""
+        if self.speculative is not None:
+            raise ValueError(
+                "speculative decoding (--prompt_lookup, --draft_checkpoint_path) takes one prompt; several prompts "
+                "are decoded together without it"
+            )
 
 
 @dataclass(frozen=True)
@@ -105,6 +136,7 @@ class Engine:
         checkpoint_dir: Path | None = None,
         config: CheckpointConfig | None = None,
         state: Mapping[str, torch.Tensor] | None = None,
+        draft: Engine | None = None,
     ) -> None:
         """Use :meth:`open`, :meth:`load` or :meth:`from_state`."""
         self.options = options
@@ -119,6 +151,9 @@ class Engine:
         self._steps = make_steps(options.compile, options.compile_prefill)
         self._slot_steps: SlotSteps | None = None  # made on first use of a batcher
         self._model: Transformer | None = None
+        self._draft = draft  # the draft checkpoint's engine, for speculative decoding with a draft model
+        self._drafter: Drafter | None = None  # made from options.speculative once the weights are loaded
+        self._spec_steps: SpeculativeSteps | None = None
         self._profile_marks = False
         self.load_seconds: float | None = None
 
@@ -127,7 +162,12 @@ class Engine:
         """Everything but the weights: every check that needs no weights happens here."""
         directory = find_checkpoint(checkpoint)
         config = load_checkpoint_config(directory)
-        return cls(options or EngineOptions(), config.model, checkpoint_dir=directory, config=config)
+        options = options or EngineOptions()
+        draft = None
+        if options.speculative is not None and options.speculative.draft_checkpoint is not None:
+            draft = cls.open(options.speculative.draft_checkpoint, replace(options, speculative=None))
+            check_draft_config(config, draft.config, draft.checkpoint_dir)
+        return cls(options, config.model, checkpoint_dir=directory, config=config, draft=draft)
 
     @classmethod
     def load(
@@ -138,9 +178,10 @@ class Engine:
         compile_prefill: bool = False,
         device: str | None = None,
         dtype: str = "auto",
+        speculative: SpeculativeOptions | None = None,
     ) -> Engine:
-        """Open ``checkpoint`` (None: the default model) and read its weights."""
-        engine = cls.open(checkpoint, EngineOptions(compile, compile_prefill, device, dtype))
+        """Open ``checkpoint`` (None: the default model) and read its weights (and the draft's)."""
+        engine = cls.open(checkpoint, EngineOptions(compile, compile_prefill, device, dtype, speculative))
         engine.load_weights()
         return engine
 
@@ -149,8 +190,12 @@ class Engine:
         cls, model_config: ModelConfig, state: Mapping[str, torch.Tensor], options: EngineOptions | None = None
     ) -> Engine:
         """An engine over weights already in memory (benchmarks on random weights). It has no tokenizer: it takes
-        and gives token ids only (:meth:`generate_ids`), and never stops early."""
-        engine = cls(options or EngineOptions(), model_config, state=state)
+        and gives token ids only (:meth:`generate_ids`), and never stops early. It speculates with prompt lookup
+        or a drafter given to :meth:`generate_ids`, not with a draft checkpoint."""
+        options = options or EngineOptions()
+        if options.speculative is not None and options.speculative.draft_checkpoint is not None:
+            raise ValueError("an engine over weights in memory cannot open a draft checkpoint: pass a drafter")
+        engine = cls(options, model_config, state=state)
         engine.load_weights()
         return engine
 
@@ -163,6 +208,10 @@ class Engine:
             if folder_identity(self.checkpoint_dir) != self._folder_id:
                 raise ValueError(f"checkpoint {self.checkpoint_dir} was replaced since it was opened; run again")
             self._model = load_model(self.checkpoint_dir, self.config, self.device, self.dtype)
+        if self._draft is not None:
+            self._draft.load_weights()
+        if self.options.speculative is not None:
+            self._drafter = make_drafter(self.options.speculative, self._draft.model if self._draft else None)
         self.load_seconds = time.perf_counter() - start
 
     @property
@@ -185,6 +234,11 @@ class Engine:
     def compile(self) -> str:
         return self.options.compile
 
+    @staticmethod
+    def compile_cache_use() -> CompileCacheUse:
+        """How the compilations so far used the on-disk compile cache (``.label``: warm, cold or partly warm)."""
+        return compile_cache_use()
+
     @property
     def device_name(self) -> str:
         return device_name(self.device)
@@ -192,6 +246,18 @@ class Engine:
     @property
     def dtype_name(self) -> str:
         return dtype_name(self.dtype)
+
+    @property
+    def drafter(self) -> Drafter | None:
+        """What proposes tokens for speculative decoding (None: plain decoding), once the weights are loaded."""
+        return self._drafter
+
+    @property
+    def speculative_steps(self) -> SpeculativeSteps:
+        """The steps of a speculative round, compiled as the engine's compile mode says (made on first use)."""
+        if self._spec_steps is None:
+            self._spec_steps = make_speculative_steps(self.options.compile)
+        return self._spec_steps
 
     @property
     def weight_bytes_per_token(self) -> int:
@@ -242,14 +308,15 @@ class Engine:
         system: str | None = None,
         ignore_eos: bool = False,
     ) -> list[Completion]:
-        """A completion for each prompt; several prompts are generated together (:meth:`generate_many_ids`).
-        Every prompt is encoded and checked against the context before the first is generated."""
+        """A completion for each prompt; several prompts are generated together (:meth:`generate_many_ids`), or,
+        with speculative decoding, one after another. Every prompt is encoded and checked against the context
+        before the first is generated."""
         texts = [prompts] if isinstance(prompts, str) else list(prompts)
         all_ids = [self.encode(text, chat=chat, system=system) for text in texts]
         for ids in all_ids:
             self.check_fits(ids, max_new_tokens)
         sampling = sampling or SamplingConfig()
-        if len(all_ids) > 1:
+        if len(all_ids) > 1 and self.options.speculative is None:
             return self.generate_many_ids(all_ids, max_new_tokens, sampling, ignore_eos=ignore_eos)
         return [self._complete(ids, max_new_tokens, sampling, ignore_eos) for ids in all_ids]
 
@@ -278,16 +345,7 @@ class Engine:
         self.check_fits(prompt_ids, max_new_tokens)
         pieces: list[str] = []
         text = TextStream(self.tokenizer, prompt_ids, pieces.append)
-        steps = generate_stream(
-            self.model,
-            prompt_ids,
-            max_new_tokens=max_new_tokens,
-            sampling=sampling,
-            steps=self._steps,
-            stop_ids=self.stop_ids,
-            profile_marks=self._profile_marks,
-        )
-        for step_tokens in steps:
+        for step_tokens in self._token_stream(prompt_ids, max_new_tokens, sampling, stop_ids=self.stop_ids):
             text.push(step_tokens[0])
             yield from pieces
             pieces.clear()
@@ -301,28 +359,55 @@ class Engine:
         batch_size: int = 1,
         ignore_eos: bool = False,
         on_text: Callable[[str], None] | None = None,
+        drafter: Drafter | None = None,
     ) -> GenerationResult:
         """The lower-level call the commands use: ``batch_size`` copies of one prompt already encoded; the first
-        row's text goes to ``on_text`` as it is generated."""
+        row's text goes to ``on_text`` as it is generated. With speculative decoding (the engine's options, or
+        ``drafter``: benchmarks pass their own) the result is a :class:`gpt_fast.speculative.SpeculativeResult`."""
         self.check_fits(prompt_ids, max_new_tokens)
         on_tokens = None
         if on_text is not None:
-            stream = TextStream(self.tokenizer, prompt_ids, on_text)
+            text = TextStream(self.tokenizer, prompt_ids, on_text)
 
             def on_tokens(step_tokens: list[int]) -> None:
-                stream.push(step_tokens[0])
+                text.push(step_tokens[0])
 
-        return generate(
-            self.model,
+        stream = self._token_stream(
             prompt_ids,
-            max_new_tokens=max_new_tokens,
-            sampling=sampling,
-            steps=self._steps,
+            max_new_tokens,
+            sampling,
             batch_size=batch_size,
             stop_ids=() if ignore_eos else self.stop_ids,
-            on_tokens=on_tokens,
-            profile_marks=self._profile_marks,
+            emit=on_tokens is not None,
+            drafter=drafter,
         )
+        return drain(stream, on_tokens)
+
+    def _token_stream(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        sampling: SamplingConfig,
+        *,
+        stop_ids: Sequence[int],
+        batch_size: int = 1,
+        emit: bool = True,
+        drafter: Drafter | None = None,
+    ) -> Generator[list[int], None, GenerationResult]:
+        """Plain decoding, or speculative decoding with ``drafter`` or the engine's own."""
+        drafter = drafter if drafter is not None else self._drafter
+        common = {
+            "max_new_tokens": max_new_tokens,
+            "sampling": sampling,
+            "steps": self._steps,
+            "batch_size": batch_size,
+            "stop_ids": stop_ids,
+            "emit": emit,
+            "profile_marks": self._profile_marks,
+        }
+        if drafter is None:
+            return generate_stream(self.model, prompt_ids, **common)
+        return speculative_stream(self.model, drafter, prompt_ids, spec_steps=self.speculative_steps, **common)
 
     def generate_many_ids(
         self,
@@ -365,6 +450,7 @@ class Engine:
         """A :class:`~gpt_fast.batching.Batcher` over this engine's model: requests from many clients decoded
         together, each in its own slot of the cache (what `gpt-fast serve` runs). It takes over the model's cache:
         run one batcher, or single-stream generation, at a time."""
+        self.options.check_batching()
         if self._slot_steps is None:
             self._slot_steps = make_slot_steps(self.options.compile, self.options.compile_prefill)
         return Batcher(

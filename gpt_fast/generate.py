@@ -81,6 +81,28 @@ def compile_options(mode: str) -> dict[str, Any]:
     return options
 
 
+@dataclass(frozen=True)
+class CompileCacheUse:
+    """Graphs inductor loaded from its on-disk cache, and graphs it compiled afresh, in this process so far."""
+
+    hits: int
+    misses: int
+
+    @property
+    def label(self) -> str:
+        """ "warm" (every graph from the cache), "cold" (none) or "partly warm"."""
+        if self.misses == 0 and self.hits:
+            return "warm"
+        return "cold" if self.hits == 0 else "partly warm"
+
+
+def compile_cache_use() -> CompileCacheUse:
+    """How this process's compilations used inductor's FX graph cache (torch's own counters)."""
+    from torch._dynamo.utils import counters
+
+    return CompileCacheUse(counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"])
+
+
 def compiled_prefill() -> Callable[..., None]:
     """The prefill compiled once for every prompt length: the length dimension is marked dynamic (and only it:
     ``dynamic=True`` would also make the sampling settings symbolic), and no CUDA graphs."""
@@ -120,6 +142,17 @@ class HostTokens:
         if event is not None:
             event.record()
         self.events.append(event)
+
+    @property
+    def pending(self) -> int:
+        """Steps queued and not handed out yet."""
+        return len(self.events) - self.next_step
+
+    def wait_next(self) -> None:
+        """Block until the oldest step not handed out yet has arrived (the later ones may still be running)."""
+        event = self.events[self.next_step]
+        if event is not None:
+            event.synchronize()
 
     def ready(self, wait: bool = False) -> list[list[int]]:
         """Steps whose tokens have arrived, in order; with ``wait``, all queued steps."""
@@ -202,6 +235,11 @@ def generate(
         emit=on_tokens is not None,
         profile_marks=profile_marks,
     )
+    return drain(stream, on_tokens)
+
+
+def drain(stream: Generator[list[int], None, GenerationResult], on_tokens: TokenCallback | None) -> GenerationResult:
+    """Run a generation stream to its end, handing each step's tokens to ``on_tokens``; its result."""
     while True:
         try:
             step_tokens = next(stream)

@@ -8,6 +8,61 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class SpeculativeMetrics:
+    """The figures of speculative decoding over one or more generations. A round is one verify step of the target
+    over k + 1 positions, after the drafter's k proposals; rounds the host had already started when the generation
+    ended count too."""
+
+    drafter: str
+    k: int
+    rounds: int
+    accepted: int  # proposals the target kept
+    acceptance_rate: float  # accepted / (rounds x k)
+    tokens_per_step: float  # new tokens per verify step: accepted / rounds + 1
+    verify_seconds: float
+    verify_ms_per_step: float
+    draft_seconds: float
+    draft_ms_per_step: float  # the drafting of a round (k draft-model steps, or one lookup)
+
+    @classmethod
+    def of(
+        cls, drafter: str, k: int, rounds: int, accepted: int, verify_seconds: float, draft_seconds: float
+    ) -> SpeculativeMetrics:
+        per_round = max(rounds, 1)
+        return cls(
+            drafter=drafter,
+            k=k,
+            rounds=rounds,
+            accepted=accepted,
+            acceptance_rate=accepted / (per_round * k),
+            tokens_per_step=accepted / per_round + 1,
+            verify_seconds=verify_seconds,
+            verify_ms_per_step=1e3 * verify_seconds / per_round,
+            draft_seconds=draft_seconds,
+            draft_ms_per_step=1e3 * draft_seconds / per_round,
+        )
+
+    @classmethod
+    def combined(cls, parts: list[SpeculativeMetrics]) -> SpeculativeMetrics:
+        """The figures of several generations together (rates weighted by their rounds)."""
+        return cls.of(
+            parts[0].drafter,
+            parts[0].k,
+            sum(p.rounds for p in parts),
+            sum(p.accepted for p in parts),
+            sum(p.verify_seconds for p in parts),
+            sum(p.draft_seconds for p in parts),
+        )
+
+    def describe(self) -> str:
+        return (
+            f"{self.drafter}, k={self.k}: acceptance {self.acceptance_rate:.1%}, {self.tokens_per_step:.2f} "
+            f"tokens per verify step ({self.rounds} steps), draft {self.draft_ms_per_step:.2f} ms/step, verify "
+            f"{self.verify_ms_per_step:.2f} ms/step"
+        )
+
+
+@dataclass(frozen=True)
 class SampleMetrics:
     generated_ids: list[list[int]]  # per batch row
     text: list[str]  # per batch row
@@ -18,6 +73,7 @@ class SampleMetrics:
     bandwidth_gbps: float  # weight bytes read per step x steps per second
     warmup: bool  # the first sample (it also compiles): left out of the averages unless it is the only one
     profiled: bool = False  # recorded by the profiler, slower by design: never in the averages
+    speculative: SpeculativeMetrics | None = None  # with speculative decoding
 
 
 @dataclass(frozen=True)
@@ -31,6 +87,7 @@ class RunMetrics:
     torch_version: str
     load_seconds: float
     compile_seconds: float | None  # wall time of the first sample, which compiled
+    compile_cache: str | None  # warm, cold or partly warm: how the compilations used inductor's on-disk cache
     weight_bytes_per_token: int
     prompt_ids: list[int] | list[list[int]]  # one prompt's, or each prompt's (several generated together)
     samples: list[SampleMetrics]
@@ -42,6 +99,7 @@ class RunMetrics:
     memory_kind: str
     trace_path: str | None
     trace: dict[str, Any] | None = None  # `gpt-fast trace-summary --json` of the trace, when profiled
+    speculative: SpeculativeMetrics | None = None  # over the samples the averages are over
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"

@@ -1,7 +1,8 @@
 """Recording a Chrome/Perfetto trace of generation with the PyTorch profiler.
 
 The generator marks the prefill and each decode step with the names below, so that a trace can be read
-phase by phase (``gpt-fast trace-summary``).
+phase by phase (``gpt-fast trace-summary``); speculative decoding marks each round's draft phase and its verify
+step instead of decode steps.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from gpt_fast.fileio import atomic_path, check_output_dir, check_output_file
 
 PREFILL_MARK = "gpt_fast::prefill"
 DECODE_MARK = "gpt_fast::decode"
+DRAFT_MARK = "gpt_fast::draft"
+VERIFY_MARK = "gpt_fast::verify"
 
 
 def trace_file(profile: str | os.PathLike, name: str = "trace", variant: str = "") -> Path:

@@ -14,9 +14,10 @@ from gpt_fast.device import memory_used
 from gpt_fast.engine import DEFAULT_MAX_NEW_TOKENS, Engine, set_seed
 from gpt_fast.fileio import check_output_file, write_text_atomic
 from gpt_fast.generate import GenerationResult
-from gpt_fast.metrics import RunMetrics, SampleMetrics, averages_label, timed_samples
+from gpt_fast.metrics import RunMetrics, SampleMetrics, SpeculativeMetrics, averages_label, timed_samples
 from gpt_fast.profiling import trace_file
 from gpt_fast.sampling import SamplingConfig
+from gpt_fast.speculative import SpeculativeResult
 
 DEFAULT_PROMPT = "Hello, my name is"
 MAX_SEED = 2**64 - 1
@@ -81,6 +82,8 @@ def load_reporting(engine: Engine, write: Write) -> None:
     write("Loading model ...\n")
     engine.load_weights()
     write(f"Time to load model: {engine.load_seconds:.2f} seconds\n")
+    if engine.drafter is not None:
+        write(f"Speculative decoding: {engine.drafter.name}, {engine.drafter.k} tokens drafted per verify step\n")
 
 
 class SampleRunner:
@@ -140,6 +143,7 @@ class SampleRunner:
             bandwidth_gbps=self.engine.weight_bytes_per_token * tokens_per_sec / 1e9,
             warmup=warmup,
             profiled=profiled,
+            speculative=result.speculative if isinstance(result, SpeculativeResult) else None,
         )
 
     def run(self) -> list[SampleMetrics]:
@@ -152,7 +156,11 @@ class SampleRunner:
             tag = " (warm-up)" if sample.warmup else ""
             write(f"\nSample {index + 1}/{opts.num_samples}: {describe(sample)}{tag}\n")
             if index == 0 and self.engine.compile != "none":
-                write(f"Compilation time: {sample.seconds:.2f} seconds\n")
+                cache = self.engine.compile_cache_use()
+                write(
+                    f"Compilation time: {sample.seconds:.2f} seconds (compile cache {cache.label}: {cache.hits} of "
+                    f"{cache.hits + cache.misses} graphs loaded from it)\n"
+                )
         if self.trace_path is not None:
             with self.engine.profiled(self.trace_path):
                 sample = self.sample(warmup=False, profiled=True)
@@ -162,9 +170,12 @@ class SampleRunner:
 
 
 def describe(sample: SampleMetrics) -> str:
+    spec = sample.speculative
+    accepted = "" if spec is None else f", {spec.tokens_per_step:.2f} tokens per verify step"
     return (
         f"{sample.new_tokens} tokens in {sample.seconds:.2f} s, {sample.tokens_per_sec:.2f} tokens/sec, "
         f"time to first token {sample.ttft_seconds * 1e3:.1f} ms, bandwidth achieved {sample.bandwidth_gbps:.2f} GB/s"
+        f"{accepted}"
     )
 
 
@@ -188,6 +199,7 @@ def report(engine: Engine, runner: SampleRunner, samples: list[SampleMetrics], w
         torch_version=torch.__version__,
         load_seconds=engine.load_seconds,
         compile_seconds=samples[0].seconds if engine.compile != "none" else None,
+        compile_cache=engine.compile_cache_use().label if engine.compile != "none" else None,
         weight_bytes_per_token=engine.weight_bytes_per_token,
         prompt_ids=runner.prompt_ids,
         samples=samples,
@@ -199,11 +211,14 @@ def report(engine: Engine, runner: SampleRunner, samples: list[SampleMetrics], w
         memory_kind=memory_kind,
         trace_path=str(runner.trace_path) if runner.trace_path else None,
         trace=trace,
+        speculative=SpeculativeMetrics.combined([s.speculative for s in timed]) if timed[0].speculative else None,
     )
     over = f" ({metrics.averaged_over})"
     write(f"Bandwidth achieved{over}: {metrics.average_bandwidth_gbps:.2f} GB/s\n")
     write(f"Average time to first token{over}: {metrics.average_ttft_seconds * 1e3:.1f} ms\n")
     write(f"Average tokens/sec{over}: {metrics.average_tokens_per_sec:.2f}\n")
+    if metrics.speculative is not None:
+        write(f"Speculative decoding{over}: {metrics.speculative.describe()}\n")
     write(f"Memory used: {metrics.memory_gb:.2f} GB ({memory_kind})\n")
     if runner.trace_path is not None:
         write(f"Trace written to {runner.trace_path}\n{short_summary(summary)}\n")

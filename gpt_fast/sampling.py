@@ -77,8 +77,7 @@ def sample(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
     if config.greedy:
         return logits.argmax(dim=-1)
     scores, index = candidates(logits, config)
-    probs = torch.softmax(scores, dim=-1)
-    choice = torch.argmax(probs / torch.empty_like(probs).exponential_(1), dim=-1)  # [B]
+    choice = sample_weights(torch.softmax(scores, dim=-1))  # [B]
     return choice if index is None else index.gather(-1, choice[:, None]).squeeze(-1)
 
 
@@ -131,3 +130,20 @@ def sample_rows(
     noise = row_noise(keys, positions, vocab).gather(1, index)  # each token's own draw, in rank order
     choice = torch.argmax(torch.softmax(ranked, dim=-1) / noise, dim=-1, keepdim=True)  # [B, 1]
     return torch.where(temperature < MIN_TEMPERATURE, logits.argmax(dim=-1), index.gather(1, choice).squeeze(1))
+
+
+def sample_weights(weights: torch.Tensor) -> torch.Tensor:
+    """An index along the last dimension of ``weights`` [..., N] (non-negative, not necessarily normalized) drawn
+    in proportion to them: the exponential trick, argmax of w / Exp(1). Returns int64 [...]."""
+    return torch.argmax(weights / torch.empty_like(weights).exponential_(1), dim=-1)
+
+
+def probabilities(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
+    """The distribution :func:`sample` draws from, over the whole vocabulary: float32 [..., V] for logits
+    [..., V], zero outside the top-k / top-p candidates. Not for greedy configs (their distribution is the argmax).
+
+    Speculative sampling needs the draft's and the target's distributions themselves, not only a sample."""
+    assert not config.greedy, "greedy sampling has no distribution to speak of: use the argmax"
+    scores, index = candidates(logits, config)
+    probs = torch.softmax(scores, dim=-1)
+    return probs if index is None else torch.zeros_like(logits, dtype=probs.dtype).scatter_(-1, index, probs)

@@ -6,6 +6,9 @@ The summary covers one scope of the trace, the first that applies:
   ``torch.profiler.record_function(PREFILL_MARK)`` and every decode step in
   ``torch.profiler.record_function(DECODE_MARK)``; ``prof.export_chrome_trace`` turns those into
   ``ph: "X"`` events of category ``user_annotation``. Figures are per decoded token.
+* "speculative decode": a speculative run marks each round's draft phase (``DRAFT_MARK``) and verify step
+  (``VERIFY_MARK``) instead of decode steps; the scope is both, figures are per verify step, and the verify steps'
+  own launches are counted apart (one graph launch each in ``reduce-overhead``).
 * "ProfilerStep": any other torch.profiler run whose loop calls ``prof.step()`` has a
   ``ProfilerStep#N`` annotation around each recorded step. Figures are per step.
 * "whole trace": every event of the trace. Figures are totals.
@@ -42,7 +45,7 @@ import ijson
 import numpy as np
 
 from gpt_fast.fileio import first_line
-from gpt_fast.profiling import DECODE_MARK, PREFILL_MARK
+from gpt_fast.profiling import DECODE_MARK, DRAFT_MARK, PREFILL_MARK, VERIFY_MARK
 
 # Launch APIs under the names kineto writes (CUPTI runtime and driver callbacks, HIP
 # runtime via roctracer / rocprofiler-sdk); matched exactly once _API_SUFFIX is stripped.
@@ -79,8 +82,14 @@ GPU_CATEGORIES = {"kernel": KERNEL, "Kernel": KERNEL, "gpu_memcpy": MEMCPY, "gpu
 
 # What a summary covers (TraceSummary.scope) and what its per-unit figures divide by.
 SCOPE_DECODE, SCOPE_STEPS, SCOPE_WHOLE = "decode", "ProfilerStep", "whole trace"
-UNITS = {SCOPE_DECODE: "token", SCOPE_STEPS: "step", SCOPE_WHOLE: "trace"}
-_SCOPE_PHRASES = {SCOPE_DECODE: "decode", SCOPE_STEPS: "the profiler steps", SCOPE_WHOLE: "the trace"}
+SCOPE_SPECULATIVE = "speculative decode"
+UNITS = {SCOPE_DECODE: "token", SCOPE_SPECULATIVE: "verify_step", SCOPE_STEPS: "step", SCOPE_WHOLE: "trace"}
+_SCOPE_PHRASES = {
+    SCOPE_DECODE: "decode",
+    SCOPE_SPECULATIVE: "speculative decode",
+    SCOPE_STEPS: "the profiler steps",
+    SCOPE_WHOLE: "the trace",
+}
 # torch.profiler's annotation around each step recorded between two ``prof.step()`` calls.
 STEP_MARK_PREFIX = "ProfilerStep#"
 
@@ -101,7 +110,7 @@ _OTHER_CALL, _KERNEL_LAUNCH, _GRAPH_LAUNCH = 0, 1, 2
 _CALL_CODES = {"kernel": _KERNEL_LAUNCH, "graph": _GRAPH_LAUNCH}
 _GZIP_MAGIC = b"\x1f\x8b"
 _NUMBER_TYPES = (int, float)  # as ijson builds them with use_float=True
-_MARK_PREFIXES = (DECODE_MARK, PREFILL_MARK, STEP_MARK_PREFIX)  # a cheap first test of a name
+_MARK_PREFIXES = (DECODE_MARK, PREFILL_MARK, VERIFY_MARK, DRAFT_MARK, STEP_MARK_PREFIX)  # a cheap first test
 _QUOTE, _BACKSLASH, _OPEN, _CLOSE = ord('"'), ord("\\"), ord("{"), ord("}")
 _CASE_BIT = 0x20  # "[" | 0x20 == "{" and "]" | 0x20 == "}"
 
@@ -127,8 +136,8 @@ class TraceSummary:
     """Figures of one trace over its scope (SCOPE_*); times are in microseconds."""
 
     path: str
-    scope: str  # SCOPE_DECODE, SCOPE_STEPS or SCOPE_WHOLE
-    units: int  # what per-unit figures divide by: decoded tokens, profiler steps, or 1 (the whole trace)
+    scope: str  # SCOPE_DECODE, SCOPE_SPECULATIVE, SCOPE_STEPS or SCOPE_WHOLE
+    units: int  # what per-unit figures divide by: decoded tokens, verify steps, profiler steps, or 1 (whole trace)
     kernel_launches: int
     graph_launches: int
     gpu_kernels: int
@@ -142,11 +151,20 @@ class TraceSummary:
     top_kernels: tuple[tuple[str, int, float], ...]  # (name, count, total), largest first
     prefill_us: float | None  # wall time of all prefill marks together; None if unmarked
     prefills: int
+    verify_steps: int = 0  # VERIFY_MARK marks (speculative decoding)
+    verify_us: float = 0.0  # their wall time together
+    verify_kernel_launches: int = 0  # runtime launches inside them
+    verify_graph_launches: int = 0
+    draft_us: float = 0.0  # wall time of the DRAFT_MARK marks together
 
     @property
     def unit(self) -> str:
-        """What ``units`` counts: "token", "step" or "trace"."""
+        """What ``units`` counts: "token", "verify_step", "step" or "trace"."""
         return UNITS[self.scope]
+
+    @property
+    def unit_name(self) -> str:
+        return self.unit.replace("_", " ")
 
     def per_unit(self, count: float) -> float:
         return count / self.units
@@ -223,7 +241,7 @@ class _Columns:
         self.first_start, self.last_end = math.inf, -math.inf  # of all complete events
         self.pids: dict[Any, int] = {}
         self.names: dict[str, int] = {}
-        self.decode, self.steps = _Marks(), _Marks()
+        self.decode, self.steps, self.verify, self.draft = _Marks(), _Marks(), _Marks(), _Marks()
         self.prefills, self.prefill_us = 0, 0.0
         self.call_pid, self.call_ts = array("q"), array("d")
         self.call_corr, self.call_kind = array("q"), array("b")
@@ -265,6 +283,10 @@ class _Columns:
             self.prefill_us += dur
         elif name == DECODE_MARK:
             self.decode.add(self._pid(event), ts, dur)
+        elif name == VERIFY_MARK:
+            self.verify.add(self._pid(event), ts, dur)
+        elif name == DRAFT_MARK:
+            self.draft.add(self._pid(event), ts, dur)
         elif is_step_mark(name):
             self.steps.add(self._pid(event), ts, dur)
 
@@ -398,14 +420,30 @@ def _scope(c: _Columns, path: Path) -> tuple[str, _Marks | None]:
     """The scope that applies to the trace, and its marks (None for the whole trace)."""
     if len(c.decode):
         return SCOPE_DECODE, c.decode
+    if len(c.verify):
+        return SCOPE_SPECULATIVE, _joined(c.verify, c.draft)
     if c.prefills:
         raise ValueError(
-            f"{path}: the trace has {PREFILL_MARK!r} but no {DECODE_MARK!r} marks: nothing was decoded in this "
-            "`gpt-fast generate --profile` run"
+            f"{path}: the trace has {PREFILL_MARK!r} but no {DECODE_MARK!r} or {VERIFY_MARK!r} marks: nothing was "
+            "decoded in this `gpt-fast generate --profile` run"
         )
     if len(c.steps):
         return SCOPE_STEPS, c.steps
     return SCOPE_WHOLE, None
+
+
+def _joined(first: _Marks, second: _Marks) -> _Marks:
+    joined = _Marks()
+    for marks in (first, second):
+        joined.pid.extend(marks.pid)
+        joined.start.extend(marks.start)
+        joined.end.extend(marks.end)
+    return joined
+
+
+def _span(marks: _Marks) -> float:
+    """The marks' wall time together."""
+    return float(np.sum(np.asarray(marks.end) - np.asarray(marks.start))) if len(marks) else 0.0
 
 
 def _inside_marks(pid: np.ndarray, ts: np.ndarray, marks: _Marks) -> np.ndarray:
@@ -478,10 +516,13 @@ def _summarize(c: _Columns, path: Path, top: int) -> TraceSummary:
     kernels = gpu_in & (gpu_kind == KERNEL)
     start, dur = np.asarray(c.gpu_start)[kernels], np.asarray(c.gpu_dur)[kernels]
     busy, window, gaps = _idle_profile(start, start + dur)
+    verify_kind = np.zeros(0, dtype=np.int8)
+    if len(c.verify):
+        verify_kind = np.asarray(c.call_kind)[_inside_marks(np.asarray(c.call_pid), np.asarray(c.call_ts), c.verify)]
     return TraceSummary(
         path=str(path),
         scope=scope,
-        units=1 if marks is None else len(marks),
+        units=1 if marks is None else len(c.verify) if scope == SCOPE_SPECULATIVE else len(marks),
         kernel_launches=int(np.count_nonzero(call_kind == _KERNEL_LAUNCH)),
         graph_launches=int(np.count_nonzero(call_kind == _GRAPH_LAUNCH)),
         gpu_kernels=int(np.count_nonzero(kernels)),
@@ -495,6 +536,11 @@ def _summarize(c: _Columns, path: Path, top: int) -> TraceSummary:
         top_kernels=_top_kernels(np.asarray(c.gpu_name)[kernels], dur, list(c.names), top),
         prefill_us=c.prefill_us if c.prefills else None,
         prefills=c.prefills,
+        verify_steps=len(c.verify),
+        verify_us=_span(c.verify),
+        verify_kernel_launches=int(np.count_nonzero(verify_kind == _KERNEL_LAUNCH)),
+        verify_graph_launches=int(np.count_nonzero(verify_kind == _GRAPH_LAUNCH)),
+        draft_us=_span(c.draft),
     )
 
 
@@ -528,16 +574,17 @@ def _scope_line(s: TraceSummary) -> str:
             f"scope: whole trace (no {DECODE_MARK!r} or {STEP_MARK_PREFIX}N marks), "
             f"{_time(s.wall_us)} from first to last event"
         )
-    marks = f"{DECODE_MARK!r}" if s.scope == SCOPE_DECODE else f"{STEP_MARK_PREFIX}N"
+    marks = {SCOPE_DECODE: DECODE_MARK, SCOPE_SPECULATIVE: VERIFY_MARK}
+    name = repr(marks[s.scope]) if s.scope in marks else f"{STEP_MARK_PREFIX}N"
     return (
-        f"scope: {s.scope}, per {marks} mark: {_how_many(s)}, "
-        f"{_time(s.wall_us)} wall ({_time(s.per_unit(s.wall_us))}/{s.unit})"
+        f"scope: {s.scope}, per {name} mark: {_how_many(s)}, "
+        f"{_time(s.wall_us)} wall ({_time(s.per_unit(s.wall_us))}/{s.unit_name})"
     )
 
 
 def _how_many(s: TraceSummary) -> str:
     """'4 tokens', '1 step'."""
-    return f"{s.units} {s.unit}{'' if s.units == 1 else 's'}"
+    return f"{s.units} {s.unit_name}{'' if s.units == 1 else 's'}"
 
 
 def _figure(s: TraceSummary, count: int) -> str:
@@ -551,7 +598,9 @@ def _figures(s: TraceSummary, what: str, *pairs: tuple[int, str]) -> str:
     if s.scope == SCOPE_WHOLE:
         return f"{what}: {totals}"
     return (
-        f"{what} per {s.unit}: " + ", ".join(f"{_figure(s, n)} {name}" for n, name in pairs) + f" ({totals} in total)"
+        f"{what} per {s.unit_name}: "
+        + ", ".join(f"{_figure(s, n)} {name}" for n, name in pairs)
+        + f" ({totals} in total)"
     )
 
 
@@ -573,21 +622,33 @@ def _gpu_lines(s: TraceSummary) -> list[str]:
 def format_summary(s: TraceSummary) -> str:
     """Plain-text, multi-line report of a TraceSummary; its second line names the scope."""
     lines = [f"trace: {s.path}", _scope_line(s)]
-    if s.scope == SCOPE_DECODE:
+    if s.scope in (SCOPE_DECODE, SCOPE_SPECULATIVE):
         prefill = (
             f"{_time(s.prefill_us)} ({s.prefills} mark{'s' if s.prefills != 1 else ''})"
             if s.prefill_us is not None
             else f"not marked ({PREFILL_MARK!r})"
         )
         lines.append(f"prefill: {prefill}")
+    if s.verify_steps:
+        lines.append(_verify_line(s))
     lines.append(_figures(s, "runtime launches", (s.kernel_launches, "kernel"), (s.graph_launches, "graph")))
     return "\n".join(lines + _gpu_lines(s))
+
+
+def _verify_line(s: TraceSummary) -> str:
+    """The verify steps' own figures: their wall time and launches, and the drafting's wall time."""
+    steps = s.verify_steps
+    return (
+        f"verify steps: {steps}, {_time(s.verify_us / steps)} wall each, {s.verify_graph_launches / steps:.2f} "
+        f"graph and {s.verify_kernel_launches / steps:.1f} kernel launches each; drafting {_time(s.draft_us / steps)} "
+        "wall per verify step"
+    )
 
 
 def short_summary(s: TraceSummary) -> str:
     """Exactly two lines: the scope with launches and kernels per unit, then GPU busy and largest gap."""
     head = f"{s.scope}:" if s.scope == SCOPE_WHOLE else f"{s.scope}: {_how_many(s)},"
-    per = "" if s.scope == SCOPE_WHOLE else f"/{s.unit}"
+    per = "" if s.scope == SCOPE_WHOLE else f"/{s.unit_name}"
     first = (
         f"{head} {_figure(s, s.kernel_launches)} kernel launches{per}, "
         f"{_figure(s, s.graph_launches)} graph launches{per}, {_figure(s, s.gpu_kernels)} GPU kernels{per}"

@@ -8,7 +8,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "gpt_fast"
 SERVER = {"serve.app", "serve.openai_api", "serve.sse", "serve.server"}
-COMMANDS = {"cli", "runner", "interactive", "bench", "bench_decode", "bench_serve"} | SERVER
+COMMANDS = {"cli", "runner", "interactive", "bench", "bench_decode", "bench_speculative", "bench_serve"} | SERVER
 ENGINE_PRIVATE = {"model", "cache", "checkpoint", "tokenizer"}  # what commands reach only through the engine
 
 

@@ -16,6 +16,7 @@ from gpt_fast.batching import BatchOptions, Delta, Failed, Finished, QueueFull, 
 from gpt_fast.convert.random_init import make_random_checkpoint
 from gpt_fast.shapes import get_shape
 from gpt_fast.slots import make_slot_steps
+from gpt_fast.speculative import SpeculativeOptions
 
 GREEDY = SamplingConfig(temperature=0)
 SAMPLED = SamplingConfig(temperature=1.0, top_k=50, top_p=0.95)
@@ -258,6 +259,16 @@ def test_engine_generate_batches_several_prompts(engine):
     first = engine.generate(PROMPTS[:3], max_new_tokens=8, sampling=SAMPLED)
     torch.manual_seed(5)
     assert [c.ids for c in engine.generate(PROMPTS[:3], max_new_tokens=8, sampling=SAMPLED)] == [c.ids for c in first]
+
+
+def test_speculative_engines_do_not_batch(engine):
+    """A verify step keeps one accepted length for all its rows: a speculating engine refuses a batcher, and
+    generates several prompts one after another, each as it would alone."""
+    speculating = Engine.load(engine.checkpoint_dir, device="cpu", speculative=SpeculativeOptions(prompt_lookup=2, k=3))
+    with pytest.raises(ValueError, match="speculative decoding .* takes one prompt"):
+        speculating.batcher(BatchOptions(max_batch=2, max_seq_length=64))
+    together = speculating.generate(PROMPTS[:2], max_new_tokens=8, sampling=GREEDY)
+    assert [c.ids for c in together] == [alone(engine, engine.encode(text), 8) for text in PROMPTS[:2]]
 
 
 @pytest.mark.slow

@@ -10,9 +10,10 @@ from gpt_fast import bench
 from gpt_fast.bench import copy_bandwidth_gbps
 from gpt_fast.cli import main
 from gpt_fast.convert.random_init import make_random_checkpoint
-from gpt_fast.engine import EngineOptions
-from gpt_fast.runner import GenerateOptions
+from gpt_fast.engine import Engine, EngineOptions
+from gpt_fast.runner import GenerateOptions, run_generate
 from gpt_fast.shapes import get_shape
+from gpt_fast.speculative import SpeculativeOptions
 
 
 @pytest.fixture(scope="module")
@@ -171,3 +172,21 @@ def test_bench_fails_when_every_mode_failed(tmp_path, capsys):
     assert err.strip().splitlines()[-1].startswith("error: every mode failed")
     report = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert not report["results"][0]["ok"] and "model.pth" in report["results"][0]["error"]
+
+
+def test_speculative_decoding_gets_its_columns(tmp_path):
+    checkpoint = make_random_checkpoint(get_shape("tiny"), tmp_path / "tiny", dtype=torch.float32)
+    options = EngineOptions(device="cpu", speculative=SpeculativeOptions(prompt_lookup=2, k=3))
+    generate = GenerateOptions(prompt="abcabc", max_new_tokens=10, num_samples=2, stream=False, ignore_eos=True)
+    metrics = run_generate(Engine.open(checkpoint, options), generate, write=lambda _text: None)
+    result = bench.mode_result("none", metrics, 1.0, None, tmp_path / "log.txt")
+    spec = metrics.speculative
+    assert (result.acceptance_rate, result.tokens_per_step) == (spec.acceptance_rate, spec.tokens_per_step)
+    assert (result.draft_ms_per_step, result.verify_ms_per_step) == (spec.draft_ms_per_step, spec.verify_ms_per_step)
+    report = bench.BenchReport("c", "cpu", "CPU", "2", "today", "gpt-fast bench", 1.0, 1, [result])
+    header, _, row = bench.markdown_table(report).splitlines()[-3:]
+    assert header.endswith("| acceptance | tokens/verify step | draft ms/step | verify ms/step |")
+    assert row.endswith(
+        f"| {spec.acceptance_rate:.1%} | {spec.tokens_per_step:.2f} | {spec.draft_ms_per_step:.2f} | "
+        f"{spec.verify_ms_per_step:.2f} |"
+    )

@@ -343,7 +343,13 @@ MORE_BAD_INPUTS = {
     "several prompts and a file": (["--prompt", "a", "--prompt", "b", "--prompt_file", "p.txt"], "not both"),
     "several prompts, one from stdin": (["--prompt", "-", "--prompt", "b"], "--prompt - reads one prompt"),
     "prompts file and a prompt": (["--prompts_file", "p.txt", "--prompt", "a"], "give --prompts_file alone"),
+    "several prompts, speculated": (["--prompt", "a", "--prompt", "b", "--prompt_lookup", "2"], "takes one prompt"),
     "several prompts, one too long": (["--prompt", "a", "--prompt", "b" * 600], "exceeds the model's context"),
+    "speculate_k alone": (["--speculate_k", "3"], "--speculate_k goes with --draft_checkpoint_path or --prompt_lookup"),
+    "two drafters": (["--prompt_lookup", "2", "--draft_checkpoint_path", "x"], "takes one drafter"),
+    "prompt lookup of zero": (["--prompt_lookup", "0"], r"--prompt_lookup must be an integer in 1\.\.16, got 0"),
+    "speculate_k too large": (["--prompt_lookup", "2", "--speculate_k", "99"], r"--speculate_k must be an integer"),
+    "draft checkpoint missing": (["--draft_checkpoint_path", "/nonexistent/d"], "checkpoint not found: /nonexistent/d"),
 }
 
 
@@ -413,6 +419,24 @@ def test_serve_refuses_a_port_in_use(checkpoint, capsys):
         port = taken.getsockname()[1]
         code, out, err = run(["serve", "--checkpoint_path", str(checkpoint), "--port", str(port)], capsys)
     assert code == 1 and f"error: cannot listen on 127.0.0.1:{port}:" in err and "Time to load model" not in out
+
+
+def test_speculative_generate_reports_acceptance_and_keeps_the_text(checkpoint, tmp_path, capsys):
+    """Greedy: the same ids with prompt lookup as without; the figures in the report and in the JSON."""
+    ids = {}
+    for name, extra in (("plain", []), ("lookup", ["--prompt_lookup", "2", "--speculate_k", "3"])):
+        path = tmp_path / f"{name}.json"
+        args = ["--prompt", "abcabcabc", "--temperature", "0", "--ignore_eos", "--metrics_json", str(path), *extra]
+        code, out, err = run(generate_args(checkpoint, *args), capsys)
+        assert code == 0, err
+        metrics = json.loads(path.read_text())
+        ids[name] = [s["generated_ids"] for s in metrics["samples"]]
+    assert ids["lookup"] == ids["plain"]
+    assert "Speculative decoding: prompt lookup (n-grams up to 2), 3 tokens drafted per verify step" in out
+    assert re.search(r"Speculative decoding \(samples 2-2\): prompt lookup .*, k=3: acceptance \d+\.\d%", out)
+    spec = metrics["speculative"]
+    assert spec == metrics["samples"][1]["speculative"] and spec["k"] == 3 and spec["rounds"] > 0
+    assert spec["tokens_per_step"] == pytest.approx(1 + spec["accepted"] / spec["rounds"])
 
 
 def test_invalid_utf8_prompt_file(checkpoint, tmp_path, capsys):
@@ -565,3 +589,17 @@ def test_hostile_source_writes_nothing(name, existing, checkpoint, capsys, tmp_p
     assert code == 1 and len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
     assert re.search(message, err), err
     assert ({p.name: p.read_bytes() for p in out.iterdir()} if existing else out.exists()) == (before or False)
+
+
+@pytest.mark.slow
+def test_generate_says_whether_the_compile_cache_was_cold_or_warm(checkpoint, tmp_path):
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "TRITON_CACHE_DIR": str(tmp_path / "t")}
+    args = [sys.executable, "-m", "gpt_fast", "generate", "--checkpoint_path", str(checkpoint), "--compile", "default"]
+    labels = []
+    for _ in range(2):
+        result = subprocess.run(
+            [*args, "--max_new_tokens", "3", "--num_samples", "1"], capture_output=True, text=True, env=env, timeout=600
+        )
+        assert result.returncode == 0, result.stderr
+        labels.append(re.search(r"Compilation time: [\d.]+ seconds \(compile cache (\w+):", result.stdout).group(1))
+    assert labels == ["cold", "warm"]

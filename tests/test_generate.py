@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from gpt_fast.config import ModelConfig
-from gpt_fast.generate import cache_length, compile_options, generate, make_steps
+from gpt_fast.generate import CompileCacheUse, cache_length, compile_options, generate, make_steps
 from gpt_fast.model import Transformer
 from gpt_fast.sampling import SamplingConfig
 
@@ -164,3 +164,10 @@ def test_bad_requests(model):
         greedy(model, max_new_tokens=0)
     with pytest.raises(ValueError, match="empty"):
         generate(model, [], max_new_tokens=3, sampling=GREEDY, steps=make_steps("none"))
+
+
+@pytest.mark.parametrize(
+    ("hits", "misses", "label"), [(3, 0, "warm"), (0, 3, "cold"), (0, 0, "cold"), (1, 2, "partly warm")]
+)
+def test_compile_cache_labels(hits, misses, label):
+    assert CompileCacheUse(hits, misses).label == label

@@ -1,4 +1,6 @@
-"""GPU-only checks (CUDA or ROCm): every compile mode runs, and the traces show what each mode launches.
+"""GPU-only checks (CUDA or ROCm): every compile mode runs, and the traces show what each mode launches;
+speculative decoding gives plain decoding's greedy tokens in every mode, its verify step is one CUDA graph launch in
+``reduce-overhead``, and sampling with it runs.
 
 Run on a GPU machine with `python -m pytest -q -m gpu tests/test_gpu.py`; skipped without one."""
 
@@ -10,9 +12,12 @@ import pytest
 import torch
 
 from gpt_fast.convert.random_init import make_random_checkpoint
+from gpt_fast.drafters import DraftModel, PromptLookup, Replay
+from gpt_fast.engine import Engine, EngineOptions
 from gpt_fast.generate import COMPILE_MODES
+from gpt_fast.sampling import SamplingConfig
 from gpt_fast.shapes import get_shape
-from gpt_fast.trace_summary import summarize_trace
+from gpt_fast.trace_summary import SCOPE_SPECULATIVE, summarize_trace
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")]
 NEW_TOKENS = 40
@@ -23,8 +28,8 @@ def checkpoint(tmp_path_factory):
     return make_random_checkpoint(get_shape("tiny"), tmp_path_factory.mktemp("tiny"), dtype=torch.bfloat16, seed=3)
 
 
-def generate(checkpoint, folder, mode, *extra):
-    metrics = folder / f"metrics_{mode}.json"
+def generate(checkpoint, folder, mode, *extra, label=None):
+    metrics = folder / f"metrics_{label or mode}.json"
     command = [
         sys.executable,
         "-m",
@@ -92,3 +97,87 @@ def test_default_mode_fuses_kernels(runs):
     eager, compiled = summarize_trace(runs["none"]["trace"]), summarize_trace(runs["default"]["trace"])
     assert compiled.graph_launches == 0
     assert compiled.kernel_launches_per_token < eager.kernel_launches_per_token / 2
+
+
+# --- speculative decoding -------------------------------------------------------------------------------------------
+
+GREEDY = SamplingConfig(temperature=0)
+SPEC_K = 4
+
+
+@pytest.fixture(scope="module")
+def float32_pair(tmp_path_factory):
+    """A target and a draft in float32: greedy tokens are then the same whichever kernels compute them (in
+    bfloat16 the verify step's and the decode step's kernels may round an argmax near-tie differently)."""
+    folder = tmp_path_factory.mktemp("spec")
+    tiny = get_shape("tiny")
+    return (
+        make_random_checkpoint(tiny, folder / "target", dtype=torch.float32, seed=3),
+        make_random_checkpoint(tiny, folder / "draft", dtype=torch.float32, seed=4),
+    )
+
+
+@pytest.mark.parametrize("mode", COMPILE_MODES)
+def test_speculation_gives_plain_decodings_tokens(float32_pair, mode):
+    torch._dynamo.reset()
+    options = EngineOptions(compile=mode, device="cuda", dtype="float32")
+    engine, draft = (Engine.open(path, options) for path in float32_pair)
+    engine.load_weights()
+    draft.load_weights()
+    prompt = engine.encode("Hello, my name is Hello, my name is")
+    recorded = engine.generate_ids(prompt, NEW_TOKENS + 3 * (SPEC_K + 1), GREEDY, ignore_eos=True).tokens[0]
+    for batch_size in (1, 2):
+        expected = engine.generate_ids(prompt, NEW_TOKENS, GREEDY, ignore_eos=True, batch_size=batch_size).tokens
+        assert expected[0] == recorded[:NEW_TOKENS]
+        for drafter in (PromptLookup(3, SPEC_K), DraftModel(draft.model, SPEC_K), Replay(prompt + recorded, SPEC_K)):
+            for _ in range(2):  # the first run compiles (and records the CUDA graphs), the second replays them
+                result = engine.generate_ids(
+                    prompt, NEW_TOKENS, GREEDY, ignore_eos=True, batch_size=batch_size, drafter=drafter
+                )
+                assert result.tokens == expected, drafter.name
+        assert result.speculative.acceptance_rate == 1.0  # the replay
+
+
+def test_sampled_speculation_runs_in_cuda_graphs(float32_pair):
+    torch._dynamo.reset()
+    options = EngineOptions(compile="reduce-overhead", device="cuda", dtype="float32")
+    engine, draft = (Engine.open(path, options) for path in float32_pair)
+    engine.load_weights()
+    draft.load_weights()
+    sampling = SamplingConfig(temperature=0.8, top_k=50, top_p=0.9)
+    for drafter in (PromptLookup(2, SPEC_K), DraftModel(draft.model, SPEC_K), DraftModel(engine.model, SPEC_K)):
+        for _ in range(2):
+            result = engine.generate_ids(
+                [1, 2, 3], NEW_TOKENS, sampling, ignore_eos=True, batch_size=2, drafter=drafter
+            )
+            assert [len(row) for row in result.tokens] == [NEW_TOKENS] * 2
+            assert all(0 <= t < engine.model_config.vocab_size for row in result.tokens for t in row)
+    assert result.speculative.acceptance_rate > 0.9  # the target drafting for itself: p = q up to rounding
+
+
+@pytest.fixture(scope="module")
+def speculative_traces(checkpoint, tmp_path_factory):
+    """`generate --compile reduce-overhead --profile` with prompt lookup and with a draft checkpoint (bfloat16)."""
+    folder = tmp_path_factory.mktemp("spec_traces")
+    draft = make_random_checkpoint(get_shape("tiny"), folder / "draft", dtype=torch.bfloat16, seed=4)
+    out = {}
+    for name, extra in (("lookup", ["--prompt_lookup", "2"]), ("draft", ["--draft_checkpoint_path", str(draft)])):
+        trace = folder / f"trace_{name}"
+        metrics = generate(
+            checkpoint, folder, "reduce-overhead", *extra, "--speculate_k", str(SPEC_K), "--profile", str(trace),
+            label=name,
+        )  # fmt: skip
+        out[name] = (metrics, summarize_trace(folder / f"trace_{name}.json"))
+    return out
+
+
+@pytest.mark.parametrize("name, draft_launches", [("lookup", 1), ("draft", SPEC_K)])
+def test_a_verify_step_is_one_graph_launch(speculative_traces, name, draft_launches):
+    """One CUDA graph per verify step and no kernel launched around it; the drafting is graphs too: one lookup, or
+    one per draft-model step."""
+    metrics, summary = speculative_traces[name]
+    rounds = metrics["samples"][-1]["speculative"]["rounds"]
+    assert summary.scope == SCOPE_SPECULATIVE and summary.verify_steps == rounds
+    assert summary.verify_graph_launches == rounds and summary.verify_kernel_launches == 0
+    assert summary.graph_launches == rounds * (1 + draft_launches)
+    assert summary.kernel_launches < 0.1 * rounds

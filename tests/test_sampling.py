@@ -6,9 +6,11 @@ import torch
 from gpt_fast.sampling import (
     SamplingConfig,
     candidates,
+    probabilities,
     row_noise,
     sample,
     sample_rows,
+    sample_weights,
     seed_key,
     top_p_filter,
 )
@@ -71,6 +73,30 @@ def test_sampling_follows_the_distribution():
     draws = torch.stack([sample(logits, SamplingConfig(temperature=1.0, top_k=None)) for _ in range(4000)])
     freq = torch.bincount(draws.flatten(), minlength=3).float() / 4000
     torch.testing.assert_close(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.03, rtol=0)
+
+
+@pytest.mark.parametrize("top_k, top_p", [(None, 1.0), (3, 1.0), (None, 0.75), (4, 0.8)])
+def test_probabilities_are_what_sample_draws_from(top_k, top_p):
+    logits = torch.log(torch.tensor([[0.05, 0.3, 0.1, 0.25, 0.2, 0.1]])).expand(20000, 6)
+    config = SamplingConfig(temperature=1.0, top_k=top_k, top_p=top_p)
+    probs = probabilities(logits, config)[0]
+    kept = torch.tensor([0.05, 0.3, 0.1, 0.25, 0.2, 0.1])
+    ranked = kept.argsort(descending=True, stable=True)[: top_k or 6]  # the top-k, then the top-p prefix of them
+    mass = (kept[ranked] / kept[ranked].sum()).cumsum(0)
+    ranked = ranked[: int((mass < top_p - 1e-6).sum()) + 1]
+    expected = torch.zeros(6)
+    expected[ranked] = kept[ranked] / kept[ranked].sum()
+    torch.testing.assert_close(probs, expected)
+    torch.manual_seed(0)
+    freq = torch.bincount(sample(logits, config), minlength=6).float() / 20000
+    torch.testing.assert_close(freq, expected, atol=0.015, rtol=0)
+
+
+def test_sample_weights_need_no_normalization():
+    torch.manual_seed(0)
+    weights = torch.tensor([[0.0, 3.0, 1.0, 0.0]]).expand(20000, 4)
+    freq = torch.bincount(sample_weights(weights), minlength=4).float() / 20000
+    torch.testing.assert_close(freq, torch.tensor([0.0, 0.75, 0.25, 0.0]), atol=0.015, rtol=0)
 
 
 def test_same_seed_same_tokens():

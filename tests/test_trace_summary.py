@@ -15,11 +15,14 @@ from gpt_fast import trace_summary
 from gpt_fast.cli import main
 from gpt_fast.trace_summary import (
     DECODE_MARK,
+    DRAFT_MARK,
     PREFILL_MARK,
     SCOPE_DECODE,
+    SCOPE_SPECULATIVE,
     SCOPE_STEPS,
     SCOPE_WHOLE,
     TIME_FALLBACK_SLACK_US,
+    VERIFY_MARK,
     format_summary,
     launch_kind,
     short_summary,
@@ -380,6 +383,51 @@ def test_real_cpu_profiler_trace(tmp_path):
     assert s.prefills == 1 and s.prefill_us is not None and s.prefill_us > 0
 
 
+def speculative_events(rounds: int) -> list[dict[str, Any]]:
+    """Round i: a draft mark at 1000*i+100 (200 µs) launching 2 kernels one by one, then a verify mark at
+    1000*i+400 (300 µs) launching one graph of 5 kernels."""
+    events = []
+    for i in range(rounds):
+        base, corr = 1000 * i, 100 * i
+        events += [mark(DRAFT_MARK, base + 100, 200), mark(VERIFY_MARK, base + 400, 300)]
+        for j in range(2):
+            events += [call("cudaLaunchKernel", base + 110 + 10 * j, corr + j), gpu("draft", base + 150, 20, corr + j)]
+        events += [call("cudaGraphLaunch", base + 420, corr + 9)]
+        events += [gpu(f"verify{j}", base + 450 + 30 * j, 20, corr + 9) for j in range(5)]
+    return events
+
+
+def test_speculative_trace_counts_verify_steps(tmp_path):
+    s = summarize_trace(write_trace(tmp_path / "spec.json", noise() + speculative_events(3)))
+    assert (s.scope, s.units, s.unit) == (SCOPE_SPECULATIVE, 3, "verify_step")
+    assert (s.kernel_launches, s.graph_launches, s.gpu_kernels) == (6, 3, 21)  # draft and verify together
+    assert (s.verify_steps, s.verify_graph_launches, s.verify_kernel_launches) == (3, 3, 0)
+    assert (s.verify_us, s.draft_us, s.prefills) == (900, 600, 1)
+    assert s.tokens is None and s.to_dict()["kernel_launches_per_verify_step"] == 2.0
+    text = format_summary(s)
+    assert "3 verify steps" in text and "verify steps: 3, 300 µs wall each, 1.00 graph and 0.0 kernel launches" in text
+    assert short_summary(s).splitlines()[0].startswith("speculative decode: 3 verify steps, 2.0 kernel launches/")
+
+
+def test_real_cpu_trace_of_a_speculative_run(tmp_path):
+    torch = pytest.importorskip("torch")
+    from gpt_fast.convert.random_init import random_weights
+    from gpt_fast.engine import Engine, EngineOptions
+    from gpt_fast.sampling import SamplingConfig
+    from gpt_fast.shapes import get_shape
+    from gpt_fast.speculative import SpeculativeOptions
+
+    shape = get_shape("tiny")
+    options = EngineOptions(device="cpu", speculative=SpeculativeOptions(prompt_lookup=2, k=3))
+    engine = Engine.from_state(shape, random_weights(shape, torch.float32, seed=0), options)
+    with engine.profiled(tmp_path / "spec.json"):
+        result = engine.generate_ids([1, 2, 3, 1, 2, 3], 12, SamplingConfig(temperature=0))
+    s = summarize_trace(tmp_path / "spec.json")
+    rounds = result.speculative.rounds
+    assert (s.scope, s.verify_steps, s.units) == (SCOPE_SPECULATIVE, rounds, rounds) and rounds > 1
+    assert s.prefills == 1 and s.verify_us > 0 and s.draft_us > 0
+
+
 def complete_events(path: Path) -> list[dict[str, Any]]:
     """The reference reading of a small trace: json.load, nothing skipped but non-"X" events."""
     return [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
@@ -499,7 +547,7 @@ def test_trace_without_decode_marks(tmp_path):
     path = write_trace(tmp_path / "nodecode.json", events)
     with pytest.raises(ValueError) as excinfo:
         summarize_trace(path)
-    assert_one_line_error(excinfo, path, DECODE_MARK, "gpt-fast generate --profile")
+    assert_one_line_error(excinfo, path, DECODE_MARK, VERIFY_MARK, "gpt-fast generate --profile")
 
 
 def gzip_of(*parts: tuple[bytes, int]) -> bytes:

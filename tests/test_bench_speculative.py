@@ -1,0 +1,73 @@
+"""`python -m gpt_fast.bench_speculative` on the CPU with tiny models: every row, the tables, the JSON."""
+
+import json
+
+import pytest
+import torch
+
+from gpt_fast.bench_speculative import expected_tokens_per_round, main
+from gpt_fast.convert.random_init import make_random_checkpoint
+from gpt_fast.shapes import get_shape
+
+COMMON = ["--device", "cpu", "--mode", "none", "--dtype", "float32", "--new_tokens", "24", "--repeats", "1"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_random_shapes_with_a_draft(tmp_path, capsys):
+    args = ["--shape", "tiny", "--draft_shape", "tiny", "--prompt_lookup", "2", "--k", "2,3", "--agreements", "0.5"]
+    main([*args, *COMMON, "--json", str(tmp_path / "rows.json")])
+    out = capsys.readouterr().out
+    rows = {(r["name"], r["k"]): r for r in json.loads((tmp_path / "rows.json").read_text())}
+    names = ["plain decoding", "replay", "prompt lookup 2", "draft model", "replay 50% + draft steps"]
+    assert list(rows) == [(names[0], None)] + [(name, k) for k in (2, 3) for name in names[1:]]
+    plain = rows["plain decoding", None]
+    for (name, k), row in rows.items():
+        assert row["tokens"] == plain["tokens"] and row["tokens_per_sec"] > 0, name  # greedy: the same text
+        if k is not None:
+            assert row["speculative"]["k"] == k and row["speculative"]["rounds"] > 0
+    assert rows["replay", 3]["speculative"]["acceptance_rate"] == 1.0
+    assert rows["replay", 3]["speculative"]["tokens_per_step"] == 4.0
+    assert "tiny (random weights), draft tiny; CPU, torch" in out and "greedy, prompt 32 tokens, 24 new tokens" in out
+    table = [line for line in out.splitlines() if line.startswith("| replay | 3 |")]
+    assert len(table) == 1 and "| yes | 100.0% | 4.00 |" in table[0]
+    assert "| 3 | 50% |" in out  # the agreement table: predicted against measured
+
+
+def test_a_checkpoint_with_prompt_lookup(tmp_path, capsys):
+    checkpoint = make_random_checkpoint(get_shape("tiny"), tmp_path / "tiny", dtype=torch.float32)
+    (tmp_path / "prompt.txt").write_text("abcabcabcabc")
+    args = ["--checkpoint_path", str(checkpoint), "--prompt_file", str(tmp_path / "prompt.txt"), "--ignore_eos"]
+    main([*args, "--prompt_lookup", "3", *COMMON, "--json", str(tmp_path / "rows.json")])
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert [r["name"] for r in rows] == ["plain decoding", "replay", "prompt lookup 3"]
+    assert all(r["tokens"] == rows[0]["tokens"] and len(r["tokens"]) == 24 for r in rows)
+    assert "| agreement |" not in capsys.readouterr().out  # no draft model, no agreement table
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--k", "two"], "--k: 'two' is not a comma-separated list of int values"),
+        (["--k", "0"], r"--speculate_k must be an integer in 1\.\.16, got 0"),
+        (["--prompt_lookup", "2", "--new_tokens", "600"], "exceeds the model's context of 512 tokens"),
+    ],
+)
+def test_mistakes_are_one_line(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--shape", "tiny", *COMMON, *args])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and len(err.strip().splitlines()) == 1
+    assert __import__("re").search(message, err), err
+
+
+def test_expected_tokens_per_round():
+    assert expected_tokens_per_round(1.0, 4) == 5.0
+    assert expected_tokens_per_round(0.0, 4) == 1.0
+    assert expected_tokens_per_round(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
