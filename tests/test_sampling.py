@@ -175,6 +175,17 @@ def test_row_noise_depends_on_key_and_position_alone():
     assert abs(draws.mean() - 1) < 0.01 and abs(draws.std() - 1) < 0.01  # Exp(1): mean and deviation 1
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+def test_row_noise_is_the_same_on_the_gpu():
+    """The hash is exact integer arithmetic on every device: a seeded request samples alike on the CPU and a GPU."""
+    keys = torch.tensor([seed_key(0), seed_key(7), seed_key(2**70)])
+    positions = torch.tensor([0, 513, 2**20])
+    on_cpu = row_noise(keys, positions, 32000)
+    on_gpu = row_noise(keys.cuda(), positions.cuda(), 32000).cpu()
+    torch.testing.assert_close(on_gpu, on_cpu, rtol=1e-6, atol=0)  # the integers alike; the log within a rounding
+
+
 def test_rows_follow_the_distribution():
     logits = torch.log(torch.tensor([0.7, 0.2, 0.1]))[None].expand(4000, 3)
     ones = torch.ones(4000)

@@ -454,6 +454,7 @@ def chromium() -> tuple[str, str]:
     return browser, driver
 
 
+@pytest.mark.slow
 def test_the_chat_page_streams_an_answer_and_stops_it(smol_server, tmp_path):
     """In a headless Chromium: type a message, see the answer stream in, press stop; the tokens/sec are shown.
     A screenshot is kept in test-artifacts/ (GPT_FAST_TEST_ARTIFACTS)."""
