@@ -60,16 +60,18 @@ def rope_tables(
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [B, T, H, D] by position; ``cos``/``sin`` are [T, D // 2]. Computed in float32."""
+    """Rotate ``x`` [B, T, H, D] by position; ``cos``/``sin`` are [T, D // 2] (positions shared by the rows) or
+    [B, T, D // 2] (each row's own). Computed in float32."""
     x32 = x.float()
     x1, x2 = x32.chunk(2, dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D/2], broadcast over heads
+    cos, sin = cos[..., None, :], sin[..., None, :]  # [T, 1, D/2] or [B, T, 1, D/2], broadcast over heads
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
 def attend_one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Attention of a single query position, in float32: ``q`` [B, H, 1, D] over the cache ``k``, ``v``
-    [B, H_kv, S, D] with the additive ``mask`` [1, S]; returns [B, H, 1, D] in ``q``'s dtype.
+    [B, H_kv, S, D] with the additive ``mask`` [1, S] (shared by the rows) or [B, 1, 1, S] (each row's own);
+    returns [B, H, 1, D] in ``q``'s dtype.
 
     Written as broadcast products and sums rather than a call to an attention kernel: inductor fuses them with
     the query's rotary embedding and the mask into a few small reductions. On an H100 this decoded the
@@ -94,7 +96,13 @@ class Attention(nn.Module):
         self.kv_cache: KVCache | None = None
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, input_pos: torch.Tensor
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        input_pos: torch.Tensor,
+        first_row: int = 0,
     ) -> torch.Tensor:
         cfg = self.config
         bsz, seqlen, _ = x.shape
@@ -103,7 +111,7 @@ class Attention(nn.Module):
         k = apply_rope(k.view(bsz, seqlen, cfg.n_local_heads, cfg.head_dim), cos, sin)
         v = v.view(bsz, seqlen, cfg.n_local_heads, cfg.head_dim)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
-        k, v = self.kv_cache.update(input_pos, k, v)  # [B, H_kv, S, D]
+        k, v = self.kv_cache.update(input_pos, k, v, first_row)  # [B, H_kv, S, D]
         if seqlen == 1 and torch.compiler.is_compiling():  # eager: SDPA's fused kernel beats materialized products
             y = attend_one_query(q, k, v, mask)
         else:
@@ -132,9 +140,15 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, input_pos: torch.Tensor
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        input_pos: torch.Tensor,
+        first_row: int = 0,
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, mask, input_pos)
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask, input_pos, first_row)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -172,16 +186,24 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.max_batch_size, self.max_seq_length = batch_size, max_seq_length
 
-    def forward(self, idx: torch.Tensor, input_pos: torch.Tensor, *, last_only: bool = False) -> torch.Tensor:
-        """Logits [B, T, V] for tokens ``idx`` [B, T] at positions ``input_pos`` [T] ([B, 1, V] with ``last_only``)."""
+    def forward(
+        self, idx: torch.Tensor, input_pos: torch.Tensor, *, last_only: bool = False, first_row: int = 0
+    ) -> torch.Tensor:
+        """Logits [B, T, V] for tokens ``idx`` [B, T] ([B, 1, V] with ``last_only``) at positions ``input_pos``:
+        [T], the same for every row (one prompt, or copies of it), or [B, T], each row's own (independent
+        sequences decoded together). The rows are the cache's rows ``first_row`` to ``first_row + B - 1``, so
+        that one sequence can be prefilled into its row while the others wait."""
         assert self.max_seq_length > 0, "setup_caches() must be called before forward()"
-        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [T, D/2]
+        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [T, D/2] or [B, T, D/2]
         x = self.tok_embeddings(idx)
         key_pos = torch.arange(self.max_seq_length, device=idx.device)
-        # [T, S] causal over the whole cache; additive and in the model's dtype once here rather than per layer
-        mask = torch.where(key_pos[None, :] <= input_pos[:, None], 0.0, float("-inf")).to(x.dtype)
+        # [T, S] or [B, T, S], causal over the whole cache; additive and in the model's dtype once here rather
+        # than per layer
+        mask = torch.where(key_pos <= input_pos[..., None], 0.0, float("-inf")).to(x.dtype)
+        if input_pos.dim() == 2:
+            mask = mask[:, None]  # [B, 1, T, S]: the same for every head
         for layer in self.layers:
-            x = layer(x, cos, sin, mask, input_pos)
+            x = layer(x, cos, sin, mask, input_pos, first_row)
         if last_only:
             x = x[:, -1:]
         x = self.norm(x)

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "gpt_fast"
-COMMANDS = {"cli", "runner", "interactive", "bench", "bench_decode", "bench_speculative"}
+SERVER = {"serve.app", "serve.openai_api", "serve.sse", "serve.server"}
+COMMANDS = {"cli", "runner", "interactive", "bench", "bench_decode", "bench_speculative", "bench_serve"} | SERVER
 ENGINE_PRIVATE = {"model", "cache", "checkpoint", "tokenizer"}  # what commands reach only through the engine
 
 
@@ -34,8 +35,9 @@ def test_the_model_imports_only_its_config(module):
     assert MODULES[module] <= {"config", "cache"}
 
 
-def test_the_engine_imports_no_command():
-    assert not MODULES["engine"] & (COMMANDS | {"trace_summary", "download"})
+@pytest.mark.parametrize("module", ["engine", "batching", "slots"])
+def test_the_engine_imports_no_command(module):
+    assert not MODULES[module] & (COMMANDS | {"trace_summary", "download"})
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("convert.")))
