@@ -1,0 +1,98 @@
+"""Model families (Qwen2, Qwen3, Gemma 2 and 3, Phi-3, Mixtral, Qwen2-MoE, Qwen3-MoE): a tiny random checkpoint of
+each, built with transformers' own config and model classes, converted from its HF folder, gives transformers'
+logits over a prompt and 40 tokens decoded with our KV cache, and the same greedy tokens."""
+
+import pytest
+import torch
+from tiny import hf_greedy, our_greedy, train_bpe_tokenizer
+
+from gpt_fast.convert.hf import convert_hf
+from gpt_fast.engine import Engine
+
+COMMON = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "pad_token_id": None,
+}
+LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0 + 0.1 * i for i in range(8)],
+    "long_factor": [2.0 + 0.5 * i for i in range(8)],
+}
+MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
+# family -> (transformers config class, its arguments beyond COMMON)
+FAMILIES = {
+    "qwen2": ("Qwen2Config", {"tie_word_embeddings": True, "rope_theta": 1e6}),
+    "qwen2-sliding": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+    "qwen3": ("Qwen3Config", {}),
+    "gemma2": ("Gemma2Config", {"sliding_window": 8, "query_pre_attn_scalar": 24}),
+    "gemma3": ("Gemma3TextConfig", {"sliding_window": 8, "sliding_window_pattern": 2, "rope_local_base_freq": 100.0}),
+    "gemma3-linear-rope": ("Gemma3TextConfig", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
+    "phi3-longrope": ("Phi3Config", {"rope_scaling": LONGROPE, "original_max_position_embeddings": 64}),
+    "mistral-sliding": ("MistralConfig", {"sliding_window": 8}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2-moe": ("Qwen2MoeConfig", MOE | {"num_experts": 4, "shared_expert_intermediate_size": 48}),
+    "qwen3-moe": ("Qwen3MoeConfig", MOE | {"num_experts": 6, "norm_topk_prob": True}),
+}
+PROMPT = [0, 45, 67, 120, 7, 99, 13, 250, 31, 8, 77, 190, 5, 64, 222, 18, 90, 3, 141, 60]  # longer than the window
+
+
+def hf_model(family: str, vocab_size: int, seed: int = 0):
+    import transformers
+
+    class_name, extra = FAMILIES[family]
+    config = getattr(transformers, class_name)(**COMMON, **extra, vocab_size=vocab_size)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # larger than the default init: well-separated logits, no argmax near-ties
+        for name, p in model.named_parameters():
+            norm = name.endswith("norm.weight")
+            p.normal_(1.0 if norm else 0.0, 0.1 if norm else 0.25)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def converted(request, tmp_path_factory):
+    src = tmp_path_factory.mktemp("hf") / request.param
+    tokenizer = train_bpe_tokenizer(src)
+    model = hf_model(request.param, tokenizer.get_vocab_size())
+    model.save_pretrained(src)
+    out = src.parent / f"{request.param}-converted"
+    convert_hf(src, out, dtype="float32")
+    return model, Engine.load(out, device="cpu", dtype="float32")
+
+
+@torch.no_grad()
+def cached_logits(model, tokens: list[int], prompt_length: int) -> torch.Tensor:
+    """Our logits [T, V] for ``tokens``: the prompt in one forward, then one token at a time over the KV cache."""
+    ids = torch.tensor([tokens])
+    model.setup_caches(1, 64)
+    steps = [model(ids[:, :prompt_length], torch.arange(prompt_length))[0]]
+    for pos in range(prompt_length, len(tokens)):
+        steps.append(model(ids[:, pos : pos + 1], torch.tensor([pos]))[0])
+    return torch.cat(steps)
+
+
+@torch.no_grad()
+def test_greedy_decode_and_logits_match_transformers(converted):
+    hf, engine = converted
+    generated = hf_greedy(hf, PROMPT, 40)
+    assert our_greedy(engine, PROMPT, 40) == generated
+    tokens = PROMPT + generated
+    expected = hf(torch.tensor([tokens])).logits[0]
+    diff = (cached_logits(engine.model, tokens, len(PROMPT)) - expected).abs().max().item()
+    assert diff < 1e-4
+
+
+def test_config_names_the_architecture(converted):
+    hf, engine = converted
+    assert engine.config.source["architecture"] == hf.config.architectures[0]
