@@ -231,15 +231,15 @@ def hf_config_dict(model: ModelConfig) -> dict[str, Any]:
         "rms_norm_eps": model.norm_eps,
         "tie_word_embeddings": model.tie_embeddings,
         "hidden_act": next(hf for hf, ours in ACTIVATIONS.items() if ours == model.mlp_activation),
-        "sliding_window": model.sliding_window,
-        "layer_types": list(model.layer_types) or ["full_attention"] * model.n_layer,
     }
+    if model.sliding_window is not None:
+        config |= {"sliding_window": model.sliding_window, "layer_types": list(model.layer_types)}
     if family.sliding == "upper":
         config["use_sliding_window"] = model.sliding_window is not None
     if model.post_norms:
         config |= {
             "hidden_activation": config["hidden_act"],
-            "query_pre_attn_scalar": model.query_pre_attn_scalar,
+            "query_pre_attn_scalar": _integral(model.query_pre_attn_scalar),
             "attn_logit_softcapping": model.attn_logit_softcap,
             "final_logit_softcapping": model.final_logit_softcap,
         }
@@ -256,6 +256,11 @@ def hf_config_dict(model: ModelConfig) -> dict[str, Any]:
     if model.shared_expert_size:
         config["shared_expert_intermediate_size"] = model.shared_expert_size
     return config | hf_rope_dict(model)
+
+
+def _integral(value: float | None) -> float | int | None:
+    """An integral number as an int (transformers' configs type some such fields int)."""
+    return int(value) if value is not None and value.is_integer() else value
 
 
 def hf_rope_dict(model: ModelConfig) -> dict[str, Any]:
@@ -291,7 +296,7 @@ def _optional_number(hf: dict[str, Any], name: str, where: str, default: float |
 
 def layer_types(hf: dict[str, Any], family: Family, where: str, n_layer: int) -> tuple[int | None, tuple[str, ...]]:
     """The sliding window and each layer's type; ``(None, ())`` when no layer slides over less than the
-    context (a window that covers it is full attention)."""
+    context (a window that covers it is full attention) and the sliding layers differ in nothing else."""
     window = _field(hf, "sliding_window", where, INT, None)
     if family.sliding == "upper" and not _field(hf, "use_sliding_window", where, BOOL, False):
         window = None
@@ -313,12 +318,9 @@ def layer_types(hf: dict[str, Any], family: Family, where: str, n_layer: int) ->
     unknown = sorted(set(kinds) - {"full_attention", "sliding_attention"})
     if unknown:
         raise ValueError(f"{where}: unsupported layer type {unknown[0]!r} in layer_types")
-    if (
-        window is None
-        or window >= _field(hf, "max_position_embeddings", where, INT)
-        or "sliding_attention" not in kinds
-    ):
-        return None, ()
+    covers = window is not None and window >= _field(hf, "max_position_embeddings", where, INT)
+    if window is None or "sliding_attention" not in kinds or (covers and family.sliding != "pattern"):
+        return None, ()  # (Gemma 3's sliding layers stay: they have their own rotary base)
     return window, kinds
 
 
@@ -389,6 +391,8 @@ def model_config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
 
 def expert_fields(hf: dict[str, Any], family: Family, where: str) -> dict[str, Any]:
     count, width = family.experts
+    if count not in hf:  # transformers 5 writes Qwen3-MoE's num_experts under its alias num_local_experts
+        count = "num_local_experts"
     fields = {
         "n_experts": _field(hf, count, where, INT),
         "intermediate_size": _field(hf, width, where, INT),
