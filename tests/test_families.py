@@ -2,6 +2,9 @@
 each, built with transformers' own config and model classes, converted from its HF folder, gives transformers'
 logits over a prompt and 40 tokens decoded with our KV cache, and the same greedy tokens."""
 
+import dataclasses
+import json
+
 import pytest
 import torch
 from tiny import hf_greedy, our_greedy, train_bpe_tokenizer
@@ -98,7 +101,6 @@ def test_config_names_the_architecture(converted):
     assert engine.config.source["architecture"] == hf.config.architectures[0]
 
 
-
 def convert_family(folder, family: str, tie_experts: bool = False):
     """A tiny random ``family`` checkpoint saved by transformers and converted; with ``tie_experts`` the router
     gives experts 0 and 1 (and 2 and 3) the same logits for every token."""
@@ -137,3 +139,74 @@ def test_compiled_decode_equals_eager(tmp_path, family):
     eager = our_greedy(Engine.load(out, device="cpu", dtype="float32"), PROMPT, 40)
     compiled = Engine.load(out, compile="default", device="cpu", dtype="float32")
     assert our_greedy(compiled, PROMPT, 40) == eager
+
+
+LLAMA = {
+    "block_size": 64,
+    "vocab_size": 300,
+    "n_layer": 2,
+    "n_head": 4,
+    "dim": 64,
+    "intermediate_size": 96,
+    "n_local_heads": 2,
+    "head_dim": 16,
+    "rope_base": 10000.0,
+    "norm_eps": 1e-5,
+}
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"layer_types": ("full_attention",) * 3}, "must be empty or hold n_layer = 2 values, not 3"),
+        ({"layer_types": ("full_attention", "local")}, r"layer_types\[1\] 'local' is not one of"),
+        ({"layer_types": ("sliding_attention",) * 2}, "sliding_window must be set exactly when"),
+        ({"sliding_window": 8}, "sliding_window must be set exactly when"),
+        ({"n_experts": 4, "n_active_experts": 5}, r"n_active_experts must be from 1 to n_experts \(4\), got 5"),
+        ({"n_active_experts": 2}, "need n_experts > 0"),
+        ({"n_experts": 2000, "n_active_experts": 2}, "must be at most 1024"),
+        ({"mlp_activation": "relu"}, "mlp_activation 'relu' is not one of silu, gelu_tanh"),
+        ({"attn_logit_softcap": -1.0}, "attn_logit_softcap must be a finite number > 0"),
+        ({"rope_local_base": 10.0}, "rope_local_base needs a sliding_attention layer"),
+    ],
+)
+def test_features_that_do_not_fit_together_are_refused(fields, message):
+    from gpt_fast.config import ModelConfig
+
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(**LLAMA, **fields)
+
+
+def test_a_config_without_the_feature_fields_reads_as_llama():
+    from gpt_fast.config import ModelConfig, checkpoint_config_from_dict
+    from gpt_fast.convert.random_init import byte_tokenizer
+
+    _, tokenizer = byte_tokenizer(300)
+    data = {"format": "gpt-fast-checkpoint", "format_version": 1, "model": LLAMA, "dtype": "float32"}
+    config = checkpoint_config_from_dict(json.loads(json.dumps(data | {"tokenizer": dataclasses.asdict(tokenizer)})))
+    assert config.model == ModelConfig(**LLAMA)
+    assert not config.model.is_moe and config.model.layer_types == () and config.model.norm_offset == 0.0
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"architectures": ["Gemma3ForConditionalGeneration"]}, "unsupported architecture Gemma3ForConditional"),
+        ({"hidden_act": "gelu"}, r"unsupported hidden_act 'gelu' \(supported: silu, gelu_pytorch_tanh\)"),
+        ({"attention_bias": True}, "unsupported attention_bias=true"),
+        ({"partial_rotary_factor": 0.5}, "unsupported partial_rotary_factor 0.5"),
+        ({"rope_scaling": {"rope_type": "longrope", "short_factor": "x", "long_factor": []}}, "short_factor must be"),
+        (
+            {"rope_scaling": LONGROPE | {"short_factor": [1.0]}, "original_max_position_embeddings": 64},
+            "short_factor and long_factor differ in length",
+        ),
+        ({"architectures": ["Qwen2MoeForCausalLM"], "mlp_only_layers": [0]}, "unsupported dense MLP layers"),
+    ],
+)
+def test_unsupported_hf_configs_are_refused(change, message):
+    from gpt_fast.convert.hf_config import model_config_from_hf
+
+    hf = {"architectures": ["Phi3ForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8}
+    hf |= COMMON | {"vocab_size": 300, "shared_expert_intermediate_size": 8} | change
+    with pytest.raises(ValueError, match=message):
+        model_config_from_hf(hf, "config.json")

@@ -297,9 +297,9 @@ def _optional_number(hf: dict[str, Any], name: str, where: str, default: float |
 def layer_types(hf: dict[str, Any], family: Family, where: str, n_layer: int) -> tuple[int | None, tuple[str, ...]]:
     """The sliding window and each layer's type; ``(None, ())`` when no layer slides over less than the
     context (a window that covers it is full attention) and the sliding layers differ in nothing else."""
-    window = _field(hf, "sliding_window", where, INT, None)
     if family.sliding == "upper" and not _field(hf, "use_sliding_window", where, BOOL, False):
-        window = None
+        return None, ()  # Qwen: sliding_window is ignored (Qwen2-MoE writes 0 there)
+    window = _field(hf, "sliding_window", where, INT, None)
     given = _field(hf, "layer_types", where, STRINGS, None)
     if given is not None:
         if len(given) != n_layer:
