@@ -25,7 +25,7 @@ import torch
 from gpt_fast.bench import copy_bandwidth_gbps
 from gpt_fast.config import INT4_GROUP_SIZES, QUANT_MODES, ModelConfig, QuantConfig
 from gpt_fast.convert.hf_config import hf_config_dict
-from gpt_fast.convert.layout import split_tensors
+from gpt_fast.convert.layout import MODULE_NAMING, split_tensors
 from gpt_fast.convert.random_init import random_weights
 from gpt_fast.device import device_name, device_synchronize, dtype_name, parse_dtype
 from gpt_fast.engine import Engine, EngineOptions
@@ -145,14 +145,34 @@ def torchao_rework(scheme: QuantConfig) -> Callable[[Engine], None]:
     return rework
 
 
+def hf_model(state: dict[str, torch.Tensor], shape: ModelConfig, device: torch.device) -> torch.nn.Module:
+    """transformers' model of ``shape``'s family holding ``state``'s tensors themselves (no second copy: a
+    Mixtral-8x7B fits the GPU once, not twice). Built on the meta device; its buffers (rotary tables, Gemma's
+    embedding scale) are then made on ``device`` as transformers makes them."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = hf_config_dict(shape)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(split_tensors(state, shape, MODULE_NAMING), strict=not shape.tie_embeddings, assign=True)
+    if shape.tie_embeddings:
+        model.tie_weights()
+    for name, module in list(model.named_modules()):
+        if not any(b.is_meta for b in module.buffers(recurse=False)):
+            continue
+        if hasattr(module, "scalar_embed_scale"):
+            module.register_buffer("embed_scale", torch.tensor(module.scalar_embed_scale, device=device), False)
+        else:  # a rotary embedding
+            with torch.device(device):
+                model.set_submodule(name, type(module)(model.config))
+    return model
+
+
 def hf_runners(
     state: dict[str, torch.Tensor], shape: ModelConfig, static: bool, device: torch.device, dtype: torch.dtype
 ) -> tuple[Run, Run]:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    with torch.device(device):  # built in place: its rotary buffers are not in the state dict
-        model = LlamaForCausalLM._from_config(LlamaConfig(**hf_config_dict(shape)), dtype=dtype)
-    model.load_state_dict(split_tensors(state, shape), strict=not shape.tie_embeddings)
+    model = hf_model({name: t.to(device=device, dtype=dtype) for name, t in state.items()}, shape, device)
     model.eval()
     extra = {"cache_implementation": "static"} if static else {}
 

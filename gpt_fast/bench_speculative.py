@@ -45,6 +45,7 @@ from gpt_fast.speculative import MAX_ROUNDS_AHEAD, check_draft_config
 
 GREEDY = SamplingConfig(temperature=0)
 DEFAULT_AGREEMENTS = (0.5, 0.7, 0.8, 0.9)
+MAX_RECORDING_PASSES = 64  # replay recording: each pass extends the agreed prefix by at least one token
 
 
 @dataclass(frozen=True)
@@ -109,12 +110,33 @@ class Setup:
         return lambda: self.engine.generate_ids(self.prompt, n, GREEDY, ignore_eos=self.ignore_eos, drafter=drafter)
 
 
+def record_for_replay(setup: Setup, k: int) -> list[int]:
+    """The target's greedy continuation as the verify step computes it, for the replay drafter.
+
+    Plain decoding's continuation is the first guess, but in bfloat16 a verify step over k + 1 positions may round
+    differently from a one-position decode step and flip a near-tie, after which every replayed proposal is off.
+    So the replay's own output is recorded and replayed again until it proposes exactly what it produces: each
+    pass keeps the agreed prefix and extends it past at least one flip. In float32 the first guess already holds.
+    """
+    slack = (MAX_ROUNDS_AHEAD + 1) * (k + 1)  # rounds the host may start past the end read proposals too
+    n = setup.new_tokens + slack
+    recorded = setup.generate(None, n)().tokens[0]
+    replay = Replay(setup.prompt + recorded, k)
+    for _ in range(MAX_RECORDING_PASSES):
+        produced = setup.generate(replay, n)().tokens[0]
+        if produced == recorded:
+            break
+        recorded = produced
+        replay.sequence = setup.prompt + recorded  # read by the next run's setup, copied into the same buffer
+    return recorded
+
+
 def run_rows(setup: Setup, ks: Sequence[int], write: Callable[[str], None]) -> list[Row]:
     rows = [measure("plain decoding", setup.generate(None), setup.repeats)]
     write(f"measured: {rows[-1].name}, {rows[-1].tokens_per_sec:.1f} tok/s")
-    slack = (MAX_ROUNDS_AHEAD + 1) * (max(ks) + 1)  # rounds the host may start past the end read proposals too
-    recorded = setup.generate(None, setup.new_tokens + slack)().tokens[0]
     for k in ks:
+        recorded = record_for_replay(setup, k)
+        write(f"measured: replay recording, k={k}")
         drafters: list[tuple[str, Drafter, float | None]] = [("replay", Replay(setup.prompt + recorded, k), None)]
         drafters += [(f"prompt lookup {n}", PromptLookup(n, k), None) for n in setup.lookups]
         if setup.draft is not None:
@@ -134,6 +156,16 @@ def _ms(value: float | None) -> str:
     return "—" if value is None else f"{value:.3f}"
 
 
+def _same_text(tokens: list[int], plain: list[int]) -> str:
+    """ "yes", or "NO" with the index of the first new token that differs from plain decoding's."""
+    if tokens == plain:
+        return "yes"
+    first = next(
+        (i for i, (a, b) in enumerate(zip(tokens, plain, strict=False)) if a != b), min(len(tokens), len(plain))
+    )
+    return f"NO (from token {first})"
+
+
 def table(rows: list[Row]) -> str:
     """One line per run: speed-up over plain decoding, identical text, acceptance, costs of a round."""
     plain = rows[0]
@@ -144,7 +176,7 @@ def table(rows: list[Row]) -> str:
     ]
     for r in rows:
         spec = r.speculative
-        same = "—" if r is plain else ("yes" if r.tokens == plain.tokens else "NO")
+        same = "—" if r is plain else _same_text(r.tokens, plain.tokens)
         cells = [r.name, "—" if r.k is None else str(r.k), f"{r.tokens_per_sec:.1f}"]
         cells += [f"{r.tokens_per_sec / plain.tokens_per_sec:.2f}×", same]
         cells += ["—" if spec is None else f"{spec.acceptance_rate:.1%}"]

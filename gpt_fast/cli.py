@@ -134,6 +134,26 @@ def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
     )(decorated)
 
 
+def read_prompts(prompts: tuple[str, ...], prompt_file: Path | None, prompts_file: Path | None) -> list[str]:
+    """The prompts of `generate`: ``--prompt`` (repeated for several), ``--prompt_file`` or ``--prompts_file`` (one
+    prompt per line, empty lines skipped)."""
+    if prompts_file is not None:
+        if prompts or prompt_file is not None:
+            raise ValueError("give --prompts_file alone, without --prompt or --prompt_file")
+        text = decode_utf8(prompts_file.read_bytes(), f"--prompts_file {prompts_file}")
+        lines = [line for line in text.splitlines() if line.strip()]
+        if not lines:
+            raise ValueError(f"--prompts_file {prompts_file} holds no prompt")
+        return lines
+    if len(prompts) > 1:
+        if prompt_file is not None:
+            raise ValueError("give --prompt or --prompt_file, not both")
+        if STDOUT in prompts:
+            raise ValueError("--prompt - reads one prompt from standard input, alone")
+        return list(prompts)
+    return [read_prompt(prompts[0] if prompts else None, prompt_file)]
+
+
 def speculative_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """--draft_checkpoint_path, --prompt_lookup, --speculate_k, folded into the command's ``engine_options`` (so it
     goes below the decorator that makes them)."""
@@ -197,9 +217,20 @@ def write_stderr(text: str) -> None:
 
 @cli.command()
 @checkpoint_option
-@option("--prompt", default=None, help=f"Input prompt; - reads it from standard input. [default: {DEFAULT_PROMPT}]")
+@option(
+    "--prompt",
+    multiple=True,
+    help=f"Input prompt; - reads it from standard input; repeated, several prompts generated together. "
+    f"[default: {DEFAULT_PROMPT}]",
+)
 @option(
     "--prompt_file", type=click.Path(path_type=Path, dir_okay=False), default=None, help="Read the prompt from FILE."
+)
+@option(
+    "--prompts_file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Several prompts, one per line (empty lines skipped), generated together.",
 )
 @option("--chat", is_flag=True, help="Apply the checkpoint's chat template to the prompt (one user turn).")
 @option("--system", default=None, help="With --chat: a system message before the user turn.")
@@ -238,14 +269,20 @@ def write_stderr(text: str) -> None:
 @option("--no_stream", is_flag=True, help="Print each sample's text at its end instead of token by token.")
 def generate(
     checkpoint_path: str | None,
-    prompt: str | None,
+    prompt: tuple[str, ...],
     prompt_file: Path | None,
+    prompts_file: Path | None,
     engine_options: EngineOptions,
     no_stream: bool,
     **kwargs: Any,
 ) -> None:
-    """Generate text and report load time, compilation time, tokens/sec, bandwidth and memory."""
-    opts = GenerateOptions(prompt=read_prompt(prompt, prompt_file), stream=not no_stream, **kwargs)
+    """Generate text and report load time, compilation time, tokens/sec, bandwidth and memory. Several prompts are
+    generated together (continuous batching, as `gpt-fast serve` does)."""
+    prompts = read_prompts(prompt, prompt_file, prompts_file)
+    several = tuple(prompts) if len(prompts) > 1 else ()
+    if several:
+        engine_options.check_batching()
+    opts = GenerateOptions(prompt=prompts[0], prompts=several, stream=not no_stream, **kwargs)
     engine = Engine.open(checkpoint_path, engine_options)
     apply_torch_settings()
     run_generate(engine, opts, write_stderr if str(opts.metrics_json) == STDOUT else write_stdout)
@@ -355,6 +392,38 @@ def bench(
     click.echo(markdown_table(report))
     if not any(r.ok for r in report.results):
         raise ValueError(f"every mode failed; see the logs in {output_dir}")
+
+
+@cli.command()
+@checkpoint_option
+@option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (127.0.0.1: this machine only).")
+@option("--port", type=int, default=8000, show_default=True, help="Port to listen on (0: a free one, printed).")
+@option("--max_batch", type=int, default=8, show_default=True, help="Requests decoded together (slots of the cache).")
+@option(
+    "--max_seq_length",
+    type=int,
+    default=None,
+    help="Tokens per slot, prompt and answer together. [default: the model's context, at most 2048]",
+)
+@option("--max_queue", type=int, default=64, show_default=True, help="Requests that may wait for a slot; more get 503.")
+@option(
+    "--api_key",
+    default=None,
+    envvar="GPT_FAST_API_KEY",
+    help="Require this key (Authorization: Bearer KEY) on /v1; also read from GPT_FAST_API_KEY.",
+)
+@option("--model_name", default=None, help="The model's id in the API. [default: the checkpoint folder's name]")
+@engine_options
+def serve(checkpoint_path: str | None, engine_options: EngineOptions, **kwargs: Any) -> None:
+    """An OpenAI-compatible server (chat and completions, streamed or not) that decodes concurrent requests
+    together, with a chat page at /."""
+    from gpt_fast.serve.server import ServeOptions
+    from gpt_fast.serve.server import serve as run_server
+
+    opts = ServeOptions(**kwargs)
+    engine = Engine.open(checkpoint_path, engine_options)
+    apply_torch_settings()
+    run_server(engine, opts, write_stdout)
 
 
 @cli.command("trace-summary")

@@ -21,7 +21,10 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.pth"
 FORMAT_NAME = "gpt-fast-checkpoint"
 FORMAT_VERSION = 1
-ROPE_SCALING_KINDS = ("llama3", "linear", "divisors")
+ROPE_SCALING_KINDS = ("llama3", "linear", "divisors", "longrope")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # SwiGLU (Llama), GeGLU with tanh-approximated GeLU (Gemma)
+LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names
+MAX_EXPERTS = 1024  # far above any released mixture of experts (Qwen3-MoE: 128, DeepSeek-V3: 256)
 TOKENIZER_KINDS = ("sentencepiece", "tiktoken", "huggingface")
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16")  # what a weights file may hold (gpt_fast.device.DTYPES)
 QUANT_MODES = ("int8", "int4")
@@ -33,8 +36,10 @@ MAX_SIZE = 1 << 24
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Rotary-embedding frequency scaling: ``linear``, Llama 3.1's ``llama3``, or explicit per-frequency
-    ``divisors`` of the inverse frequencies (how GGUF files store Llama 3.1's scaling)."""
+    """Rotary-embedding frequency scaling: ``linear``, Llama 3.1's ``llama3``, explicit per-frequency
+    ``divisors`` of the inverse frequencies (how GGUF files store Llama 3.1's scaling), or Phi-3's ``longrope``
+    (per-frequency ``short_factor`` divisors within ``original_max_position_embeddings``, ``long_factor`` beyond,
+    and cos/sin multiplied by ``attention_factor``)."""
 
     kind: str
     factor: float = 1.0
@@ -42,6 +47,9 @@ class RopeScaling:
     high_freq_factor: float | None = None
     original_max_position_embeddings: int | None = None
     divisors: tuple[float, ...] | None = None
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+    attention_factor: float | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ROPE_SCALING_KINDS:
@@ -63,11 +71,34 @@ class RopeScaling:
         )
         for i, divisor in enumerate(self.divisors or ()):
             _require_positive_number(divisor, f"rope_scaling.divisors[{i}]")
+        longrope = self.kind == "longrope"
+        if longrope:
+            for name in ("short_factor", "long_factor", "attention_factor", "original_max_position_embeddings"):
+                _require(getattr(self, name) is not None, f"rope_scaling.{name} is required for kind 'longrope'")
+            _require_size(self.original_max_position_embeddings, "rope_scaling.original_max_position_embeddings")
+            _require_positive_number(self.attention_factor, "rope_scaling.attention_factor")
+            _require(
+                len(self.short_factor) == len(self.long_factor),
+                "rope_scaling: short_factor and long_factor differ in length",
+            )
+        _require(
+            longrope or (self.short_factor, self.long_factor, self.attention_factor) == (None, None, None),
+            "rope_scaling.short_factor, long_factor and attention_factor go with kind 'longrope' only",
+        )
+        for name in ("short_factor", "long_factor"):
+            for i, factor in enumerate(getattr(self, name) or ()):
+                _require_positive_number(factor, f"rope_scaling.{name}[{i}]")
+
+    def frequency_divisors(self) -> tuple[float, ...] | None:
+        """The per-frequency divisors, whose count must be head_dim / 2 (None for the kinds without them)."""
+        return self.divisors or self.short_factor
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder. Field names follow the gpt-fast blog's printed config."""
+    """Shape of a decoder. Field names up to ``rope_scaling`` follow the gpt-fast blog's printed config; the fields
+    after them are the features other families add, each off by default (a config.json written before they
+    existed reads as the Llama it describes). A family is a set of these values, never a name."""
 
     block_size: int  # the model's context length
     vocab_size: int
@@ -81,6 +112,22 @@ class ModelConfig:
     norm_eps: float
     tie_embeddings: bool = False
     rope_scaling: RopeScaling | None = None
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before the rotary embedding (Qwen3, Gemma 3)
+    norm_offset: float = 0.0  # every RMSNorm multiplies by (norm_offset + weight), in float32 (Gemma: 1)
+    mlp_activation: str = "silu"  # one of MLP_ACTIVATIONS, applied to the gate projection
+    embedding_scale: float = 1.0  # embeddings are multiplied by it, rounded to the model's dtype (Gemma: sqrt(dim))
+    post_norms: bool = False  # RMSNorm on the attention's and the MLP's outputs too (Gemma 2 and 3)
+    attn_logit_softcap: float | None = None  # attention scores s become cap * tanh(s / cap) (Gemma 2)
+    final_logit_softcap: float | None = None  # likewise for the output logits (Gemma 2)
+    query_pre_attn_scalar: float | None = None  # attention scores scaled by its -1/2 power, not head_dim's
+    sliding_window: int | None = None  # a sliding layer attends to the keys less than this far back
+    layer_types: tuple[str, ...] = ()  # one of LAYER_TYPES per layer; empty: every layer full_attention
+    rope_local_base: float | None = None  # the rotary base of sliding layers, unscaled (Gemma 3); None: rope_base
+    n_experts: int = 0  # experts per MLP (0: a dense MLP); each expert's hidden width is intermediate_size
+    n_active_experts: int = 0  # experts each token is routed to (top-k)
+    norm_topk_prob: bool = True  # the chosen experts' router probabilities renormalized to sum to 1
+    shared_expert_size: int = 0  # hidden width of an always-active expert gated by sigmoid (Qwen2-MoE); 0: none
 
     def __post_init__(self) -> None:
         for name in (
@@ -104,11 +151,67 @@ class ModelConfig:
         _require(
             isinstance(self.tie_embeddings, bool), f"model.tie_embeddings must be a bool, got {self.tie_embeddings!r}"
         )
-        divisors = self.rope_scaling.divisors if self.rope_scaling else None
+        divisors = self.rope_scaling.frequency_divisors() if self.rope_scaling else None
         _require(
             divisors is None or len(divisors) == self.head_dim // 2,
-            f"model.rope_scaling.divisors must hold head_dim / 2 = {self.head_dim // 2} values",
+            f"model.rope_scaling's per-frequency factors must hold head_dim / 2 = {self.head_dim // 2} values",
         )
+        self._check_features()
+
+    def _check_features(self) -> None:
+        for name in ("qkv_bias", "qk_norm", "post_norms", "norm_topk_prob"):
+            _require(isinstance(getattr(self, name), bool), f"model.{name} must be a bool, got {getattr(self, name)!r}")
+        _require(
+            self.mlp_activation in MLP_ACTIVATIONS,
+            f"model.mlp_activation {self.mlp_activation!r} is not one of {', '.join(MLP_ACTIVATIONS)}",
+        )
+        _require_finite(self.norm_offset, "model.norm_offset")
+        _require_positive_number(self.embedding_scale, "model.embedding_scale")
+        for name in ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar", "rope_local_base"):
+            if getattr(self, name) is not None:
+                _require_positive_number(getattr(self, name), f"model.{name}")
+        _require(
+            not self.layer_types or len(self.layer_types) == self.n_layer,
+            f"model.layer_types must be empty or hold n_layer = {self.n_layer} values, not {len(self.layer_types)}",
+        )
+        for i, kind in enumerate(self.layer_types):
+            _require(kind in LAYER_TYPES, f"model.layer_types[{i}] {kind!r} is not one of {', '.join(LAYER_TYPES)}")
+        sliding = "sliding_attention" in self.layer_types
+        if self.sliding_window is not None:
+            _require_size(self.sliding_window, "model.sliding_window")
+        _require(
+            sliding == (self.sliding_window is not None),
+            "model.sliding_window must be set exactly when layer_types names a sliding_attention layer",
+        )
+        _require(self.rope_local_base is None or sliding, "model.rope_local_base needs a sliding_attention layer")
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        for name in ("n_experts", "n_active_experts", "shared_expert_size"):
+            value = getattr(self, name)
+            _require(
+                isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_SIZE,
+                f"model.{name} must be an integer from 0 to {MAX_SIZE}, got {value!r}",
+            )
+        _require(self.n_experts <= MAX_EXPERTS, f"model.n_experts ({self.n_experts}) must be at most {MAX_EXPERTS}")
+        if self.n_experts == 0:
+            _require(
+                self.n_active_experts == 0 and self.shared_expert_size == 0,
+                "model.n_active_experts and shared_expert_size need n_experts > 0",
+            )
+        else:
+            _require(
+                1 <= self.n_active_experts <= self.n_experts,
+                f"model.n_active_experts must be from 1 to n_experts ({self.n_experts}), got {self.n_active_experts}",
+            )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    def layer_type(self, layer: int) -> str:
+        """``full_attention`` or ``sliding_attention``."""
+        return self.layer_types[layer] if self.layer_types else "full_attention"
 
     @property
     def q_size(self) -> int:
@@ -173,6 +276,10 @@ class QuantConfig:
 
     def check_model(self, model: ModelConfig) -> None:
         """Refuse a model whose layers this scheme cannot store."""
+        _require(
+            model.n_experts == 0,
+            f"quantization of a mixture of experts is not supported (model.n_experts = {model.n_experts})",
+        )
         if self.mode != "int4":
             return
         for name in ("dim", "intermediate_size"):  # the input widths of the quantized layers (q_size is even)
@@ -233,6 +340,13 @@ def _require_inside(name: str, field: str) -> None:
     _require(
         bool(name) and not path.is_absolute() and ".." not in path.parts,
         f"{field} must be a path inside the checkpoint folder, got {name!r}",
+    )
+
+
+def _require_finite(value: Any, name: str) -> None:
+    _require(
+        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+        f"{name} must be a finite number, got {value!r}",
     )
 
 

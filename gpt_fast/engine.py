@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from gpt_fast.batching import MAX_BATCH, Batcher, BatchOptions, Event, Finished, Request
 from gpt_fast.chat_template import chat_prompt_ids
 from gpt_fast.checkpoint import checkpoint_tokenizer, load_model, model_from_state
 from gpt_fast.config import CheckpointConfig, ModelConfig, QuantConfig, load_checkpoint_config, resolve_checkpoint_dir
@@ -43,6 +44,7 @@ from gpt_fast.profiling import record_trace
 from gpt_fast.quant.kernels import KERNELS
 from gpt_fast.sampling import SamplingConfig
 from gpt_fast.scoring import token_log_likelihoods
+from gpt_fast.slots import SlotSteps, make_slot_steps
 from gpt_fast.speculative import (
     SpeculativeOptions,
     SpeculativeSteps,
@@ -82,6 +84,15 @@ class EngineOptions:
             raise ValueError(f"speculative must be a SpeculativeOptions or None, got {self.speculative!r}")
         if self.quant_kernel not in KERNELS:
             raise ValueError(f"quant_kernel {self.quant_kernel!r} is not one of {', '.join(KERNELS)}")
+
+    def check_batching(self) -> None:
+        """Continuous batching (several prompts, `gpt-fast serve`) decodes without speculation: a verify step keeps
+        one accepted length for all its rows, which independent requests do not share."""
+        if self.speculative is not None:
+            raise ValueError(
+                "speculative decoding (--prompt_lookup, --draft_checkpoint_path) takes one prompt; several prompts "
+                "are decoded together without it"
+            )
 
 
 @dataclass(frozen=True)
@@ -146,6 +157,7 @@ class Engine:
         self._state = state
         self._folder_id = folder_identity(checkpoint_dir)
         self._steps = make_steps(options.compile, options.compile_prefill)
+        self._slot_steps: SlotSteps | None = None  # made on first use of a batcher
         self._model: Transformer | None = None
         self._draft = draft  # the draft checkpoint's engine, for speculative decoding with a draft model
         self._drafter: Drafter | None = None  # made from options.speculative once the weights are loaded
@@ -326,13 +338,17 @@ class Engine:
         system: str | None = None,
         ignore_eos: bool = False,
     ) -> list[Completion]:
-        """A completion for each prompt (one after another). Every prompt is encoded and checked against the
-        context before the first is generated."""
+        """A completion for each prompt; several prompts are generated together (:meth:`generate_many_ids`), or,
+        with speculative decoding, one after another. Every prompt is encoded and checked against the context
+        before the first is generated."""
         texts = [prompts] if isinstance(prompts, str) else list(prompts)
         all_ids = [self.encode(text, chat=chat, system=system) for text in texts]
         for ids in all_ids:
             self.check_fits(ids, max_new_tokens)
-        return [self._complete(ids, max_new_tokens, sampling or SamplingConfig(), ignore_eos) for ids in all_ids]
+        sampling = sampling or SamplingConfig()
+        if len(all_ids) > 1 and self.options.speculative is None:
+            return self.generate_many_ids(all_ids, max_new_tokens, sampling, ignore_eos=ignore_eos)
+        return [self._complete(ids, max_new_tokens, sampling, ignore_eos) for ids in all_ids]
 
     def _complete(self, ids: list[int], max_new_tokens: int, sampling: SamplingConfig, ignore_eos: bool) -> Completion:
         result = self.generate_ids(ids, max_new_tokens, sampling, ignore_eos=ignore_eos)
@@ -422,6 +438,54 @@ class Engine:
         if drafter is None:
             return generate_stream(self.model, prompt_ids, **common)
         return speculative_stream(self.model, drafter, prompt_ids, spec_steps=self.speculative_steps, **common)
+
+    def generate_many_ids(
+        self,
+        prompts_ids: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        sampling: SamplingConfig,
+        *,
+        ignore_eos: bool = False,
+    ) -> list[Completion]:
+        """A completion for each of several prompts already encoded, generated together by continuous batching (up
+        to MAX_BATCH at once; more wait for a slot). Each row samples with its own seed, drawn from torch's
+        generator, so that :func:`set_seed` makes the whole batch reproducible."""
+        for ids in prompts_ids:
+            self.check_fits(ids, max_new_tokens)
+        longest = max(len(ids) for ids in prompts_ids)
+        options = BatchOptions(
+            max_batch=min(len(prompts_ids), MAX_BATCH),
+            max_seq_length=cache_length(longest, max_new_tokens, self.model_config.block_size),
+            max_queue=len(prompts_ids),
+        )
+        batcher = self.batcher(options)
+        finished: dict[int, Finished] = {}
+        seeds = torch.randint(2**62, (len(prompts_ids),)).tolist()
+        for row, (ids, seed) in enumerate(zip(prompts_ids, seeds, strict=True)):
+
+            def keep(event: Event, row: int = row) -> None:
+                if isinstance(event, Finished):
+                    finished[row] = event
+
+            request = Request(tuple(ids), max_new_tokens, sampling, seed=seed, ignore_eos=ignore_eos)
+            batcher.submit(request, keep)
+        batcher.run()
+        return [self._completion(list(ids), finished[row]) for row, ids in enumerate(prompts_ids)]
+
+    def _completion(self, prompt_ids: list[int], done: Finished) -> Completion:
+        text = self.decode(done.ids) if self._tokenizer is not None else ""
+        return Completion(prompt_ids, list(done.ids), text, done.finish_reason, done.seconds, done.ttft_seconds or 0.0)
+
+    def batcher(self, options: BatchOptions | None = None) -> Batcher:
+        """A :class:`~gpt_fast.batching.Batcher` over this engine's model: requests from many clients decoded
+        together, each in its own slot of the cache (what `gpt-fast serve` runs). It takes over the model's cache:
+        run one batcher, or single-stream generation, at a time."""
+        self.options.check_batching()
+        if self._slot_steps is None:
+            self._slot_steps = make_slot_steps(self.options.compile, self.options.compile_prefill)
+        return Batcher(
+            self.model, self._slot_steps, options or BatchOptions(), tokenizer=self._tokenizer, stop_ids=self.stop_ids
+        )
 
     @contextlib.contextmanager
     def profiled(self, trace_path: Path) -> Iterator[None]:

@@ -89,7 +89,7 @@ class RunMetrics:
     compile_seconds: float | None  # wall time of the first sample, which compiled
     compile_cache: str | None  # warm, cold or partly warm: how the compilations used inductor's on-disk cache
     weight_bytes_per_token: int
-    prompt_ids: list[int]
+    prompt_ids: list[int] | list[list[int]]  # one prompt's, or each prompt's (several generated together)
     samples: list[SampleMetrics]
     averaged_over: str  # which samples the averages are over, e.g. "samples 2-5"
     average_tokens_per_sec: float

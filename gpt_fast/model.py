@@ -1,5 +1,9 @@
 """Llama-family decoder: RMSNorm, rotary embeddings, multi-head / grouped-query attention, SwiGLU MLP.
 
+Other families are the same decoder with features switched on by their config (q/k/v biases, q/k norms, norms
+with an offset, GeGLU, scaled embeddings, post-norms, soft-capped logits, sliding-window layers with their own
+rotary base, Phi-3's longrope, a mixture of experts); with every feature off the computation is exactly Llama's.
+
 Two fusions are built into the weight layout (the converter writes them): q, k and v projections are one
 ``wqkv`` matrix, and the MLP's gate and up projections are one ``w13`` matrix, so each layer reads its weights
 in four matrix-vector products per decoded token instead of seven.
@@ -19,20 +23,30 @@ from gpt_fast.config import ModelConfig, RopeScaling
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.eps = eps
+        self.offset = offset
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:  # Gemma: scaled by (offset + weight) in float32, rounded once at the end
+            return (normed * (self.offset + self.weight.float())).to(x.dtype)
         return self.weight * normed.to(x.dtype)
 
 
-def rope_inv_freq(head_dim: int, base: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """Inverse rotary frequencies [head_dim // 2] (float32), with the checkpoint's scaling applied."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def rope_inv_freq(head_dim: int, base: float, scaling: RopeScaling | None, max_seq_length: int = 0) -> torch.Tensor:
+    """Inverse rotary frequencies [head_dim // 2] (float32), with the checkpoint's scaling applied. ``longrope``
+    uses its long factors for a cache longer than the original context (``max_seq_length``), its short ones
+    otherwise: one choice per cache, where transformers switches when the sequence grows past that length."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    if scaling is not None and scaling.kind == "longrope":
+        long = max_seq_length > scaling.original_max_position_embeddings
+        factors = torch.tensor(scaling.long_factor if long else scaling.short_factor, dtype=torch.float32)
+        return 1.0 / (factors * base**exponents)
+    inv_freq = 1.0 / (base**exponents)
     if scaling is None:
         return inv_freq
     if scaling.kind == "linear":
@@ -51,25 +65,40 @@ def rope_inv_freq(head_dim: int, base: float, scaling: RopeScaling | None) -> to
 
 
 def rope_tables(
-    config: ModelConfig, max_seq_length: int, device: torch.device | str
+    config: ModelConfig, max_seq_length: int, device: torch.device | str, *, local: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables [max_seq_length, head_dim // 2] in float32."""
-    inv_freq = rope_inv_freq(config.head_dim, config.rope_base, config.rope_scaling).to(device)
+    """cos and sin tables [max_seq_length, head_dim // 2] in float32; ``local``: those of the sliding layers,
+    with their own unscaled base (``rope_local_base``)."""
+    base, scaling = (config.rope_local_base, None) if local else (config.rope_base, config.rope_scaling)
+    inv_freq = rope_inv_freq(config.head_dim, base, scaling, max_seq_length).to(device)
     angles = torch.outer(torch.arange(max_seq_length, device=device, dtype=torch.float32), inv_freq)
+    if scaling is not None and scaling.attention_factor is not None:  # longrope scales q and k
+        return angles.cos() * scaling.attention_factor, angles.sin() * scaling.attention_factor
     return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [B, T, H, D] by position; ``cos``/``sin`` are [T, D // 2]. Computed in float32."""
+    """Rotate ``x`` [B, T, H, D] by position; ``cos``/``sin`` are [T, D // 2] (positions shared by the rows) or
+    [B, T, D // 2] (each row's own). Computed in float32."""
     x32 = x.float()
     x1, x2 = x32.chunk(2, dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D/2], broadcast over heads
+    cos, sin = cos[..., None, :], sin[..., None, :]  # [T, 1, D/2] or [B, T, 1, D/2], broadcast over heads
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
-def attend_one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def attend_one_query(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """Attention of a single query position, in float32: ``q`` [B, H, 1, D] over the cache ``k``, ``v``
-    [B, H_kv, S, D] with the additive ``mask`` [1, S]; returns [B, H, 1, D] in ``q``'s dtype.
+    [B, H_kv, S, D] with the additive ``mask`` [1, S] (shared by the rows) or [B, 1, 1, S] (each row's own);
+    returns [B, H, 1, D] in ``q``'s dtype. Scores are scaled by ``scale`` (default head_dim ** -0.5), then
+    soft-capped when ``softcap`` is given.
 
     Written as broadcast products and sums rather than a call to an attention kernel: inductor fuses them with
     the query's rotary embedding and the mask into a few small reductions. On an H100 this decoded the
@@ -79,63 +108,178 @@ def attend_one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     bsz, n_head, _, head_dim = q.shape
     n_kv, dtype = k.shape[1], q.dtype
     q = q.reshape(bsz, n_kv, n_head // n_kv, 1, head_dim).float()  # [B, H_kv, G, 1, D]: G query heads per kv head
-    scores = (q * k[:, :, None].float()).sum(-1) * head_dim**-0.5 + mask  # [B, H_kv, G, S]
+    scores = (q * k[:, :, None].float()).sum(-1) * (head_dim**-0.5 if scale is None else scale)  # [B, H_kv, G, S]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores + mask
     weights = scores.softmax(dim=-1)[..., None]  # [B, H_kv, G, S, 1]
     y = (weights * v[:, :, None].float()).sum(3)  # [B, H_kv, G, D]
     return y.reshape(bsz, n_head, 1, head_dim).to(dtype)
+
+
+def attend_softcapped(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+) -> torch.Tensor:
+    """Attention with soft-capped scores, which SDPA cannot do, in float32: ``q`` [B, H, T, D] over ``k``, ``v``
+    [B, H_kv, S, D] with the additive ``mask`` [T, S]; returns [B, H, T, D] in ``q``'s dtype."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(groups, dim=1).float() for t in (k, v))  # [B, H, S, D]
+    scores = q.float() @ k.transpose(-1, -2) * scale  # [B, H, T, S]
+    scores = torch.tanh(scores / softcap) * softcap + mask
+    return (scores.softmax(dim=-1) @ v).to(q.dtype)
 
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.wqkv = nn.Linear(config.dim, config.q_size + 2 * config.kv_size, bias=False)
+        self.wqkv = nn.Linear(config.dim, config.q_size + 2 * config.kv_size, bias=config.qkv_bias)
         self.wo = nn.Linear(config.q_size, config.dim, bias=False)
         self.kv_cache: KVCache | None = None
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.norm_eps, config.norm_offset)
+            self.k_norm = RMSNorm(config.head_dim, config.norm_eps, config.norm_offset)
+        self.scale = None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar**-0.5
+        self.softcap = config.attn_logit_softcap
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, input_pos: torch.Tensor
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        input_pos: torch.Tensor,
+        first_row: int = 0,
     ) -> torch.Tensor:
         cfg = self.config
         bsz, seqlen, _ = x.shape
         q, k, v = self.wqkv(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = apply_rope(q.view(bsz, seqlen, cfg.n_head, cfg.head_dim), cos, sin)
-        k = apply_rope(k.view(bsz, seqlen, cfg.n_local_heads, cfg.head_dim), cos, sin)
+        q = q.view(bsz, seqlen, cfg.n_head, cfg.head_dim)
+        k = k.view(bsz, seqlen, cfg.n_local_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.view(bsz, seqlen, cfg.n_local_heads, cfg.head_dim)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
-        k, v = self.kv_cache.update(input_pos, k, v)  # [B, H_kv, S, D]
+        k, v = self.kv_cache.update(input_pos, k, v, first_row)  # [B, H_kv, S, D]
         if seqlen == 1 and torch.compiler.is_compiling():  # eager: SDPA's fused kernel beats materialized products
-            y = attend_one_query(q, k, v, mask)
+            y = attend_one_query(q, k, v, mask, scale=self.scale, softcap=self.softcap)
+        elif self.softcap is not None:
+            y = attend_softcapped(q, k, v, mask, self.scale or cfg.head_dim**-0.5, self.softcap)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=cfg.n_head != cfg.n_local_heads)
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, enable_gqa=cfg.n_head != cfg.n_local_heads, scale=self.scale
+            )
         return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, cfg.q_size))
 
 
+def gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """The gated MLP's hidden state: SwiGLU (``silu``) or GeGLU with tanh-approximated GeLU (``gelu_tanh``)."""
+    return (F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")) * up
+
+
 class FeedForward(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.w13 = nn.Linear(config.dim, 2 * config.intermediate_size, bias=False)  # gate and up, stacked
-        self.w2 = nn.Linear(config.intermediate_size, config.dim, bias=False)
+        self.intermediate_size = intermediate_size or config.intermediate_size
+        self.activation = config.mlp_activation
+        self.w13 = nn.Linear(config.dim, 2 * self.intermediate_size, bias=False)  # gate and up, stacked
+        self.w2 = nn.Linear(self.intermediate_size, config.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13(x).split(self.intermediate_size, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        return self.w2(gated(gate, up, self.activation))
+
+
+class MoEFeedForward(nn.Module):
+    """A mixture of experts: a router picks ``n_active_experts`` of ``n_experts`` gated MLPs per token (softmax
+    over the router's logits in float32, then top-k, as transformers does) and sums their outputs weighted by
+    the chosen probabilities (renormalized with ``norm_topk_prob``); Qwen2-MoE adds a shared expert whose output
+    is weighted by a sigmoid gate. The experts' weights are stacked: ``w13`` [E, 2I, D], ``w2`` [E, D, I]."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        n_experts, inter, dim = config.n_experts, config.intermediate_size, config.dim
+        self.router = nn.Linear(dim, n_experts, bias=False)
+        self.w13 = nn.Parameter(torch.empty(n_experts, 2 * inter, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, inter))
+        self.shared = self.shared_gate = None
+        if config.shared_expert_size:
+            self.shared = FeedForward(config, config.shared_expert_size)
+            self.shared_gate = nn.Linear(dim, 1, bias=False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert weights and ids, each [N, k], for tokens ``x`` [N, D]."""
+        probs = F.softmax(self.router(x).float(), dim=-1)  # [N, E]
+        weights, ids = torch.topk(probs, self.config.n_active_experts, dim=-1)
+        if self.config.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # [N, D]
+        weights, ids = self.route(flat)
+        if ids.numel() < self.config.n_experts:  # few tokens (decode): read only the chosen experts
+            y = self.chosen_experts(flat, weights, ids)
+        else:  # many tokens (prefill): every expert once, for every token, weighted 0 where not chosen
+            y = self.all_experts(flat, weights, ids)
+        if self.shared is not None:
+            y = y + torch.sigmoid(self.shared_gate(flat)) * self.shared(flat)
+        return y.view(x.shape)
+
+    def chosen_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Tokens ``x`` [N, D] through their chosen experts ``ids`` [N, k], gathering only those weights."""
+        inter = self.config.intermediate_size
+        hidden = torch.einsum("nd,nkhd->nkh", x, self.w13[ids])  # [N, k, 2I]
+        hidden = gated(hidden[..., :inter], hidden[..., inter:], self.config.mlp_activation)  # [N, k, I]
+        out = torch.einsum("nki,nkdi->nkd", hidden, self.w2[ids])  # [N, k, D]
+        return (out * weights[..., None].to(out.dtype)).sum(dim=1)
+
+    def all_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Tokens ``x`` [N, D] through every expert in turn, each output weighted by its routing weight."""
+        inter = self.config.intermediate_size
+        dense = torch.zeros(x.shape[0], self.config.n_experts, dtype=weights.dtype, device=x.device)
+        dense = dense.scatter(1, ids, weights).to(x.dtype)  # [N, E]
+        y = torch.zeros_like(x)
+        for e in range(self.config.n_experts):
+            hidden = x @ self.w13[e].t()  # [N, 2I]
+            hidden = gated(hidden[:, :inter], hidden[:, inter:], self.config.mlp_activation)
+            y = y + dense[:, e, None] * (hidden @ self.w2[e].t())
+        return y
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_type: str = "full_attention") -> None:
         super().__init__()
+        self.layer_type = layer_type
         self.attention = Attention(config)
-        self.feed_forward = FeedForward(config)
-        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
-        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.feed_forward = MoEFeedForward(config) if config.is_moe else FeedForward(config)
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps, config.norm_offset)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps, config.norm_offset)
+        self.post_attention_norm = self.post_ffn_norm = None
+        if config.post_norms:
+            self.post_attention_norm = RMSNorm(config.dim, config.norm_eps, config.norm_offset)
+            self.post_ffn_norm = RMSNorm(config.dim, config.norm_eps, config.norm_offset)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, input_pos: torch.Tensor
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        input_pos: torch.Tensor,
+        first_row: int = 0,
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, mask, input_pos)
-        return h + self.feed_forward(self.ffn_norm(h))
+        attended = self.attention(self.attention_norm(x), cos, sin, mask, input_pos, first_row)
+        if self.post_attention_norm is not None:
+            attended = self.post_attention_norm(attended)
+        h = x + attended
+        out = self.feed_forward(self.ffn_norm(h))
+        if self.post_ffn_norm is not None:
+            out = self.post_ffn_norm(out)
+        return h + out
 
 
 class Transformer(nn.Module):
@@ -143,8 +287,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
-        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.layers = nn.ModuleList(TransformerBlock(config, config.layer_type(i)) for i in range(config.n_layer))
+        self.norm = RMSNorm(config.dim, config.norm_eps, config.norm_offset)
         self.output = None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
         self.decode_state: DecodeState | None = None
         self.max_batch_size = 0
@@ -170,22 +314,55 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(self.config, max_seq_length, weight.device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        if self.config.rope_local_base is not None:
+            cos, sin = rope_tables(self.config, max_seq_length, weight.device, local=True)
+            self.register_buffer("rope_local_cos", cos, persistent=False)
+            self.register_buffer("rope_local_sin", sin, persistent=False)
+        if self.config.embedding_scale != 1.0:  # rounded to the model's dtype, as transformers does
+            scale = torch.tensor(self.config.embedding_scale, dtype=weight.dtype, device=weight.device)
+            self.register_buffer("embedding_scale", scale, persistent=False)
         self.max_batch_size, self.max_seq_length = batch_size, max_seq_length
 
-    def forward(self, idx: torch.Tensor, input_pos: torch.Tensor, *, last_only: bool = False) -> torch.Tensor:
-        """Logits [B, T, V] for tokens ``idx`` [B, T] at positions ``input_pos`` [T] ([B, 1, V] with ``last_only``)."""
+    def forward(
+        self, idx: torch.Tensor, input_pos: torch.Tensor, *, last_only: bool = False, first_row: int = 0
+    ) -> torch.Tensor:
+        """Logits [B, T, V] for tokens ``idx`` [B, T] ([B, 1, V] with ``last_only``) at positions ``input_pos``:
+        [T], the same for every row (one prompt, or copies of it), or [B, T], each row's own (independent
+        sequences decoded together). The rows are the cache's rows ``first_row`` to ``first_row + B - 1``, so
+        that one sequence can be prefilled into its row while the others wait."""
         assert self.max_seq_length > 0, "setup_caches() must be called before forward()"
-        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [T, D/2]
+        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [T, D/2] or [B, T, D/2]
         x = self.tok_embeddings(idx)
+        if self.config.embedding_scale != 1.0:
+            x = x * self.embedding_scale
         key_pos = torch.arange(self.max_seq_length, device=idx.device)
-        # [T, S] causal over the whole cache; additive and in the model's dtype once here rather than per layer
-        mask = torch.where(key_pos[None, :] <= input_pos[:, None], 0.0, float("-inf")).to(x.dtype)
+        # [T, S] or [B, T, S], causal over the whole cache; additive and in the model's dtype once here rather
+        # than per layer
+        mask = torch.where(key_pos <= input_pos[..., None], 0.0, float("-inf")).to(x.dtype)
+        inputs = {"full_attention": (cos, sin, mask)}  # each layer type's rotary tables and mask
+        if self.config.sliding_window is not None:
+            inputs["sliding_attention"] = self.sliding_inputs(input_pos, key_pos, cos, sin, mask)
+        if input_pos.dim() == 2:  # masks [B, 1, T, S]: the same for every head
+            inputs = {kind: (c, s, m[:, None]) for kind, (c, s, m) in inputs.items()}
         for layer in self.layers:
-            x = layer(x, cos, sin, mask, input_pos)
+            x = layer(x, *inputs[layer.layer_type], input_pos, first_row)
         if last_only:
             x = x[:, -1:]
         x = self.norm(x)
-        return F.linear(x, self.tok_embeddings.weight) if self.output is None else self.output(x)
+        logits = F.linear(x, self.tok_embeddings.weight) if self.output is None else self.output(x)
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def sliding_inputs(
+        self, input_pos: torch.Tensor, key_pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotary tables and mask ([T, S] or [B, T, S], as ``mask``) of the sliding layers: the causal ``mask``
+        limited to the keys less than ``sliding_window`` positions back (the static cache keeps every key; the mask
+        hides the old ones)."""
+        if self.config.rope_local_base is not None:
+            cos, sin = self.rope_local_cos[input_pos], self.rope_local_sin[input_pos]
+        recent = input_pos[..., None] - key_pos < self.config.sliding_window  # [T, S] or [B, T, S]
+        return cos, sin, torch.where(recent, mask, float("-inf"))
 
 
 def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -199,16 +376,32 @@ def weight_count(config: ModelConfig) -> tuple[int, int]:
     """``(tensors, parameters)`` a checkpoint for ``config`` holds, computed without listing them: cheap however
     large the config claims to be, so that a weights file can be checked against it before anything is built."""
     dim = config.dim
-    per_layer = dim * (config.q_size + 2 * config.kv_size) + config.q_size * dim + 3 * dim * config.intermediate_size
-    per_layer += 2 * dim  # the two norms
+    qkv = config.q_size + 2 * config.kv_size
+    tensors, per_layer = 4, dim * qkv + config.q_size * dim + 2 * dim  # wqkv, wo, the two norms
+    optional = (  # (present, tensors, parameters)
+        (config.qkv_bias, 1, qkv),
+        (config.qk_norm, 2, 2 * config.head_dim),
+        (config.post_norms, 2, 2 * dim),
+        (not config.is_moe, 2, 3 * dim * config.intermediate_size),
+        (config.is_moe, 3, config.n_experts * dim * (1 + 3 * config.intermediate_size)),  # router and experts
+        (config.shared_expert_size > 0, 3, dim * (1 + 3 * config.shared_expert_size)),  # shared expert and gate
+    )
+    for present, count, parameters in optional:
+        if present:
+            tensors, per_layer = tensors + count, per_layer + parameters
     tables = 1 if config.tie_embeddings else 2  # the embedding table, and the output projection unless tied
-    return 6 * config.n_layer + tables + 1, tables * config.vocab_size * dim + config.n_layer * per_layer + dim
+    return tensors * config.n_layer + tables + 1, tables * config.vocab_size * dim + config.n_layer * per_layer + dim
 
 
 def weight_bytes_per_token(model: Transformer) -> int:
     """Bytes of weights read to decode one token: all parameters except the embedding table, which is only
-    gathered one row at a time — unless it is tied to the output projection, which reads all of it."""
+    gathered one row at a time — unless it is tied to the output projection, which reads all of it — and, in a
+    mixture of experts, except the experts the token is not routed to."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     if model.output is not None:
         total -= model.tok_embeddings.weight.numel() * model.tok_embeddings.weight.element_size()
+    config = model.config
+    for layer in model.layers if config.is_moe else ():
+        experts = sum(p.numel() * p.element_size() for p in (layer.feed_forward.w13, layer.feed_forward.w2))
+        total -= experts * (config.n_experts - config.n_active_experts) // config.n_experts
     return total

@@ -35,6 +35,7 @@ class GenerateOptions:
     are these. Checked here, once, before any checkpoint is read."""
 
     prompt: str = DEFAULT_PROMPT
+    prompts: tuple[str, ...] = ()  # two or more prompts generated together (continuous batching) instead of prompt
     chat: bool = False
     system: str | None = None
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
@@ -48,8 +49,12 @@ class GenerateOptions:
     stream: bool = True
 
     def __post_init__(self) -> None:
-        if not self.prompt:
+        if not all(self.all_prompts):
             raise ValueError("--prompt is empty")
+        if len(self.prompts) == 1:
+            raise ValueError("prompts holds two or more prompts (one goes in prompt)")
+        if self.prompts and self.batch_size != 1:
+            raise ValueError("--batch_size copies one prompt; several prompts are each generated once, together")
         if self.system is not None and not self.chat:
             raise ValueError("--system goes with --chat (a system message is part of a chat)")
         for name in ("max_new_tokens", "num_samples", "batch_size"):
@@ -61,6 +66,10 @@ class GenerateOptions:
             check_output_file(self.metrics_json, "--metrics_json")
         if self.profile is not None:
             trace_file(self.profile)
+
+    @property
+    def all_prompts(self) -> tuple[str, ...]:
+        return self.prompts or (self.prompt,)
 
     @property
     def trace_path(self) -> Path | None:
@@ -83,11 +92,15 @@ class SampleRunner:
     def __init__(self, engine: Engine, opts: GenerateOptions, write: Write) -> None:
         self.engine, self.opts, self.write = engine, opts, write
         self.trace_path = opts.trace_path
-        self.prompt_ids = engine.encode(opts.prompt, chat=opts.chat, system=opts.system)
-        engine.check_fits(self.prompt_ids, opts.max_new_tokens)
+        self.prompts_ids = [engine.encode(text, chat=opts.chat, system=opts.system) for text in opts.all_prompts]
+        for ids in self.prompts_ids:
+            engine.check_fits(ids, opts.max_new_tokens)
+        self.prompt_ids = self.prompts_ids[0] if len(self.prompts_ids) == 1 else self.prompts_ids
 
     def generate(self) -> GenerationResult:
         opts, write = self.opts, self.write
+        if opts.prompts:
+            return self.generate_together()
         on_text = None
         if opts.stream and opts.batch_size == 1:
             write(f"{opts.prompt}\n" if opts.chat else opts.prompt)
@@ -104,6 +117,18 @@ class SampleRunner:
             for row, ids in enumerate(result.tokens):
                 write(f"[{row}] {opts.prompt}{self.engine.decode(ids)}\n")
         return result
+
+    def generate_together(self) -> GenerationResult:
+        """Several prompts on continuous batching; each row's text printed at the end."""
+        opts = self.opts
+        completions = self.engine.generate_many_ids(
+            self.prompts_ids, opts.max_new_tokens, opts.sampling, ignore_eos=opts.ignore_eos
+        )
+        if opts.stream:
+            for row, (text, completion) in enumerate(zip(opts.prompts, completions, strict=True)):
+                self.write(f"[{row}] {text}{chr(10) if opts.chat else ''}{completion.text}\n")
+        seconds = max(c.seconds for c in completions)
+        return GenerationResult([c.ids for c in completions], seconds, max(c.ttft_seconds for c in completions))
 
     def sample(self, warmup: bool, profiled: bool) -> SampleMetrics:
         result = self.generate()

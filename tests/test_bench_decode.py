@@ -69,3 +69,68 @@ def test_schemes_are_checked():
     assert parse_schemes("int4", 64) == [QuantConfig("int4", 64)]
     with pytest.raises(ValueError, match="--quantize 'fp8' is not one of int8, int4"):
         parse_schemes("int8,fp8", 128)
+
+
+def shrunk(name: str):
+    """A registered shape's features at a tiny size."""
+    import dataclasses
+
+    shape = get_shape(name)
+    layers = 3
+    types = shape.layer_types[:2] + shape.layer_types[-1:]  # Gemma: two sliding layers, then a full one
+    scale = 64**0.5 if shape.embedding_scale != 1.0 else 1.0
+    return dataclasses.replace(
+        shape,
+        block_size=64,
+        vocab_size=300,
+        n_layer=layers,
+        n_head=4,
+        n_local_heads=2,
+        dim=64,
+        head_dim=16,
+        intermediate_size=32,
+        embedding_scale=scale,
+        layer_types=types,
+        sliding_window=4 if types else None,
+        n_experts=min(shape.n_experts, 4),
+        n_active_experts=min(shape.n_active_experts, 2),
+        shared_expert_size=48 if shape.shared_expert_size else 0,
+    )
+
+
+FAMILY_SHAPES = [
+    "qwen2.5-7b",
+    "qwen3-8b",
+    "gemma-2-9b",
+    "gemma-3-1b",
+    "phi-3-mini-4k",
+    "mixtral-8x7b",
+    "qwen1.5-moe-a2.7b",
+    "qwen3-30b-a3b",
+]
+
+
+@pytest.mark.parametrize("name", FAMILY_SHAPES)
+@torch.no_grad()
+def test_peer_is_the_same_model_for_every_family(name):
+    from gpt_fast.bench_decode import hf_model
+    from gpt_fast.model import Transformer
+
+    shape = shrunk(name)
+    state = random_weights(shape, torch.float32, seed=0)
+    state = {n: t * 10 if t.dim() > 1 else t for n, t in state.items()}  # larger than 0.02: real differences
+    ours = Transformer(shape)
+    ours.load_state_dict(state)
+    theirs = hf_model(dict(state), shape, torch.device("cpu"))
+    theirs.config._attn_implementation = "eager"
+    tokens = torch.randint(0, shape.vocab_size, (1, 12))
+    ours.setup_caches(1, 16)
+    torch.testing.assert_close(ours(tokens, torch.arange(12)), theirs(tokens).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_every_registered_shape_converts_back_from_its_hf_config():
+    from gpt_fast.convert.hf_config import model_config_from_hf
+    from gpt_fast.shapes import SHAPES
+
+    for name, shape in SHAPES.items():
+        assert model_config_from_hf(hf_config_dict(shape), name) == shape, name

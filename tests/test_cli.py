@@ -18,7 +18,7 @@ from gpt_fast import __version__
 from gpt_fast.cli import main
 from gpt_fast.convert.hf_config import hf_config_dict
 from gpt_fast.convert.random_init import make_random_checkpoint
-from gpt_fast.shapes import get_shape
+from gpt_fast.shapes import SHAPES, get_shape
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +247,7 @@ def test_random_checkpoint_and_convert_commands(tmp_path, capsys):
     )
     assert code == 0 and (tmp_path / "r" / "model.pth").is_file(), err
     code, _, err = run(["random-checkpoint", "huge", "--output_dir", str(tmp_path / "h")], capsys)
-    assert code == 1 and "known shapes: llama-2-7b, llama-3-8b, smollm2-135m, tiny" in err
+    assert code == 1 and f"known shapes: {', '.join(SHAPES)}" in err and "mixtral-8x7b" in err
     code, _, err = run(["convert", str(tmp_path / "r" / "model.pth")], capsys)
     assert code == 1 and "neither a Hugging Face checkpoint folder nor a GGUF file" in err
 
@@ -339,6 +339,12 @@ MORE_BAD_INPUTS = {
     "unknown device": (["--device", "tpu"], "--device 'tpu' is not a device"),
     "unsupported device": (["--device", "meta"], "--device 'meta' is not supported"),
     "chat without a template": (["--chat"], "no chat template"),
+    "several prompts and copies": (["--prompt", "a", "--prompt", "b", "--batch_size", "2"], "--batch_size copies one"),
+    "several prompts and a file": (["--prompt", "a", "--prompt", "b", "--prompt_file", "p.txt"], "not both"),
+    "several prompts, one from stdin": (["--prompt", "-", "--prompt", "b"], "--prompt - reads one prompt"),
+    "prompts file and a prompt": (["--prompts_file", "p.txt", "--prompt", "a"], "give --prompts_file alone"),
+    "several prompts, speculated": (["--prompt", "a", "--prompt", "b", "--prompt_lookup", "2"], "takes one prompt"),
+    "several prompts, one too long": (["--prompt", "a", "--prompt", "b" * 600], "exceeds the model's context"),
     "speculate_k alone": (["--speculate_k", "3"], "--speculate_k goes with --draft_checkpoint_path or --prompt_lookup"),
     "two drafters": (["--prompt_lookup", "2", "--draft_checkpoint_path", "x"], "takes one drafter"),
     "prompt lookup of zero": (["--prompt_lookup", "0"], r"--prompt_lookup must be an integer in 1\.\.16, got 0"),
@@ -355,6 +361,64 @@ def test_more_bad_input_is_one_line_before_loading(name, checkpoint, capsys, tmp
     assert code == 1 and len(err.strip().splitlines()) == 1 and err.startswith("error: ")
     assert re.search(message, err), err
     assert "Loading model" not in out and list(tmp_path.iterdir()) == []
+
+
+def test_several_prompts_are_generated_together(checkpoint, tmp_path, capsys):
+    """Repeated --prompt, or --prompts_file: each prompt's greedy text is what it gets alone."""
+    prompts = ["def quicksort(arr):", "Hello", "1, 2, 3,"]
+    alone = []
+    for prompt in prompts:
+        metrics = tmp_path / "alone.json"
+        run(generate_args(checkpoint, "--prompt", prompt, "--temperature", "0", "--metrics_json", str(metrics)), capsys)
+        alone.append(json.loads(metrics.read_text())["samples"][-1]["generated_ids"][0])
+    metrics = tmp_path / "together.json"
+    argv = generate_args(checkpoint, "--temperature", "0", "--metrics_json", str(metrics))
+    code, out, err = run([*argv, *(arg for prompt in prompts for arg in ("--prompt", prompt))], capsys)
+    assert code == 0, err
+    together = json.loads(metrics.read_text())
+    assert together["samples"][-1]["generated_ids"] == alone
+    assert together["prompt_ids"] == [[256, *prompt.encode()] for prompt in prompts]
+    assert all(f"[{row}] {prompt}" in out for row, prompt in enumerate(prompts))
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n\n")
+    argv = generate_args(checkpoint, "--temperature", "0", "--prompts_file", str(tmp_path / "prompts.txt"))
+    code, _, err = run([*argv, "--metrics_json", str(metrics)], capsys)
+    assert code == 0, err
+    assert json.loads(metrics.read_text())["samples"][-1]["generated_ids"] == alone
+
+
+def test_an_empty_prompts_file(checkpoint, tmp_path, capsys):
+    (tmp_path / "p.txt").write_text("\n \n")
+    code, _, err = run(generate_args(checkpoint, "--prompts_file", str(tmp_path / "p.txt")), capsys)
+    assert code == 1 and f"--prompts_file {tmp_path / 'p.txt'} holds no prompt" in err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--port", "70000"], "--port must be in 0..65535"),
+        (["--max_batch", "0"], "--max_batch must be an integer in 1..64"),
+        (["--max_queue", "-1"], "--max_queue must be an integer >= 0"),
+        (["--max_seq_length", "600"], "--max_seq_length 600 exceeds the model's context of 512"),
+        (["--api_key", " "], "--api_key is empty"),
+        (["--compile", "fast"], "--compile 'fast' is not one of"),
+        (["--host", "no.such.host.invalid"], "cannot listen on no.such.host.invalid:"),
+    ],
+)
+def test_serve_refuses_before_loading(args, message, checkpoint, capsys):
+    code, out, err = run(["serve", "--checkpoint_path", str(checkpoint), "--port", "0", *args], capsys)
+    assert code == 1 and len(err.strip().splitlines()) == 1 and message in err, err
+    assert "Time to load model" not in out
+
+
+def test_serve_refuses_a_port_in_use(checkpoint, capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, out, err = run(["serve", "--checkpoint_path", str(checkpoint), "--port", str(port)], capsys)
+    assert code == 1 and f"error: cannot listen on 127.0.0.1:{port}:" in err and "Time to load model" not in out
 
 
 def test_speculative_generate_reports_acceptance_and_keeps_the_text(checkpoint, tmp_path, capsys):

@@ -181,3 +181,22 @@ def test_a_verify_step_is_one_graph_launch(speculative_traces, name, draft_launc
     assert summary.verify_graph_launches == rounds and summary.verify_kernel_launches == 0
     assert summary.graph_launches == rounds * (1 + draft_launches)
     assert summary.kernel_launches < 0.1 * rounds
+
+
+@pytest.mark.parametrize("name", ["gemma-2-9b", "mixtral-8x7b", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_family_features_compile_to_eager_greedy_tokens(name, mode):
+    """Soft-capping, sliding windows, q/k norms and the experts' gather in the compiled decode step, on the GPU:
+    the features of a registered family shape at a tiny size, float32, greedy tokens equal to eager's."""
+    from test_bench_decode import shrunk
+
+    from gpt_fast.convert.random_init import random_weights
+
+    shape = shrunk(name)
+    state = {n: t * 10 if t.dim() > 1 else t for n, t in random_weights(shape, torch.float32, seed=0).items()}
+    greedy = SamplingConfig(temperature=0)
+    tokens = {}
+    for compile_mode in ("none", mode):
+        engine = Engine.from_state(shape, state, EngineOptions(compile=compile_mode, device="cuda", dtype="float32"))
+        tokens[compile_mode] = engine.generate_ids(list(range(1, 21)), NEW_TOKENS, greedy).tokens[0]
+    assert tokens[mode] == tokens["none"]

@@ -41,6 +41,45 @@ def test_cached_decode_matches_full_forward(n_local_heads):
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("n_local_heads", [4, 1], ids=["mha", "mqa"])
+@torch.no_grad()
+def test_slots_prefilled_apart_and_decoded_together_match_full_forwards(n_local_heads):
+    """Three sequences of different lengths, each prefilled alone into its own cache row, then decoded together at
+    their own positions (the fourth row idle), give the logits of each sequence's own full forward."""
+    model = tiny_model(n_local_heads)
+    generator = torch.Generator().manual_seed(1)
+    sequences = [torch.randint(0, 97, (1, n), generator=generator) for n in (9, 4, 15)]
+    expected = []
+    for seq in sequences:
+        model.setup_caches(1, 32)
+        expected.append(model(seq, torch.arange(seq.shape[1]))[0])  # [T, V]
+    model.setup_caches(4, 32)
+    prompt = 3  # each sequence's first three tokens are its prompt
+    got = [[] for _ in sequences]
+    for row, seq in enumerate(sequences):
+        got[row].append(model(seq[:, :prompt], torch.arange(prompt), first_row=row)[0])
+    for pos in range(prompt, 15):
+        rows = [min(pos, seq.shape[1] - 1) for seq in sequences]  # a finished sequence repeats its last position
+        tokens = torch.stack([seq[0, p] for seq, p in zip(sequences, rows, strict=True)])[:, None]  # [3, 1]
+        logits = model(tokens, torch.tensor(rows)[:, None])  # [3, 1, V]
+        for row, seq in enumerate(sequences):
+            if pos < seq.shape[1]:
+                got[row].append(logits[row])
+    for row in range(3):
+        torch.testing.assert_close(torch.cat(got[row]), expected[row], rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_a_slot_prefill_writes_only_its_own_cache_row():
+    model = tiny_model(2)
+    model.setup_caches(3, 16)
+    cache = model.layers[0].attention.kv_cache.kv
+    cache.fill_(7.0)
+    model(torch.randint(0, 97, (1, 5)), torch.arange(5), first_row=1)
+    changed = (cache != 7.0).any(dim=(0, 2, 4))  # [rows, positions]
+    assert changed[1, :5].all() and not changed[1, 5:].any() and not changed[[0, 2]].any()
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("n_kv", [4, 2, 1])  # MHA, GQA, MQA
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -48,18 +87,21 @@ def test_one_query_attention_matches_sdpa(n_kv, dtype):
     generator = torch.Generator().manual_seed(n_kv)
     q = torch.randn(2, 4, 1, 16, generator=generator).to(dtype)
     k, v = (torch.randn(2, n_kv, 24, 16, generator=generator).to(dtype) for _ in range(2))
-    mask = torch.where(torch.arange(24) <= 9, 0.0, float("-inf"))[None].to(dtype)  # [1, S]: positions 0..9 filled
-    expected = torch.nn.functional.scaled_dot_product_attention(
-        q.float(), k.float(), v.float(), attn_mask=mask.float(), enable_gqa=n_kv != 4
-    )
-    got = attend_one_query(q, k, v, mask)
-    assert got.dtype == dtype and got.shape == q.shape
-    torch.testing.assert_close(
-        got.float(),
-        expected.to(dtype).float(),
-        rtol=1e-5 if dtype == torch.float32 else 1e-2,
-        atol=1e-5 if dtype == torch.float32 else 1e-2,
-    )
+    shared = torch.where(torch.arange(24) <= 9, 0.0, float("-inf"))[None].to(dtype)  # [1, S]: positions 0..9 filled
+    lengths = torch.tensor([4, 20])[:, None, None, None]  # each row's own: [B, 1, 1, S]
+    per_row = torch.where(torch.arange(24) < lengths, 0.0, float("-inf")).to(dtype)
+    for mask in (shared, per_row):
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            q.float(), k.float(), v.float(), attn_mask=mask.float(), enable_gqa=n_kv != 4
+        )
+        got = attend_one_query(q, k, v, mask)
+        assert got.dtype == dtype and got.shape == q.shape
+        torch.testing.assert_close(
+            got.float(),
+            expected.to(dtype).float(),
+            rtol=1e-5 if dtype == torch.float32 else 1e-2,
+            atol=1e-5 if dtype == torch.float32 else 1e-2,
+        )
 
 
 def test_last_only_returns_last_position():

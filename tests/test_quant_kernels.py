@@ -46,7 +46,7 @@ def test_int4_matches_the_float_product(kernel, dtype, rows, cols, group_size):
     """Through the layer, so that ``aten`` runs on its repacked copy (rows padded to whole groups)."""
     torch.manual_seed(cols + rows)
     q, scales, zeros = quantize_int4(torch.randn(64, cols), group_size, dtype)
-    layer = Int4Linear(cols, 64, QuantConfig("int4", group_size))
+    layer = Int4Linear(cols, 64, QuantConfig("int4", group_size), bias=False)
     layer.load_state_dict({"weight": q, "scales": scales, "zeros": zeros}, assign=True)
     layer.prepare(kernel)
     assert layer.kernel == kernel
@@ -68,7 +68,7 @@ def test_int4_dequantize_in_pytorch_matches_the_scheme():
 
 def test_cpu_int4_kernel_needs_rows_in_sixteens():
     """torch's CPU int4 kernel takes 16 output rows at a time; another shape keeps the plain PyTorch path."""
-    layer = Int4Linear(64, 24, QuantConfig("int4", 32))
+    layer = Int4Linear(64, 24, QuantConfig("int4", 32), bias=False)
     q, scales, zeros = quantize_int4(torch.randn(24, 64), 32, torch.float32)
     layer.load_state_dict({"weight": q, "scales": scales, "zeros": zeros}, assign=True)
     layer.prepare("aten")

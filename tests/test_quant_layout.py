@@ -45,6 +45,8 @@ def test_the_swapped_model_holds_what_the_loader_expects(shape_name, quant):
 @pytest.mark.parametrize("shape_name", list(SHAPES))
 def test_the_cheap_count_agrees_with_the_listing(shape_name, quant):
     shape, dtype = get_shape(shape_name), torch.bfloat16
+    if quant is not None and shape.n_experts:
+        pytest.skip("a mixture of experts is not quantized (test_a_mixture_of_experts_is_refused)")
     specs = stored_specs(shape, quant, dtype)
     size = sum(torch.Size(s).numel() * d.itemsize for s, d in specs.values())
     assert stored_size(shape, quant, dtype) == (len(specs), size)
@@ -69,3 +71,33 @@ def test_bytes_per_token_count_the_quantized_tensors(quant):
     embedding = state["tok_embeddings.weight"].numel() * 4
     total = sum(t.numel() * t.element_size() for t in state.values())
     assert weight_bytes_per_token(model) == total - embedding  # tiny's output is untied, or quantized apart
+
+
+def test_biases_stay_in_float_beside_the_quantized_weights():
+    """Qwen2's q/k/v biases: kept by the quantized layer, and the quantized model stays close to the float one."""
+    import dataclasses
+
+    from gpt_fast.checkpoint import model_from_state
+    from gpt_fast.convert.random_init import random_weights
+
+    shape = dataclasses.replace(get_shape("tiny"), qkv_bias=True)
+    state = random_weights(shape, torch.float32, seed=0)
+    state["layers.0.attention.wqkv.bias"] = torch.randn_like(state["layers.0.attention.wqkv.bias"])
+    cpu, tokens = torch.device("cpu"), torch.randint(0, shape.vocab_size, (1, 12))
+    logits = {}
+    for quant in (None, QuantConfig("int8")):
+        quantized = state if quant is None else quantize_state(state, shape, quant, torch.float32)
+        model = model_from_state(shape, quantized, cpu, torch.float32, quant)
+        model.setup_caches(1, 16)
+        with torch.no_grad():
+            logits[quant] = model(tokens, torch.arange(12))
+    assert torch.equal(model.layers[0].attention.wqkv.bias, state["layers.0.attention.wqkv.bias"])
+    error = (logits[QuantConfig("int8")] - logits[None]).norm() / logits[None].norm()
+    assert error < 0.01
+
+
+def test_a_mixture_of_experts_is_refused():
+    with pytest.raises(
+        ValueError, match=r"quantization of a mixture of experts is not supported \(model.n_experts = 8\)"
+    ):
+        QuantConfig("int4", 128).check_model(get_shape("mixtral-8x7b"))

@@ -3,7 +3,17 @@ import math
 import pytest
 import torch
 
-from gpt_fast.sampling import SamplingConfig, candidates, probabilities, sample, sample_weights, top_p_filter
+from gpt_fast.sampling import (
+    SamplingConfig,
+    candidates,
+    probabilities,
+    row_noise,
+    sample,
+    sample_rows,
+    sample_weights,
+    seed_key,
+    top_p_filter,
+)
 
 
 def test_temperature_zero_is_argmax():
@@ -113,3 +123,78 @@ def test_same_seed_same_tokens():
 def test_invalid_settings(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingConfig(**kwargs)
+
+
+ROW_CONFIGS = [
+    SamplingConfig(temperature=0),
+    SamplingConfig(temperature=0.7, top_k=None),
+    SamplingConfig(temperature=1.3, top_k=5),
+    SamplingConfig(temperature=1.0, top_k=None, top_p=0.6),
+    SamplingConfig(temperature=0.9, top_k=40, top_p=0.8),
+]
+
+
+def row_settings(configs, vocab):
+    temperature = torch.tensor([c.temperature for c in configs])
+    top_k = torch.tensor([vocab if c.top_k is None else c.top_k for c in configs])
+    return temperature, top_k, torch.tensor([c.top_p for c in configs])
+
+
+def reference_row(logits, config, noise):
+    """One row sampled the single-stream way (:func:`candidates`' filtering), with the given Exp(1) draws [V]."""
+    if config.greedy:
+        return int(logits.argmax())
+    scores, index = candidates(logits[None], config)
+    ids = torch.arange(logits.shape[-1])[None] if index is None else index
+    probs = torch.softmax(scores, dim=-1)
+    return int(ids[0, torch.argmax(probs[0] / noise[ids[0]])])
+
+
+def test_rows_sample_as_their_own_settings_say():
+    """Each row filters and samples exactly as the single-stream sampler would with its settings and the same
+    noise: greedy, temperature only, top-k, top-p, both."""
+    vocab = 300
+    logits = torch.randn(len(ROW_CONFIGS), vocab, generator=torch.Generator().manual_seed(0)) * 3
+    keys = torch.tensor([seed_key(s) for s in range(len(ROW_CONFIGS))])
+    for step in range(50):
+        positions = torch.full((len(ROW_CONFIGS),), step)
+        got = sample_rows(logits, *row_settings(ROW_CONFIGS, vocab), keys, positions)
+        noise = row_noise(keys, positions, vocab)
+        expected = [reference_row(logits[r], c, noise[r]) for r, c in enumerate(ROW_CONFIGS)]
+        assert got.tolist() == expected
+
+
+def test_row_noise_depends_on_key_and_position_alone():
+    keys = torch.tensor([seed_key(1), seed_key(2), seed_key(1)])
+    positions = torch.tensor([5, 5, 5])
+    noise = row_noise(keys, positions, 1000)
+    assert torch.equal(noise[0], noise[2]) and not torch.equal(noise[0], noise[1])
+    assert torch.equal(row_noise(keys[:1], positions[:1], 1000)[0], noise[0])  # whatever else is in the batch
+    assert not torch.equal(row_noise(keys[:1], torch.tensor([6]), 1000)[0], noise[0])
+    draws = row_noise(torch.tensor([seed_key(9)]), torch.tensor([0]), 200_000)[0]
+    assert abs(draws.mean() - 1) < 0.01 and abs(draws.std() - 1) < 0.01  # Exp(1): mean and deviation 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+def test_row_noise_is_the_same_on_the_gpu():
+    """The hash is exact integer arithmetic on every device: a seeded request samples alike on the CPU and a GPU."""
+    keys = torch.tensor([seed_key(0), seed_key(7), seed_key(2**70)])
+    positions = torch.tensor([0, 513, 2**20])
+    on_cpu = row_noise(keys, positions, 32000)
+    on_gpu = row_noise(keys.cuda(), positions.cuda(), 32000).cpu()
+    torch.testing.assert_close(on_gpu, on_cpu, rtol=1e-6, atol=0)  # the integers alike; the log within a rounding
+
+
+def test_rows_follow_the_distribution():
+    logits = torch.log(torch.tensor([0.7, 0.2, 0.1]))[None].expand(4000, 3)
+    ones = torch.ones(4000)
+    keys = torch.tensor([seed_key(i) for i in range(4000)])
+    draws = sample_rows(logits, ones, torch.full((4000,), 3), ones, keys, torch.zeros(4000, dtype=torch.long))
+    freq = torch.bincount(draws, minlength=3).float() / 4000
+    torch.testing.assert_close(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.03, rtol=0)
+
+
+def test_seed_keys_are_32_bit_and_take_any_integer():
+    keys = {seed_key(s) for s in (0, 1, -1, 2**64, -(2**100), 12345678901234567890)}
+    assert len(keys) == 6 and all(0 <= k < 2**32 for k in keys)

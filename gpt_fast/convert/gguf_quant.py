@@ -21,7 +21,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from gpt_fast.config import ModelConfig, QuantConfig
-from gpt_fast.convert.layout import FUSED_PARTS, our_name
+from gpt_fast.convert.layout import hf_layout
 from gpt_fast.quant.schemes import INT4_MID, pack_int4
 
 BLOCK = 32  # values per Q4_0 / Q4_1 block: the group size they map to
@@ -61,20 +61,19 @@ def exact_int4_parts(
     Fused layers are joined along their rows, as :func:`gpt_fast.convert.layout.fuse_tensors` joins weights."""
     if not maps_exactly(quant):
         return {}
+    layout = hf_layout(config)  # GGUF files hold llama's tensors, named as Hugging Face's llama
+    ours = {hf: name for name, parts in layout.items() for hf, _ in parts}
     pending: dict[str, dict[str, Parts]] = {}
     for hf_name, qtype, data in tensors:
-        if qtype not in BLOCK_HEADERS:
+        name = ours.get(hf_name, "")
+        if qtype not in BLOCK_HEADERS or not name.startswith("layers."):  # not the embedding table nor the output
             continue
-        name, part = our_name(hf_name)
-        if not name.startswith("layers."):  # the embedding table, the output projection
-            continue
-        parts = tuple(unpermute(hf_name, t) for t in int4_blocks(data, qtype))
-        pending.setdefault(name, {})[part] = parts
+        pending.setdefault(name, {})[hf_name] = tuple(unpermute(hf_name, t) for t in int4_blocks(data, qtype))
     out = {}
     for name, parts in pending.items():
-        order = FUSED_PARTS.get(name.split(".")[-2], (None,))
+        order = [hf for hf, _ in layout[name]]
         if set(parts) != set(order):  # a part of another type: the layer is quantized from float
             continue
-        levels, scales, zeros = (torch.cat([parts[p][i] for p in order]) for i in range(3))
+        levels, scales, zeros = (torch.cat([parts[hf][i] for hf in order]) for i in range(3))
         out[name.removesuffix(".weight")] = {"weight": pack_int4(levels), "scales": scales, "zeros": zeros}
     return out

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from gpt_fast.checkpoint import check_tokenizer_size
 from gpt_fast.config import CheckpointConfig, QuantConfig
-from gpt_fast.convert.hf_config import architecture, model_config_from_hf
+from gpt_fast.convert.hf_config import architecture, architecture_name, model_config_from_hf
 from gpt_fast.convert.hf_tokenizer import tokenizer_from_hf_dir
-from gpt_fast.convert.layout import check_tensors, fuse_tensors, max_source_tensors, source_dtype
+from gpt_fast.convert.layout import check_tensors, fuse_tensors, max_source_tensors, naming, source_dtype
 from gpt_fast.convert.weight_files import iter_tensors, tensor_infos, weight_files
 from gpt_fast.convert.writer import check_checkpoint_output, write_checkpoint
 from gpt_fast.device import dtype_name, parse_dtype
@@ -36,10 +36,11 @@ def convert_hf(src: Path, out_dir: Path, dtype: str | None = None, quantization:
     tok_config, tok_files, chat_template = tokenizer_from_hf_dir(src, hf_config)
     folder = tok_files[0].parent  # tok_config.file is the name of the first file, here in its source folder
     check_tokenizer_size(load_tokenizer(folder, tok_config).vocab_size, model, str(folder / tok_config.file))
+    names = naming(architecture_name(hf_config, where))
     files = weight_files(src)
-    max_tensors = max_source_tensors(model)
+    max_tensors = max_source_tensors(model, names)
     infos = tensor_infos(files, max_tensors)
-    check_tensors(infos, model, src)
+    check_tensors(infos, model, src, names)
     target = parse_dtype(dtype) if dtype else source_dtype(infos)
     try:
         config = CheckpointConfig(
@@ -52,7 +53,8 @@ def convert_hf(src: Path, out_dir: Path, dtype: str | None = None, quantization:
         )
     except ValueError as err:  # a token id outside the vocabulary, a model the quantization does not fit
         raise ValueError(f"{src}: {err}") from None
-    state = fuse_tensors((item for path in files for item in iter_tensors(path, max_tensors)), model, target, src)
+    tensors = (item for path in files for item in iter_tensors(path, max_tensors))
+    state = fuse_tensors(tensors, model, target, src, names)
     if quantization is not None:
         state = quantize_state(state, model, quantization, target)
 

@@ -49,12 +49,13 @@ def byte_tokenizer(vocab_size: int) -> tuple[Tokenizer, TokenizerConfig]:
 def random_weights(
     model: ModelConfig, dtype: torch.dtype, seed: int, device: str | torch.device = "cpu"
 ) -> dict[str, torch.Tensor]:
-    """Weights drawn from N(0, 0.02²) (norm weights 1), identical for the same shape, dtype, seed and device type."""
+    """Weights drawn from N(0, 0.02²) (norms scale by 1), identical for the same shape, dtype, seed and device
+    type."""
     generator = torch.Generator(device=device).manual_seed(seed)
     state = {}
     for name, shape in weight_shapes(model).items():
         if name.endswith("norm.weight"):
-            tensor = torch.ones(shape, dtype=dtype)
+            tensor = torch.full(shape, 1.0 - model.norm_offset, dtype=dtype)
         else:
             tensor = (torch.randn(shape, generator=generator, device=device, dtype=torch.float32) * INIT_STD).to(dtype)
         state[name] = tensor.cpu()

@@ -33,6 +33,8 @@ def quantized_linears(config: ModelConfig, quant: QuantConfig) -> dict[str, tupl
     linears = {}
     for name, shape in weight_shapes(config).items():
         prefix = name.removesuffix(".weight")
+        if prefix == name:  # a bias, or stacked experts (a parameter of its own)
+            continue
         if LAYER_LINEAR.fullmatch(prefix) or (prefix == OUTPUT and quant.output):
             linears[prefix] = (shape[0], shape[1])
     if quant.output and config.tie_embeddings:

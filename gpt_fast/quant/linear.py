@@ -25,31 +25,37 @@ def _frozen(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
 
 
-class Int8Linear(nn.Module):
-    """``y = x @ (weight * scales[:, None]).T``: int8 weights [out, in], one scale per output channel."""
+class QuantizedLinear(nn.Module):
+    """The tensors of one quantized [out, in] weight (:func:`gpt_fast.quant.layout.quantized_tensors`), and the
+    float ``bias`` [out] of the layer it replaces, if that had one (q/k/v biases), which stays as it was."""
 
-    def __init__(self, in_features: int, out_features: int, quant: QuantConfig) -> None:
+    def __init__(self, in_features: int, out_features: int, quant: QuantConfig, bias: bool) -> None:
         super().__init__()
         for name, (shape, dtype) in quantized_tensors(out_features, in_features, quant, torch.float32).items():
             setattr(self, name, _frozen(shape, dtype))
+        self.bias = _frozen((out_features,), torch.float32) if bias else None
         self.kernel = "dequant"
+
+    def biased(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.bias is None else y + self.bias
+
+
+class Int8Linear(QuantizedLinear):
+    """``y = x @ (weight * scales[:, None]).T``: int8 weights [out, in], one scale per output channel."""
 
     def prepare(self, kernel: str) -> None:
         self.kernel = kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return int8_linear(x, self.weight, self.scales, self.kernel)
+        return self.biased(int8_linear(x, self.weight, self.scales, self.kernel))
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(QuantizedLinear):
     """int4 weights [out, in / 2] (two per byte), a scale and a zero point per group of ``group_size`` inputs."""
 
-    def __init__(self, in_features: int, out_features: int, quant: QuantConfig) -> None:
-        super().__init__()
-        for name, (shape, dtype) in quantized_tensors(out_features, in_features, quant, torch.float32).items():
-            setattr(self, name, _frozen(shape, dtype))
+    def __init__(self, in_features: int, out_features: int, quant: QuantConfig, bias: bool) -> None:
+        super().__init__(in_features, out_features, quant, bias)
         self.group_size = quant.group_size
-        self.kernel = "dequant"
 
     def prepare(self, kernel: str) -> None:
         """``aten`` on the CPU keeps a copy of the weights repacked for
@@ -69,11 +75,10 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "aten" and x.numel() // x.shape[-1] <= FEW_ROWS:
-            return int4_cpu_linear(x, self.cpu_packed, self.cpu_scales_and_zeros, self.group_size)
-        return int4_linear(x, self.weight, self.scales, self.zeros, self.group_size, self.kernel)
+            return self.biased(int4_cpu_linear(x, self.cpu_packed, self.cpu_scales_and_zeros, self.group_size))
+        return self.biased(int4_linear(x, self.weight, self.scales, self.zeros, self.group_size, self.kernel))
 
 
-QuantLinear = Int8Linear | Int4Linear
 LINEARS = {"int8": Int8Linear, "int4": Int4Linear}
 
 
@@ -82,7 +87,9 @@ def quantize_linears(model: nn.Module, config: ModelConfig, quant: QuantConfig) 
     call this, then load the quantized state)."""
     for prefix, (out_features, in_features) in quantized_linears(config, quant).items():
         parent, _, attr = prefix.rpartition(".")
-        setattr(model.get_submodule(parent), attr, LINEARS[quant.mode](in_features, out_features, quant))
+        module = model.get_submodule(parent)
+        bias = getattr(getattr(module, attr, None), "bias", None) is not None
+        setattr(module, attr, LINEARS[quant.mode](in_features, out_features, quant, bias))
 
 
 def prepare_quantized(model: nn.Module, device: torch.device, kernel: str = "auto") -> None:
@@ -90,5 +97,5 @@ def prepare_quantized(model: nn.Module, device: torch.device, kernel: str = "aut
     :func:`gpt_fast.quant.kernels.resolve_kernel`), once the weights are there."""
     resolved = resolve_kernel(kernel, device)
     for module in model.modules():
-        if isinstance(module, (Int8Linear, Int4Linear)):
+        if isinstance(module, QuantizedLinear):
             module.prepare(resolved)

@@ -1,0 +1,220 @@
+"""The Starlette application: the OpenAI endpoints, the health check and the chat page.
+
+Each request is checked (:mod:`gpt_fast.serve.openai_api`), submitted to the batcher, and answered from its events:
+as one JSON object, or as server-sent events ending in ``data: [DONE]``. A client that goes away cancels its
+request, which frees its slot at the batcher's next step. Every error, 404 and 405 included, is OpenAI's error
+object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from gpt_fast.batching import Batcher, Delta, Failed, Finished, QueueFull, TokenLogprob
+from gpt_fast.serve.openai_api import APIError, Call, Context, Responder, parse_chat, parse_completion
+from gpt_fast.serve.sse import DONE, Bridge, EventStream, event
+
+MAX_BODY_BYTES = 4 << 20
+PAGE = Path(__file__).resolve().parent / "static" / "index.html"
+
+
+class OpenAIServer:
+    """The endpoints over one batcher."""
+
+    def __init__(self, batcher: Batcher, ctx: Context, api_key: str | None = None) -> None:
+        self.batcher, self.ctx, self.api_key = batcher, ctx, api_key
+        self.created = int(time.time())
+        self.page = PAGE.read_bytes()
+
+    def app(self) -> Starlette:
+        routes = [
+            Route("/", self.chat_page),
+            Route("/health", self.health),
+            Route("/v1/models", self.models),
+            Route("/v1/models/{model:path}", self.model),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+        ]
+        handlers = {APIError: api_error, HTTPException: http_error, Exception: internal_error}
+        return Starlette(routes=routes, exception_handlers=handlers)  # type: ignore[arg-type]
+
+    async def chat_page(self, request: Request) -> Response:
+        return HTMLResponse(self.page)
+
+    async def health(self, request: Request) -> Response:
+        batcher = self.batcher
+        return JSONResponse(
+            {
+                "status": "ok",
+                "model": self.ctx.model_id,
+                "slots": batcher.options.max_batch,
+                "busy": batcher.busy,
+                "waiting": batcher.queued,
+                "tokens_generated": batcher.tokens_generated,
+            }
+        )
+
+    def model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.ctx.model_id,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "gpt-fast",
+            "max_model_len": self.ctx.max_seq_length,
+        }
+
+    async def models(self, request: Request) -> Response:
+        self.authorize(request)
+        return JSONResponse({"object": "list", "data": [self.model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        self.authorize(request)
+        name = request.path_params["model"]
+        if name != self.ctx.model_id:
+            raise APIError(404, f"The model `{name}` does not exist", param="model", code="model_not_found")
+        return JSONResponse(self.model_card())
+
+    async def chat(self, request: Request) -> Response:
+        self.authorize(request)
+        return await self.answer(request, parse_chat(await read_json(request), self.ctx))
+
+    async def completions(self, request: Request) -> Response:
+        self.authorize(request)
+        return await self.answer(request, parse_completion(await read_json(request), self.ctx))
+
+    def authorize(self, request: Request) -> None:
+        """With an API key set, every /v1 request carries it as ``Authorization: Bearer KEY``."""
+        if self.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise APIError(401, "You didn't provide an API key (Authorization: Bearer KEY)", code="invalid_api_key")
+        if not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise APIError(401, "Incorrect API key provided", code="invalid_api_key")
+
+    async def answer(self, request: Request, call: Call) -> Response:
+        bridge = Bridge(asyncio.get_running_loop())
+        try:
+            job = self.batcher.submit(call.request, bridge.put)
+        except QueueFull as err:
+            message = f"the server is busy: {err}; try again"
+            raise APIError(503, message, kind="server_error", code="queue_full") from None
+        except ValueError as err:
+            raise APIError(400, str(err)) from None
+        responder = Responder(call, self.ctx.model_id)
+        if call.stream:
+            return EventStream(stream(call, responder, bridge), on_close=lambda: self.batcher.cancel(job))
+        try:
+            finished, logprobs = await until_disconnected(request, collect(bridge))
+        finally:
+            self.batcher.cancel(job)
+        if finished is None:  # the client has gone: nobody reads the answer
+            return Response(status_code=499)
+        return JSONResponse(responder.response(finished, logprobs))
+
+
+async def read_json(request: Request) -> Any:
+    """The body as JSON, at most MAX_BODY_BYTES of it (413 beyond)."""
+    too_large = APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise too_large
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, digits beyond Python's limit, nested too deep
+        raise APIError(400, "the request body is not valid JSON") from None
+
+
+async def stream(call: Call, responder: Responder, bridge: Bridge) -> AsyncIterator[bytes]:
+    """The answer as server-sent events: a chunk for each piece of text (with the log-probabilities of the tokens
+    behind it), one with the finish reason, the usage if asked, then ``[DONE]``."""
+    if call.chat:
+        yield event(responder.first_chunk())
+    logprobs: list[TokenLogprob] = []
+    while True:
+        item = await bridge.get()
+        if isinstance(item, Delta):
+            logprobs += [item.logprob] if item.logprob is not None else []
+            if item.text:
+                yield event(responder.chunk(item.text, logprobs))
+                logprobs = []
+        elif isinstance(item, Finished):
+            yield event(responder.chunk("", logprobs, item.finish_reason))
+            if call.include_usage:
+                yield event(responder.usage_chunk(item))
+            break
+        else:
+            yield event(APIError(500, item.message, kind="server_error").body())
+            break
+    yield DONE
+
+
+async def collect(bridge: Bridge) -> tuple[Finished, list[TokenLogprob]]:
+    """The end of a request, and the log-probabilities of its tokens."""
+    logprobs: list[TokenLogprob] = []
+    while True:
+        item = await bridge.get()
+        if isinstance(item, Failed):
+            raise APIError(500, item.message, kind="server_error")
+        if isinstance(item, Finished):
+            return item, logprobs
+        if item.logprob is not None:
+            logprobs.append(item.logprob)
+
+
+async def until_disconnected(
+    request: Request, work: Any
+) -> tuple[Finished, list[TokenLogprob]] | tuple[None, list[TokenLogprob]]:
+    """Await ``work`` unless the client disconnects first (then ``(None, [])``)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not task.done():
+        task.cancel()
+        return None, []
+    return task.result()
+
+
+async def disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        continue
+
+
+def error_response(error: APIError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if error.status == 503 else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+async def api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return error_response(exc)
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """Routing's errors (no such path, method not allowed) in OpenAI's shape."""
+    assert isinstance(exc, HTTPException)
+    return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"))
+
+
+async def internal_error(request: Request, exc: Exception) -> Response:
+    return error_response(APIError(500, f"internal error: {type(exc).__name__}", kind="server_error"))

@@ -1,0 +1,376 @@
+"""The OpenAI API's chat and completion requests, checked field by field into a batching Request, and its responses.
+
+Anything wrong with a request is an :class:`APIError` carrying the status and OpenAI's error object
+(``{"error": {"message", "type", "param", "code"}}``). Fields OpenAI defines that this server cannot honour
+(``n`` > 1, penalties, ``logit_bias``, ``echo``, ...) are refused by name rather than ignored, and so is any field
+OpenAI does not define (as OpenAI does). Extensions: ``top_k``; token ids in ``stop`` and as ``prompt``; ``ignore_eos``
+(generate ``max_tokens`` whatever the model's stop tokens: for benchmarks).
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gpt_fast.batching import MAX_STOP_TEXTS, Finished, Request, TokenLogprob
+from gpt_fast.sampling import SamplingConfig
+
+MAX_TEMPERATURE = 2.0  # OpenAI's range is 0..2
+CHAT_TOP_LOGPROBS = 20  # OpenAI's limits for top_logprobs (chat) and logprobs (completions)
+COMPLETION_LOGPROBS = 5
+MAX_SEED = 2**63 - 1
+ROLES = ("system", "developer", "user", "assistant")  # "developer" is OpenAI's newer name for "system"
+COMMON_FIELDS = frozenset(
+    {
+        "model",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop",
+        "n",
+        "stream",
+        "stream_options",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+        "user",
+        "logprobs",
+        "ignore_eos",
+    }
+)
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
+
+
+class APIError(Exception):
+    """A request the server refuses: an HTTP status and OpenAI's error object."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class Context:
+    """What requests are checked against: the served model's id, its context per slot and vocabulary, and how
+    text and conversations become token ids (``chat_ids`` None: the model has no chat template)."""
+
+    model_id: str
+    max_seq_length: int
+    vocab_size: int
+    encode: Callable[[str], list[int]]
+    chat_ids: Callable[[list[dict[str, str]]], list[int]] | None
+
+
+@dataclass(frozen=True)
+class Call:
+    """A checked request: what to generate, and how to answer."""
+
+    chat: bool
+    request: Request
+    stream: bool
+    include_usage: bool
+
+
+class Fields:
+    """A request body's fields, each read with its type and range checked (absent and null are the same)."""
+
+    def __init__(self, body: Any, known: frozenset[str]) -> None:
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        unknown = sorted(set(body) - known)
+        if unknown:
+            raise APIError(400, f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0])
+        self.body = body
+
+    def get(self, name: str) -> Any:
+        return self.body.get(name)
+
+    def number(self, name: str, default: float, low: float, high: float) -> float:
+        value = self.get(name)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+            raise APIError(400, f"{name} must be a number from {low:g} to {high:g}, got {value!r}", param=name)
+        return float(value)
+
+    def integer(self, name: str, low: int, high: int) -> int | None:
+        value = self.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high):
+            raise APIError(400, f"{name} must be an integer from {low} to {high}, got {value!r}", param=name)
+        return value
+
+    def boolean(self, name: str) -> bool:
+        value = self.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise APIError(400, f"{name} must be true or false, got {value!r}", param=name)
+        return bool(value)
+
+    def unsupported(self, name: str, allowed: Sequence[Any], what: str) -> None:
+        """Refuse ``name`` unless absent or one of ``allowed`` (the values that change nothing)."""
+        value = self.get(name)
+        if value is not None and not any(value == ok and type(value) is type(ok) for ok in allowed):
+            raise APIError(400, f"{name} is not supported by this server: {what}", param=name)
+
+
+def parse_chat(body: Any, ctx: Context) -> Call:
+    """A ``/v1/chat/completions`` body as a Call."""
+    fields = Fields(body, CHAT_FIELDS)
+    check_model(fields, ctx)
+    messages = chat_messages(fields.get("messages"))
+    if ctx.chat_ids is None:
+        raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
+    try:
+        prompt = ctx.chat_ids(messages)
+    except ValueError as err:  # the template refused the conversation, or a message is not valid text
+        raise APIError(400, str(err), param="messages") from None
+    new_max, old_max = fields.integer("max_completion_tokens", 1, 2**31), fields.integer("max_tokens", 1, 2**31)
+    if new_max is not None and old_max is not None and new_max != old_max:
+        raise APIError(400, "max_completion_tokens and max_tokens differ; give one", param="max_tokens")
+    logprobs = fields.boolean("logprobs")
+    top = fields.integer("top_logprobs", 0, CHAT_TOP_LOGPROBS)
+    if top is not None and not logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    top_logprobs = (top or 0) if logprobs else None
+    return make_call(fields, ctx, True, prompt, new_max if new_max is not None else old_max, top_logprobs)
+
+
+def parse_completion(body: Any, ctx: Context) -> Call:
+    """A ``/v1/completions`` body as a Call."""
+    fields = Fields(body, COMPLETION_FIELDS)
+    check_model(fields, ctx)
+    prompt = completion_prompt(fields.get("prompt"), ctx)
+    fields.unsupported("echo", [False], "the prompt is not repeated in the answer")
+    fields.unsupported("suffix", [], "no text after the completion")
+    fields.unsupported("best_of", [1], "one completion per request")
+    top_logprobs = fields.integer("logprobs", 0, COMPLETION_LOGPROBS)
+    return make_call(fields, ctx, False, prompt, fields.integer("max_tokens", 1, 2**31), top_logprobs)
+
+
+def check_model(fields: Fields, ctx: Context) -> None:
+    model = fields.get("model")
+    if not isinstance(model, str) or not model:
+        raise APIError(400, "you must provide a model parameter (a string)", param="model")
+    if model != ctx.model_id:
+        message = f"The model `{model}` does not exist (this server has {ctx.model_id})"
+        raise APIError(404, message, param="model", code="model_not_found")
+
+
+def make_call(
+    fields: Fields, ctx: Context, chat: bool, prompt: list[int], max_tokens: int | None, top_logprobs: int | None
+) -> Call:
+    """The fields chat and completions share."""
+    fields.unsupported("n", [1], "one choice per request (n = 1)")
+    fields.unsupported("presence_penalty", [0, 0.0], "no penalties")
+    fields.unsupported("frequency_penalty", [0, 0.0], "no penalties")
+    fields.unsupported("logit_bias", [{}], "no logit bias")
+    user = fields.get("user")
+    if user is not None and not isinstance(user, str):
+        raise APIError(400, "user must be a string", param="user")
+    sampling = SamplingConfig(
+        temperature=fields.number("temperature", 1.0, 0.0, MAX_TEMPERATURE),
+        top_k=fields.integer("top_k", 1, 2**31),
+        top_p=fields.number("top_p", 1.0, 0.0, 1.0) or math.nextafter(0.0, 1.0),
+    )
+    stop_texts, stop_ids = stops(fields.get("stop"), ctx.vocab_size)
+    stream = fields.boolean("stream")
+    request = Request(
+        prompt_ids=tuple(prompt),
+        max_new_tokens=token_budget(len(prompt), max_tokens, ctx, "messages" if chat else "prompt"),
+        sampling=sampling,
+        seed=fields.integer("seed", -MAX_SEED - 1, MAX_SEED),
+        stop_ids=stop_ids,
+        stop_texts=stop_texts,
+        ignore_eos=fields.boolean("ignore_eos"),
+        top_logprobs=top_logprobs,
+    )
+    return Call(chat, request, stream, include_usage(fields.get("stream_options"), stream))
+
+
+def chat_messages(value: Any) -> list[dict[str, str]]:
+    """The conversation as ``{"role", "content"}`` dicts of text: content given as a string, or as an array of text
+    parts (joined by newlines)."""
+    if not isinstance(value, list) or not value:
+        raise APIError(400, "messages must be a non-empty array", param="messages")
+    messages = []
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise APIError(400, f"{where} must be an object", param=where)
+        extra = sorted(set(message) - {"role", "content", "name"})
+        if extra:
+            raise APIError(400, f"{where}.{extra[0]} is not supported by this server", param=f"{where}.{extra[0]}")
+        role = message.get("role")
+        if role not in ROLES:
+            raise APIError(400, f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", param=f"{where}.role")
+        content = message.get("content")
+        if isinstance(content, list) and all(
+            isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+            for part in content
+        ):
+            content = "\n".join(part["text"] for part in content)
+        if not isinstance(content, str):
+            raise APIError(400, f"{where}.content must be a string or an array of text parts", param=f"{where}.content")
+        messages.append({"role": "system" if role == "developer" else role, "content": content})
+    return messages
+
+
+def completion_prompt(value: Any, ctx: Context) -> list[int]:
+    """The prompt's token ids: a string (encoded as ``gpt-fast generate --prompt`` encodes it) or token ids; an
+    array of one of either is the same."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    if isinstance(value, str):
+        try:
+            ids = ctx.encode(value)
+        except ValueError as err:
+            raise APIError(400, str(err), param="prompt") from None
+    elif isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        ids = value
+        if not all(0 <= t < ctx.vocab_size for t in ids):
+            raise APIError(400, f"prompt token ids must be in 0..{ctx.vocab_size - 1}", param="prompt")
+    else:
+        raise APIError(400, "prompt must be a string or an array of token ids (one prompt per request)", param="prompt")
+    if not ids:
+        raise APIError(400, "the prompt encodes to no tokens", param="prompt")
+    return ids
+
+
+def token_budget(prompt_tokens: int, max_tokens: int | None, ctx: Context, param: str) -> int:
+    """The answer's budget: ``max_tokens``, or what the context leaves after the prompt."""
+    room = ctx.max_seq_length - prompt_tokens
+    limit = f"This model's maximum context length is {ctx.max_seq_length} tokens"
+    if room < 1:
+        message = f"{limit}, and the prompt is {prompt_tokens} tokens long: no room for an answer"
+        raise APIError(400, message, param=param, code="context_length_exceeded")
+    if max_tokens is None:
+        return room
+    if max_tokens > room:
+        message = (
+            f"{limit}; the prompt ({prompt_tokens} tokens) and max_tokens ({max_tokens}) together ask for "
+            f"{prompt_tokens + max_tokens}"
+        )
+        raise APIError(400, message, param="max_tokens", code="context_length_exceeded")
+    return max_tokens
+
+
+def stops(value: Any, vocab_size: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """``stop``: a string, or an array of strings (stop texts) and integers (stop token ids, an extension)."""
+    items = [] if value is None else [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or len(items) > MAX_STOP_TEXTS:
+        raise APIError(400, f"stop must be a string or an array of at most {MAX_STOP_TEXTS} stops", param="stop")
+    texts, ids = [], []
+    for item in items:
+        if isinstance(item, str) and item:
+            texts.append(item)
+        elif isinstance(item, int) and not isinstance(item, bool) and 0 <= item < vocab_size:
+            ids.append(item)
+        else:
+            message = f"each stop must be a non-empty string or a token id in 0..{vocab_size - 1}, got {item!r}"
+            raise APIError(400, message, param="stop")
+    return tuple(texts), tuple(ids)
+
+
+def include_usage(value: Any, stream: bool) -> bool:
+    if value is None:
+        return False
+    if not stream:
+        raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+    if not isinstance(value, dict) or set(value) - {"include_usage"}:
+        raise APIError(400, "stream_options must be an object with include_usage", param="stream_options")
+    usage = value.get("include_usage", False)
+    if not isinstance(usage, bool):
+        raise APIError(400, "stream_options.include_usage must be true or false", param="stream_options")
+    return usage
+
+
+def usage(finished: Finished) -> dict[str, int]:
+    prompt, completion = finished.prompt_tokens, finished.completion_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class Responder:
+    """The response objects of one call: the whole answer, or its stream of chunks."""
+
+    def __init__(self, call: Call, model_id: str) -> None:
+        self.call, self.model = call, model_id
+        self.id = ("chatcmpl-" if call.chat else "cmpl-") + secrets.token_hex(12)
+        self.created = int(time.time())
+        self.text_offset = 0  # completions' logprobs: where the next token's text starts
+
+    def _object(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+    def response(self, finished: Finished, logprobs: list[TokenLogprob]) -> dict[str, Any]:
+        if self.call.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": finished.text}}
+            body = self._object("chat.completion", [choice])
+        else:
+            body = self._object("text_completion", [{"index": 0, "text": finished.text}])
+        body["choices"][0] |= {"logprobs": self._logprobs(logprobs), "finish_reason": finished.finish_reason}
+        body["usage"] = usage(finished)
+        return body
+
+    def chunk(self, text: str, logprobs: list[TokenLogprob], finish_reason: str | None = None) -> dict[str, Any]:
+        """A chunk of a stream: new text (chat: the first chunk also names the role), or the end."""
+        if self.call.chat:
+            delta = {"content": text} if text or finish_reason is None else {}
+            choice = {"index": 0, "delta": delta}
+            body = self._object("chat.completion.chunk", [choice])
+        else:
+            body = self._object("text_completion", [{"index": 0, "text": text}])
+        body["choices"][0] |= {"logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
+        if self.call.include_usage:
+            body["usage"] = None
+        return body
+
+    def first_chunk(self) -> dict[str, Any]:
+        """Chat streams start by naming the role."""
+        body = self.chunk("", [])
+        body["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+        return body
+
+    def usage_chunk(self, finished: Finished) -> dict[str, Any]:
+        """The last chunk with ``stream_options.include_usage``: no choices, the usage."""
+        kind = "chat.completion.chunk" if self.call.chat else "text_completion"
+        return self._object(kind, []) | {"usage": usage(finished)}
+
+    def _logprobs(self, items: list[TokenLogprob]) -> dict[str, Any] | None:
+        if self.call.request.top_logprobs is None:
+            return None
+        if self.call.chat:
+            return {"content": [self._chat_logprob(item) for item in items], "refusal": None}
+        offsets = []
+        for item in items:
+            offsets.append(self.text_offset)
+            self.text_offset += len(item.text)
+        return {
+            "tokens": [item.text for item in items],
+            "token_logprobs": [item.logprob for item in items],
+            "top_logprobs": [{text: logprob for _, text, logprob in item.top} for item in items],
+            "text_offset": offsets,
+        }
+
+    @staticmethod
+    def _chat_logprob(item: TokenLogprob) -> dict[str, Any]:
+        def entry(text: str, logprob: float) -> dict[str, Any]:
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
+
+        return entry(item.text, item.logprob) | {"top_logprobs": [entry(text, lp) for _, text, lp in item.top]}

@@ -1,0 +1,329 @@
+"""Continuous batching: requests prefilled apart and decoded together give what each gives alone (greedy, or
+sampled with a seed), stop where they should, free their slots when they finish or are cancelled, and tell of
+their tokens with the model's log-probabilities. The reference is the single-stream loop of :mod:`gpt_fast.generate`
+and the model's full forward."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+import torch
+
+from gpt_fast import Engine, SamplingConfig
+from gpt_fast.batching import BatchOptions, Delta, Failed, Finished, QueueFull, Request
+from gpt_fast.convert.random_init import make_random_checkpoint
+from gpt_fast.shapes import get_shape
+from gpt_fast.slots import make_slot_steps
+from gpt_fast.speculative import SpeculativeOptions
+
+GREEDY = SamplingConfig(temperature=0)
+SAMPLED = SamplingConfig(temperature=1.0, top_k=50, top_p=0.95)
+PROMPTS = ["hello", "The quick brown fox jumps over", "a", "1, 2, 3, 4, 5, 6, 7, 8", "café ☕", "def f(x):", "zz"]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    path = make_random_checkpoint(get_shape("tiny"), tmp_path_factory.mktemp("tiny"), dtype=torch.float32, seed=3)
+    return Engine.load(path, device="cpu")
+
+
+class Events:
+    """What a request was told, in order."""
+
+    def __init__(self) -> None:
+        self.items: list = []
+
+    def __call__(self, event) -> None:
+        self.items.append(event)
+
+    @property
+    def finished(self) -> Finished:
+        (done,) = [e for e in self.items if isinstance(e, Finished)]
+        assert self.items[-1] is done
+        return done
+
+    @property
+    def deltas(self) -> list[Delta]:
+        return [e for e in self.items if isinstance(e, Delta)]
+
+
+def run_all(engine, requests, **options):
+    batcher = engine.batcher(BatchOptions(**({"max_batch": 3, "max_seq_length": 128} | options)))
+    events = [Events() for _ in requests]
+    for request, sink in zip(requests, events, strict=True):
+        batcher.submit(request, sink)
+    batcher.run()
+    return [sink.finished for sink in events]
+
+
+def alone(engine, ids, max_new_tokens):
+    return engine.generate_ids(ids, max_new_tokens, GREEDY).tokens[0]
+
+
+def test_greedy_requests_decoded_together_equal_each_alone(engine):
+    """Seven prompts of different lengths and budgets through three slots (four wait their turn)."""
+    prompts = [engine.encode(text) for text in PROMPTS]
+    budgets = [5, 17, 1, 9, 12, 3, 20]
+    done = run_all(engine, [Request(tuple(p), n, GREEDY) for p, n in zip(prompts, budgets, strict=True)])
+    for ids, budget, finished in zip(prompts, budgets, done, strict=True):
+        expected = alone(engine, ids, budget)
+        assert list(finished.ids) == expected
+        assert finished.finish_reason == ("stop" if expected[-1] in engine.stop_ids else "length")
+        assert finished.prompt_tokens == len(ids) and finished.completion_tokens == len(expected)
+        assert finished.text == engine.decode(expected) and finished.ttft_seconds <= finished.seconds
+
+
+def test_a_seed_gives_the_same_tokens_whatever_else_is_decoded(engine):
+    prompt = tuple(engine.encode("Once upon a time"))
+    seeded = Request(prompt, 24, SAMPLED, seed=1234)
+    (by_itself,) = run_all(engine, [seeded])
+    others = [Request(tuple(engine.encode(text)), 30, SAMPLED) for text in PROMPTS[:4]]
+    crowded = run_all(engine, [*others[:2], seeded, *others[2:]], max_batch=4)
+    assert crowded[2].ids == by_itself.ids
+    (other_seed,) = run_all(engine, [dataclasses.replace(seeded, seed=1235)])
+    assert other_seed.ids != by_itself.ids
+
+
+def test_stop_tokens_and_stop_strings_end_a_request(engine):
+    prompt = tuple(engine.encode("The quick brown fox jumps over"))
+    free = alone(engine, list(prompt), 30)
+    text = engine.decode(free)
+    stop_id = free[6]
+    stop_text = text[len(engine.decode(free[:10])) :][:3]  # text that starts after the tenth token
+    by_id, by_text = run_all(
+        engine, [Request(prompt, 30, GREEDY, stop_ids=(stop_id,)), Request(prompt, 30, GREEDY, stop_texts=(stop_text,))]
+    )
+    assert list(by_id.ids) == free[: free.index(stop_id) + 1] and by_id.finish_reason == "stop"
+    assert by_id.text == engine.decode(free[: free.index(stop_id)])  # the stop token's text is left out
+    assert by_text.finish_reason == "stop" and by_text.text == text[: text.index(stop_text)]
+    assert list(by_text.ids) == free[: len(by_text.ids)] and len(by_text.ids) < 30
+
+
+def test_the_streamed_text_is_the_whole_text(engine):
+    done = run_all(engine, [Request(tuple(engine.encode("hi")), 40, SAMPLED, seed=1)])
+    sink = Events()
+    batcher = engine.batcher(BatchOptions(max_batch=2, max_seq_length=128))
+    batcher.submit(Request(tuple(engine.encode("hi")), 40, SAMPLED, seed=1), sink)
+    batcher.run()
+    assert "".join(d.text for d in sink.deltas) == sink.finished.text == done[0].text
+    assert [d.token for d in sink.deltas] == list(done[0].ids)
+
+
+def test_logprobs_are_the_models_own(engine):
+    """Each token's log-probability, and the best alternatives', are those of a full forward over the sequence."""
+    prompt = engine.encode("abc")
+    sink = Events()
+    batcher = engine.batcher(BatchOptions(max_batch=2, max_seq_length=64))
+    batcher.submit(Request(tuple(prompt), 6, SAMPLED, seed=3, top_logprobs=4), sink)
+    batcher.run()
+    ids = list(sink.finished.ids)
+    engine.model.setup_caches(1, 64)
+    with torch.no_grad():
+        logits = engine.model(torch.tensor([prompt + ids]), torch.arange(len(prompt) + len(ids)))[0]
+    logprobs = logits[len(prompt) - 1 : -1].log_softmax(-1)  # [new tokens, V]: the distribution of each new token
+    for step, delta in enumerate(sink.deltas):
+        best = logprobs[step].topk(4)
+        assert delta.logprob.token == ids[step] and delta.logprob.text == engine.tokenizer.decode([ids[step]])
+        assert delta.logprob.logprob == pytest.approx(float(logprobs[step, ids[step]]), abs=1e-4)
+        assert [t for t, _, _ in delta.logprob.top] == best.indices.tolist()
+        assert [lp for _, _, lp in delta.logprob.top] == pytest.approx(best.values.tolist(), abs=1e-4)
+
+
+def test_the_decode_step_runs_slot_0_alone_or_every_slot(engine):
+    steps = make_slot_steps("none")
+    rows_seen = []
+
+    def decode(model, state, rows):
+        rows_seen.append(rows)
+        steps.decode(model, state, rows)
+
+    batcher = engine.batcher(BatchOptions(max_batch=4, max_seq_length=64))
+    batcher.steps = dataclasses.replace(steps, decode=decode)
+    batcher.submit(Request(tuple(engine.encode("a")), 4, GREEDY), Events())
+    batcher.run()
+    assert set(rows_seen) == {1}
+    rows_seen.clear()
+    for text in ("a", "b"):
+        batcher.submit(Request(tuple(engine.encode(text)), 4, GREEDY), Events())
+    batcher.run()
+    assert set(rows_seen) == {4}
+
+
+def test_a_cancelled_request_frees_its_slot_for_the_next(engine):
+    batcher = engine.batcher(BatchOptions(max_batch=1, max_seq_length=128))
+    first, second = Events(), Events()
+    long_job = batcher.submit(Request(tuple(engine.encode("a")), 100, GREEDY, ignore_eos=True), first)
+    waiting = batcher.submit(Request(tuple(engine.encode("b")), 3, GREEDY, ignore_eos=True), second)
+    for _ in range(5):
+        batcher.step()
+    assert long_job.slot == 0 and waiting.slot is None and batcher.queued == 1
+    batcher.cancel(long_job)
+    batcher.step()
+    assert waiting.slot == 0 and first.finished.finish_reason == "cancelled"
+    assert len(first.finished.ids) < 10
+    batcher.run()
+    assert second.finished.finish_reason == "length" and len(second.finished.ids) == 3
+    assert batcher.busy == 0 and batcher.queued == 0
+
+
+def test_a_full_queue_refuses_more(engine):
+    batcher = engine.batcher(BatchOptions(max_batch=1, max_seq_length=64, max_queue=1))
+    request = Request(tuple(engine.encode("a")), 2, GREEDY)
+    batcher.submit(request, Events())
+    batcher.submit(request, Events())
+    with pytest.raises(QueueFull, match="all 1 slots are busy"):
+        batcher.submit(request, Events())
+    batcher.run()
+    batcher.submit(request, Events())  # room again
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"prompt_ids": ()}, "the prompt is empty"),
+        ({"max_new_tokens": 0}, "max_new_tokens must be an integer >= 1"),
+        ({"max_new_tokens": 62}, r"prompt \(3 tokens\) \+ max_new_tokens \(62\) = 65 exceeds the context of 64"),
+        ({"prompt_ids": (1, 512)}, "token ids must be integers in 0..511"),
+        ({"stop_ids": (-1,)}, "token ids must be integers in 0..511"),
+        ({"top_logprobs": 21}, "top_logprobs must be an integer in 0..20"),
+        ({"stop_texts": ("",)}, "stop strings must be non-empty"),
+    ],
+)
+def test_requests_that_cannot_be_served(engine, change, message):
+    batcher = engine.batcher(BatchOptions(max_batch=1, max_seq_length=64))
+    with pytest.raises(ValueError, match=message):
+        batcher.submit(dataclasses.replace(Request((1, 2, 3), 4), **change), Events())
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"max_batch": 0}, "--max_batch must be an integer in 1..64"),
+        ({"max_batch": 65}, "--max_batch must be an integer in 1..64"),
+        ({"max_queue": -1}, "--max_queue must be an integer >= 0"),
+        ({"max_seq_length": 1}, "--max_seq_length must be an integer >= 2"),
+    ],
+)
+def test_batch_options_check_themselves(options, message):
+    with pytest.raises(ValueError, match=message):
+        BatchOptions(**options)
+
+
+def test_a_cache_longer_than_the_context_is_refused(engine):
+    with pytest.raises(ValueError, match="--max_seq_length 513 exceeds the model's context of 512"):
+        engine.batcher(BatchOptions(max_seq_length=513))
+
+
+def test_serving_from_a_thread(engine):
+    """The batcher warms up and serves in its own thread while requests arrive from another; a failed step fails
+    the requests in the slots and the next ones are served."""
+    batcher = engine.batcher(BatchOptions(max_batch=2, max_seq_length=64))
+    thread = batcher.serve_in_thread()
+    try:
+        done = threading.Event()
+        events = Events()
+
+        def on_event(event):
+            events(event)
+            if isinstance(event, (Finished, Failed)):
+                done.set()
+
+        batcher.submit(Request(tuple(engine.encode("x")), 5, GREEDY), on_event)
+        assert done.wait(60) and list(events.finished.ids) == alone(engine, engine.encode("x"), 5)
+
+        real_decode, done = batcher.steps.decode, threading.Event()
+
+        def broken(*args):
+            batcher.steps = dataclasses.replace(batcher.steps, decode=real_decode)
+            raise RuntimeError("device lost")
+
+        batcher.steps = dataclasses.replace(batcher.steps, decode=broken)
+        failed = Events()
+        batcher.submit(Request(tuple(engine.encode("y")), 5, GREEDY), lambda e: (failed(e), done.set()))
+        assert done.wait(60) and failed.items[-1] == Failed("generation failed: RuntimeError: device lost")
+    finally:
+        batcher.close()
+        thread.join(60)
+    assert not thread.is_alive()
+
+
+def test_engine_generate_batches_several_prompts(engine):
+    together = engine.generate(PROMPTS[:4], max_new_tokens=12, sampling=GREEDY)
+    for text, completion in zip(PROMPTS[:4], together, strict=True):
+        (single,) = engine.generate(text, max_new_tokens=12, sampling=GREEDY)
+        assert completion.ids == single.ids and completion.text == single.text
+        assert completion.finish_reason == single.finish_reason and completion.prompt_ids == single.prompt_ids
+    torch.manual_seed(5)
+    first = engine.generate(PROMPTS[:3], max_new_tokens=8, sampling=SAMPLED)
+    torch.manual_seed(5)
+    assert [c.ids for c in engine.generate(PROMPTS[:3], max_new_tokens=8, sampling=SAMPLED)] == [c.ids for c in first]
+
+
+def test_speculative_engines_do_not_batch(engine):
+    """A verify step keeps one accepted length for all its rows: a speculating engine refuses a batcher, and
+    generates several prompts one after another, each as it would alone."""
+    speculating = Engine.load(engine.checkpoint_dir, device="cpu", speculative=SpeculativeOptions(prompt_lookup=2, k=3))
+    with pytest.raises(ValueError, match="speculative decoding .* takes one prompt"):
+        speculating.batcher(BatchOptions(max_batch=2, max_seq_length=64))
+    together = speculating.generate(PROMPTS[:2], max_new_tokens=8, sampling=GREEDY)
+    assert [c.ids for c in together] == [alone(engine, engine.encode(text), 8) for text in PROMPTS[:2]]
+
+
+@pytest.mark.slow
+def test_compiled_steps_equal_eager(engine):
+    """The decode step compiled (fullgraph, one graph per row count) gives the eager tokens."""
+    torch._dynamo.reset()
+    compiled = Engine.load(engine.checkpoint_dir, compile="default", device="cpu")
+    requests = [Request(tuple(engine.encode(text)), 6, GREEDY) for text in PROMPTS[:3]]
+    requests.append(Request(tuple(engine.encode("seeded")), 6, SAMPLED, seed=9))
+    assert [f.ids for f in run_all(compiled, requests)] == [f.ids for f in run_all(engine, requests)]
+
+
+def test_a_failed_warm_up_is_raised_where_the_thread_was_started(engine):
+    batcher = engine.batcher(BatchOptions(max_batch=2, max_seq_length=64))
+
+    def broken(*args):
+        raise RuntimeError("no kernel image")
+
+    batcher.steps = dataclasses.replace(batcher.steps, prefill=broken)
+    with pytest.raises(RuntimeError, match="no kernel image"):
+        batcher.serve_in_thread()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+def test_on_the_gpu_batches_decode_in_cuda_graphs(tmp_path):
+    """reduce-overhead on a GPU: served from the batcher's own thread (where its CUDA graphs are recorded), with
+    requests joining and leaving, each gives the tokens the eager single-stream loop gives, and no step falls back
+    from CUDA graphs."""
+    from torch._dynamo.utils import counters
+
+    path = make_random_checkpoint(get_shape("tiny"), tmp_path / "tiny", dtype=torch.float32, seed=3)
+    eager = Engine.load(path, device="cuda", dtype="float32")
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = Engine.load(path, compile="reduce-overhead", device="cuda", dtype="float32")
+    batcher = graphs.batcher(BatchOptions(max_batch=4, max_seq_length=128))
+    thread = batcher.serve_in_thread()
+    budgets = [5, 17, 1, 9, 12, 3, 20]
+    events = [Events() for _ in PROMPTS]
+    finished = threading.Semaphore(0)
+    try:
+        for text, budget, sink in zip(PROMPTS, budgets, events, strict=True):
+
+            def on_event(event, sink=sink):
+                sink(event)
+                if isinstance(event, (Finished, Failed)):
+                    finished.release()
+
+            batcher.submit(Request(tuple(eager.encode(text)), budget, GREEDY), on_event)
+        for _ in PROMPTS:
+            assert finished.acquire(timeout=600)
+    finally:
+        batcher.close()
+        thread.join(60)
+    for text, budget, sink in zip(PROMPTS, budgets, events, strict=True):
+        assert list(sink.finished.ids) == alone(eager, eager.encode(text), budget)
+    assert counters["inductor"]["cudagraph_skips"] == 0

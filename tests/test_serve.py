@@ -1,0 +1,501 @@
+"""`gpt-fast serve` end to end, through the official ``openai`` client, against servers started on free localhost
+ports (each `gpt-fast serve` in a subprocess): chat and completions, streamed or not, on the tiny random model and
+on the default model; greedy answers equal to `gpt-fast generate --temperature 0`'s; stop strings and tokens,
+max_tokens, seeds, usage, log-probabilities; every error; many clients at once; a client that goes away; and the chat
+page in a headless Chromium."""
+
+from __future__ import annotations
+
+import dataclasses
+import http.client
+import json
+import os
+import queue
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+
+from gpt_fast import Engine, SamplingConfig
+from gpt_fast.cli import main
+from gpt_fast.config import load_checkpoint_config
+from gpt_fast.convert.random_init import make_random_checkpoint
+from gpt_fast.shapes import get_shape
+from gpt_fast.textstream import TextStream
+
+REPO = Path(__file__).resolve().parent.parent
+KEY = "test-key"
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+SMOL = "SmolLM2-135M-Instruct"  # the default model's id, as the README calls it
+ARTIFACTS = Path(os.environ.get("GPT_FAST_TEST_ARTIFACTS", REPO / "test-artifacts"))
+
+
+class Server:
+    """`gpt-fast serve ARGS --port 0` in a subprocess, until stopped; its output is drained by a thread."""
+
+    def __init__(self, *args: str) -> None:
+        # One thread for the server's torch: the tests' clients and the server share the machine's cores.
+        env = os.environ | {
+            "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+            "OMP_NUM_THREADS": "1",
+        }
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "gpt_fast", "serve", "--port", "0", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.output: list[str] = []
+        threading.Thread(target=self._drain, daemon=True).start()
+        self.url = self._wait_until_serving()
+
+    def _drain(self) -> None:
+        for line in self.process.stdout:
+            self.output.append(line)
+            self.lines.put(line)
+
+    def _wait_until_serving(self) -> str:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=1)
+            except queue.Empty:
+                if self.process.poll() is not None:
+                    break
+                continue
+            if line.startswith("Serving "):
+                return line.split(" at ", 1)[1].split("/ ", 1)[0]
+        self.stop()
+        raise AssertionError("the server did not start:\n" + "".join(self.output))
+
+    def client(self, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", max_retries=0, timeout=120, **({"api_key": "none"} | kwargs))
+
+    def request(self, path: str, body: bytes | None = None, headers: dict | None = None) -> tuple[int, dict]:
+        """A raw HTTP request (POST with a body): the status and the JSON answer."""
+        request = urllib.request.Request(f"{self.url}{path}", data=body, headers=headers or {})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read())
+
+    def health(self) -> dict:
+        status, body = self.request("/health")
+        assert status == 200
+        return body
+
+    def wait_for(self, condition, seconds: float = 30) -> dict:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            health = self.health()
+            if condition(health):
+                return health
+            time.sleep(0.05)
+        raise AssertionError(f"not reached in {seconds} s: {self.health()}")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """The tiny random checkpoint, with a chat template added to its config."""
+    weights = make_random_checkpoint(get_shape("tiny"), tmp_path_factory.mktemp("tiny"), dtype=torch.float32, seed=3)
+    config = dataclasses.replace(load_checkpoint_config(weights.parent), chat_template=TEMPLATE)
+    (weights.parent / "config.json").write_text(config.to_json())
+    return weights.parent
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_dir):
+    args = ("--max_batch", "4", "--max_seq_length", "256", "--api_key", KEY, "--model_name", "tiny")
+    server = Server("--checkpoint_path", str(tiny_dir), *args)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def smol_server(smollm2_checkpoint):
+    """The default model: two slots, no queue (a third request at once is refused)."""
+    args = ("--max_batch", "2", "--max_queue", "0", "--max_seq_length", "512", "--model_name", SMOL)
+    server = Server("--checkpoint_path", str(smollm2_checkpoint), *args)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_dir):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield Engine.load(tiny_dir, device="cpu")
+    torch.set_num_threads(threads)
+
+
+def generated(argv, tmp_path, capsys) -> dict:
+    """`gpt-fast generate ARGV --temperature 0 --num_samples 1`'s metrics."""
+    metrics = tmp_path / "metrics.json"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", *argv, "--temperature", "0", "--num_samples", "1", "--metrics_json", str(metrics)])
+    assert exit_info.value.code == 0, capsys.readouterr().err
+    return json.loads(metrics.read_text())
+
+
+def streamed(stream) -> tuple[str, list, dict | None]:
+    """A stream's text, finish reasons and usage."""
+    text, reasons, usage = "", [], None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            text += (choice.delta.content or "") if hasattr(choice, "delta") else choice.text
+            if choice.finish_reason:
+                reasons.append(choice.finish_reason)
+    return text, reasons, usage
+
+
+def test_models_and_health(tiny_server):
+    models = tiny_server.client(api_key=KEY).models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    health = tiny_server.health()
+    assert health["status"] == "ok" and health["slots"] == 4 and health["model"] == "tiny"
+
+
+def test_completions_equal_gpt_fast_generate(tiny_server, tiny_dir, tmp_path, capsys):
+    prompt = "The capital of France is"
+    metrics = generated(
+        ["--checkpoint_path", str(tiny_dir), "--prompt", prompt, "--max_new_tokens", "20"], tmp_path, capsys
+    )
+    expected_ids, expected_text = metrics["samples"][0]["generated_ids"][0], metrics["samples"][0]["text"][0]
+    client = tiny_server.client(api_key=KEY)
+    answer = client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0)
+    assert answer.choices[0].text == expected_text
+    assert answer.usage.prompt_tokens == len(metrics["prompt_ids"])
+    assert answer.usage.completion_tokens == len(expected_ids)
+    assert answer.usage.total_tokens == len(metrics["prompt_ids"]) + len(expected_ids)
+    assert answer.choices[0].finish_reason == ("stop" if expected_ids[-1] == 257 else "length")
+    stream = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=20, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    text, reasons, usage = streamed(stream)
+    assert text == expected_text and reasons == [answer.choices[0].finish_reason] and usage == answer.usage
+
+
+def test_chat_on_the_default_model_equals_gpt_fast_generate(smol_server, smollm2_checkpoint, tmp_path, capsys):
+    system, question = "You answer in one short sentence.", "What is the capital of France?"
+    argv = ["--checkpoint_path", str(smollm2_checkpoint), "--chat", "--system", system, "--prompt", question]
+    metrics = generated([*argv, "--max_new_tokens", "24"], tmp_path, capsys)
+    expected_ids, expected_text = metrics["samples"][0]["generated_ids"][0], metrics["samples"][0]["text"][0]
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    client = smol_server.client()
+    model = client.models.list().data[0].id
+    answer = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0)
+    assert "Paris" in expected_text and answer.choices[0].message.content == expected_text
+    assert answer.choices[0].message.role == "assistant"
+    assert answer.usage.prompt_tokens == len(metrics["prompt_ids"])
+    assert answer.usage.completion_tokens == len(expected_ids)
+    assert answer.choices[0].finish_reason == ("stop" if len(expected_ids) < 24 else "length")
+    stream = client.chat.completions.create(
+        model=model, messages=messages, max_completion_tokens=24, temperature=0, stream=True
+    )
+    text, reasons, usage = streamed(stream)
+    assert text == expected_text and reasons == [answer.choices[0].finish_reason] and usage is None
+
+
+def test_the_readme_client_example_runs_as_written(smol_server, capsys):
+    section = (REPO / "README.md").read_text().split("## Serving", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    exec(code.replace("http://127.0.0.1:8000", smol_server.url), {})  # the README's own code
+    out = capsys.readouterr().out
+    assert re.search(r"\n\d+ tokens\n$", out) and len(out) > 40
+
+
+def test_stop_strings_stop_tokens_and_max_tokens(tiny_server, tiny_engine):
+    client = tiny_server.client(api_key=KEY)
+    prompt = "Hello, my name is"
+    ids = tiny_engine.encode(prompt)
+    free = tiny_engine.generate_ids(ids, 30, SamplingConfig(temperature=0), ignore_eos=True).tokens[0]
+    full = client.completions.create(model="tiny", prompt=prompt, max_tokens=30, temperature=0)
+    text = full.choices[0].text
+    stop_text = text[len(stream_text(tiny_engine, ids, free[:12])) :][:2]
+    cut = client.completions.create(model="tiny", prompt=prompt, max_tokens=30, temperature=0, stop=[stop_text, "\x00"])
+    assert cut.choices[0].text == text[: text.index(stop_text)] and cut.choices[0].finish_reason == "stop"
+    assert cut.usage.completion_tokens < 30
+    stop_id = free[8]
+    by_id = client.completions.create(model="tiny", prompt=prompt, max_tokens=30, temperature=0, stop=[stop_id])
+    assert by_id.usage.completion_tokens == free.index(stop_id) + 1 and by_id.choices[0].finish_reason == "stop"
+    assert by_id.choices[0].text == stream_text(tiny_engine, ids, free[: free.index(stop_id)])
+    short = client.completions.create(model="tiny", prompt=ids, max_tokens=3, temperature=0)
+    assert short.usage.completion_tokens == 3 and short.choices[0].finish_reason == "length"
+    assert short.usage.prompt_tokens == len(ids)
+
+
+def test_a_seed_makes_sampling_reproducible(tiny_server):
+    client = tiny_server.client(api_key=KEY)
+
+    def sample(seed, **kwargs):
+        return (
+            client.completions.create(model="tiny", prompt="Once", max_tokens=16, temperature=1.0, seed=seed, **kwargs)
+            .choices[0]
+            .text
+        )
+
+    first = sample(7)
+    assert sample(7) == first and sample(7, top_p=1.0) == first and sample(8) != first
+    assert (
+        streamed(client.completions.create(model="tiny", prompt="Once", max_tokens=16, seed=7, stream=True))[0] == first
+    )
+
+
+def test_logprobs(tiny_server):
+    client = tiny_server.client(api_key=KEY)
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    for item in content:
+        assert len(item.top_logprobs) == 3 and item.logprob == item.top_logprobs[0].logprob  # greedy: the best
+        assert item.logprob <= 0 and item.bytes == list(item.token.encode("utf-8", "replace"))
+    completion = client.completions.create(model="tiny", prompt="hi", max_tokens=4, temperature=0, logprobs=2)
+    logprobs = completion.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 4
+    assert all(len(top) <= 2 for top in logprobs.top_logprobs) and logprobs.text_offset[0] == 0
+    plain = client.completions.create(model="tiny", prompt="hi", max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_the_key_is_required(tiny_server):
+    for client in (tiny_server.client(), tiny_server.client(api_key="wrong")):
+        with pytest.raises(openai.AuthenticationError) as err:
+            client.models.list()
+        assert err.value.status_code == 401 and err.value.body["code"] == "invalid_api_key"
+    assert tiny_server.request("/health")[0] == 200  # the health check and the page need no key
+
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+LONG = "x" * 300  # 301 tokens with BOS: longer than the 256 tokens of a slot
+
+
+@pytest.mark.parametrize(
+    "path, body, status, expected",
+    [
+        ("/v1/chat/completions", CHAT | {"model": "gpt-4o"}, 404, {"code": "model_not_found", "param": "model"}),
+        ("/v1/chat/completions", CHAT | {"n": 2}, 400, {"param": "n"}),
+        ("/v1/chat/completions", CHAT | {"temperature": 2.5}, 400, {"param": "temperature"}),
+        ("/v1/chat/completions", CHAT | {"top_p": "high"}, 400, {"param": "top_p"}),
+        ("/v1/chat/completions", CHAT | {"top_k": 0}, 400, {"param": "top_k"}),
+        ("/v1/chat/completions", CHAT | {"stop": [""]}, 400, {"param": "stop"}),
+        ("/v1/chat/completions", CHAT | {"stream_options": {"include_usage": True}}, 400, {"param": "stream_options"}),
+        ("/v1/chat/completions", CHAT | {"top_logprobs": 2}, 400, {"param": "top_logprobs"}),
+        ("/v1/chat/completions", CHAT | {"frequency_penalty": 0.5}, 400, {"param": "frequency_penalty"}),
+        ("/v1/chat/completions", CHAT | {"tools": []}, 400, {"param": "tools"}),
+        ("/v1/chat/completions", CHAT | {"messages": []}, 400, {"param": "messages"}),
+        ("/v1/chat/completions", CHAT | {"messages": [{"role": "robot", "content": "hi"}]}, 400, {}),
+        ("/v1/chat/completions", {"messages": CHAT["messages"]}, 400, {"param": "model"}),
+        ("/v1/chat/completions", CHAT | {"messages": [{"role": "user", "content": LONG}]}, 400,
+         {"code": "context_length_exceeded"}),
+        ("/v1/completions", {"model": "tiny", "prompt": LONG}, 400, {"code": "context_length_exceeded"}),
+        ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 300}, 400,
+         {"code": "context_length_exceeded", "param": "max_tokens"}),
+        ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"]}, 400, {"param": "prompt"}),
+        ("/v1/completions", {"model": "tiny", "prompt": [1, 512]}, 400, {"param": "prompt"}),
+        ("/v1/completions", {"model": "tiny", "prompt": "hi", "echo": True}, 400, {"param": "echo"}),
+        ("/v1/completions", [1, 2], 400, {}),
+        ("/v1/embeddings", {"model": "tiny"}, 404, {}),
+    ],
+)  # fmt: skip
+def test_bad_requests_get_openai_errors(tiny_server, path, body, status, expected):
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    got, answer = tiny_server.request(path, json.dumps(body).encode(), headers)
+    assert got == status, answer
+    error = answer["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert {key: error[key] for key in expected} == expected
+
+
+def test_bodies_that_are_not_json_or_too_large(tiny_server):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    status, answer = tiny_server.request("/v1/completions", b'{"model": "tiny", ', headers)
+    assert status == 400 and "not valid JSON" in answer["error"]["message"]
+    host, port = tiny_server.url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    connection.putrequest("POST", "/v1/completions")
+    connection.putheader("Content-Length", str(5 << 20))  # refused on its announced size, before it is sent
+    connection.putheader("Authorization", f"Bearer {KEY}")
+    connection.endheaders(b"{")
+    response = connection.getresponse()
+    assert response.status == 413 and json.loads(response.read())["error"]["type"] == "invalid_request_error"
+    connection.close()
+
+
+def test_unknown_model_through_the_client(tiny_server):
+    with pytest.raises(openai.NotFoundError) as err:
+        tiny_server.client(api_key=KEY).chat.completions.create(model="nope", messages=CHAT["messages"])
+    assert err.value.body["code"] == "model_not_found"
+
+
+def test_a_full_server_refuses_and_a_client_going_away_frees_its_slot(smol_server):
+    """Two long streams hold both slots: a third request is refused (503, no queue). The first client goes away
+    mid-stream: its slot is freed at once, and the next request gets it while the second stream goes on."""
+    client = smol_server.client()
+    model = client.models.list().data[0].id
+    before = smol_server.health()["tokens_generated"]
+    long = {"model": model, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "stream": True}
+    first, second = client.completions.create(**long), client.completions.create(**long)
+    next(iter(first)), next(iter(second))  # both are decoding
+    smol_server.wait_for(lambda h: h["busy"] == 2)
+    with pytest.raises(openai.APIStatusError) as err:
+        client.completions.create(model=model, prompt="hi", max_tokens=2)
+    assert err.value.status_code == 503 and err.value.body["code"] == "queue_full"
+    assert err.value.response.headers["retry-after"] == "1"
+    first.close()
+    smol_server.wait_for(lambda h: h["busy"] == 1)
+    answer = client.completions.create(model=model, prompt="hi", max_tokens=2, temperature=0)
+    assert answer.usage.completion_tokens == 2
+    assert smol_server.health()["busy"] == 1  # the second stream still decodes
+    second.close()
+    health = smol_server.wait_for(lambda h: h["busy"] == 0)
+    assert health["tokens_generated"] - before < 400  # neither long stream ran to its end
+
+
+def test_many_clients_at_once_each_get_their_own_answer(tiny_server, tiny_engine):
+    """16 clients x 20 requests of different prompts and lengths, streamed and not, at once through 4 slots: each
+    answer is the same request's greedy answer alone, none lost, duplicated or mixed with another; the server
+    answers /health all along."""
+    prompts = [f"{word} number {i}:" * (1 + i % 3) for i, word in enumerate(["alpha", "beta", "gamma", "delta"] * 20)]
+    longest = 14
+    reference = {}
+    for prompt in prompts:
+        ids = tiny_engine.encode(prompt)
+        reference[prompt] = (ids, tiny_engine.generate_ids(ids, longest, SamplingConfig(temperature=0)).tokens[0])
+    jobs = [
+        [(prompts[(c * 20 + r) % 80], 1 + (c + r) % longest, (c + r) % 2 == 0) for r in range(20)] for c in range(16)
+    ]
+    health_codes, stop = [], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            health_codes.append(tiny_server.request("/health")[0])
+            time.sleep(0.05)
+
+    def client_session(requests):
+        client = tiny_server.client(api_key=KEY)
+        answers = []
+        for prompt, max_tokens, stream in requests:
+            kwargs = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+            if stream:
+                text, reasons, usage = streamed(
+                    client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+                )
+            else:
+                answer = client.completions.create(**kwargs)
+                text, reasons, usage = answer.choices[0].text, [answer.choices[0].finish_reason], answer.usage
+            answers.append((prompt, max_tokens, text, reasons, usage.completion_tokens))
+        return answers
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            sessions = list(pool.map(client_session, jobs, timeout=300))
+    finally:
+        stop.set()
+        watcher.join()
+    assert sum(len(s) for s in sessions) == 320 and set(health_codes) == {200} and len(health_codes) > 1
+    for requests, answers in zip(jobs, sessions, strict=True):
+        assert [a[:2] for a in answers] == [r[:2] for r in requests]
+        for prompt, max_tokens, text, reasons, completion_tokens in answers:
+            ids, free = reference[prompt]
+            expected = free[:max_tokens]
+            if 257 in expected:
+                expected = expected[: expected.index(257) + 1]
+            assert completion_tokens == len(expected)
+            assert text == stream_text(tiny_engine, ids, [t for t in expected if t != 257])
+            assert reasons == ["stop" if expected[-1] == 257 else "length"]
+
+
+def stream_text(engine, prompt_ids, ids) -> str:
+    """The text a stream of ``ids`` gives, ended: what the server sends (as `Engine.stream` would)."""
+    pieces = []
+    stream = TextStream(engine.tokenizer, prompt_ids, pieces.append)
+    for token in ids:
+        stream.push(token)
+    stream.flush()
+    return "".join(pieces)
+
+
+def chromium() -> tuple[str, str]:
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver = shutil.which("chromedriver")
+    if browser is None or driver is None:
+        pytest.skip("needs chromium and chromedriver (./scripts/setup.sh --dev installs them)")
+    return browser, driver
+
+
+@pytest.mark.slow
+def test_the_chat_page_streams_an_answer_and_stops_it(smol_server, tmp_path):
+    """In a headless Chromium: type a message, see the answer stream in, press stop; the tokens/sec are shown.
+    A screenshot is kept in test-artifacts/ (GPT_FAST_TEST_ARTIFACTS)."""
+    webdriver = pytest.importorskip("selenium.webdriver")
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser, driver_path = chromium()
+    options = webdriver.ChromeOptions()
+    options.binary_location = browser
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--window-size=1100,720",
+        f"--user-data-dir={tmp_path / 'profile'}",
+    ):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver_path))
+    try:
+        driver.get(smol_server.url + "/")
+        wait = WebDriverWait(driver, 60)
+        wait.until(lambda d: d.find_element(By.ID, "model").text.startswith("model: "))
+        driver.find_element(By.ID, "system").send_keys("You are a helpful assistant.")
+        temperature = driver.find_element(By.ID, "temperature")
+        temperature.clear()
+        temperature.send_keys("0")
+        driver.find_element(By.ID, "input").send_keys("Tell me a long story about a dragon.")
+        driver.find_element(By.ID, "send").click()
+        answer = wait.until(lambda d: d.find_element(By.CSS_SELECTOR, ".assistant.streaming .content"))
+        wait.until(lambda d: len(answer.text.split()) >= 8)  # the answer streams in
+        driver.find_element(By.ID, "stop").click()
+        stats = wait.until(lambda d: d.find_element(By.CSS_SELECTOR, ".assistant.done .stats"))
+        assert "tokens/s" in stats.text and stats.text.endswith("stopped"), stats.text
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        driver.save_screenshot(str(ARTIFACTS / "chat_page.png"))
+        smol_server.wait_for(lambda h: h["busy"] == 0)  # stopping in the page freed the slot
+    finally:
+        driver.quit()
