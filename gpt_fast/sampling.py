@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 # Below this temperature sampling is greedy: the limit of the distribution as the temperature goes to 0, and dividing
 # the logits by an ever smaller number would overflow to infinities (and NaN probabilities).
@@ -47,11 +48,30 @@ class SamplingConfig:
         return self.temperature < MIN_TEMPERATURE
 
 
+SCAN_BLOCK = 256  # values per block of cumulative_sum's first scan
+
+
+def cumulative_sum(x: torch.Tensor) -> torch.Tensor:
+    """``torch.cumsum`` over the last dimension of ``x`` [..., K], up to rounding, as two short scans: one within
+    blocks of :data:`SCAN_BLOCK` values, one over the blocks' totals.
+
+    Why: for a long scan over few rows (the server's [8, 32000] probabilities) inductor (torch 2.11, CUDA) emits a
+    "split scan" kernel whose code generation fails; short scans are never split.
+    """
+    *lead, n = x.shape
+    blocks = -(-n // SCAN_BLOCK)
+    padded = F.pad(x, (0, blocks * SCAN_BLOCK - n)).reshape(*lead, blocks, SCAN_BLOCK)
+    within = padded.cumsum(-1)  # [..., blocks, SCAN_BLOCK]
+    totals = within[..., -1]  # [..., blocks]
+    before = totals.cumsum(-1) - totals  # [..., blocks]: the sum of the blocks before each
+    return (within + before[..., None]).reshape(*lead, blocks * SCAN_BLOCK)[..., :n]
+
+
 def top_p_filter(sorted_logits: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
     """Mask (to -inf) all but the smallest prefix of descending-sorted logits [B, K] whose probability reaches top_p
     (a number, or [B, 1]: one per row)."""
     probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = torch.cumsum(probs, dim=-1) - probs  # probability of the tokens ranked above each one
+    mass_before = cumulative_sum(probs) - probs  # probability of the tokens ranked above each one
     return sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
 
 

@@ -6,6 +6,7 @@ import torch
 from gpt_fast.sampling import (
     SamplingConfig,
     candidates,
+    cumulative_sum,
     probabilities,
     row_noise,
     sample,
@@ -198,3 +199,9 @@ def test_rows_follow_the_distribution():
 def test_seed_keys_are_32_bit_and_take_any_integer():
     keys = {seed_key(s) for s in (0, 1, -1, 2**64, -(2**100), 12345678901234567890)}
     assert len(keys) == 6 and all(0 <= k < 2**32 for k in keys)
+
+
+@pytest.mark.parametrize("shape", [(1, 5), (8, 32000), (3, 256), (2, 4, 257)])
+def test_cumulative_sum_is_torchs_cumsum(shape):
+    x = torch.rand(shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    torch.testing.assert_close(cumulative_sum(x), torch.cumsum(x, dim=-1))

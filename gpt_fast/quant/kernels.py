@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -43,16 +42,20 @@ def resolve_kernel(kernel: str, device: torch.device) -> str:
         raise ValueError(f"quantized kernel {kernel!r} is not one of {', '.join(KERNELS)}")
     if kernel == "triton" and not triton_usable(device):
         raise ValueError(f"the triton quantized kernels need a CUDA GPU with Triton installed, not {device}")
-    if kernel != "auto":
-        return kernel
-    if triton_usable(device):
-        return "triton"
-    return "aten" if device.type == "cpu" else "dequant"
+    if kernel == "auto":
+        kernel = "triton" if triton_usable(device) else "aten" if device.type == "cpu" else "dequant"
+    if kernel == "triton":
+        register_triton_ops()
+    return kernel
 
 
 @functools.cache
-def triton_ops() -> SimpleNamespace:
-    """The Triton kernels as torch operators (registered on first use: nothing happens at import)."""
+def register_triton_ops() -> None:
+    """Register the Triton kernels as the operators ``torch.ops.gpt_fast.int8_gemv`` and ``int4_gemv``.
+
+    Called when a layer is given the ``triton`` kernel, eagerly, before any compilation: ``torch.compile`` cannot
+    trace a registration (it graph-breaks on it, and a CUDA-graph mode then fails), so the forward pass only
+    calls the registered operators. Nothing happens at import."""
     from torch.library import triton_op, wrap_triton
 
     from gpt_fast.quant import triton_gemv
@@ -67,15 +70,13 @@ def triton_ops() -> SimpleNamespace:
     ) -> torch.Tensor:
         return triton_gemv.int4_gemv(x, weight, scales, zeros, group_size, wrap=wrap_triton)
 
-    return SimpleNamespace(int8_gemv=int8_gemv, int4_gemv=int4_gemv)
-
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, kernel: str) -> torch.Tensor:
     """``x`` [..., K] times the int8 ``weight`` [N, K] with per-channel ``scales`` [N] (in ``x``'s dtype)."""
     rows = x.reshape(-1, x.shape[-1])
     few = rows.shape[0] <= FEW_ROWS
     if kernel == "triton" and few:
-        out = triton_ops().int8_gemv(rows.contiguous(), weight, scales)
+        out = torch.ops.gpt_fast.int8_gemv(rows.contiguous(), weight, scales)
     elif kernel == "aten" and few:
         out = torch.ops.aten._weight_int8pack_mm(rows, weight, scales)
     else:
@@ -108,7 +109,7 @@ def int4_linear(
     rows = x.reshape(-1, x.shape[-1])
     out_features = scales.shape[0]
     if kernel == "triton" and rows.shape[0] <= FEW_ROWS:
-        out = triton_ops().int4_gemv(rows.contiguous(), weight, scales, zeros, group_size)
+        out = torch.ops.gpt_fast.int4_gemv(rows.contiguous(), weight, scales, zeros, group_size)
     else:
         out = F.linear(rows, int4_dequantize(weight, scales, zeros, group_size).to(x.dtype))
     return out.reshape(*x.shape[:-1], out_features)
