@@ -8,10 +8,11 @@ import struct
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGUFWriter
+from gguf import GGML_QUANT_SIZES, MODEL_ARCH_NAMES, GGUFWriter, get_tensor_name_map
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
-from tiny import train_bpe_tokenizer
+from test_families import PROMPT, cached_logits, hf_model
+from tiny import hf_greedy, our_greedy, train_bpe_tokenizer
 
 from gpt_fast.config import QuantConfig
 from gpt_fast.convert.gguf_file import convert_gguf
@@ -39,6 +40,7 @@ LAYER_TYPES = [
         "ffn_down": Q.Q4_1,
     },
 ]
+MODEL_ARCH_BY_NAME = {name: arch for arch, name in MODEL_ARCH_NAMES.items()}
 K_QUANT_SCALE_OFFSETS = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}  # where each block keeps its f16 scales
 
 
@@ -79,16 +81,7 @@ def write_gguf(path, tokenizer, *, architecture="llama", tied=False, seed=0, rop
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(vocab)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    tokens = [tokenizer.id_to_token(i) for i in range(vocab)]
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in ("<s>", "</s>") else 1 for t in tokens])
-    merges = json.loads(tokenizer.to_str())["model"]["merges"]
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-    writer.add_bos_token_id(tokenizer.token_to_id("<s>"))
-    writer.add_eos_token_id(tokenizer.token_to_id("</s>"))
-    writer.add_add_bos_token(True)
+    add_tokenizer(writer, tokenizer)
 
     def tensor(name, shape, qtype):
         data = rng.normal(0, 0.25, size=shape).astype(np.float32)
@@ -122,6 +115,24 @@ def write_gguf(path, tokenizer, *, architecture="llama", tied=False, seed=0, rop
         tensor("output.weight", (vocab, DIM), Q.Q6_K)
     if edit is not None:
         edit(writer)
+    return write_out(writer, path)
+
+
+def add_tokenizer(writer, tokenizer):
+    """The byte-level BPE ``tokenizer`` as llama.cpp's converter writes a "gpt2" vocabulary."""
+    tokens = [tokenizer.id_to_token(i) for i in range(tokenizer.get_vocab_size())]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in ("<s>", "</s>") else 1 for t in tokens])
+    merges = json.loads(tokenizer.to_str())["model"]["merges"]
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_bos_token_id(tokenizer.token_to_id("<s>"))
+    writer.add_eos_token_id(tokenizer.token_to_id("</s>"))
+    writer.add_add_bos_token(True)
+
+
+def write_out(writer, path):
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -191,6 +202,48 @@ def test_corrupt_gguf(tmp_path):
     path.write_bytes(b"GGUF" + bytes(range(256)) * 4)
     with pytest.raises(ValueError, match="bad.gguf is not a readable GGUF file"):
         convert_gguf(path, tmp_path / "out")
+
+
+def gguf_from_hf(path, hf, tokenizer, architecture):
+    """``hf`` (a transformers model) written in float32 as llama.cpp's convert_hf_to_gguf writes ``architecture``:
+    its metadata keys, the gguf library's tensor names for the HF ones, q/k rows as they are (it interleaves the
+    rotary halves for llama only), no output tensor when the embeddings are tied."""
+    config = hf.config
+    writer = GGUFWriter(str(path), architecture)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    add_tokenizer(writer, tokenizer)
+    names = get_tensor_name_map(MODEL_ARCH_BY_NAME[architecture], config.num_hidden_layers)
+    for name, tensor in hf.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor.float().numpy())
+    return write_out(writer, path)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@torch.no_grad()
+def test_families_from_gguf_match_transformers(tmp_path, family):
+    """Qwen2 (q/k/v biases, tied embeddings, rope base 1e6) and Qwen3 (qk-norm) from llama.cpp's GGUF layout:
+    transformers' logits over a prompt and 40 tokens decoded with our KV cache, and its greedy tokens."""
+    tokenizer = train_bpe_tokenizer(tmp_path / "tok", vocab_size=300)
+    hf = hf_model(family, tokenizer.get_vocab_size())
+    convert_gguf(gguf_from_hf(tmp_path / f"{family}.gguf", hf, tokenizer, family), tmp_path / "out")
+    engine = Engine.load(tmp_path / "out", device="cpu", dtype="float32")
+    assert engine.config.source["architecture"] == family
+    generated = hf_greedy(hf, PROMPT, 40)
+    assert our_greedy(engine, PROMPT, 40) == generated
+    tokens = PROMPT + generated
+    expected = hf(torch.tensor([tokens])).logits[0]
+    assert (cached_logits(engine.model, tokens, len(PROMPT)) - expected).abs().max().item() < 1e-4
 
 
 def test_unsupported_architecture(tmp_path, tokenizer):

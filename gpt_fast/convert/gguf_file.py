@@ -1,8 +1,10 @@
-"""GGUF file (llama architecture) -> gpt-fast checkpoint, read with the maintained ``gguf`` library.
+"""GGUF file (llama.cpp's llama, qwen2 and qwen3 architectures) -> gpt-fast checkpoint, read with the maintained
+``gguf`` library.
 
 Tensor names are mapped onto the Hugging Face names and go through the same checks and fusion as an HF folder.
-Quantized tensors are dequantized to float32. llama.cpp stores the q and k projections with each head's
-rotary halves interleaved; they are put back in the Hugging Face layout our rotary embedding uses.
+Quantized tensors are dequantized to float32. For the llama architecture only, llama.cpp's converter stores the q
+and k projections with each head's rotary halves interleaved; they are put back in the Hugging Face layout our
+rotary embedding uses. Its qwen2 and qwen3 converters keep Hugging Face's layout.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import math
 import re
 import struct
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +36,8 @@ from gpt_fast.quant.layout import quantize_state
 
 GGUF_TO_HF = [
     (re.compile(r"token_embd\.weight"), "model.embed_tokens.weight"),
-    (re.compile(r"blk\.(\d+)\.attn_(q|k|v)\.weight"), "model.layers.{0}.self_attn.{1}_proj.weight"),
+    (re.compile(r"blk\.(\d+)\.attn_(q|k|v)\.(weight|bias)"), "model.layers.{0}.self_attn.{1}_proj.{2}"),
+    (re.compile(r"blk\.(\d+)\.attn_(q|k)_norm\.weight"), "model.layers.{0}.self_attn.{1}_norm.weight"),
     (re.compile(r"blk\.(\d+)\.attn_output\.weight"), "model.layers.{0}.self_attn.o_proj.weight"),
     (re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.weight"), "model.layers.{0}.mlp.{1}_proj.weight"),
     (re.compile(r"blk\.(\d+)\.attn_norm\.weight"), "model.layers.{0}.input_layernorm.weight"),
@@ -41,6 +45,22 @@ GGUF_TO_HF = [
     (re.compile(r"output_norm\.weight"), "model.norm.weight"),
     (re.compile(r"output\.weight"), "lm_head.weight"),
 ]
+
+
+@dataclass(frozen=True)
+class GgufFamily:
+    """What a GGUF architecture implies beyond its metadata (our model never sees the name, only these)."""
+
+    permuted: bool = False  # q/k rows with each head's rotary halves interleaved (llama.cpp does so for llama only)
+    implies: dict[str, Any] = field(default_factory=dict)  # ModelConfig fields the architecture fixes
+
+
+# general.architecture values this converter reads exactly (llama.cpp's names, as the gguf library spells them)
+GGUF_FAMILIES = {
+    "llama": GgufFamily(permuted=True),  # Llama 2/3/3.1/3.2, Mistral 7B, SmolLM/SmolLM2, TinyLlama
+    "qwen2": GgufFamily(implies={"qkv_bias": True}),  # Qwen2, Qwen2.5
+    "qwen3": GgufFamily(implies={"qk_norm": True}),  # Qwen3 dense
+}
 TOKENS_KEY = "tokenizer.ggml.tokens"
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1 GGUFs store the divisors of the rotary frequencies as a tensor
 PLAIN_DTYPES = {
@@ -117,40 +137,50 @@ def tensor_data(tensor: Any) -> torch.Tensor:
     return data.reshape(shape).to(PLAIN_DTYPES.get(tensor.tensor_type, torch.float32))
 
 
-def rope_scaling(reader: GGUFReader) -> RopeScaling | None:
+def rope_scaling(reader: GGUFReader, arch: str) -> RopeScaling | None:
     freqs = find_tensor(reader, ROPE_FREQS)
     if freqs is not None:
         return RopeScaling(kind="divisors", divisors=tuple(tensor_data(freqs).float().ravel().tolist()))
-    kind = metadata(reader, "llama.rope.scaling.type", STR, "none")
+    kind = metadata(reader, f"{arch}.rope.scaling.type", STR, "none")
     if kind == "none":
         return None
     if kind != "linear":
         raise ValueError(f"unsupported rope scaling type {kind!r} (supported: linear, rope_freqs)")
-    return RopeScaling(kind="linear", factor=float(metadata(reader, "llama.rope.scaling.factor", NUMBER)))
+    return RopeScaling(kind="linear", factor=float(metadata(reader, f"{arch}.rope.scaling.factor", NUMBER)))
+
+
+def architecture(reader: GGUFReader) -> str:
+    """The file's ``general.architecture``, one of :data:`GGUF_FAMILIES`."""
+    arch = metadata(reader, "general.architecture", STR)
+    if arch not in GGUF_FAMILIES:
+        raise ValueError(f"unsupported architecture {arch} (supported: {', '.join(GGUF_FAMILIES)})")
+    return arch
 
 
 def model_config_from_gguf(reader: GGUFReader) -> ModelConfig:
-    arch = metadata(reader, "general.architecture", STR)
-    if arch != "llama":
-        raise ValueError(f"unsupported architecture {arch} (supported: llama)")
+    arch = architecture(reader)
     embedding = find_tensor(reader, "token_embd.weight")
     if embedding is None:
         raise ValueError("no token_embd.weight tensor")
-    dim = metadata(reader, "llama.embedding_length", INT)
-    n_head = metadata(reader, "llama.attention.head_count", INT)
+    dim = metadata(reader, f"{arch}.embedding_length", INT)
+    n_head = metadata(reader, f"{arch}.attention.head_count", INT)
+    head_dim = metadata(reader, f"{arch}.attention.key_length", INT, dim // n_head)
+    if metadata(reader, f"{arch}.attention.value_length", INT, head_dim) != head_dim:
+        raise ValueError(f"unsupported {arch}.attention.value_length different from its key_length")
     return ModelConfig(
-        block_size=metadata(reader, "llama.context_length", INT),
-        vocab_size=metadata(reader, "llama.vocab_size", INT, int(embedding.shape[-1])),
-        n_layer=metadata(reader, "llama.block_count", INT),
+        block_size=metadata(reader, f"{arch}.context_length", INT),
+        vocab_size=metadata(reader, f"{arch}.vocab_size", INT, int(embedding.shape[-1])),
+        n_layer=metadata(reader, f"{arch}.block_count", INT),
         n_head=n_head,
         dim=dim,
-        intermediate_size=metadata(reader, "llama.feed_forward_length", INT),
-        n_local_heads=metadata(reader, "llama.attention.head_count_kv", INT, n_head),
-        head_dim=metadata(reader, "llama.attention.key_length", INT, dim // n_head),
-        rope_base=float(metadata(reader, "llama.rope.freq_base", NUMBER, 10000.0)),
-        norm_eps=float(metadata(reader, "llama.attention.layer_norm_rms_epsilon", NUMBER)),
+        intermediate_size=metadata(reader, f"{arch}.feed_forward_length", INT),
+        n_local_heads=metadata(reader, f"{arch}.attention.head_count_kv", INT, n_head),
+        head_dim=head_dim,
+        rope_base=float(metadata(reader, f"{arch}.rope.freq_base", NUMBER, 10000.0)),
+        norm_eps=float(metadata(reader, f"{arch}.attention.layer_norm_rms_epsilon", NUMBER)),
         tie_embeddings=find_tensor(reader, "output.weight") is None,
-        rope_scaling=rope_scaling(reader),
+        rope_scaling=rope_scaling(reader, arch),
+        **GGUF_FAMILIES[arch].implies,
     )
 
 
@@ -180,10 +210,13 @@ def unpermute_rotary(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     return weight.reshape(n_heads, weight.shape[0] // n_heads // 2, 2, -1).transpose(1, 2).reshape(weight.shape)
 
 
-def hf_order(config: ModelConfig) -> Callable[[str, torch.Tensor], torch.Tensor]:
-    """The rows of the tensor of an HF name put in Hugging Face's order (q and k projections un-interleaved)."""
+def hf_order(config: ModelConfig, arch: str) -> Callable[[str, torch.Tensor], torch.Tensor]:
+    """The rows of the tensor of an HF name put in Hugging Face's order (q and k projections un-interleaved where
+    llama.cpp interleaved them)."""
 
     def reorder(name: str, data: torch.Tensor) -> torch.Tensor:
+        if not GGUF_FAMILIES[arch].permuted:
+            return data
         if name.endswith("q_proj.weight"):
             return unpermute_rotary(data, config.n_head)
         if name.endswith("k_proj.weight"):
@@ -193,8 +226,8 @@ def hf_order(config: ModelConfig) -> Callable[[str, torch.Tensor], torch.Tensor]
     return reorder
 
 
-def hf_tensors(reader: GGUFReader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    reorder = hf_order(config)
+def hf_tensors(reader: GGUFReader, config: ModelConfig, arch: str) -> Iterator[tuple[str, torch.Tensor]]:
+    reorder = hf_order(config, arch)
     for t in reader.tensors:
         name = hf_name(t.name)
         yield name, reorder(name, tensor_data(t))
@@ -207,8 +240,8 @@ def source_dtype(reader: GGUFReader) -> torch.dtype:
 
 
 def convert_gguf(src: Path, out_dir: Path, dtype: str | None = None, quantization: QuantConfig | None = None) -> Path:
-    """Convert a llama-architecture GGUF file into ``out_dir`` (quantized with ``quantization``); return the path
-    of the written ``model.pth``."""
+    """Convert a GGUF file of a supported architecture into ``out_dir`` (quantized with ``quantization``); return
+    the path of the written ``model.pth``."""
     check_checkpoint_output(out_dir)
     reader = open_gguf(src)
     try:
@@ -222,10 +255,11 @@ def convert_gguf(src: Path, out_dir: Path, dtype: str | None = None, quantizatio
         check_tokenizer_size(len(tokens.data), model, f"{src}: {TOKENS_KEY}")
     check_tensors(tensor_infos(reader, src), model, src)
     target = parse_dtype(dtype) if dtype else source_dtype(reader)
-    state = fuse_tensors(hf_tensors(reader, model), model, target, src)
+    arch = architecture(reader)
+    state = fuse_tensors(hf_tensors(reader, model, arch), model, target, src)
     if quantization is not None:
         raw = ((hf_name(t.name), t.tensor_type, t.data) for t in reader.tensors)
-        exact = exact_int4_parts(raw, model, quantization, hf_order(model))
+        exact = exact_int4_parts(raw, model, quantization, hf_order(model, arch))
         state = quantize_state(state, model, quantization, target, given=exact)
 
     def prepare(stage: Path) -> CheckpointConfig:
@@ -235,7 +269,12 @@ def convert_gguf(src: Path, out_dir: Path, dtype: str | None = None, quantizatio
             tokenizer=tok_config,
             dtype=dtype_name(target),
             chat_template=chat_template,
-            source={"kind": "gguf", "path": str(src), "name": metadata(reader, "general.name", STR, "")},
+            source={
+                "kind": "gguf",
+                "path": str(src),
+                "name": metadata(reader, "general.name", STR, ""),
+                "architecture": arch,
+            },
             quantization=quantization,
         )
 
