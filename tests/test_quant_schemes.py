@@ -56,6 +56,32 @@ def test_int4_error_is_no_worse_than_plain_min_max_groups(group_size):
     assert (scales > 0).all()
 
 
+def heavy_tailed(rows=48, cols=256, seed=0):
+    """Student-t weights with 3 degrees of freedom: outliers everywhere, not only a few."""
+    generator = torch.Generator().manual_seed(seed)
+    normal = torch.randn(rows, cols, generator=generator)
+    chi2 = torch.randn(3, rows, cols, generator=generator).square().sum(dim=0)
+    return normal / (chi2 / 3).sqrt() * 0.02
+
+
+@pytest.mark.parametrize(
+    "make", [lambda: torch.randn(48, 256, generator=torch.Generator().manual_seed(2)), heavy_tailed]
+)
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int4_beats_min_max_on_random_and_heavy_tailed_groups(make, group_size):
+    """Per group never worse than min/max, clearly better in total, and within min/max's own bound: at most half
+    a min/max step per weight, on average over the group."""
+    w = make()
+    q, scales, zeros = quantize_int4(w, group_size, torch.float32)
+    ours = (dequantize_int4(q, scales, zeros, group_size) - w).square().reshape(48, -1, group_size).sum(dim=2)
+    plain = plain_int4_error(w, group_size)
+    assert (ours <= plain * (1 + 1e-4) + 1e-12).all()
+    assert ours.sum() < 0.97 * plain.sum()
+    groups = w.reshape(48, -1, group_size)
+    half_step = (groups.amax(dim=2) - groups.amin(dim=2)) / 15 / 2
+    assert (ours <= group_size * half_step.square() * (1 + 1e-4)).all()
+
+
 def test_int4_reproduces_weights_already_on_a_4_bit_grid():
     """Groups of 32 holding 16 levels of their own, all used (as a Q4_1 GGUF's weights are): exact."""
     generator = torch.Generator().manual_seed(1)

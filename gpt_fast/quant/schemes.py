@@ -7,9 +7,11 @@ int4: per group of ``group_size`` consecutive input columns of a row, asymmetric
 with ``q`` in [0, 15]. ``zero`` is the value of ``q = 8`` (the convention of PyTorch's own int4 kernels,
 ``torch.ops.aten._weight_int4pack_mm*``, so that one set of numbers serves every kernel). The range of each group
 is searched (:data:`INT4_CLIP_RATIOS`): shrinking it towards the group's mean can lower the squared error, as an
-outlier then costs one clipped weight instead of the resolution of all the others. A row whose length is not a
-multiple of ``group_size`` ends with a shorter group. Two columns share a byte: column ``2j`` in the low nibble
-of byte ``j``, column ``2j + 1`` in the high nibble.
+outlier then costs one clipped weight instead of the resolution of all the others; then the scale and zero of each
+group are refitted to its levels by least squares and the levels re-rounded (:data:`INT4_REFITS` times), each
+group keeping its best candidate. No calibration data; the stored format is the same as plain min/max's.
+A row whose length is not a multiple of ``group_size`` ends with a shorter group. Two columns share a byte: column
+``2j`` in the low nibble of byte ``j``, column ``2j + 1`` in the high nibble.
 
 Scales and zero points are rounded to the dtype they are stored in *before* the weights are rounded to the grid,
 so the integers are the best ones for the numbers actually stored.
@@ -24,6 +26,7 @@ INT4_LEVELS = 16
 INT4_MID = 8  # the level whose value is ``zero``
 # Fractions of a group's full range tried, keeping the one of least squared error (1.0: plain min/max).
 INT4_CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
+INT4_REFITS = 4  # least-squares refits of each group's scale and zero after the range search
 _TINY = 1e-12  # the smallest scale: an all-equal row or group quantizes exactly to its value
 
 
@@ -68,33 +71,70 @@ def _int4_grid(
     return q, scales, zeros
 
 
+def _int4_error(
+    groups: torch.Tensor, real: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+) -> torch.Tensor:
+    """Squared error [N, G] of levels ``q`` [N, G, S] on the grid ``scales``, ``zeros`` [N, G]; the padding copies
+    do not count."""
+    error = ((q - INT4_MID) * scales.float()[..., None] + zeros.float()[..., None] - groups).square()
+    return (error * real).sum(dim=2)
+
+
+def _refit(
+    groups: torch.Tensor, real: torch.Tensor, q: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The least-squares scale and zero [N, G] of each group for its levels ``q`` [N, G, S] (rounded to
+    ``dtype``), and the levels of ``groups`` re-rounded to that grid."""
+    count = real.sum(dim=1)  # [G]
+    a = (q - INT4_MID) * real
+    mean_a, mean_w = a.sum(dim=2) / count, (groups * real).sum(dim=2) / count
+    var_a = (a.square().sum(dim=2) / count - mean_a.square()).clamp_min(_TINY)
+    cov = (a * groups).sum(dim=2) / count - mean_a * mean_w
+    scales = (cov / var_a).clamp_min(_TINY).to(dtype)
+    zeros = (mean_w - mean_a * scales.float()).to(dtype)
+    s, z = scales.float()[..., None], zeros.float()[..., None]
+    return torch.round((groups - z) / s + INT4_MID).clamp_(0, INT4_LEVELS - 1), scales, zeros
+
+
 def quantize_int4(
     weight: torch.Tensor, group_size: int, scale_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``weight`` [N, K] (K even) -> packed ``q`` uint8 [N, K/2], ``scales`` and ``zeros`` [N, ceil(K/group_size)]
-    in ``scale_dtype``."""
+    in ``scale_dtype``.
+
+    Data-free: each group keeps, of the clipped ranges of :data:`INT4_CLIP_RATIOS` and then
+    :data:`INT4_REFITS` alternations of a least-squares fit of its scale and zero to its levels and a re-rounding
+    of its levels to that grid, the candidate of least squared error (so never worse than plain min/max)."""
     rows, cols = weight.shape
     assert cols % 2 == 0, "int4 packs two columns per byte"
     groups, real = _grouped(weight.float(), group_size)  # [N, G, S], [G, S]
     low, high = groups.amin(dim=2), groups.amax(dim=2)
     center = (groups * real).sum(dim=2) / real.sum(dim=1)
     best = None
-    for ratio in INT4_CLIP_RATIOS:
-        q, scales, zeros = _int4_grid(
-            groups, center + (low - center) * ratio, center + (high - center) * ratio, scale_dtype
-        )
-        error = ((q - INT4_MID) * scales.float()[..., None] + zeros.float()[..., None] - groups).square()
-        error = (error * real).sum(dim=2)  # [N, G]: the padding copies do not count
-        if best is None:
-            best = [q, scales, zeros, error]
-            continue
-        better = error < best[3]  # [N, G]
-        best[0] = torch.where(better[..., None], q, best[0])
-        best[1] = torch.where(better, scales, best[1])
-        best[2] = torch.where(better, zeros, best[2])
-        best[3] = torch.minimum(error, best[3])
+    candidates = (
+        _int4_grid(groups, center + (low - center) * ratio, center + (high - center) * ratio, scale_dtype)
+        for ratio in INT4_CLIP_RATIOS
+    )
+    for q, scales, zeros in candidates:
+        best = _keep_better(best, [q, scales, zeros, _int4_error(groups, real, q, scales, zeros)])
+    for _ in range(INT4_REFITS):
+        q, scales, zeros = _refit(groups, real, best[0], scale_dtype)
+        best = _keep_better(best, [q, scales, zeros, _int4_error(groups, real, q, scales, zeros)])
     q, scales, zeros, _ = best
     return pack_int4(q.reshape(rows, -1)[:, :cols].to(torch.uint8)), scales, zeros
+
+
+def _keep_better(best: list | None, candidate: list) -> list:
+    """Per group, whichever of ``best`` and ``candidate`` ([levels, scales, zeros, error]) has the lesser error."""
+    if best is None:
+        return candidate
+    better = candidate[3] < best[3]  # [N, G]
+    return [
+        torch.where(better[..., None], candidate[0], best[0]),
+        torch.where(better, candidate[1], best[1]),
+        torch.where(better, candidate[2], best[2]),
+        torch.minimum(candidate[3], best[3]),
+    ]
 
 
 def pack_int4(levels: torch.Tensor) -> torch.Tensor:
