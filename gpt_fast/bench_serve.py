@@ -25,6 +25,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from gpt_fast.fileio import write_text_atomic
 from gpt_fast.generate import COMPILE_MODES, cache_length
 from gpt_fast.shapes import SHAPES, get_shape
 
@@ -272,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     print(table(generate, one, many))
     if args.output:
         figures = {"args": vars(args), "generate_tokens_per_sec": generate, "one": asdict(one), "many": asdict(many)}
-        Path(args.output).write_text(json.dumps(figures, indent=2) + "\n")
+        write_text_atomic(Path(args.output), json.dumps(figures, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -22,11 +22,13 @@ import argparse
 import itertools
 import json
 from collections.abc import Callable
+from pathlib import Path
 
 import gemv_floor  # scripts/gemv_floor.py, beside this file
 import torch
 import torch.nn.functional as F
 
+from gpt_fast.fileio import write_text_atomic
 from gpt_fast.model import weight_shapes
 from gpt_fast.quant import triton_gemv
 from gpt_fast.quant.kernels import int4_dequantize
@@ -128,8 +130,7 @@ def main() -> None:
             del copies
             torch.cuda.empty_cache()
     if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(rows, f)
+        write_text_atomic(Path(args.json_out), json.dumps(rows) + "\n")
     summary(rows)
 
 

@@ -21,6 +21,7 @@ from gpt_fast.config import QuantConfig
 from gpt_fast.convert.gguf_file import convert_gguf
 from gpt_fast.engine import Engine, EngineOptions, find_checkpoint
 from gpt_fast.evaluate import default_text, perplexity
+from gpt_fast.fileio import write_text_atomic
 from gpt_fast.quant.quantize import quantize_checkpoint
 from gpt_fast.sampling import SamplingConfig
 from gpt_fast.settings import apply_torch_settings
@@ -102,7 +103,7 @@ def main() -> None:
         for name, row in rows.items():
             print(f"| {name} | {row['answers'][i].replace(chr(10), ' ').replace('|', '/')} |")
     if args.json_out is not None:
-        args.json_out.write_text(json.dumps(rows, indent=2))
+        write_text_atomic(args.json_out, json.dumps(rows, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,8 @@ def triton_usable(device: torch.device) -> bool:
 
 
 def resolve_kernel(kernel: str, device: torch.device) -> str:
-    """``auto``: Triton on a CUDA GPU, PyTorch's own kernels on the CPU, plain PyTorch elsewhere."""
+    """``auto``: Triton on a CUDA GPU, PyTorch's own kernels on the CPU, plain PyTorch elsewhere. Choosing Triton
+    registers its operators (:func:`register_triton_ops`), before anything is compiled."""
     if kernel not in KERNELS:
         raise ValueError(f"quantized kernel {kernel!r} is not one of {', '.join(KERNELS)}")
     if kernel == "triton" and not triton_usable(device):

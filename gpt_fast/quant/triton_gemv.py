@@ -206,6 +206,17 @@ def _unwrapped(kernel: Callable[..., None]) -> Callable[..., None]:
     return kernel
 
 
+def _prelude(x: torch.Tensor, n: int, launch: Launch) -> tuple[torch.Tensor, tuple[int], bool, bool]:
+    """What both GEMVs set up for ``x`` [M, K] and ``n`` outputs: the output [M, N], the grid (one program per row
+    and block of outputs), whether the blocks tile K and N exactly, and whether the weights are read as int32
+    words."""
+    m, k = x.shape
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    even = k % launch.block_k == 0 and n % launch.block_n == 0
+    grid = (m * triton.cdiv(n, launch.block_n),)
+    return y, grid, even, launch.words and k % 8 == 0
+
+
 def int8_gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -217,10 +228,7 @@ def int8_gemv(
     m, k = x.shape
     n = weight.shape[0]
     launch = launch or int8_launch(n, k)
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    even = k % launch.block_k == 0 and n % launch.block_n == 0
-    grid = (m * triton.cdiv(n, launch.block_n),)
-    words = launch.words and k % 8 == 0
+    y, grid, even, words = _prelude(x, n, launch)
     wrap(_int8_gemv)[grid](
         x,
         weight.view(torch.int32) if words else weight,
@@ -252,10 +260,7 @@ def int4_gemv(
     n, n_groups = scales.shape
     launch = launch or int4_launch(n, k, group_size)
     groups = launch.block_k // group_size
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    even = k % launch.block_k == 0 and n % launch.block_n == 0
-    grid = (m * triton.cdiv(n, launch.block_n),)
-    words = launch.words and k % 8 == 0
+    y, grid, even, words = _prelude(x, n, launch)
     wrap(_int4_gemv)[grid](
         x,
         weight.view(torch.int32) if words else weight,
