@@ -194,11 +194,17 @@ def checkpoint_weights(path: Path, config: CheckpointConfig) -> dict[str, torch.
 
 
 def load_model(
-    checkpoint_dir: Path, config: CheckpointConfig, device: torch.device, dtype: torch.dtype, kernel: str = "auto"
+    checkpoint_dir: Path,
+    config: CheckpointConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    kernel: str = "auto",
+    *,
+    compiled: bool = False,
 ) -> Transformer:
     """Build the model ``config`` describes and load its weights file onto ``device`` in ``dtype`` (quantized
-    layers computing with ``kernel``); NaN or infinite weights (also those made by converting to ``dtype``) are
-    refused."""
+    layers computing with ``kernel``, chosen for a model run under ``torch.compile`` when ``compiled``); NaN or
+    infinite weights (also those made by converting to ``dtype``) are refused."""
     path = inside_folder(checkpoint_dir, config.weights, f"{checkpoint_dir / CONFIG_FILE}: weights")
     state = checkpoint_weights(path, config)
     if device.type == "cpu":
@@ -206,7 +212,7 @@ def load_model(
         # (SmolLM2-135M decode), and copying out of the mapping page by page 4x slower than reading the file
         # again; checked, the file is now read in whole.
         state = torch.load(path, map_location="cpu", weights_only=True)
-    model = model_from_state(config.model, state, device, dtype, config.quantization, kernel)
+    model = model_from_state(config.model, state, device, dtype, config.quantization, kernel, compiled=compiled)
     check_finite(dict(model.named_parameters()), str(path))
     return model
 
@@ -236,6 +242,8 @@ def model_from_state(
     dtype: torch.dtype,
     quantization: QuantConfig | None = None,
     kernel: str = "auto",
+    *,
+    compiled: bool = False,
 ) -> Transformer:
     """The model for ``config`` holding ``state``'s tensors (no copy where they already have ``device`` and
     ``dtype``), ready for inference; with ``quantization``, its quantized layers compute with ``kernel``."""
@@ -246,5 +254,5 @@ def model_from_state(
     model.load_state_dict(state, assign=True)
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     if quantization is not None:
-        prepare_quantized(model, device, kernel)
+        prepare_quantized(model, device, kernel, compiled=compiled)
     return model

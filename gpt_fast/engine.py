@@ -216,14 +216,25 @@ class Engine:
         start = time.perf_counter()
         if self._state is not None:
             self._model = model_from_state(
-                self.model_config, self._state, self.device, self.dtype, self.quantization, self.options.quant_kernel
+                self.model_config,
+                self._state,
+                self.device,
+                self.dtype,
+                self.quantization,
+                self.options.quant_kernel,
+                compiled=self.compile != "none",
             )
             self._state = None
         else:
             if folder_identity(self.checkpoint_dir) != self._folder_id:
                 raise ValueError(f"checkpoint {self.checkpoint_dir} was replaced since it was opened; run again")
             self._model = load_model(
-                self.checkpoint_dir, self.config, self.device, self.dtype, self.options.quant_kernel
+                self.checkpoint_dir,
+                self.config,
+                self.device,
+                self.dtype,
+                self.options.quant_kernel,
+                compiled=self.compile != "none",
             )
         if self._draft is not None:
             self._draft.load_weights()
