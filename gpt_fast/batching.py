@@ -15,8 +15,9 @@ One thread drives a :class:`Batcher`: :meth:`Batcher.serve_forever` (a server) o
 submitted request is done). :meth:`Batcher.submit` and :meth:`Batcher.cancel` may be called from any thread; the
 events of a request go to its callback, on the driving thread. The driving thread should be the one that compiles
 (the main thread): in the CUDA-graph modes, torch's inductor keeps its CUDA-graph trees per thread, and some
-versions (torch 2.11) set them up only in the thread that first used them. So the clients get the other threads:
-:meth:`Batcher.serve_while` serves in the calling thread while a thread of its own submits the requests.
+versions (torch 2.11) set them up only in the thread that first loaded that part of inductor, in practice the one
+that compiled first. So the clients get the other threads: :meth:`Batcher.serve_while` serves in the calling
+thread while a thread of its own submits the requests.
 """
 
 from __future__ import annotations
