@@ -13,8 +13,9 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-# After Ctrl-C, how long torchrun gets to stop its processes (it waits up to 30 s for each to end) before it is
-# terminated itself.
+# After Ctrl-C, how long torchrun gets to stop its processes by itself (a terminal's Ctrl-C reaches it too), then
+# after a SIGINT of ours (it waits up to 30 s for each process to end), before it is terminated.
+GRACE_SECONDS = 5
 STOP_SECONDS = 60
 
 
@@ -45,10 +46,12 @@ def run_ranks(nproc: int, module_args: Sequence[str], timeout: float | None = No
 
 
 def stop(process: subprocess.Popen) -> None:
-    """Ask torchrun to stop its ranks (SIGINT), then terminate it if it has not within :data:`STOP_SECONDS`."""
-    process.send_signal(signal.SIGINT)
-    try:
-        process.wait(timeout=STOP_SECONDS)
-    except subprocess.TimeoutExpired:
-        process.terminate()
-        process.wait()
+    """Let torchrun stop its ranks: give it :data:`GRACE_SECONDS` (Ctrl-C in a terminal reached it too; a second
+    SIGINT would cut its shutdown short), then send it SIGINT, then terminate it after :data:`STOP_SECONDS`."""
+    for wait, then in ((GRACE_SECONDS, process.send_signal), (STOP_SECONDS, lambda _: process.terminate())):
+        try:
+            process.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            then(signal.SIGINT)
+    process.wait()

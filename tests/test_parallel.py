@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -228,3 +229,19 @@ def test_several_prompts_and_a_gpu_index_are_refused_with_tp():
         EngineOptions(tp=2).check_batching()
     with pytest.raises(ValueError, match="each rank uses the GPU of its LOCAL_RANK"):
         device_of(torch.device("cuda", 1), None)
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_rank(tiny_checkpoint):
+    """Ctrl-C in a terminal (SIGINT to the whole process group): every process ends, exit status 130."""
+    command = [sys.executable, "-m", "gpt_fast", "generate", "--checkpoint_path", str(tiny_checkpoint), "--tp", "2"]
+    command += ["--device", "cpu", "--max_new_tokens", "400", "--num_samples", "100", "--no_stream"]
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "env": env}
+    process = subprocess.Popen(command, start_new_session=True, **pipes)
+    next(line for line in process.stdout if line.startswith("Sample 1/"))
+    os.killpg(process.pid, signal.SIGINT)
+    _, err = process.communicate(timeout=TIMEOUT_S)
+    assert process.returncode == 130 and err.rstrip().endswith("error: interrupted")
+    with pytest.raises(ProcessLookupError):
+        os.killpg(process.pid, 0)  # nothing of the group is left
