@@ -97,8 +97,10 @@ def measure_rank(args: argparse.Namespace, ranks: Ranks) -> Result | None:
         torch.cuda.reset_peak_memory_stats(engine.device)
     compile_seconds = timed(run, engine.device)
     rates = [args.new_tokens / timed(run, engine.device) for _ in range(args.repeats)]
-    collectives = profile_collectives(engine, run, Path(args.trace_dir)) if ranks.rank == 0 else None
-    if ranks.rank != 0:
+    collectives = None
+    if args.profile and ranks.rank == 0:
+        collectives = profile_collectives(engine, run, Path(args.trace_dir))
+    elif args.profile:
         run()  # the profiled generation's partners
     bytes_per_token = gather(engine.weight_bytes_per_token)
     if ranks.rank != 0:
@@ -144,6 +146,7 @@ def run_world_size(args: argparse.Namespace, world_size: int, folder: Path) -> R
     passed = ["--shape", args.shape, "--mode", args.mode, "--dtype", args.dtype, "--device", args.device]
     passed += ["--prompt_tokens", str(args.prompt_tokens), "--new_tokens", str(args.new_tokens)]
     passed += ["--repeats", str(args.repeats), "--trace_dir", args.trace_dir or str(folder)]
+    passed += [] if args.profile else ["--no_profile"]
     code = run_ranks(world_size, ["gpt_fast.bench_tp", "--worker", "--result", str(result), *passed], args.timeout)
     if code or not result.is_file():
         return Result(args.shape, world_size, skipped=f"failed (torchrun exit status {code}): see its output above")
@@ -195,6 +198,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=RUN_TIMEOUT_S, help="Seconds per world size.")
     parser.add_argument("--trace_dir", default=None, help="Keep rank 0's trace of each world size here.")
+    parser.add_argument(
+        "--no_profile", dest="profile", action="store_false", help="No profiled generation (no collectives' time)."
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)

@@ -208,7 +208,7 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4], ids=["world2", "world4"])
 @pytest.mark.parametrize("compile_mode", ["none", "reduce-overhead"])
 def test_llama_2_7b_split_over_the_gpus_decodes_as_one_gpu(compile_mode, world, tmp_path):
     """bf16: the split model's logits within bf16 rounding of the whole model's, and each of its greedy tokens the
