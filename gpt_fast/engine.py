@@ -38,6 +38,7 @@ from gpt_fast.generate import (
     generate_stream,
     make_steps,
 )
+from gpt_fast.kernels.decode_attention import ATTENTION_KERNELS, resolve_attention_kernel, use_attention_kernel
 from gpt_fast.model import Transformer, weight_bytes_per_token
 from gpt_fast.paths import CHECKPOINTS_DIR
 from gpt_fast.profiling import record_trace
@@ -65,8 +66,9 @@ _REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
 class EngineOptions:
     """How a checkpoint runs: compile mode (``none`` = eager), whether the prefill is compiled too, device
     (None: the GPU if there is one), dtype (``auto``: bfloat16 on a GPU, float32 on the CPU), speculative
-    decoding (None: plain decoding) and the kernels of a quantized checkpoint's layers (``auto``: see
-    :func:`gpt_fast.quant.kernels.resolve_kernel`)."""
+    decoding (None: plain decoding), the kernels of a quantized checkpoint's layers (``auto``: see
+    :func:`gpt_fast.quant.kernels.resolve_kernel`) and the attention kernel of compiled decode steps (``auto``: see
+    :func:`gpt_fast.kernels.decode_attention.resolve_attention_kernel`)."""
 
     compile: str = "none"
     compile_prefill: bool = False
@@ -74,6 +76,7 @@ class EngineOptions:
     dtype: str = "auto"
     speculative: SpeculativeOptions | None = None
     quant_kernel: str = "auto"
+    attention_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         if self.compile not in COMPILE_MODES:
@@ -84,6 +87,8 @@ class EngineOptions:
             raise ValueError(f"speculative must be a SpeculativeOptions or None, got {self.speculative!r}")
         if self.quant_kernel not in KERNELS:
             raise ValueError(f"quant_kernel {self.quant_kernel!r} is not one of {', '.join(KERNELS)}")
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"attention_kernel {self.attention_kernel!r} is not one of {', '.join(ATTENTION_KERNELS)}")
 
     def check_batching(self) -> None:
         """Continuous batching (several prompts, `gpt-fast serve`) decodes without speculation: a verify step keeps
@@ -153,6 +158,7 @@ class Engine:
         self.quantization = config.quantization if config is not None else quantization
         self.device = resolve_device(options.device)
         self.dtype = resolve_dtype(options.dtype, self.device)
+        self.attention_kernel = resolve_attention_kernel(options.attention_kernel, self.device)  # before compiling
         self._tokenizer = checkpoint_tokenizer(checkpoint_dir, config) if config is not None else None
         self._state = state
         self._folder_id = folder_identity(checkpoint_dir)
@@ -225,6 +231,7 @@ class Engine:
             self._model = load_model(
                 self.checkpoint_dir, self.config, self.device, self.dtype, self.options.quant_kernel
             )
+        use_attention_kernel(self._model, self.attention_kernel)
         if self._draft is not None:
             self._draft.load_weights()
         if self.options.speculative is not None:
