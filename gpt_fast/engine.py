@@ -38,6 +38,7 @@ from gpt_fast.generate import (
     generate_stream,
     make_steps,
 )
+from gpt_fast.kernels.decode_attention import ATTENTION_KERNELS, resolve_attention_kernel, use_attention_kernel
 from gpt_fast.model import Transformer, weight_bytes_per_token
 from gpt_fast.parallel import TensorParallel, check_tensor_parallel, device_of, env_ranks, join
 from gpt_fast.paths import CHECKPOINTS_DIR
@@ -67,8 +68,10 @@ class EngineOptions:
     """How a checkpoint runs: compile mode (``none`` = eager), whether the prefill is compiled too, device
     (None: the GPU if there is one), dtype (``auto``: bfloat16 on a GPU, float32 on the CPU), speculative
     decoding (None: plain decoding), the kernels of a quantized checkpoint's layers (``auto``: see
-    :func:`gpt_fast.quant.kernels.resolve_kernel`) and the ranks of tensor parallelism (``tp``: the model split over
-    that many processes started by ``torchrun``, one GPU each; see :mod:`gpt_fast.parallel`)."""
+    :func:`gpt_fast.quant.kernels.resolve_kernel`), the attention kernel of compiled decode steps (``auto``: see
+    :func:`gpt_fast.kernels.decode_attention.resolve_attention_kernel`) and the ranks of tensor parallelism
+    (``tp``: the model split over that many processes started by ``torchrun``, one GPU each; see
+    :mod:`gpt_fast.parallel`)."""
 
     compile: str = "none"
     compile_prefill: bool = False
@@ -77,6 +80,7 @@ class EngineOptions:
     speculative: SpeculativeOptions | None = None
     quant_kernel: str = "auto"
     tp: int = 1
+    attention_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         if self.compile not in COMPILE_MODES:
@@ -91,6 +95,8 @@ class EngineOptions:
             raise ValueError(f"--tp must be an integer >= 1, got {self.tp!r}")
         if self.tp > 1 and self.speculative is not None:
             raise ValueError("speculative decoding does not run with tensor parallelism (--tp) yet")
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"attention_kernel {self.attention_kernel!r} is not one of {', '.join(ATTENTION_KERNELS)}")
 
     def check_parallel(self, config: ModelConfig, quantization: QuantConfig | None) -> None:
         """A model that does not split over ``tp`` ranks is refused before any weights are read."""
@@ -171,6 +177,7 @@ class Engine:
         if options.tp > 1:
             self.device = device_of(self.device, self.ranks)
         self.dtype = resolve_dtype(options.dtype, self.device)
+        self.attention_kernel = resolve_attention_kernel(options.attention_kernel, self.device)  # before compiling
         self._tokenizer = checkpoint_tokenizer(checkpoint_dir, config) if config is not None else None
         self._state = state
         self._sharded = sharded  # the state is this rank's part already
@@ -272,6 +279,7 @@ class Engine:
             )
         if self._parallel is not None:
             self._parallel.connect(self._model, self.model_config)
+        use_attention_kernel(self._model, self.attention_kernel)
         if self._draft is not None:
             self._draft.load_weights()
         if self.options.speculative is not None:

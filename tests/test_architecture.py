@@ -54,6 +54,14 @@ def test_the_model_does_not_know_torch_distributed():
         assert "torch.distributed" not in (PACKAGE / f"{module}.py").read_text()
 
 
+KERNELS = ["kernels.decode_attention", "kernels.triton_decode_attention"]
+
+
+@pytest.mark.parametrize("module", KERNELS)
+def test_the_kernels_import_only_the_model_and_each_other(module):
+    assert MODULES[module] <= {"config", "model", "cache", "quant.kernels", "kernels", *KERNELS}
+
+
 @pytest.mark.parametrize("module", ["engine", "batching", "slots"])
 def test_the_engine_imports_no_command(module):
     assert not MODULES[module] & (COMMANDS | {"trace_summary", "download"})
