@@ -272,10 +272,18 @@ def device_of(device: torch.device, ranks: Ranks | None) -> torch.device:
 
 
 def leave() -> None:
-    """Leave the group at exit (a process that ends without it may abort while its communicator's threads run)."""
+    """Leave the group at exit (a process that ends without it may abort while its communicator's threads run).
+
+    A CUDA graph that captured a collective holds a reference on NCCL's communicator, and destroying the
+    communicator waits until every such graph is gone (pytorch/pytorch#115388): with `reduce-overhead` the ranks
+    hung here for ever. So the compiled state, which keeps the graphs, is released first."""
+    import gc
+
     import torch.distributed as dist
 
     if dist.is_initialized():
+        torch.compiler.reset()
+        gc.collect()
         dist.destroy_process_group()
 
 
