@@ -51,7 +51,13 @@ def test_config_json_records_the_scheme(quantized):
     assert load_checkpoint_config(quantized["int4-g32"]).quantization == QuantConfig("int4", 32)
     assert load_checkpoint_config(quantized["int4-g128-output"]).quantization == QuantConfig("int4", 128, True)
     config = json.loads((quantized["int8"] / "config.json").read_text())
-    assert config["quantization"] == {"mode": "int8", "group_size": None, "output": False}
+    assert config["quantization"] == {
+        "mode": "int8",
+        "group_size": None,
+        "output": False,
+        "method": "rtn",
+        "keep_float": [],
+    }
     assert config["source"]["kind"] == "quantized" and config["dtype"] == "float32"
     for folder in quantized.values():
         check_checkpoint(folder)  # what generate checks before reading the weights
@@ -116,7 +122,7 @@ def test_convert_quantize_does_both_in_one_go(tmp_path, capsys):
         capsys,
     )
     assert code == 0, err
-    assert "Quantization {'mode': 'int4', 'group_size': 32, 'output': False}" in out
+    assert "Quantization {'mode': 'int4', 'group_size': 32, 'output': False, 'method': 'rtn', 'keep_float': ()}" in out
     code, out, err = run(
         ["quantize", "--checkpoint_path", str(tmp_path / "f"), "--mode", "int4", "--group_size", "32"]
         + ["--output_dir", str(tmp_path / "q2")],
