@@ -13,7 +13,11 @@ frees it.
 
 One thread drives a :class:`Batcher`: :meth:`Batcher.serve_forever` (a server) or :meth:`Batcher.run` (until every
 submitted request is done). :meth:`Batcher.submit` and :meth:`Batcher.cancel` may be called from any thread; the
-events of a request go to its callback, on the driving thread.
+events of a request go to its callback, on the driving thread. The driving thread should be the one that compiles
+(the main thread): in the CUDA-graph modes, torch's inductor keeps its CUDA-graph trees per thread, and some
+versions (torch 2.11) set them up only in the thread that first loaded that part of inductor, in practice the one
+that compiled first. So the clients get the other threads: :meth:`Batcher.serve_while` serves in the calling
+thread while a thread of its own submits the requests.
 """
 
 from __future__ import annotations
@@ -224,7 +228,7 @@ class Batcher:
         self.waiting: deque[Job] = deque()
         self.in_flight: deque[Readback] = deque()
         self.spare_buffers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self.lock = threading.Condition()
+        self.lock = threading.Condition(threading.RLock())  # reentrant: close() may run in a signal handler
         self.closed = False
         self.tokens_generated = 0
 
@@ -270,7 +274,8 @@ class Batcher:
             self.lock.notify()
 
     def close(self) -> None:
-        """Make :meth:`serve_forever` return (after the step in progress)."""
+        """Make :meth:`serve_forever` return (after the step in progress) and refuse new requests. Safe from any
+        thread, and from a signal handler of the serving thread (the lock is reentrant)."""
         with self.lock:
             self.closed = True
             self.lock.notify()
@@ -289,42 +294,52 @@ class Batcher:
 
     def serve_forever(self) -> None:
         """Step whenever there is work, until :meth:`close`. A step that fails fails the requests in the slots (each
-        gets a Failed event) and the server goes on with the next ones."""
-        while True:
-            with self.lock:
-                while not self.closed and not self.has_work():
-                    self.lock.wait()
-                if self.closed:
-                    break
-            try:
-                self.step()
-            except Exception as err:  # whatever broke a step, the server stays up
-                traceback.print_exc(file=sys.stderr)
-                self._fail_busy(f"generation failed: {type(err).__name__}: {err}")
-        self._fail_all("the server is shutting down")
+        gets a Failed event) and the server goes on with the next ones. However it ends (an exception such as
+        KeyboardInterrupt included), the requests not yet finished fail, and later ones are refused."""
+        try:
+            while True:
+                with self.lock:
+                    while not self.closed and not self.has_work():
+                        self.lock.wait()
+                    if self.closed:
+                        break
+                try:
+                    self.step()
+                except Exception as err:  # whatever broke a step, the server stays up
+                    traceback.print_exc(file=sys.stderr)
+                    self._fail_busy(f"generation failed: {type(err).__name__}: {err}")
+        finally:
+            self.close()
+            self._fail_all("the server is shutting down")
 
-    def serve_in_thread(self) -> threading.Thread:
-        """Warm up and then :meth:`serve_forever` in a thread of its own; return it once warmed up (the warm-up's
-        error, if any, is raised here). Warming up in the serving thread matters: CUDA graphs are recorded per
-        thread."""
-        ready, failures = threading.Event(), []
+    def serve_while(
+        self, clients: Callable[[], object], *, stop: Callable[[], None] | None = None, timeout: float | None = None
+    ) -> None:
+        """Serve in this thread (the one that compiled and warmed up the steps: see the module's docstring) while
+        ``clients`` runs in a thread of its own, submitting requests. Serving ends with :meth:`close`: when
+        ``clients`` returns or raises, or when anything else closes the batcher (a signal handler of this thread).
+        Then ``stop`` (if given) tells the clients' thread to end, which is waited for up to ``timeout`` seconds.
+        An error of ``clients`` is raised here."""
+        errors: list[BaseException] = []
 
         def run() -> None:
             try:
-                self.warm_up()
-            except BaseException as err:  # handed to the caller's thread
-                failures.append(err)
-                return
+                clients()
+            except BaseException as err:  # raised again in the serving thread
+                errors.append(err)
             finally:
-                ready.set()
-            self.serve_forever()
+                self.close()
 
-        thread = threading.Thread(target=run, name="gpt-fast-batcher", daemon=True)
+        thread = threading.Thread(target=run, name="gpt-fast-clients", daemon=True)
         thread.start()
-        ready.wait()
-        if failures:
-            raise failures[0]
-        return thread
+        try:
+            self.serve_forever()
+        finally:
+            if stop is not None:
+                stop()
+            thread.join(timeout)
+        if errors:
+            raise errors[0]
 
     def run(self) -> None:
         """Step until every submitted request has finished."""

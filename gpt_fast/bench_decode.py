@@ -4,7 +4,8 @@ it compiles by itself) and eager. With ``--quantize int8,int4``, the same weight
 upstream gpt-fast's int8 formula (``F.linear(x, w.to(x.dtype)) * scales``, compiled by inductor: our ``dequant``
 kernel) and, where torchao is importable, torchao's weight-only int8 and int4 (tinygemm layout) on our model.
 Prints one table: tok/s, its ratio to our unquantized row, GB/s (of the weights each row reads), % of the copy
-bandwidth measured in the same run, TTFT, compile time, memory.
+bandwidth measured in the same run, TTFT, compile time, memory; and which attention kernel our decode steps used
+(``--attention_kernels triton,torch``: a row for each).
 
     python -m gpt_fast.bench_decode --shape llama-2-7b --device cuda --quantize int8,int4
 """
@@ -28,7 +29,7 @@ from gpt_fast.convert.hf_config import hf_config_dict
 from gpt_fast.convert.layout import MODULE_NAMING, split_tensors
 from gpt_fast.convert.random_init import random_weights
 from gpt_fast.device import device_name, device_synchronize, dtype_name, parse_dtype
-from gpt_fast.engine import Engine, EngineOptions
+from gpt_fast.engine import Engine, EngineOptions, resolve_attention_kernel
 from gpt_fast.quant.layout import quantize_state, stored_size
 from gpt_fast.sampling import SamplingConfig
 from gpt_fast.settings import apply_torch_settings
@@ -98,13 +99,16 @@ def ours_runners(
     quant: QuantConfig | None = None,
     kernel: str = "auto",
     rework: Callable[[Engine], None] | None = None,
+    attention: str = "auto",
 ) -> tuple[tuple[Run, Run], int]:
     """Decode as ``gpt-fast generate --compile MODE`` does (eager prefill); the first token of the long prompt
     as with ``--compile_prefill`` (one compiled prefill for every prompt length). The weights quantized with
-    ``quant`` (their layers computing with ``kernel``), or changed by ``rework`` (torchao); also the weight bytes a
-    decode step reads."""
+    ``quant`` (their layers computing with ``kernel``), or changed by ``rework`` (torchao); the decode steps'
+    attention computed by ``attention``; also the weight bytes a decode step reads."""
     mode, device, dtype = subject.mode, subject.device, subject.dtype
-    options = EngineOptions(compile=mode, device=str(device), dtype=dtype_name(dtype), quant_kernel=kernel)
+    options = EngineOptions(
+        compile=mode, device=str(device), dtype=dtype_name(dtype), quant_kernel=kernel, attention_kernel=attention
+    )
     state = {name: t.to(device=device, dtype=dtype) for name, t in subject.state.items()}  # one copy, shared
     if quant is not None:
         state = quantize_state(state, subject.shape, quant, dtype, device)
@@ -225,16 +229,23 @@ def run_benchmark(
     repeats: int,
     peers: bool,
     quantize: Sequence[QuantConfig] = (),
+    attention_kernels: Sequence[str] = ("auto",),
     write: Callable[[str], None] = print,
 ) -> list[Row]:
     shape = get_shape(shape_name)
+    attention = list(dict.fromkeys(resolve_attention_kernel(kernel, device) for kernel in attention_kernels))
     state = random_weights(shape, dtype, seed=0, device=device)
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, shape.vocab_size, (prompt_tokens,), generator=generator).tolist()
     ttft_prompt = torch.randint(0, shape.vocab_size, (ttft_tokens,), generator=generator).tolist()
     copy_gbps = copy_bandwidth_gbps(device)
     subject = Subject(state, shape, mode, device, dtype)
-    runners: dict[str, Builder] = {f"gpt-fast {mode}": functools.partial(ours_runners, subject)}
+    runners: dict[str, Builder] = {
+        f"gpt-fast {mode}" + (f" attention-{kernel}" if len(attention) > 1 else ""): functools.partial(
+            ours_runners, subject, attention=kernel
+        )
+        for kernel in attention
+    }
     runners |= quantized_runners(subject, quantize, write)
     if peers:
         try:
@@ -259,7 +270,8 @@ def run_benchmark(
             torch.cuda.empty_cache()
     write(
         f"{shape_name}, {device_name(device)}, torch {torch.__version__}, {dtype}; copy bandwidth {copy_gbps:.0f} "
-        f"GB/s; prompt {prompt_tokens} tokens, {new_tokens} new, TTFT prompt {ttft_tokens}"
+        f"GB/s; prompt {prompt_tokens} tokens, {new_tokens} new, TTFT prompt {ttft_tokens}; our decode's attention "
+        f"kernel: {', '.join(attention)}"
     )
     write(table(rows, copy_gbps))
     return rows
@@ -323,6 +335,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no_peers", action="store_true")
     parser.add_argument("--quantize", default="", help="Also these schemes, comma-separated: int8, int4.")
     parser.add_argument("--group_size", type=int, default=128, choices=INT4_GROUP_SIZES)
+    parser.add_argument(
+        "--attention_kernels",
+        default="auto",
+        help="Our rows' decode attention, comma-separated: auto, triton (fused kernel), torch (inductor).",
+    )
     args = parser.parse_args(argv)
     schemes = parse_schemes(args.quantize, args.group_size)
     apply_torch_settings()
@@ -337,6 +354,7 @@ def main(argv: list[str] | None = None) -> None:
         repeats=args.repeats,
         peers=not args.no_peers,
         quantize=schemes,
+        attention_kernels=[name for name in args.attention_kernels.split(",") if name],
     )
 
 

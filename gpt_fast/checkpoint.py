@@ -20,6 +20,7 @@ from gpt_fast.config import CONFIG_FILE, CheckpointConfig, ModelConfig, QuantCon
 from gpt_fast.device import DTYPES
 from gpt_fast.fileio import first_line, inside_folder, regular_file
 from gpt_fast.model import Transformer, weight_count
+from gpt_fast.parallel import Shard
 from gpt_fast.quant.layout import QUANTIZED_DTYPES, stored_size, stored_specs
 from gpt_fast.quant.linear import prepare_quantized, quantize_linears
 from gpt_fast.tokenizer import Tokenizer, load_tokenizer
@@ -194,11 +195,19 @@ def checkpoint_weights(path: Path, config: CheckpointConfig) -> dict[str, torch.
 
 
 def load_model(
-    checkpoint_dir: Path, config: CheckpointConfig, device: torch.device, dtype: torch.dtype, kernel: str = "auto"
+    checkpoint_dir: Path,
+    config: CheckpointConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    kernel: str = "auto",
+    shard: Shard | None = None,
+    *,
+    compiled: bool = False,
 ) -> Transformer:
     """Build the model ``config`` describes and load its weights file onto ``device`` in ``dtype`` (quantized
-    layers computing with ``kernel``); NaN or infinite weights (also those made by converting to ``dtype``) are
-    refused."""
+    layers computing with ``kernel``, chosen for a model run under ``torch.compile`` when ``compiled``); NaN or
+    infinite weights (also those made by converting to ``dtype``) are refused. With ``shard``, only that rank's
+    part of the model, sliced out of the memory-mapped file."""
     path = inside_folder(checkpoint_dir, config.weights, f"{checkpoint_dir / CONFIG_FILE}: weights")
     state = checkpoint_weights(path, config)
     if device.type == "cpu":
@@ -206,7 +215,9 @@ def load_model(
         # (SmolLM2-135M decode), and copying out of the mapping page by page 4x slower than reading the file
         # again; checked, the file is now read in whole.
         state = torch.load(path, map_location="cpu", weights_only=True)
-    model = model_from_state(config.model, state, device, dtype, config.quantization, kernel)
+    if shard is not None:
+        state = shard.slice_state(state, config.model)
+    model = model_from_state(config.model, state, device, dtype, config.quantization, kernel, shard, compiled=compiled)
     check_finite(dict(model.named_parameters()), str(path))
     return model
 
@@ -236,15 +247,23 @@ def model_from_state(
     dtype: torch.dtype,
     quantization: QuantConfig | None = None,
     kernel: str = "auto",
+    shard: Shard | None = None,
+    *,
+    compiled: bool = False,
 ) -> Transformer:
     """The model for ``config`` holding ``state``'s tensors (no copy where they already have ``device`` and
-    ``dtype``), ready for inference; with ``quantization``, its quantized layers compute with ``kernel``."""
+    ``dtype``), ready for inference; with ``quantization``, its quantized layers compute with ``kernel``. With
+    ``shard``, ``state`` is a rank's (:meth:`~gpt_fast.parallel.Shard.slice_state`) and the model that rank's part,
+    without its collectives (:meth:`gpt_fast.parallel.TensorParallel.connect`)."""
+    local = config if shard is None else shard.local_config(config)
     with torch.device("meta"):
-        model = Transformer(config)
+        model = Transformer(local)
         if quantization is not None:
-            quantize_linears(model, config, quantization)
+            quantize_linears(model, local, quantization)
+        if shard is not None:
+            shard.prepare(model, config, quantization)
     model.load_state_dict(state, assign=True)
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     if quantization is not None:
-        prepare_quantized(model, device, kernel)
+        prepare_quantized(model, device, kernel, compiled=compiled)
     return model

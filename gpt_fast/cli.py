@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +17,7 @@ import click
 from gpt_fast import __version__
 from gpt_fast.config import INT4_GROUP_SIZES, QUANT_MODES, QuantConfig
 from gpt_fast.device import DTYPE_CHOICES, DTYPES, parse_dtype
-from gpt_fast.engine import Engine, EngineOptions, user_turn
+from gpt_fast.engine import Engine, EngineOptions, launched_world_size, user_turn
 from gpt_fast.evaluate import DATASETS, EvalOptions
 from gpt_fast.fileio import STDOUT, regular_file
 from gpt_fast.generate import COMPILE_MODES
@@ -270,6 +271,14 @@ def write_stderr(text: str) -> None:
     help="Write all figures and token ids here as JSON (- for standard output; the report then goes to stderr).",
 )
 @option("--no_stream", is_flag=True, help="Print each sample's text at its end instead of token by token.")
+@option(
+    "--tp",
+    type=int,
+    default=None,
+    help="Tensor parallelism: split the model over N GPUs of this host, starting N processes with torchrun. "
+    "[default: under torchrun, its WORLD_SIZE; else 1]",
+)
+@option("--profile_all_ranks", is_flag=True, help="With --tp and --profile: every rank writes its trace (PATH_rankN).")
 def generate(
     checkpoint_path: str | None,
     prompt: tuple[str, ...],
@@ -277,18 +286,35 @@ def generate(
     prompts_file: Path | None,
     engine_options: EngineOptions,
     no_stream: bool,
+    tp: int | None,
     **kwargs: Any,
 ) -> None:
     """Generate text and report load time, compilation time, tokens/sec, bandwidth and memory. Several prompts are
     generated together (continuous batching, as `gpt-fast serve` does)."""
+    engine_options = dataclasses.replace(engine_options, tp=launched_world_size() if tp is None else tp)
     prompts = read_prompts(prompt, prompt_file, prompts_file)
     several = tuple(prompts) if len(prompts) > 1 else ()
     if several:
         engine_options.check_batching()
     opts = GenerateOptions(prompt=prompts[0], prompts=several, stream=not no_stream, **kwargs)
     engine = Engine.open(checkpoint_path, engine_options)
+    if engine.world_size > 1 and engine.ranks is None:  # every check passed: start the ranks
+        launch_generate(engine.world_size, STDOUT in prompt)
+        return
     apply_torch_settings()
     run_generate(engine, opts, write_stderr if str(opts.metrics_json) == STDOUT else write_stdout)
+
+
+def launch_generate(tp: int, prompt_on_stdin: bool) -> None:
+    """`gpt-fast generate --tp N` outside torchrun: the same command as N ranks (:mod:`gpt_fast.launch`)."""
+    from gpt_fast.launch import run_ranks
+
+    if prompt_on_stdin:
+        raise ValueError("--prompt - (standard input) cannot be handed to the ranks of --tp: use --prompt_file")
+    code = run_ranks(tp, ["gpt_fast", *click.get_current_context().obj["argv"]])
+    if code:
+        click.echo(f"error: a rank of --tp {tp} failed (torchrun exit status {code}); its error is above", err=True)
+        raise click.exceptions.Exit(code)
 
 
 @cli.command()
@@ -682,10 +708,17 @@ def one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+def rank_prefix() -> str:
+    """Under torchrun, which rank an error comes from (``[rank 1] ``; nothing for rank 0 or a single process)."""
+    rank = os.environ.get("RANK", "0")
+    return f"[rank {rank}] " if rank != "0" else ""
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the command, turning user errors into `error: …` on stderr."""
+    args = sys.argv[1:] if argv is None else list(argv)
     try:
-        code = cli.main(args=argv, prog_name="gpt-fast", standalone_mode=False)
+        code = cli.main(args=args, prog_name="gpt-fast", standalone_mode=False, obj={"argv": args})
     except click.exceptions.Abort:
         click.echo("error: interrupted", err=True)
         sys.exit(EXIT_INTERRUPTED)
@@ -693,6 +726,6 @@ def main(argv: list[str] | None = None) -> None:
         click.echo(f"error: {one_line(err.format_message())}", err=True)
         sys.exit(err.exit_code)
     except (ValueError, OSError) as err:
-        click.echo(f"error: {one_line(str(err)) or type(err).__name__}", err=True)
+        click.echo(f"error: {rank_prefix()}{one_line(str(err)) or type(err).__name__}", err=True)
         sys.exit(EXIT_USER_ERROR)
     sys.exit(code if isinstance(code, int) else 0)

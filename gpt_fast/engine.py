@@ -38,7 +38,9 @@ from gpt_fast.generate import (
     generate_stream,
     make_steps,
 )
+from gpt_fast.kernels.decode_attention import ATTENTION_KERNELS, resolve_attention_kernel, use_attention_kernel
 from gpt_fast.model import Transformer, weight_bytes_per_token
+from gpt_fast.parallel import TensorParallel, check_tensor_parallel, device_of, env_ranks, join
 from gpt_fast.paths import CHECKPOINTS_DIR
 from gpt_fast.profiling import record_trace
 from gpt_fast.quant.kernels import KERNELS
@@ -65,8 +67,11 @@ _REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
 class EngineOptions:
     """How a checkpoint runs: compile mode (``none`` = eager), whether the prefill is compiled too, device
     (None: the GPU if there is one), dtype (``auto``: bfloat16 on a GPU, float32 on the CPU), speculative
-    decoding (None: plain decoding) and the kernels of a quantized checkpoint's layers (``auto``: see
-    :func:`gpt_fast.quant.kernels.resolve_kernel`)."""
+    decoding (None: plain decoding), the kernels of a quantized checkpoint's layers (``auto``: see
+    :func:`gpt_fast.quant.kernels.resolve_kernel`), the attention kernel of compiled decode steps (``auto``: see
+    :func:`gpt_fast.kernels.decode_attention.resolve_attention_kernel`) and the ranks of tensor parallelism
+    (``tp``: the model split over that many processes started by ``torchrun``, one GPU each; see
+    :mod:`gpt_fast.parallel`)."""
 
     compile: str = "none"
     compile_prefill: bool = False
@@ -74,6 +79,8 @@ class EngineOptions:
     dtype: str = "auto"
     speculative: SpeculativeOptions | None = None
     quant_kernel: str = "auto"
+    tp: int = 1
+    attention_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         if self.compile not in COMPILE_MODES:
@@ -84,6 +91,16 @@ class EngineOptions:
             raise ValueError(f"speculative must be a SpeculativeOptions or None, got {self.speculative!r}")
         if self.quant_kernel not in KERNELS:
             raise ValueError(f"quant_kernel {self.quant_kernel!r} is not one of {', '.join(KERNELS)}")
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"--tp must be an integer >= 1, got {self.tp!r}")
+        if self.tp > 1 and self.speculative is not None:
+            raise ValueError("speculative decoding does not run with tensor parallelism (--tp) yet")
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"attention_kernel {self.attention_kernel!r} is not one of {', '.join(ATTENTION_KERNELS)}")
+
+    def check_parallel(self, config: ModelConfig, quantization: QuantConfig | None) -> None:
+        """A model that does not split over ``tp`` ranks is refused before any weights are read."""
+        check_tensor_parallel(config, quantization, self.tp)
 
     def check_batching(self) -> None:
         """Continuous batching (several prompts, `gpt-fast serve`) decodes without speculation: a verify step keeps
@@ -93,6 +110,8 @@ class EngineOptions:
                 "speculative decoding (--prompt_lookup, --draft_checkpoint_path) takes one prompt; several prompts "
                 "are decoded together without it"
             )
+        if self.tp > 1:  # the batcher's host-side decisions follow the device's timing, which differs by rank
+            raise ValueError("several prompts (continuous batching, serve) do not run with tensor parallelism yet")
 
 
 @dataclass(frozen=True)
@@ -144,6 +163,7 @@ class Engine:
         state: Mapping[str, torch.Tensor] | None = None,
         quantization: QuantConfig | None = None,
         draft: Engine | None = None,
+        sharded: bool = False,
     ) -> None:
         """Use :meth:`open`, :meth:`load` or :meth:`from_state`."""
         self.options = options
@@ -151,10 +171,17 @@ class Engine:
         self.checkpoint_dir = checkpoint_dir
         self.config = config  # the checkpoint's config.json; None for weights given in memory
         self.quantization = config.quantization if config is not None else quantization
+        options.check_parallel(model_config, self.quantization)
+        self.ranks = env_ranks() if options.tp > 1 else None  # None: one process (or the launcher of the ranks)
         self.device = resolve_device(options.device)
+        if options.tp > 1:
+            self.device = device_of(self.device, self.ranks)
         self.dtype = resolve_dtype(options.dtype, self.device)
+        self.attention_kernel = resolve_attention_kernel(options.attention_kernel, self.device)  # before compiling
         self._tokenizer = checkpoint_tokenizer(checkpoint_dir, config) if config is not None else None
         self._state = state
+        self._sharded = sharded  # the state is this rank's part already
+        self._parallel: TensorParallel | None = None  # the group, once joined (load_weights)
         self._folder_id = folder_identity(checkpoint_dir)
         self._steps = make_steps(options.compile, options.compile_prefill)
         self._slot_steps: SlotSteps | None = None  # made on first use of a batcher
@@ -187,9 +214,12 @@ class Engine:
         device: str | None = None,
         dtype: str = "auto",
         speculative: SpeculativeOptions | None = None,
+        tp: int = 1,
     ) -> Engine:
-        """Open ``checkpoint`` (None: the default model) and read its weights (and the draft's)."""
-        engine = cls.open(checkpoint, EngineOptions(compile, compile_prefill, device, dtype, speculative))
+        """Open ``checkpoint`` (None: the default model) and read its weights (and the draft's); with ``tp``, this
+        rank's part of them (run under ``torchrun --nproc_per_node TP``)."""
+        options = EngineOptions(compile, compile_prefill, device, dtype, speculative, tp=tp)
+        engine = cls.open(checkpoint, options)
         engine.load_weights()
         return engine
 
@@ -200,31 +230,56 @@ class Engine:
         state: Mapping[str, torch.Tensor],
         options: EngineOptions | None = None,
         quantization: QuantConfig | None = None,
+        *,
+        sharded: bool = False,
     ) -> Engine:
         """An engine over weights already in memory (benchmarks on random weights; ``quantization`` says how
         ``state`` is quantized, as a checkpoint's config.json would). It has no tokenizer: it takes and gives
         token ids only (:meth:`generate_ids`), and never stops early. It speculates with prompt lookup or a drafter
-        given to :meth:`generate_ids`, not with a draft checkpoint."""
+        given to :meth:`generate_ids`, not with a draft checkpoint. With tensor parallelism (``options.tp``) each
+        rank takes its part of the whole model's ``state``, or, ``sharded``, ``state`` is that part already
+        (shapes: :meth:`gpt_fast.parallel.Shard.shard_shapes`)."""
         options = options or EngineOptions()
         if options.speculative is not None and options.speculative.draft_checkpoint is not None:
             raise ValueError("an engine over weights in memory cannot open a draft checkpoint: pass a drafter")
-        engine = cls(options, model_config, state=state, quantization=quantization)
+        engine = cls(options, model_config, state=state, quantization=quantization, sharded=sharded)
         engine.load_weights()
         return engine
 
     def load_weights(self) -> None:
+        """Read the weights (with tensor parallelism, join the ranks' group first and read this rank's part)."""
         start = time.perf_counter()
+        if self.options.tp > 1 and self._parallel is None:
+            self._parallel = join(self.options.tp, self.device)
+        shard = self._parallel.shard if self._parallel is not None else None
         if self._state is not None:
+            state = self._state if shard is None or self._sharded else shard.slice_state(self._state, self.model_config)
             self._model = model_from_state(
-                self.model_config, self._state, self.device, self.dtype, self.quantization, self.options.quant_kernel
+                self.model_config,
+                state,
+                self.device,
+                self.dtype,
+                self.quantization,
+                self.options.quant_kernel,
+                shard,
+                compiled=self.compile != "none",
             )
             self._state = None
         else:
             if folder_identity(self.checkpoint_dir) != self._folder_id:
                 raise ValueError(f"checkpoint {self.checkpoint_dir} was replaced since it was opened; run again")
             self._model = load_model(
-                self.checkpoint_dir, self.config, self.device, self.dtype, self.options.quant_kernel
+                self.checkpoint_dir,
+                self.config,
+                self.device,
+                self.dtype,
+                self.options.quant_kernel,
+                shard,
+                compiled=self.compile != "none",
             )
+        if self._parallel is not None:
+            self._parallel.connect(self._model, self.model_config)
+        use_attention_kernel(self._model, self.attention_kernel)
         if self._draft is not None:
             self._draft.load_weights()
         if self.options.speculative is not None:
@@ -250,6 +305,21 @@ class Engine:
     @property
     def compile(self) -> str:
         return self.options.compile
+
+    @property
+    def parallel(self) -> TensorParallel | None:
+        """This rank's part in tensor parallelism, once the weights are loaded; None in a single process."""
+        return self._parallel
+
+    @property
+    def world_size(self) -> int:
+        """The processes the model is split over (``options.tp``)."""
+        return self.options.tp
+
+    @property
+    def rank(self) -> int:
+        """This process's rank (0 in a single process): only rank 0 prints and writes files."""
+        return self.ranks.rank if self.ranks is not None else 0
 
     @staticmethod
     def compile_cache_use() -> CompileCacheUse:
@@ -436,8 +506,16 @@ class Engine:
             "profile_marks": self._profile_marks,
         }
         if drafter is None:
-            return generate_stream(self.model, prompt_ids, **common)
+            stream = generate_stream(self.model, prompt_ids, **common)
+            return stream if self._parallel is None else self._same_on_every_rank(stream)
         return speculative_stream(self.model, drafter, prompt_ids, spec_steps=self.speculative_steps, **common)
+
+    def _same_on_every_rank(
+        self, stream: Generator[list[int], None, GenerationResult]
+    ) -> Generator[list[int], None, GenerationResult]:
+        result = yield from stream
+        self._parallel.check_same_tokens(result.tokens)
+        return result
 
     def generate_many_ids(
         self,
@@ -506,6 +584,12 @@ def folder_identity(folder: Path | None) -> tuple[int, int] | None:
         return None
     info = folder.stat()
     return info.st_dev, info.st_ino
+
+
+def launched_world_size() -> int:
+    """The number of processes ``torchrun`` started this one among (1 outside torchrun)."""
+    ranks = env_ranks()
+    return ranks.world_size if ranks is not None else 1
 
 
 def user_turn(text: str, system: str | None = None) -> list[Message]:

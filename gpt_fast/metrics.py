@@ -100,6 +100,7 @@ class RunMetrics:
     trace_path: str | None
     trace: dict[str, Any] | None = None  # `gpt-fast trace-summary --json` of the trace, when profiled
     speculative: SpeculativeMetrics | None = None  # over the samples the averages are over
+    world_size: int = 1  # processes the model was split over (tensor parallelism); the figures are rank 0's
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"

@@ -130,9 +130,14 @@ def attend_softcapped(
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    # One decode step's rotary embedding, cache write and attention fused (gpt_fast.kernels.decode_attention sets
+    # it); None: the PyTorch code below.
+    decode_kernel = None
+
+    def __init__(self, config: ModelConfig, window: int | None = None) -> None:
         super().__init__()
         self.config = config
+        self.window = window  # sliding layers: the positions seen (their mask says the same)
         self.wqkv = nn.Linear(config.dim, config.q_size + 2 * config.kv_size, bias=config.qkv_bias)
         self.wo = nn.Linear(config.q_size, config.dim, bias=False)
         self.kv_cache: KVCache | None = None
@@ -159,8 +164,14 @@ class Attention(nn.Module):
         k = k.view(bsz, seqlen, cfg.n_local_heads, cfg.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.view(bsz, seqlen, cfg.n_local_heads, cfg.head_dim)
+        if seqlen == 1 and self.decode_kernel is not None and torch.compiler.is_compiling():
+            scale = self.scale or cfg.head_dim**-0.5
+            y = self.decode_kernel(
+                q, k, v, cos, sin, self.kv_cache.kv, input_pos, first_row, scale, self.softcap, self.window
+            )
+            return self.wo(y.view(bsz, seqlen, cfg.q_size))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
         k, v = self.kv_cache.update(input_pos, k, v, first_row)  # [B, H_kv, S, D]
         if seqlen == 1 and torch.compiler.is_compiling():  # eager: SDPA's fused kernel beats materialized products
@@ -254,7 +265,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, config: ModelConfig, layer_type: str = "full_attention") -> None:
         super().__init__()
         self.layer_type = layer_type
-        self.attention = Attention(config)
+        self.attention = Attention(config, config.sliding_window if layer_type == "sliding_attention" else None)
         self.feed_forward = MoEFeedForward(config) if config.is_moe else FeedForward(config)
         self.attention_norm = RMSNorm(config.dim, config.norm_eps, config.norm_offset)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps, config.norm_offset)

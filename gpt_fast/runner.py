@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import sys
 from collections.abc import Callable
@@ -42,6 +43,7 @@ class GenerateOptions:
     num_samples: int = 5
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     profile: str | None = None  # a trace file, or a folder for trace.json
+    profile_all_ranks: bool = False  # with tensor parallelism: every rank writes its trace (PATH_rankN.json)
     batch_size: int = 1
     seed: int | None = None
     ignore_eos: bool = False
@@ -66,6 +68,8 @@ class GenerateOptions:
             check_output_file(self.metrics_json, "--metrics_json")
         if self.profile is not None:
             trace_file(self.profile)
+        elif self.profile_all_ranks:
+            raise ValueError("--profile_all_ranks goes with --profile")
 
     @property
     def all_prompts(self) -> tuple[str, ...]:
@@ -75,10 +79,19 @@ class GenerateOptions:
     def trace_path(self) -> Path | None:
         return trace_file(self.profile) if self.profile else None
 
+    def rank_trace_path(self, rank: int) -> Path | None:
+        """Where rank ``rank`` writes its trace: rank 0 at ``--profile``'s path, the others only with
+        ``--profile_all_ranks``, each at ``PATH_rankN.json`` (``trace_rankN.json`` in a folder)."""
+        if self.profile is None or rank == 0:
+            return self.trace_path
+        return trace_file(self.profile, f"trace_rank{rank}", f"rank{rank}") if self.profile_all_ranks else None
+
 
 def load_reporting(engine: Engine, write: Write) -> None:
     """Read the weights, saying what is loaded where and how long it took (the blog's first lines)."""
     write(f"Using device={engine.device} ({engine.device_name}), dtype={engine.dtype_name}, compile={engine.compile}\n")
+    if engine.world_size > 1:
+        write(f"Tensor parallel over {engine.world_size} ranks (figures are rank 0's: bandwidth and memory per GPU)\n")
     write("Loading model ...\n")
     engine.load_weights()
     write(f"Time to load model: {engine.load_seconds:.2f} seconds\n")
@@ -91,7 +104,7 @@ class SampleRunner:
 
     def __init__(self, engine: Engine, opts: GenerateOptions, write: Write) -> None:
         self.engine, self.opts, self.write = engine, opts, write
-        self.trace_path = opts.trace_path
+        self.trace_path = opts.rank_trace_path(engine.rank)
         self.prompts_ids = [engine.encode(text, chat=opts.chat, system=opts.system) for text in opts.all_prompts]
         for ids in self.prompts_ids:
             engine.check_fits(ids, opts.max_new_tokens)
@@ -161,8 +174,9 @@ class SampleRunner:
                     f"Compilation time: {sample.seconds:.2f} seconds (compile cache {cache.label}: {cache.hits} of "
                     f"{cache.hits + cache.misses} graphs loaded from it)\n"
                 )
-        if self.trace_path is not None:
-            with self.engine.profiled(self.trace_path):
+        if self.opts.trace_path is not None:  # on every rank: the collectives need them all
+            profiling = self.engine.profiled(self.trace_path) if self.trace_path else contextlib.nullcontext()
+            with profiling:
                 sample = self.sample(warmup=False, profiled=True)
             samples.append(sample)
             write(f"\nProfiled sample: {describe(sample)} (not in the averages: the profiler slows it down)\n")
@@ -212,6 +226,7 @@ def report(engine: Engine, runner: SampleRunner, samples: list[SampleMetrics], w
         trace_path=str(runner.trace_path) if runner.trace_path else None,
         trace=trace,
         speculative=SpeculativeMetrics.combined([s.speculative for s in timed]) if timed[0].speculative else None,
+        world_size=engine.world_size,
     )
     over = f" ({metrics.averaged_over})"
     write(f"Bandwidth achieved{over}: {metrics.average_bandwidth_gbps:.2f} GB/s\n")
@@ -226,10 +241,17 @@ def report(engine: Engine, runner: SampleRunner, samples: list[SampleMetrics], w
 
 
 def run_generate(engine: Engine, opts: GenerateOptions, write: Write = write_stdout) -> RunMetrics:
-    """The whole command on an opened engine: every check, then the weights, the samples and the report."""
+    """The whole command on an opened engine: every check, then the weights, the samples and the report. With
+    tensor parallelism every rank runs it and only rank 0 prints and writes ``--metrics_json``."""
+    if engine.rank != 0:
+        write = write_nothing
     runner = SampleRunner(engine, opts, write)
     load_reporting(engine, write)
     metrics = report(engine, runner, runner.run(), write)
-    if opts.metrics_json is not None:
+    if opts.metrics_json is not None and engine.rank == 0:
         write_text_atomic(opts.metrics_json, metrics.to_json())
     return metrics
+
+
+def write_nothing(text: str) -> None:
+    """The output of ranks other than 0."""

@@ -27,6 +27,18 @@ SHAPES: dict[str, ModelConfig] = {
         rope_base=10000.0,
         norm_eps=1e-5,
     ),
+    "llama-2-70b": ModelConfig(
+        block_size=4096,
+        vocab_size=32000,
+        n_layer=80,
+        n_head=64,
+        dim=8192,
+        intermediate_size=28672,
+        n_local_heads=8,
+        head_dim=128,
+        rope_base=10000.0,
+        norm_eps=1e-5,
+    ),
     "llama-3-8b": ModelConfig(
         block_size=8192,
         vocab_size=128256,

@@ -14,7 +14,8 @@ The summary covers one scope of the trace, the first that applies:
 * "whole trace": every event of the trace. Figures are totals.
 
 Reported: runtime kernel/graph launches (CUDA and HIP names), GPU kernels, how busy the GPU
-was, its largest idle gaps and the kernels that took the time.
+was, its largest idle gaps, the kernels that took the time, and the collectives' kernels among them (NCCL's and
+RCCL's, whose kernels keep NCCL's names, and PyTorch's symmetric-memory all-reduce: tensor parallelism).
 
 Attribution follows kineto's trace format: a runtime or driver call (``cuda_runtime`` /
 ``cuda_driver``; ROCm's HIP calls are also written as ``cuda_runtime``) belongs to the scope
@@ -104,6 +105,10 @@ MAX_EVENT_BYTES = 1 << 20  # read without completing one trace event (kineto's a
 MAX_DEPTH = 64  # nesting of arrays and objects (kineto's traces nest a handful of levels)
 READ_BYTES = 1 << 16  # bytes handed to the parser at a time; it holds the events parsed from one read
 
+# Kernels of collectives: NCCL's ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "ncclKernel_..."), RCCL's (the same
+# names, and "ncclDevKernel_Generic"), PyTorch's symmetric-memory ones ("...one_shot_all_reduce_kernel<...>").
+COLLECTIVE_KERNEL = re.compile(r"(?:^|[\s:])[nr]ccl\w*kernel|(?:one_shot|two_shot|multimem)_\w*_kernel", re.IGNORECASE)
+
 _NO_CORRELATION = -1
 _MAX_CORRELATION = 2**63 - 1
 _OTHER_CALL, _KERNEL_LAUNCH, _GRAPH_LAUNCH = 0, 1, 2
@@ -156,6 +161,8 @@ class TraceSummary:
     verify_kernel_launches: int = 0  # runtime launches inside them
     verify_graph_launches: int = 0
     draft_us: float = 0.0  # wall time of the DRAFT_MARK marks together
+    collective_kernels: int = 0  # kernels of collectives (COLLECTIVE_KERNEL), in scope
+    collective_time_us: float = 0.0  # their GPU time together
 
     @property
     def unit(self) -> str:
@@ -508,6 +515,13 @@ def _top_kernels(
     return tuple((names[i], int(counts[i]), float(totals[i])) for i in order)
 
 
+def _collectives(name_idx: np.ndarray, dur: np.ndarray, names: list[str]) -> tuple[int, float]:
+    """How many of the kernels (``name_idx`` into ``names``) are collectives', and their time together."""
+    is_collective = np.array([bool(COLLECTIVE_KERNEL.search(name)) for name in names], dtype=bool)
+    chosen = is_collective[name_idx] if len(names) else np.zeros(len(name_idx), dtype=bool)
+    return int(np.count_nonzero(chosen)), float(dur[chosen].sum())
+
+
 def _summarize(c: _Columns, path: Path, top: int) -> TraceSummary:
     scope, marks = _scope(c, path)
     call_in, gpu_in = _in_scope(c, marks)
@@ -516,6 +530,9 @@ def _summarize(c: _Columns, path: Path, top: int) -> TraceSummary:
     kernels = gpu_in & (gpu_kind == KERNEL)
     start, dur = np.asarray(c.gpu_start)[kernels], np.asarray(c.gpu_dur)[kernels]
     busy, window, gaps = _idle_profile(start, start + dur)
+    collective_kernels, collective_time = _collectives(
+        np.asarray(c.gpu_name, dtype=np.int64)[kernels], dur, list(c.names)
+    )
     verify_kind = np.zeros(0, dtype=np.int8)
     if len(c.verify):
         verify_kind = np.asarray(c.call_kind)[_inside_marks(np.asarray(c.call_pid), np.asarray(c.call_ts), c.verify)]
@@ -541,6 +558,8 @@ def _summarize(c: _Columns, path: Path, top: int) -> TraceSummary:
         verify_kernel_launches=int(np.count_nonzero(verify_kind == _KERNEL_LAUNCH)),
         verify_graph_launches=int(np.count_nonzero(verify_kind == _GRAPH_LAUNCH)),
         draft_us=_span(c.draft),
+        collective_kernels=collective_kernels,
+        collective_time_us=collective_time,
     )
 
 
@@ -612,6 +631,12 @@ def _gpu_lines(s: TraceSummary) -> list[str]:
         f"GPU busy: {s.busy_fraction:.1%} of a {_time(s.gpu_window_us)} window from first to last kernel "
         f"(kernel time {_time(s.kernel_time_us)})",
     ]
+    if s.collective_kernels:
+        lines.append(
+            _figures(s, "collectives", (s.collective_kernels, "kernels"))
+            + f", {_time(s.per_unit(s.collective_time_us))}{'' if s.scope == SCOPE_WHOLE else '/' + s.unit_name} "
+            f"({s.kernel_share(s.collective_time_us):.1%} of kernel time)"
+        )
     gaps = ", ".join(f"{_time(g)} at +{_time(o)}" for o, g in s.largest_gaps)
     lines.append(f"largest idle gaps: {gaps or 'none'}")
     lines.append(f"top kernels by GPU time ({len(s.top_kernels)}):")

@@ -9,6 +9,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "gpt_fast"
 SERVER = {"serve.app", "serve.openai_api", "serve.sse", "serve.server"}
 COMMANDS = {"cli", "runner", "interactive", "bench", "bench_decode", "bench_speculative", "bench_serve", "evaluate"}
+COMMANDS |= {"bench_tp", "launch"}
 COMMANDS |= SERVER
 ENGINE_PRIVATE = {"model", "cache", "checkpoint", "tokenizer"}  # what commands reach only through the engine
 
@@ -50,6 +51,23 @@ QUANT_LAYERS = [
 @pytest.mark.parametrize("module", QUANT_LAYERS)
 def test_the_quantized_layers_import_only_the_model_and_each_other(module):
     assert MODULES[module] <= {"config", "model", "cache", "quant", *QUANT_LAYERS}
+
+
+def test_tensor_parallelism_imports_only_the_model_and_its_quantized_layers():
+    assert MODULES["parallel"] <= {"config", "model", "quant.layout", "quant.linear"}
+
+
+def test_the_model_does_not_know_torch_distributed():
+    for module in ("model", "cache"):
+        assert "torch.distributed" not in (PACKAGE / f"{module}.py").read_text()
+
+
+KERNELS = ["kernels.decode_attention", "kernels.triton_decode_attention"]
+
+
+@pytest.mark.parametrize("module", KERNELS)
+def test_the_kernels_import_only_the_model_and_each_other(module):
+    assert MODULES[module] <= {"config", "model", "cache", "quant.kernels", "kernels", *KERNELS}
 
 
 @pytest.mark.parametrize("module", ["engine", "batching", "slots"])

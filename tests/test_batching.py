@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -216,37 +217,81 @@ def test_a_cache_longer_than_the_context_is_refused(engine):
         engine.batcher(BatchOptions(max_seq_length=513))
 
 
-def test_serving_from_a_thread(engine):
-    """The batcher warms up and serves in its own thread while requests arrive from another; a failed step fails
-    the requests in the slots and the next ones are served."""
+def test_serving_in_this_thread_while_a_client_thread_submits(engine):
+    """The batcher serves in the calling thread while the clients submit from a thread of their own; a failed step
+    fails the requests in the slots and the next ones are served; serving ends when the clients return."""
     batcher = engine.batcher(BatchOptions(max_batch=2, max_seq_length=64))
-    thread = batcher.serve_in_thread()
-    try:
-        done = threading.Event()
-        events = Events()
+    serving = threading.current_thread()
+    stepped_in, ends = set(), {}
+    real_step = batcher.step
 
-        def on_event(event):
-            events(event)
-            if isinstance(event, (Finished, Failed)):
-                done.set()
+    def step():
+        stepped_in.add(threading.current_thread())
+        real_step()
 
-        batcher.submit(Request(tuple(engine.encode("x")), 5, GREEDY), on_event)
-        assert done.wait(60) and list(events.finished.ids) == alone(engine, engine.encode("x"), 5)
+    batcher.step = step
 
-        real_decode, done = batcher.steps.decode, threading.Event()
+    def submit_and_wait(name, text):
+        ends[name] = events = Events()
+        assert submit(batcher, Request(tuple(engine.encode(text)), 5, GREEDY), events).wait(60)
+
+    def clients():
+        submit_and_wait("first", "x")
+        real_decode = batcher.steps.decode
 
         def broken(*args):
             batcher.steps = dataclasses.replace(batcher.steps, decode=real_decode)
             raise RuntimeError("device lost")
 
         batcher.steps = dataclasses.replace(batcher.steps, decode=broken)
-        failed = Events()
-        batcher.submit(Request(tuple(engine.encode("y")), 5, GREEDY), lambda e: (failed(e), done.set()))
-        assert done.wait(60) and failed.items[-1] == Failed("generation failed: RuntimeError: device lost")
-    finally:
+        submit_and_wait("broken", "y")
+        submit_and_wait("after", "z")
+
+    batcher.serve_while(clients, timeout=60)
+    assert stepped_in == {serving}
+    assert list(ends["first"].finished.ids) == alone(engine, engine.encode("x"), 5)
+    assert ends["broken"].items[-1] == Failed("generation failed: RuntimeError: device lost")
+    assert list(ends["after"].finished.ids) == alone(engine, engine.encode("z"), 5)
+    with pytest.raises(QueueFull, match="shutting down"):
+        batcher.submit(Request((1, 2), 3), Events())
+
+
+def submit(batcher, request, events):
+    """Submit ``request``, its events to ``events``; an Event set at its end."""
+    done = threading.Event()
+
+    def on_event(event):
+        events(event)
+        if isinstance(event, (Finished, Failed)):
+            done.set()
+
+    batcher.submit(request, on_event)
+    return done
+
+
+def test_closing_the_batcher_ends_the_requests_in_flight_and_stops_the_clients(engine):
+    """close() (as a signal handler does) while a request decodes: it gets a Failed end, serve_while calls ``stop``
+    and waits for the clients' thread; an error of the clients is raised in the serving thread."""
+    batcher = engine.batcher(BatchOptions(max_batch=2, max_seq_length=64))
+    stopped, events, decoding = threading.Event(), Events(), threading.Event()
+    real_decode = batcher.steps.decode
+
+    def decode(*args):
+        decoding.set()
+        real_decode(*args)
+
+    batcher.steps = dataclasses.replace(batcher.steps, decode=decode)
+
+    def clients():
+        batcher.submit(Request(tuple(engine.encode("x")), 60, GREEDY), events)
+        assert decoding.wait(60)
         batcher.close()
-        thread.join(60)
-    assert not thread.is_alive()
+        assert stopped.wait(60)
+        raise RuntimeError("client error")
+
+    with pytest.raises(RuntimeError, match="client error"):
+        batcher.serve_while(clients, stop=stopped.set, timeout=60)
+    assert events.items[-1] == Failed("the server is shutting down") and len(events.deltas) < 60
 
 
 def test_engine_generate_batches_several_prompts(engine):
@@ -281,49 +326,34 @@ def test_compiled_steps_equal_eager(engine):
     assert [f.ids for f in run_all(compiled, requests)] == [f.ids for f in run_all(engine, requests)]
 
 
-def test_a_failed_warm_up_is_raised_where_the_thread_was_started(engine):
-    batcher = engine.batcher(BatchOptions(max_batch=2, max_seq_length=64))
-
-    def broken(*args):
-        raise RuntimeError("no kernel image")
-
-    batcher.steps = dataclasses.replace(batcher.steps, prefill=broken)
-    with pytest.raises(RuntimeError, match="no kernel image"):
-        batcher.serve_in_thread()
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 def test_on_the_gpu_batches_decode_in_cuda_graphs(tmp_path):
-    """reduce-overhead on a GPU: served from the batcher's own thread (where its CUDA graphs are recorded), with
-    requests joining and leaving, each gives the tokens the eager single-stream loop gives, and no step falls back
-    from CUDA graphs."""
+    """reduce-overhead on a GPU, driven as `gpt-fast serve` drives it: compiled, warmed up and served in the main
+    thread while clients submit from threads of their own, with requests joining and leaving; each gives the tokens
+    the eager single-stream loop gives, and no step falls back from CUDA graphs."""
     from torch._dynamo.utils import counters
 
+    assert threading.current_thread() is threading.main_thread()
     path = make_random_checkpoint(get_shape("tiny"), tmp_path / "tiny", dtype=torch.float32, seed=3)
     eager = Engine.load(path, device="cuda", dtype="float32")
+    budgets = [5, 17, 1, 9, 12, 3, 20]
+    expected = [alone(eager, eager.encode(text), budget) for text, budget in zip(PROMPTS, budgets, strict=True)]
     torch._dynamo.reset()
     counters.clear()
     graphs = Engine.load(path, compile="reduce-overhead", device="cuda", dtype="float32")
     batcher = graphs.batcher(BatchOptions(max_batch=4, max_seq_length=128))
-    thread = batcher.serve_in_thread()
-    budgets = [5, 17, 1, 9, 12, 3, 20]
+    batcher.warm_up()
     events = [Events() for _ in PROMPTS]
-    finished = threading.Semaphore(0)
-    try:
-        for text, budget, sink in zip(PROMPTS, budgets, events, strict=True):
 
-            def on_event(event, sink=sink):
-                sink(event)
-                if isinstance(event, (Finished, Failed)):
-                    finished.release()
+    def client(index):
+        request = Request(tuple(eager.encode(PROMPTS[index])), budgets[index], GREEDY)
+        assert submit(batcher, request, events[index]).wait(600)
 
-            batcher.submit(Request(tuple(eager.encode(text)), budget, GREEDY), on_event)
-        for _ in PROMPTS:
-            assert finished.acquire(timeout=600)
-    finally:
-        batcher.close()
-        thread.join(60)
-    for text, budget, sink in zip(PROMPTS, budgets, events, strict=True):
-        assert list(sink.finished.ids) == alone(eager, eager.encode(text), budget)
+    def clients():
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:  # 7 at once through 4 slots: 3 wait, then join
+            list(pool.map(client, range(len(PROMPTS))))
+
+    batcher.serve_while(clients, timeout=60)
+    assert [list(sink.finished.ids) for sink in events] == expected
     assert counters["inductor"]["cudagraph_skips"] == 0

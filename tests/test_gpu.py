@@ -1,4 +1,5 @@
-"""GPU-only checks (CUDA or ROCm): every compile mode runs, and the traces show what each mode launches;
+"""GPU-only checks (CUDA or ROCm): every compile mode runs, and the traces show what each mode launches (on CUDA, the
+fused decode attention in the compiled modes);
 speculative decoding gives plain decoding's greedy tokens in every mode, its verify step is one CUDA graph launch in
 ``reduce-overhead``, and sampling with it runs.
 
@@ -75,6 +76,14 @@ def test_every_mode_runs_and_agrees_with_eager(runs, mode):
     assert all(s["new_tokens"] == NEW_TOKENS and s["tokens_per_sec"] > 0 for s in samples)
     assert samples[-1]["generated_ids"] == eager  # greedy: same tokens, compiled or not
     assert (runs[mode]["compile_seconds"] is None) == (mode == "none")
+
+
+@pytest.mark.skipif(torch.version.hip is not None, reason="ROCm keeps the PyTorch attention code")
+@pytest.mark.parametrize("mode", COMPILE_MODES)
+def test_compiled_modes_decode_with_the_fused_attention_kernel(runs, mode):
+    """On CUDA the compiled decode step runs the Triton decode attention (inside the CUDA graph where there is one);
+    eager decoding keeps SDPA, so the agreement above compares the two."""
+    assert ("_decode_attention_split" in runs[mode]["trace"].read_text()) == (mode != "none")
 
 
 def test_reduce_overhead_launches_one_graph_per_token(runs):

@@ -13,6 +13,7 @@ import os
 import queue
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -30,6 +31,7 @@ from gpt_fast import Engine, SamplingConfig
 from gpt_fast.cli import main
 from gpt_fast.config import load_checkpoint_config
 from gpt_fast.convert.random_init import make_random_checkpoint
+from gpt_fast.serve.server import signals_call
 from gpt_fast.shapes import get_shape
 from gpt_fast.textstream import TextStream
 
@@ -61,7 +63,8 @@ class Server:
         )
         self.lines: queue.Queue[str] = queue.Queue()
         self.output: list[str] = []
-        threading.Thread(target=self._drain, daemon=True).start()
+        self.drain = threading.Thread(target=self._drain, daemon=True)
+        self.drain.start()
         self.url = self._wait_until_serving()
 
     def _drain(self) -> None:
@@ -378,6 +381,44 @@ def test_a_full_server_refuses_and_a_client_going_away_frees_its_slot(smol_serve
     second.close()
     health = smol_server.wait_for(lambda h: h["busy"] == 0)
     assert health["tokens_generated"] - before < 400  # neither long stream ran to its end
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_the_streams_in_flight_and_stops_the_server(smollm2_checkpoint):
+    """SIGINT (Ctrl-C) while a stream decodes: the stream gets its end at once (an error event, then [DONE]: the
+    server is shutting down), and the server exits as an interrupted command does (`error: interrupted`, 130)."""
+    args = ("--max_batch", "1", "--max_seq_length", "512", "--model_name", SMOL)
+    server = Server("--checkpoint_path", str(smollm2_checkpoint), *args)
+    try:
+        long = {"model": SMOL, "prompt": "Once upon a time", "max_tokens": 400, "stream": True}
+        chunks = iter(server.client().completions.create(**long, extra_body={"ignore_eos": True}))
+        next(chunks)
+        assert server.health()["busy"] == 1
+        server.process.send_signal(signal.SIGINT)
+        with pytest.raises(openai.APIError, match="the server is shutting down"):
+            list(chunks)
+        assert server.process.wait(60) == 130
+    finally:
+        server.stop()
+    server.drain.join(60)
+    assert "".join(server.output).endswith("error: interrupted\n")
+
+
+def test_signals_call_stop_and_are_raised_again_after_the_block():
+    """Inside the block Ctrl-C calls ``stop`` (once) and a second one interrupts; after it, the first is raised
+    again, so that the command ends as an interrupted one does; the handlers are restored."""
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    calls = []
+    with pytest.raises(KeyboardInterrupt), signals_call(lambda: calls.append("stop")):
+        signal.raise_signal(signal.SIGINT)
+        calls.append("went on")
+    assert calls == ["stop", "went on"]
+    with pytest.raises(KeyboardInterrupt), signals_call(lambda: calls.append("stop")):
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)
+        calls.append("not reached")
+    assert calls == ["stop", "went on", "stop"]
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
 
 
 def test_many_clients_at_once_each_get_their_own_answer(tiny_server, tiny_engine):

@@ -696,3 +696,32 @@ def test_cli_error_is_one_line(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert exit_info.value.code != 0 and out == ""
     assert err.splitlines() == [f"error: {path}: JSON nested deeper than {trace_summary.MAX_DEPTH} levels"]
+
+
+COLLECTIVE_NAMES = [
+    "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+    "ncclKernel_AllReduce_RING_LL_Sum_bfloat16(ncclWorkElem)",
+    "ncclDevKernel_Generic_4(ncclDevKernelArgsStorage<4096ul>)",
+    "void c10d::symmetric_memory::one_shot_all_reduce_kernel<c10::BFloat16, 16, 8>(c10::BFloat16**, unsigned long)",
+]
+
+
+@pytest.mark.parametrize("name", COLLECTIVE_NAMES, ids=["nccl", "nccl-old", "rccl", "symm-mem"])
+def test_collective_kernels_are_counted_apart(tmp_path, name):
+    events = noise()
+    for i in range(4):  # per token: one graph launch, a GEMV and two all-reduces (the second one after the GEMV)
+        base, corr = 1000 * i, 500 + i
+        events += [mark(DECODE_MARK, base + 100, 500), call("cudaGraphLaunch", base + 120, corr)]
+        events += [gpu("triton_poi_fused_all_reduce_0", base + 200, 10, corr), gpu(name, base + 210, 12, corr)]
+        events += [gpu("gemv", base + 230, 30, corr), gpu(name, base + 260, 8, corr)]
+    s = summarize_trace(write_trace(tmp_path / "tp.json", events))
+    assert (s.collective_kernels, s.collective_time_us) == (8, pytest.approx(80.0))
+    assert s.kernel_time_us == pytest.approx(240.0)  # a copy kernel inductor names after the op is not one
+    assert "collectives per token: 2.0 kernels (8 kernels in total), 20 µs/token (33.3% of kernel time)" in (
+        format_summary(s)
+    )
+
+
+def test_a_trace_without_collectives_says_nothing_of_them(tmp_path):
+    s = summarize_trace(write_trace(tmp_path / "eager.json", noise() + eager_events(4, CUDA_EAGER)))
+    assert s.collective_kernels == 0 and "collectives" not in format_summary(s)

@@ -8,10 +8,10 @@ measured 25 to 50 times slower than dequantize-then-``F.linear`` on the CPU for 
 - ``triton``: our Triton kernels (:mod:`gpt_fast.quant.triton_gemv`), on CUDA GPUs. Wrapped as
   ``torch.library.triton_op`` so that ``torch.compile`` places them in its own generated code (and CUDA graphs
   capture them).
-- ``aten``: PyTorch's own weight-only kernels, ``torch.ops.aten._weight_int8pack_mm`` and
-  ``_weight_int4pack_mm_for_cpu`` (the latter on a copy of the weights repacked once at load,
-  :mod:`gpt_fast.quant.linear`). The CPU's choice: they read the weights as they are, where ``dequant`` makes a
-  float copy of them per call.
+- ``aten``: PyTorch's own weight-only kernels, ``torch.ops.aten._weight_int8pack_mm``, and for int4
+  ``_weight_int4pack_mm_for_cpu`` or CUDA's tinygemm ``_weight_int4pack_mm`` (on a copy of the weights repacked
+  once at load, :mod:`gpt_fast.quant.linear`). The CPU's choice: they read the weights as they are, where
+  ``dequant`` makes a float copy of them per call; on CUDA, int4's choice where tinygemm takes the shape.
 - ``dequant``: plain PyTorch, dequantize then ``F.linear``: runs everywhere (ROCm included, where our kernels are
   not used) and in every compile mode; inductor fuses it into a dequantizing matrix-vector kernel for one row.
   For int8 it is upstream gpt-fast's ``WeightOnlyInt8Linear`` formula, ``F.linear(x, w.to(x.dtype)) * scales``.
@@ -116,14 +116,18 @@ def int4_linear(
     return out.reshape(*x.shape[:-1], out_features)
 
 
-def int4_cpu_linear(
+def int4_aten_linear(
     x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int
 ) -> torch.Tensor:
-    """``x`` [..., K] times a weight repacked by ``torch.ops.aten._convert_weight_to_int4pack_for_cpu`` (columns
-    padded to a whole number of groups: ``x`` is padded with zeros to match)."""
+    """``x`` [..., K] times a weight repacked for PyTorch's own int4 kernel of its device (see
+    :class:`gpt_fast.quant.linear.Int4Linear`): ``_weight_int4pack_mm_for_cpu`` (columns padded to a whole number
+    of groups: ``x`` is padded with zeros to match) or, on CUDA, tinygemm's ``_weight_int4pack_mm``."""
     rows = x.reshape(-1, x.shape[-1])
     padded = scales_and_zeros.shape[0] * group_size
     if padded != rows.shape[1]:
         rows = F.pad(rows, (0, padded - rows.shape[1]))
-    out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group_size, scales_and_zeros)
-    return out.reshape(*x.shape[:-1], packed.shape[0])
+    if x.device.type == "cpu":
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group_size, scales_and_zeros)
+    else:
+        out = torch.ops.aten._weight_int4pack_mm(rows.contiguous(), packed, group_size, scales_and_zeros)
+    return out.reshape(*x.shape[:-1], scales_and_zeros.shape[1])

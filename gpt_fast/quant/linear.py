@@ -14,11 +14,12 @@ import torch
 from torch import nn
 
 from gpt_fast.config import ModelConfig, QuantConfig
-from gpt_fast.quant.kernels import FEW_ROWS, int4_cpu_linear, int4_linear, int8_linear, resolve_kernel
+from gpt_fast.quant.kernels import FEW_ROWS, int4_aten_linear, int4_linear, int8_linear, resolve_kernel
 from gpt_fast.quant.layout import quantized_linears, quantized_tensors
 from gpt_fast.quant.schemes import INT4_MID, unpack_int4
 
 CPU_INT4_ROWS = 16  # torch's CPU int4 kernel takes matrices of a multiple of 16 rows
+TINYGEMM_K_TILES = (8, 4, 2)  # inner k tiles of the CUDA int4 layout, the largest that divides the columns
 
 
 def _frozen(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
@@ -43,8 +44,12 @@ class QuantizedLinear(nn.Module):
 class Int8Linear(QuantizedLinear):
     """``y = x @ (weight * scales[:, None]).T``: int8 weights [out, in], one scale per output channel."""
 
-    def prepare(self, kernel: str) -> None:
-        self.kernel = kernel
+    def prepare(self, kernel: str, *, auto: bool = False, compiled: bool = False) -> None:
+        """Chosen automatically for a compiled model on a CUDA GPU, ``dequant``: inductor makes the dequantizing
+        GEMV itself and folds the RMSNorm before it into its prologue, which our Triton kernel (a separate
+        operator) cannot. Llama-2-7B shape on an H200: 281 tok/s that way against 243 with our kernel, though the
+        kernels alone time the same (BENCHMARKS.md, fifth session). Eager keeps our kernel."""
+        self.kernel = "dequant" if auto and compiled and kernel == "triton" else kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.biased(int8_linear(x, self.weight, self.scales, self.kernel))
@@ -57,25 +62,50 @@ class Int4Linear(QuantizedLinear):
         super().__init__(in_features, out_features, quant, bias)
         self.group_size = quant.group_size
 
-    def prepare(self, kernel: str) -> None:
-        """``aten`` on the CPU keeps a copy of the weights repacked for
-        ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (scales and zeros as one [groups, out, 2] tensor), for few
-        rows; elsewhere, and for a shape that kernel does not take, ``aten`` means ``dequant``."""
-        if kernel != "aten" or self.weight.device.type != "cpu" or self.weight.shape[0] % CPU_INT4_ROWS:
+    def prepare(self, kernel: str, *, auto: bool = False, compiled: bool = False) -> None:
+        """``aten``, and ``auto`` on a CUDA GPU, repack a copy of the weights for PyTorch's own int4 kernel of the
+        device, used for few rows: on the CPU ``_weight_int4pack_mm_for_cpu``; on CUDA (bf16 only) tinygemm,
+        ``_weight_int4pack_mm``, which reads the weights faster than our Triton kernel (H200, Llama-3-8B
+        ``w13``: 33.0 against 46.8 us; BENCHMARKS.md). Where that kernel does not take the shape or dtype, ``aten``
+        means ``dequant`` and ``auto`` keeps ``kernel``."""
+        device = self.weight.device.type
+        repack = {"cpu": self._repack_cpu, "cuda": self._repack_cuda}.get(device)
+        wanted = kernel == "aten" or (auto and device == "cuda" and torch.version.hip is None)
+        if wanted and repack is not None and repack():
+            self.kernel = "aten"
+        else:
             self.kernel = "dequant" if kernel == "aten" else kernel
-            return
+
+    def _repack_cpu(self) -> bool:
+        """Scales and zeros as one [groups, out, 2] tensor; columns padded to whole groups."""
+        if self.weight.shape[0] % CPU_INT4_ROWS:
+            return False
         levels = unpack_int4(self.weight).to(torch.int32)  # [N, K]
         padded = self.scales.shape[1] * self.group_size
         levels = nn.functional.pad(levels, (0, padded - levels.shape[1]), value=INT4_MID)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 1)
-        self.register_buffer("cpu_packed", packed, persistent=False)
-        scales_and_zeros = torch.stack([self.scales, self.zeros], dim=-1).transpose(0, 1).contiguous()
-        self.register_buffer("cpu_scales_and_zeros", scales_and_zeros, persistent=False)
-        self.kernel = "aten"
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 1), persistent=False)
+        self._stack_scales_and_zeros()
+        return True
+
+    def _repack_cuda(self) -> bool:
+        """tinygemm's tiles: bf16, whole groups, rows a multiple of 8, columns of ``TINYGEMM_K_TILES`` x 16; its
+        bytes hold column 2j in the high nibble (ours: the low one)."""
+        out_features, cols = self.weight.shape[0], self.weight.shape[1] * 2
+        tiles = next((t for t in TINYGEMM_K_TILES if cols % (16 * t) == 0), None)
+        if self.scales.dtype != torch.bfloat16 or out_features % 8 or cols % self.group_size or tiles is None:
+            return False
+        swapped = (self.weight << 4) | (self.weight >> 4)  # [N, K/2] uint8
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack(swapped, tiles), persistent=False)
+        self._stack_scales_and_zeros()
+        return True
+
+    def _stack_scales_and_zeros(self) -> None:
+        stacked = torch.stack([self.scales, self.zeros], dim=-1).transpose(0, 1).contiguous()  # [groups, N, 2]
+        self.register_buffer("scales_and_zeros", stacked, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "aten" and x.numel() // x.shape[-1] <= FEW_ROWS:
-            return self.biased(int4_cpu_linear(x, self.cpu_packed, self.cpu_scales_and_zeros, self.group_size))
+            return self.biased(int4_aten_linear(x, self.packed, self.scales_and_zeros, self.group_size))
         return self.biased(int4_linear(x, self.weight, self.scales, self.zeros, self.group_size, self.kernel))
 
 
@@ -92,10 +122,11 @@ def quantize_linears(model: nn.Module, config: ModelConfig, quant: QuantConfig) 
         setattr(module, attr, LINEARS[quant.mode](in_features, out_features, quant, bias))
 
 
-def prepare_quantized(model: nn.Module, device: torch.device, kernel: str = "auto") -> None:
+def prepare_quantized(model: nn.Module, device: torch.device, kernel: str = "auto", *, compiled: bool = False) -> None:
     """Choose the kernels of every quantized layer for ``device`` (``auto``: see
-    :func:`gpt_fast.quant.kernels.resolve_kernel`), once the weights are there."""
+    :func:`gpt_fast.quant.kernels.resolve_kernel` and each layer's ``prepare``; ``compiled``: the model will run
+    under ``torch.compile``), once the weights are there."""
     resolved = resolve_kernel(kernel, device)
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
-            module.prepare(resolved)
+            module.prepare(resolved, auto=kernel == "auto", compiled=compiled)

@@ -1,16 +1,21 @@
 """Running the server: bind the socket (before any weights are read, so that a port in use is refused at once), load
-and warm the engine up, start the batcher's thread, and serve the app with uvicorn until interrupted."""
+and warm the engine up, then serve: the batcher steps in the main thread, the one that compiled and warmed up the
+steps (in the CUDA-graph modes torch 2.11 keeps its CUDA-graph trees for that thread only), and uvicorn runs the app
+in a thread of its own until Ctrl-C."""
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import socket
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import uvicorn
 
-from gpt_fast.batching import BatchOptions
+from gpt_fast.batching import Batcher, BatchOptions
 from gpt_fast.engine import Engine
 from gpt_fast.serve.app import OpenAIServer
 from gpt_fast.serve.openai_api import Context
@@ -64,30 +69,71 @@ def serve(engine: Engine, options: ServeOptions, write: Write) -> None:
     """Serve ``engine`` (opened, weights not yet read) until interrupted."""
     batch_options = options.batch_options(engine.model_config.block_size)
     sock = listen(options.host, options.port)
-    host, port = sock.getsockname()[:2]
+    try:
+        host, port = sock.getsockname()[:2]
+        batcher = warmed_up_batcher(engine, batch_options, write)
+        model_id = options.model_name or engine.checkpoint_dir.name
+        server = http_server(engine, batcher, model_id, options.api_key)
+
+        def stop_server() -> None:
+            server.should_exit = True
+
+        url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        write(
+            f"Serving {model_id} at {url}/ (OpenAI API at {url}/v1, chat page at {url}/): {batch_options.max_batch} "
+            f"slots of {batcher.max_seq_length} tokens, {batch_options.max_queue} more may wait; Ctrl-C stops\n"
+        )
+        with signals_call(batcher.close):  # the requests in flight end (failed), then the server stops
+            batcher.serve_while(lambda: server.run(sockets=[sock]), stop=stop_server, timeout=SHUTDOWN_SECONDS + 1)
+    finally:
+        sock.close()
+
+
+def http_server(engine: Engine, batcher: Batcher, model_id: str, api_key: str | None) -> uvicorn.Server:
+    """The app on uvicorn, to be run in a thread of its own (where it leaves the signals to the main thread)."""
+    chat_ids = engine.chat_ids if engine.chat_template else None
+    ctx = Context(model_id, batcher.max_seq_length, engine.model_config.vocab_size, engine.encode, chat_ids)
+    app = OpenAIServer(batcher, ctx, api_key).app()
+    config = uvicorn.Config(
+        app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=SHUTDOWN_SECONDS
+    )
+    return uvicorn.Server(config)
+
+
+def warmed_up_batcher(engine: Engine, batch_options: BatchOptions, write: Write) -> Batcher:
+    """Read the weights, and make the batcher and warm its steps up in this thread, the one that will drive it."""
     write(f"Using device={engine.device} ({engine.device_name}), dtype={engine.dtype_name}, compile={engine.compile}\n")
     engine.load_weights()
     write(f"Time to load model: {engine.load_seconds:.2f} seconds\n")
     batcher = engine.batcher(batch_options)
     start = time.perf_counter()
-    thread = batcher.serve_in_thread()
+    batcher.warm_up()
     seconds = time.perf_counter() - start
     write(f"Warm-up (the steps for 1 and {batch_options.max_batch} slots, compiled if asked): {seconds:.2f} seconds\n")
-    model_id = options.model_name or engine.checkpoint_dir.name
-    chat_ids = engine.chat_ids if engine.chat_template else None
-    ctx = Context(model_id, batcher.max_seq_length, engine.model_config.vocab_size, engine.encode, chat_ids)
-    app = OpenAIServer(batcher, ctx, options.api_key).app()
-    config = uvicorn.Config(
-        app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=SHUTDOWN_SECONDS
-    )
-    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-    write(
-        f"Serving {model_id} at {url}/ (OpenAI API at {url}/v1, chat page at {url}/): {batch_options.max_batch} "
-        f"slots of {batcher.max_seq_length} tokens, {batch_options.max_queue} more may wait; Ctrl-C stops\n"
-    )
+    return batcher
+
+
+@contextlib.contextmanager
+def signals_call(stop: Callable[[], None]) -> Iterator[None]:
+    """Inside the block, SIGINT (Ctrl-C) and SIGTERM call ``stop`` instead of interrupting what runs (a second Ctrl-C
+    does interrupt); after it, the signal is raised again, so that the process ends as it would have (status 130
+    after Ctrl-C). Only the main thread handles signals: in another, the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+
+    def handle(sig: int, frame: object) -> None:
+        if received and sig == signal.SIGINT:
+            raise KeyboardInterrupt
+        received.append(sig)
+        stop()
+
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        yield
     finally:
-        batcher.close()
-        thread.join(timeout=SHUTDOWN_SECONDS)
-        sock.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    for sig in received[:1]:
+        signal.raise_signal(sig)

@@ -1,0 +1,339 @@
+"""Triton kernels for the attention of one decode step: a single query position per row, over the static KV cache.
+
+One program per (row, kv head, split of the cache's positions) does what inductor makes six kernels of: the rotary
+embedding of the step's queries and key, the write of the new key and value into the cache, the scores against
+the cached keys, the softmax and the weighted sum of the values. The query heads that share a kv head (GQA) are one
+program's rows, so that each key and value is read once. Only the positions the query sees are read (up to its own,
+and not older than a sliding window), where the PyTorch path reads the whole cache under an additive mask.
+
+Long caches are split over programs (flash-decoding): each split keeps a running maximum, sum and weighted sum of
+values, and a second small kernel combines the splits. With one split the first kernel writes the output itself.
+
+The step's own key is not read back from the cache: every program rotates it in registers and the program whose
+split holds its position also writes it (and the value) to the cache, so no program reads a position written in
+the same launch.
+
+Rounding follows the PyTorch path (:func:`gpt_fast.model.apply_rope`, :func:`gpt_fast.model.attend_one_query`):
+the rotation in float32, rounded to the model's dtype, then scores, softmax and sums in float32.
+
+Imported only where Triton is (:mod:`gpt_fast.kernels.decode_attention` decides); the launchers run on CUDA
+tensors, and in Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors for the tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+SPLIT_KEYS = 128  # positions per program, at least: a cache of S positions has ceil(S / 128) splits
+TILE_ELEMENTS = 4096  # query heads x positions x half a head per loop step: 32 float32 registers per thread
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Positions per loop step, positions per split (a multiple of the step), warps per program."""
+
+    block_s: int
+    split_len: int
+    warps: int
+
+
+def decode_launch(group: int, head_dim: int) -> Launch:
+    """The tile for ``group`` query heads per kv head of ``head_dim``: as many positions per step as keep the
+    [group, positions, head_dim / 2] products at :data:`TILE_ELEMENTS` (8 to 64), splits of :data:`SPLIT_KEYS`
+    positions, 4 warps. Not tuned: ``scripts/decode_attention_bench.py`` times the alternatives."""
+    tile = triton.next_power_of_2(group) * triton.next_power_of_2(head_dim // 2)
+    block_s = max(8, min(64, TILE_ELEMENTS // tile))
+    return Launch(block_s, max(block_s, SPLIT_KEYS), 4)
+
+
+@triton.jit
+def _rotate(x1, x2, cos, sin, dtype):
+    """Rotary embedding of a vector's two halves in float32, rounded to ``dtype`` and back."""
+    return (x1 * cos - x2 * sin).to(dtype).to(tl.float32), (x2 * cos + x1 * sin).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _capped(scores, softcap, SOFTCAP: tl.constexpr):
+    """``softcap * tanh(scores / softcap)`` when ``SOFTCAP`` (tanh through exp: saturates to ±1, never NaN)."""
+    if SOFTCAP:
+        scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
+    return scores
+
+
+@triton.jit
+def _dots(q1, q2, k1, k2):
+    """Products of the queries' halves [G, H] with N keys' halves [N, H]: [G, N]. One query head (MHA) is a plain
+    2-D reduction; several are a 3-D one."""
+    if q1.shape[0] == 1:
+        dots = (tl.sum(q1 * k1, axis=1) + tl.sum(q2 * k2, axis=1))[None, :]
+    else:
+        dots = tl.sum(q1[:, None, :] * k1[None, :, :], axis=2) + tl.sum(q2[:, None, :] * k2[None, :, :], axis=2)
+    return dots
+
+
+@triton.jit
+def _weighted(p, v):
+    """The weights [G, N] times N values' half [N, H], summed over the positions: [G, H]."""
+    if p.shape[0] == 1:
+        weighted = tl.sum(tl.sum(p, axis=0)[:, None] * v, axis=0)[None, :]
+    else:
+        weighted = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    return weighted
+
+
+@triton.jit
+def _online_softmax(m_i, l_i, acc1, acc2, scores, v1, v2):
+    """Fold the scores [G, N] of N more positions and their values' halves [N, H] into the running maximum and
+    sum [G] and weighted sums [G, H]; rows still without a position stay at -inf, 0, 0 (no NaN)."""
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(scores - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc1 = acc1 * alpha[:, None] + _weighted(p, v1)
+    acc2 = acc2 * alpha[:, None] + _weighted(p, v2)
+    return m_new, l_i, acc1, acc2
+
+
+@triton.jit
+def _decode_attention_split(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cos_ptr,
+    sin_ptr,
+    kv_ptr,
+    pos_ptr,
+    out_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    q_stride_b,
+    q_stride_h,
+    k_stride_b,
+    k_stride_h,
+    v_stride_b,
+    v_stride_h,
+    cos_stride,
+    pos_stride,
+    first_row,
+    values_offset,
+    S,
+    scale,
+    softcap,
+    window,
+    H_KV: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    SPLIT_LEN: tl.constexpr,
+    SPLITS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr,
+):
+    """Program (row b * H_KV + kv head, split): the GROUP query heads of one kv head over the split's positions."""
+    b = tl.program_id(0) // H_KV
+    h = tl.program_id(0) % H_KV
+    split = tl.program_id(1)
+    pos = tl.load(pos_ptr + b * pos_stride)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HALF_PAD)
+    g_in, d_in = g < GROUP, d < HALF
+    heads = h * GROUP + g  # the query heads of kv head h
+    cos = tl.load(cos_ptr + b * cos_stride + d, mask=d_in, other=0.0)
+    sin = tl.load(sin_ptr + b * cos_stride + d, mask=d_in, other=0.0)
+    q_at = q_ptr + b * q_stride_b + heads[:, None] * q_stride_h + d[None, :]  # [G, HALF_PAD]
+    q_in = g_in[:, None] & d_in[None, :]
+    q1 = tl.load(q_at, mask=q_in, other=0.0).to(tl.float32)
+    q2 = tl.load(q_at + HALF, mask=q_in, other=0.0).to(tl.float32)
+    q1, q2 = _rotate(q1, q2, cos[None, :], sin[None, :], q_ptr.dtype.element_ty)
+
+    cache = kv_ptr + ((first_row + b) * H_KV + h).to(tl.int64) * S * (2 * HALF)  # this row's keys of kv head h
+    start = split * SPLIT_LEN
+    end = tl.minimum(start + SPLIT_LEN, pos)  # cached positions this split reads: [lo, end)
+    lo = start
+    if WINDOW:
+        lo = tl.maximum(start, pos - window + 1)
+    m_i = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
+    l_i = tl.zeros((GROUP_PAD,), tl.float32)
+    acc1 = tl.zeros((GROUP_PAD, HALF_PAD), tl.float32)
+    acc2 = tl.zeros((GROUP_PAD, HALF_PAD), tl.float32)
+    for first in range(start + (lo - start) // BLOCK_S * BLOCK_S, end, BLOCK_S):
+        keys = first + tl.arange(0, BLOCK_S)
+        valid = (keys >= lo) & (keys < end)
+        at = cache + keys[:, None] * (2 * HALF) + d[None, :]  # [BLOCK_S, HALF_PAD]
+        at_in = valid[:, None] & d_in[None, :]
+        k1 = tl.load(at, mask=at_in, other=0.0).to(tl.float32)
+        k2 = tl.load(at + HALF, mask=at_in, other=0.0).to(tl.float32)
+        v1 = tl.load(at + values_offset, mask=at_in, other=0.0).to(tl.float32)
+        v2 = tl.load(at + values_offset + HALF, mask=at_in, other=0.0).to(tl.float32)
+        dots = _dots(q1, q2, k1, k2)
+        scores = tl.where(valid[None, :], _capped(dots * scale, softcap, SOFTCAP), float("-inf"))  # [G, BLOCK_S]
+        m_i, l_i, acc1, acc2 = _online_softmax(m_i, l_i, acc1, acc2, scores, v1, v2)
+
+    # the step's own key and value: rotated here, written to the cache by the split that holds the position
+    own = (pos >= start) & (pos < start + SPLIT_LEN)
+    k_at = k_ptr + b * k_stride_b + h * k_stride_h + d
+    v_at = v_ptr + b * v_stride_b + h * v_stride_h + d
+    k1, k2 = _rotate(
+        tl.load(k_at, mask=d_in, other=0.0).to(tl.float32),
+        tl.load(k_at + HALF, mask=d_in, other=0.0).to(tl.float32),
+        cos,
+        sin,
+        kv_ptr.dtype.element_ty,
+    )
+    v1 = tl.load(v_at, mask=d_in, other=0.0).to(tl.float32)
+    v2 = tl.load(v_at + HALF, mask=d_in, other=0.0).to(tl.float32)
+    at = cache + pos * (2 * HALF) + d
+    tl.store(at, k1.to(kv_ptr.dtype.element_ty), mask=d_in & own)
+    tl.store(at + HALF, k2.to(kv_ptr.dtype.element_ty), mask=d_in & own)
+    tl.store(at + values_offset, v1.to(kv_ptr.dtype.element_ty), mask=d_in & own)
+    tl.store(at + values_offset + HALF, v2.to(kv_ptr.dtype.element_ty), mask=d_in & own)
+    dots = _dots(q1, q2, k1[None, :], k2[None, :])  # [G, 1]
+    scores = tl.where(own, _capped(dots * scale, softcap, SOFTCAP), float("-inf"))
+    m_i, l_i, acc1, acc2 = _online_softmax(m_i, l_i, acc1, acc2, scores, v1[None, :], v2[None, :])
+
+    rows = b * H_KV * GROUP + heads  # [G]: index of (row, query head)
+    out_in = g_in[:, None] & d_in[None, :]
+    if SPLITS == 1:
+        out = out_ptr + rows[:, None] * (2 * HALF) + d[None, :]
+        tl.store(out, (acc1 / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_in)
+        tl.store(out + HALF, (acc2 / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_in)
+    else:
+        tl.store(m_ptr + rows * SPLITS + split, m_i, mask=g_in)
+        tl.store(l_ptr + rows * SPLITS + split, l_i, mask=g_in)
+        partial = acc_ptr + (rows[:, None] * SPLITS + split) * (2 * HALF) + d[None, :]
+        tl.store(partial, acc1, mask=out_in)
+        tl.store(partial + HALF, acc2, mask=out_in)
+
+
+@triton.jit
+def _combine_splits(
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    out_ptr,
+    SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+):
+    """Program (row, query head): the splits' partial results, rescaled to their common maximum, summed,
+    normalized. Splits that saw no position carry -inf and weigh 0; the split holding the query's own position
+    always saw one."""
+    row = tl.program_id(0)
+    sp = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HALF_PAD)
+    sp_in, d_in = sp < SPLITS, d < HALF
+    m = tl.load(m_ptr + row * SPLITS + sp, mask=sp_in, other=float("-inf"))
+    weights = tl.exp(m - tl.max(m, axis=0))  # [SPLITS_PAD]
+    total = tl.sum(weights * tl.load(l_ptr + row * SPLITS + sp, mask=sp_in, other=0.0), axis=0)
+    at = acc_ptr + (row * SPLITS + sp[:, None]) * (2 * HALF) + d[None, :]
+    at_in = sp_in[:, None] & d_in[None, :]
+    y1 = tl.sum(weights[:, None] * tl.load(at, mask=at_in, other=0.0), axis=0) / total
+    y2 = tl.sum(weights[:, None] * tl.load(at + HALF, mask=at_in, other=0.0), axis=0) / total
+    out = out_ptr + row * (2 * HALF) + d
+    tl.store(out, y1.to(out_ptr.dtype.element_ty), mask=d_in)
+    tl.store(out + HALF, y2.to(out_ptr.dtype.element_ty), mask=d_in)
+
+
+Wrap = Callable[[Callable[..., None]], Callable[..., None]]  # torch.library.wrap_triton inside a triton_op
+
+
+def _unwrapped(kernel: Callable[..., None]) -> Callable[..., None]:
+    return kernel
+
+
+def _row_stride(t: torch.Tensor) -> int:
+    """The stride between rows of a tensor [R, ...] read once per row: 0 when one row is shared by all."""
+    return 0 if t.shape[0] == 1 else t.stride(0)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv: torch.Tensor,
+    input_pos: torch.Tensor,
+    first_row: int,
+    scale: float,
+    softcap: float | None,
+    window: int | None,
+    launch: Launch | None = None,
+    wrap: Wrap = _unwrapped,
+) -> torch.Tensor:
+    """Attention of one query position per row, the step's key and value written into the cache first.
+
+    ``q`` [B, 1, H, D], ``k`` and ``v`` [B, 1, H_kv, D] before the rotary embedding (heads contiguous in memory);
+    ``cos``/``sin`` [1, D/2] (shared) or [B, 1, D/2] (each row's); ``kv`` the cache [2, R, H_kv, S, D], whose rows
+    ``first_row`` to ``first_row + B - 1`` are these rows (written in place at the position); ``input_pos`` [1]
+    (shared) or [B, 1]. Scores are scaled by ``scale``, soft-capped by ``softcap`` when given, and only the last
+    ``window`` positions are seen when given. Returns [B, 1, H, D] in ``q``'s dtype."""
+    bsz, _, n_head, head_dim = q.shape
+    _, _, n_kv, max_len, _ = kv.shape
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and kv.is_contiguous()
+    group, half = n_head // n_kv, head_dim // 2
+    launch = launch or decode_launch(group, head_dim)
+    splits = triton.cdiv(max_len, launch.split_len)
+    out = torch.empty((bsz, 1, n_head, head_dim), dtype=q.dtype, device=q.device)
+    partials = [out, out, out]  # unused with one split
+    if splits > 1:  # each split's maximum and sum [B * H, splits] and weighted sum of values [B * H, splits, D]
+        shapes = ((bsz * n_head, splits), (bsz * n_head, splits), (bsz * n_head, splits, head_dim))
+        partials = [torch.empty(shape, dtype=torch.float32, device=q.device) for shape in shapes]
+    cos, sin, positions = cos.reshape(-1, half), sin.reshape(-1, half), input_pos.reshape(-1, 1)
+    wrap(_decode_attention_split)[(bsz * n_kv, splits)](
+        q,
+        k,
+        v,
+        cos,
+        sin,
+        kv,
+        positions,
+        out,
+        *partials,
+        q.stride(0),
+        q.stride(2),
+        k.stride(0),
+        k.stride(2),
+        v.stride(0),
+        v.stride(2),
+        _row_stride(cos),
+        _row_stride(positions),
+        first_row,
+        kv.stride(0),
+        max_len,
+        scale,
+        1.0 if softcap is None else softcap,
+        max_len if window is None else window,
+        H_KV=n_kv,
+        GROUP=group,
+        GROUP_PAD=triton.next_power_of_2(group),
+        HALF=half,
+        HALF_PAD=triton.next_power_of_2(half),
+        BLOCK_S=launch.block_s,
+        SPLIT_LEN=launch.split_len,
+        SPLITS=splits,
+        SOFTCAP=softcap is not None,
+        WINDOW=window is not None,
+        num_warps=launch.warps,
+    )
+    if splits > 1:
+        wrap(_combine_splits)[(bsz * n_head,)](
+            *partials,
+            out,
+            SPLITS=splits,
+            SPLITS_PAD=triton.next_power_of_2(splits),
+            HALF=half,
+            HALF_PAD=triton.next_power_of_2(half),
+            num_warps=launch.warps,
+        )
+    return out

@@ -1,0 +1,149 @@
+"""Time one layer's attention part of a decode step on a GPU — rotary embedding of q and k, the k/v cache write and
+the attention of the one query over the cache — as inductor compiles the model's PyTorch code (``torch``) and as
+the fused Triton kernel does it (``triton``: the registered operator, compiled the same way, with the tile the code
+chooses; ``--sweep``: the launcher over a grid of tiles too).
+
+Shapes: Llama-2-7B (32 heads, head_dim 128), Llama-3-8B (32 heads over 8 kv heads) and SmolLM2-135M (9 heads over 3,
+head_dim 64), one sequence, bf16, caches of 256 and 2048 positions with the query near the end (and, for Llama-2-7B,
+at position 105: the average of ``bench_decode``'s 200 new tokens). Each variant is checked against the PyTorch code,
+then timed in a CUDA graph over one cache per layer (as the model has), so that caches leave L2 between uses as
+they do in a decode step. Prints one JSON line per measurement and a table.
+
+    python scripts/decode_attention_bench.py [--sweep] [--json_out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+import gemv_floor  # scripts/gemv_floor.py, beside this file
+import torch
+
+from gpt_fast.fileio import write_text_atomic
+from gpt_fast.generate import compile_options
+from gpt_fast.kernels import triton_decode_attention
+from gpt_fast.kernels.decode_attention import fused_decode_attention, resolve_attention_kernel
+from gpt_fast.model import apply_rope, attend_one_query, rope_tables
+from gpt_fast.settings import apply_torch_settings
+from gpt_fast.shapes import get_shape
+
+CASES = [  # (model shape, cache length, query position)
+    ("llama-2-7b", 256, 105),
+    ("llama-2-7b", 256, 250),
+    ("llama-2-7b", 2048, 2040),
+    ("llama-3-8b", 2048, 2040),
+    ("smollm2-135m", 256, 250),
+    ("smollm2-135m", 2048, 2040),
+]
+
+
+def torch_attention(inputs, kv):
+    """The model's code for one layer of one decode step (``Attention.forward`` between the projections), the cache
+    ``kv`` [2, 1, H_kv, S, D] written as ``KVCache.update`` writes it for one sequence. A tensor, not a module, so
+    that the compiled function serves every layer's cache without recompiling."""
+    q, k, v, cos, sin, input_pos, mask, scale = inputs
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    kv.index_copy_(3, input_pos, torch.stack((k, v)))
+    return attend_one_query(q, kv[0], kv[1], mask, scale=scale).transpose(1, 2)
+
+
+def fused_attention(inputs, kv):
+    q, k, v, cos, sin, input_pos, _, scale = inputs
+    return fused_decode_attention(q, k, v, cos, sin, kv, input_pos, 0, scale, None, None)
+
+
+def launched(launch):
+    def attention(inputs, kv):
+        q, k, v, cos, sin, input_pos, _, scale = inputs
+        return triton_decode_attention.decode_attention(
+            q, k, v, cos, sin, kv, input_pos, 0, scale, None, None, launch=launch
+        )
+
+    return attention
+
+
+def sweep_launches(length: int) -> list[triton_decode_attention.Launch]:
+    grid = itertools.product((16, 32, 64), (64, 128, 256, 512, length), (2, 4, 8))
+    return sorted(
+        {triton_decode_attention.Launch(b, s, w) for b, s, w in grid if s % b == 0 and s <= length},
+        key=lambda launch: (launch.block_s, launch.split_len, launch.warps),
+    )
+
+
+def case_inputs(shape_name: str, length: int, pos: int) -> tuple[tuple, list[torch.Tensor]]:
+    """The step's q, k, v (views of one projection output, as the model's), rotary tables at the position, the
+    position, the additive mask, the scale; and one filled cache per layer."""
+    config = get_shape(shape_name)
+    n_head, n_kv, head_dim = config.n_head, config.n_local_heads, config.head_dim
+    qkv = torch.randn(1, 1, (n_head + 2 * n_kv) * head_dim, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.split([n_head * head_dim, n_kv * head_dim, n_kv * head_dim], dim=-1)
+    q, k, v = q.view(1, 1, n_head, head_dim), k.view(1, 1, n_kv, head_dim), v.view(1, 1, n_kv, head_dim)
+    cos, sin = rope_tables(config, length, "cuda")
+    input_pos = torch.tensor([pos], device="cuda")
+    key_pos = torch.arange(length, device="cuda")
+    mask = torch.where(key_pos <= input_pos[..., None], 0.0, float("-inf")).to(torch.bfloat16)
+    shape = (2, 1, n_kv, length, head_dim)  # KVCache's buffer
+    caches = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(config.n_layer)]
+    return (q, k, v, cos[input_pos], sin[input_pos], input_pos, mask, head_dim**-0.5), caches
+
+
+def measure(name: str, fn, inputs: tuple, caches: list[torch.Tensor], expected: torch.Tensor, case: tuple) -> dict:
+    error = ((fn(inputs, caches[0]).double() - expected).norm() / expected.norm()).item()
+    us = gemv_floor.microseconds_per_call(fn, caches, inputs)
+    row = {"shape": case[0], "length": case[1], "pos": case[2], "variant": name, "us": us, "rel_error": error}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--json_out", default=None)
+    args = parser.parse_args()
+    apply_torch_settings()
+    print(json.dumps({"attention_kernel_auto": resolve_attention_kernel("auto", torch.device("cuda"))}))
+    rows = []
+    for case in CASES:
+        inputs, caches = case_inputs(*case)
+        torch._dynamo.reset()
+        variants = {
+            "torch (inductor)": torch.compile(torch_attention, options=compile_options("default"), fullgraph=True),
+            "triton (operator, compiled)": torch.compile(
+                fused_attention, options=compile_options("default"), fullgraph=True
+            ),
+        }
+        for launch in sweep_launches(case[1]) if args.sweep else ():
+            variants[f"triton s{launch.block_s} split{launch.split_len} w{launch.warps}"] = launched(launch)
+        expected = torch_attention(inputs, caches[0].clone()).double()  # eager
+        for name, fn in variants.items():
+            rows.append(measure(name, fn, inputs, caches, expected, case))
+        del caches
+        torch.cuda.empty_cache()
+    if args.json_out:
+        write_text_atomic(Path(args.json_out), json.dumps(rows) + "\n")
+    summary(rows)
+
+
+def summary(rows: list[dict]) -> None:
+    """Per case: inductor's time, the fused operator's, their ratio, and the best tile of the sweep."""
+    print("| shape | cache | position | inductor (µs) | fused (µs) | speed-up | best tile (µs) | rel. error |")
+    print("|---|---|---|---|---|---|---|---|")
+    cases = dict.fromkeys((r["shape"], r["length"], r["pos"]) for r in rows)
+    for case in cases:
+        mine = [r for r in rows if (r["shape"], r["length"], r["pos"]) == case]
+        base = next(r for r in mine if r["variant"].startswith("torch"))
+        fused = next(r for r in mine if r["variant"].startswith("triton (operator"))
+        best = min((r for r in mine if r["variant"].startswith("triton")), key=lambda r: r["us"])
+        error = max(r["rel_error"] for r in mine)
+        print(
+            f"| {case[0]} | {case[1]} | {case[2]} | {base['us']:.2f} | {fused['us']:.2f} | "
+            f"{base['us'] / fused['us']:.2f}× | {best['variant']}: {best['us']:.2f} | {error:.1e} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""The fused decode attention against the model's PyTorch code, shared by the interpreter test (run as a script in a
+process of its own, with ``TRITON_INTERPRET=1``: prints the worst errors as JSON) and the GPU tests (imported).
+
+Two levels: the kernel alone against rotary embedding + ``KVCache.update`` + ``attend_one_query`` (the output and
+the whole cache after the write), and tiny models decoding step by step with the kernel against the same models
+without it, their compiled-step code taken eagerly (``torch.compiler.is_compiling`` made true): plain Llama, GQA,
+q/k norms, sliding windows with soft-capping, head_dim 96, and rows of the cache decoded each at its own position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from collections.abc import Callable
+from unittest import mock
+
+import torch
+
+from gpt_fast.cache import KVCache
+from gpt_fast.config import ModelConfig
+from gpt_fast.model import Transformer, apply_rope, attend_one_query
+from gpt_fast.shapes import get_shape
+
+# (batch, cache rows, heads, kv heads, head_dim, cache length, positions, first row, window, softcap, launch)
+# positions: [p] shared by the rows, or [[p0], [p1], ...] each row's own; launch: (block_s, split_len, warps)
+CASES = [
+    (1, 1, 4, 4, 128, 64, [0], 0, None, None, None),  # MHA, the first position
+    (1, 1, 4, 4, 128, 256, [255], 0, None, None, None),  # the last position, two splits
+    (1, 1, 4, 1, 64, 300, [299], 0, None, None, (16, 64, 4)),  # MQA, ragged splits
+    (2, 2, 9, 3, 64, 256, [200], 0, None, None, None),  # SmolLM2's GQA (3 query heads per kv head), shared position
+    (2, 3, 6, 2, 96, 300, [[5], [299]], 1, None, None, (8, 32, 2)),  # Phi-3's head_dim, rows at their own positions
+    (3, 3, 8, 2, 128, 512, [[0], [130], [511]], 0, 100, None, None),  # a sliding window across splits
+    (1, 2, 4, 2, 16, 64, [[40]], 1, 4, 50.0, (8, 16, 1)),  # Gemma-like: window and soft-capping, a later row
+]
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: KVCache,
+    input_pos: torch.Tensor,
+    first_row: int,
+    scale: float,
+    softcap: float | None,
+    window: int | None,
+) -> torch.Tensor:
+    """The model's PyTorch code for one query position per row (the mask built as ``Transformer.forward`` and
+    ``sliding_inputs`` build it); returns [B, 1, H, D] and leaves the new key and value in ``cache``."""
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, 1, D]
+    keys, values = cache.update(input_pos, k, v, first_row)
+    key_pos = torch.arange(cache.kv.shape[3], device=q.device)
+    mask = torch.where(key_pos <= input_pos[..., None], 0.0, float("-inf"))  # [1, S] or [B, 1, S]
+    if window is not None:
+        mask = torch.where(input_pos[..., None] - key_pos < window, mask, float("-inf"))
+    if input_pos.dim() == 2:
+        mask = mask[:, None]
+    return attend_one_query(q, keys, values, mask.to(q.dtype), scale=scale, softcap=softcap).transpose(1, 2)
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((got.double() - expected.double()).norm() / expected.double().norm()).item()
+
+
+def kernel_errors(
+    kernel: Callable[..., torch.Tensor], dtype: torch.dtype, device: str, cases: list[tuple] = CASES
+) -> tuple[float, float]:
+    """The worst relative error of the output and of an element of the cache, over ``cases``."""
+    from gpt_fast.kernels.triton_decode_attention import Launch
+
+    worst_out = worst_cache = 0.0
+    for case in cases:
+        bsz, rows, n_head, n_kv, head_dim, length, positions, first_row, window, softcap, launch = case
+        generator = torch.Generator().manual_seed(length + head_dim)
+        qkv = torch.randn(bsz, 1, (n_head + 2 * n_kv) * head_dim, generator=generator).to(device, dtype)
+        q, k, v = qkv.split([n_head * head_dim, n_kv * head_dim, n_kv * head_dim], dim=-1)  # views, as the model's
+        q, k, v = q.view(bsz, 1, n_head, head_dim), k.view(bsz, 1, n_kv, head_dim), v.view(bsz, 1, n_kv, head_dim)
+        angles = 6 * torch.rand(length, head_dim // 2, generator=generator).to(device)
+        input_pos = torch.tensor(positions, device=device)
+        cos, sin = angles.cos()[input_pos], angles.sin()[input_pos]
+        cache = KVCache(rows, n_kv, length, head_dim, dtype=dtype, device=device)
+        cache.kv.copy_(torch.randn(cache.kv.shape, generator=generator))
+        kv = cache.kv.clone()
+        scale = head_dim**-0.5
+        expected = reference_attention(q, k, v, cos, sin, cache, input_pos, first_row, scale, softcap, window)
+        extra = {} if launch is None else {"launch": Launch(*launch)}
+        got = kernel(q, k, v, cos, sin, kv, input_pos, first_row, scale, softcap, window, **extra)
+        assert got.shape == expected.shape and got.dtype == dtype
+        worst_out = max(worst_out, relative_error(got, expected))
+        difference = (kv.double() - cache.kv.double()).abs() / cache.kv.double().abs().clamp(min=1e-30)
+        worst_cache = max(worst_cache, difference.max().item())
+    return worst_out, worst_cache
+
+
+def model_configs() -> dict[str, ModelConfig]:
+    """Tiny models with each feature the kernel takes over: GQA, q/k norms, sliding windows with soft-capping
+    (Gemma 2), head_dim 96 with every layer sliding (Phi-3)."""
+    tiny = dataclasses.replace(get_shape("tiny"), block_size=128, n_layer=2)
+    small = {"dim": 64, "n_layer": 2, "vocab_size": 300, "block_size": 128, "intermediate_size": 32}
+    gemma = get_shape("gemma-2-9b")
+    phi = get_shape("phi-3-mini-4k")
+    return {
+        "tiny": tiny,
+        "qwen3": dataclasses.replace(get_shape("qwen3-8b"), n_head=4, n_local_heads=2, head_dim=16, **small),
+        "gemma-2": dataclasses.replace(
+            gemma, n_head=4, n_local_heads=2, head_dim=16, sliding_window=5, layer_types=gemma.layer_types[:2], **small
+        ),
+        "phi-3": dataclasses.replace(
+            phi, n_head=2, n_local_heads=2, head_dim=96, sliding_window=6, layer_types=phi.layer_types[:2], **small
+        ),
+    }
+
+
+@torch.no_grad()
+def decoded_logits(model: Transformer, kernel: Callable[..., torch.Tensor] | None, rows_apart: bool) -> torch.Tensor:
+    """Logits of 5 decode steps after a 7-token prompt, with the compiled steps' attention code: 2 rows at one
+    position, or (``rows_apart``) each row prefilled alone and then decoded at its own position."""
+    generator = torch.Generator().manual_seed(1)
+    device = model.tok_embeddings.weight.device
+    tokens = torch.randint(0, model.config.vocab_size, (2, 40), generator=generator).to(device)
+    model.setup_caches(1, 8)
+    model.setup_caches(2, 64)  # a fresh, zeroed cache
+    for layer in model.layers:
+        layer.attention.decode_kernel = kernel
+    starts = [7, 13] if rows_apart else [7, 7]
+    for row, start in enumerate(starts):
+        model(tokens[row : row + 1, :start], torch.arange(start, device=device), first_row=row)
+    steps = []
+    with mock.patch.object(torch.compiler, "is_compiling", return_value=True):
+        for step in range(5):
+            positions = [[start + step] for start in starts] if rows_apart else [7 + step]
+            steps.append(model(tokens[:, step + 20 : step + 21], torch.tensor(positions, device=device)))
+    return torch.cat(steps, dim=1)
+
+
+def model_errors(kernel: Callable[..., torch.Tensor], device: str = "cpu") -> float:
+    """The worst relative error of the decoded logits with the kernel, over :func:`model_configs` (float32); the
+    rows at their own positions with the first model."""
+    worst = 0.0
+    for name, config in model_configs().items():
+        torch.manual_seed(0)
+        model = Transformer(config)
+        for p in model.parameters():
+            torch.nn.init.normal_(p, std=0.3)
+        model.to(device).eval()
+        for rows_apart in (False, True) if name == "tiny" else (False,):
+            expected = decoded_logits(model, None, rows_apart)
+            worst = max(worst, relative_error(decoded_logits(model, kernel, rows_apart), expected))
+    return worst
+
+
+def main() -> None:
+    from gpt_fast.kernels.triton_decode_attention import decode_attention
+
+    out32, cache32 = kernel_errors(decode_attention, torch.float32, "cpu")
+    out16, cache16 = kernel_errors(decode_attention, torch.bfloat16, "cpu")
+    models = model_errors(decode_attention)
+    json.dump({"float32": [out32, cache32], "bfloat16": [out16, cache16], "models": models}, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

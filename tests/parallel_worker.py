@@ -1,0 +1,89 @@
+"""One rank of the tensor-parallel tests (run by torchrun from tests/test_parallel.py). Its single argument is a
+JSON file of instructions; rank 0 writes what the ranks produced to ``out``:
+
+- ``checkpoints``: for each checkpoint folder, the greedy tokens of ``prompt`` and the logits of ``window`` (one
+  forward pass), and a sampled generation (every rank must draw the same tokens);
+- ``shape`` (GPU): a random model of a named shape, the same on every rank, split over the ranks and, on rank 0,
+  also whole on one GPU: how far the split model's greedy tokens and logits are from the whole model's;
+- ``fail_rank``: that rank raises once the weights are loaded, while the others generate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from gpt_fast.engine import Engine, EngineOptions
+from gpt_fast.sampling import SamplingConfig
+
+GREEDY = SamplingConfig(temperature=0)
+
+
+@torch.no_grad()
+def logits_of(engine: Engine, ids: list[int]) -> torch.Tensor:
+    """The model's logits [T, V] (float32, CPU) for ``ids`` from position 0, one forward pass."""
+    model = engine.model
+    model.setup_caches(1, 64 * (len(ids) // 64 + 1))
+    window = torch.tensor([ids], device=engine.device)
+    return model(window, torch.arange(len(ids), device=engine.device))[0].float().cpu()
+
+
+def run_checkpoints(spec: dict) -> dict:
+    results = {}
+    for folder in spec["checkpoints"]:
+        engine = Engine.load(folder, compile=spec["compile"], device="cpu", tp=spec["tp"])
+        if int(os.environ["RANK"]) == spec.get("fail_rank"):
+            raise RuntimeError(f"rank {os.environ['RANK']} fails on purpose")
+        tokens = engine.generate_ids(spec["prompt"], spec["new_tokens"], GREEDY, ignore_eos=True).tokens[0]
+        sampled = engine.generate_ids(spec["prompt"], spec["new_tokens"], SamplingConfig(), ignore_eos=True)
+        results[folder] = {
+            "tokens": tokens,
+            "sampled": sampled.tokens[0],
+            "logits": logits_of(engine, spec["window"]).tolist(),
+        }
+    return results
+
+
+def run_shape(spec: dict) -> dict | None:
+    """The split model against the whole one (rank 0), on GPUs: bf16, ``compile`` mode."""
+    from gpt_fast.convert.random_init import random_weights
+    from gpt_fast.shapes import get_shape
+
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    shape = get_shape(spec["shape"])
+    state = random_weights(shape, torch.bfloat16, seed=0, device="cuda")
+    options = EngineOptions(compile=spec["compile"], device="cuda", dtype="bfloat16", tp=spec["tp"])
+    split = Engine.from_state(shape, state, options)
+    tokens = split.generate_ids(spec["prompt"], spec["new_tokens"], GREEDY).tokens[0]
+    split_logits = logits_of(split, spec["prompt"] + tokens)
+    if split.rank != 0:
+        return None
+    local = f"cuda:{os.environ['LOCAL_RANK']}"
+    whole = Engine.from_state(shape, state, EngineOptions(compile=spec["compile"], device=local, dtype="bfloat16"))
+    whole_tokens = whole.generate_ids(spec["prompt"], spec["new_tokens"], GREEDY).tokens[0]
+    whole_logits = logits_of(whole, spec["prompt"] + tokens)
+    steps = slice(len(spec["prompt"]) - 1, len(spec["prompt"]) - 1 + len(tokens))
+    chosen = whole_logits[steps].gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    return {
+        "tokens": tokens,
+        "whole_tokens": whole_tokens,
+        "max_logit_difference": float((split_logits - whole_logits).abs().max()),
+        "logit_scale": float(whole_logits.abs().max()),
+        # how far below the whole model's best logit each greedy token of the split model is
+        "argmax_shortfall": (whole_logits[steps].max(dim=1).values - chosen).tolist(),
+    }
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    result = run_shape(spec) if "shape" in spec else run_checkpoints(spec)
+    if int(os.environ["RANK"]) == 0:
+        Path(spec["out"]).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

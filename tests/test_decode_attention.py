@@ -1,0 +1,85 @@
+"""The choice of the decode attention kernel, and the fused Triton kernel in Triton's interpreter against the model's
+PyTorch code, where Triton is installed (tests/decode_attention_reference.py)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gpt_fast.convert.random_init import random_weights
+from gpt_fast.engine import Engine, EngineOptions
+from gpt_fast.kernels.decode_attention import fused_decode_attention, resolve_attention_kernel, use_attention_kernel
+from gpt_fast.shapes import get_shape
+
+REFERENCE = Path(__file__).resolve().parent / "decode_attention_reference.py"
+
+
+def test_kernel_choice_on_the_cpu():
+    cpu = torch.device("cpu")
+    assert resolve_attention_kernel("auto", cpu) == "torch"
+    assert resolve_attention_kernel("torch", cpu) == "torch"
+    with pytest.raises(ValueError, match="the triton attention kernel needs a CUDA GPU with Triton installed, not cpu"):
+        resolve_attention_kernel("triton", cpu)
+    with pytest.raises(ValueError, match="attention kernel 'flash' is not one of auto, triton, torch"):
+        resolve_attention_kernel("flash", cpu)
+
+
+def test_a_rocm_build_keeps_the_pytorch_code(monkeypatch):
+    """On ROCm (and on a CUDA build without Triton) the GPU runs the model's own attention code."""
+    gpu = torch.device("cuda")
+    monkeypatch.setattr(torch.version, "hip", "6.4.0")
+    assert resolve_attention_kernel("auto", gpu) == "torch"
+    with pytest.raises(ValueError, match="the triton attention kernel needs a CUDA GPU"):
+        resolve_attention_kernel("triton", gpu)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert resolve_attention_kernel("auto", gpu) == "torch"
+
+
+def test_engine_options_check_the_attention_kernel():
+    with pytest.raises(ValueError, match="attention_kernel 'flash' is not one of auto, triton, torch"):
+        EngineOptions(attention_kernel="flash")
+    with pytest.raises(ValueError, match="the triton attention kernel needs a CUDA GPU"):
+        Engine.from_state(get_shape("tiny"), {}, EngineOptions(device="cpu", attention_kernel="triton"))
+
+
+def test_every_attention_layer_gets_the_kernel_and_its_window():
+    """Gemma 2's sliding layers see ``sliding_window`` positions, its full ones all; the engine on the CPU leaves the
+    PyTorch code in place, and the kernel can be given and taken back."""
+    from test_bench_decode import shrunk
+
+    shape = shrunk("gemma-2-9b")  # a sliding layer, a full one, then the last (full)
+    engine = Engine.from_state(shape, random_weights(shape, torch.float32, seed=0), EngineOptions(device="cpu"))
+    layers = [layer.attention for layer in engine.model.layers]
+    assert engine.attention_kernel == "torch" and all(a.decode_kernel is None for a in layers)
+    assert [a.window for a in layers] == [shape.sliding_window, None, None]
+    use_attention_kernel(engine.model, "triton")
+    assert all(a.decode_kernel is fused_decode_attention for a in layers)
+    use_attention_kernel(engine.model, "torch")
+    assert all(a.decode_kernel is None for a in layers)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+@pytest.mark.skipif(
+    tuple(int(p) for p in np.__version__.split(".")[:2]) >= (2, 4),
+    reason="Triton 3.6's interpreter takes int() of 1-element arrays, an error since numpy 2.4",
+)
+def test_the_triton_kernel_in_the_interpreter_matches_the_pytorch_code():
+    """MHA, GQA and MQA; head_dim 16, 64, 96, 128; positions first, last and each row's own; cache rows after the
+    first; one split and several; sliding windows; soft-capping: the output and the cache after the write, then tiny
+    models decoding with the kernel. float32 agrees to rounding; bfloat16 within a few of its ulps (the interpreter
+    rounds float32 to bfloat16 by truncation, the GPU to nearest)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, str(REFERENCE)], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    errors = json.loads(result.stdout)
+    assert errors["float32"][0] < 1e-5 and errors["float32"][1] == 0.0
+    assert errors["bfloat16"][0] < 2e-2 and errors["bfloat16"][1] <= 2**-7  # an ulp
+    assert errors["models"] < 1e-5

@@ -1,0 +1,70 @@
+"""GPU checks of the fused decode attention (CUDA; on ROCm the Triton kernel is not used and these are skipped): the
+kernel against the model's PyTorch code at real model shapes, and compiled decoding with it giving eager's greedy
+tokens, one sequence or several at their own positions (continuous batching).
+
+    python -m pytest -q -m gpu tests/test_decode_attention_gpu.py
+"""
+
+import pytest
+import torch
+from decode_attention_reference import CASES, kernel_errors, model_configs, model_errors
+
+from gpt_fast.convert.random_init import random_weights
+from gpt_fast.engine import Engine, EngineOptions
+from gpt_fast.quant.kernels import triton_usable
+from gpt_fast.sampling import SamplingConfig
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or not triton_usable(torch.device("cuda")), reason="needs CUDA and Triton"
+    ),
+]
+# as decode_attention_reference.CASES: (batch, cache rows, heads, kv heads, head_dim, cache length, positions,
+# first row, window, softcap, launch)
+MODEL_SHAPES = [
+    (1, 1, 32, 32, 128, 256, [200], 0, None, None, None),  # Llama-2-7B, the benchmark's cache
+    (1, 1, 32, 32, 128, 2048, [2040], 0, None, None, None),  # Llama-2-7B, a long cache
+    (1, 1, 32, 8, 128, 4096, [4000], 0, None, None, None),  # Llama-3-8B
+    (8, 8, 9, 3, 64, 512, [[60 * i] for i in range(8)], 0, None, None, None),  # SmolLM2, 8 slots
+    (2, 2, 16, 8, 256, 8192, [[8000], [4100]], 0, 4096, 50.0, None),  # Gemma 2: sliding window, soft-capping
+    (1, 1, 32, 32, 96, 4096, [3000], 0, 2047, None, None),  # Phi-3
+]
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])
+def test_the_kernel_matches_the_pytorch_code(dtype, tolerance):
+    from gpt_fast.kernels.triton_decode_attention import decode_attention
+
+    out, cache = kernel_errors(decode_attention, dtype, "cuda", CASES + MODEL_SHAPES)
+    assert out < tolerance
+    assert cache <= 2**-7  # the new key rounded the same, up to an ulp where a fused multiply-add rounds once
+
+
+def test_the_registered_operator_in_the_models_decode_steps():
+    from gpt_fast.kernels.decode_attention import fused_decode_attention, register_triton_ops
+
+    register_triton_ops()
+    assert model_errors(fused_decode_attention, "cuda") < 1e-4
+
+
+GREEDY = SamplingConfig(temperature=0)
+
+
+@pytest.mark.parametrize("name", list(model_configs()))
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_decoding_with_the_kernel_gives_eagers_greedy_tokens(name, mode):
+    """float32, weights scaled up so that the argmax is clear: one prompt, then three prompts of different lengths
+    decoded together (each row at its own position)."""
+    shape = model_configs()[name]
+    state = {n: t * 10 if t.dim() > 1 else t for n, t in random_weights(shape, torch.float32, seed=0).items()}
+    prompts = [list(range(1, 21)), list(range(5, 12)), list(range(30, 63))]
+    tokens = {}
+    for compile_mode, kernel in (("none", "torch"), (mode, "triton")):
+        options = EngineOptions(compile=compile_mode, device="cuda", dtype="float32", attention_kernel=kernel)
+        engine = Engine.from_state(shape, state, options)
+        assert engine.attention_kernel == kernel
+        single = [engine.generate_ids(prompts[0], 24, GREEDY).tokens[0] for _ in range(2)]  # compile, then replay
+        assert single[0] == single[1]
+        tokens[compile_mode] = single[0], [c.ids for c in engine.generate_many_ids(prompts, 24, GREEDY)]
+    assert tokens[mode] == tokens["none"]
