@@ -580,7 +580,7 @@ def report_converted(weights: Path) -> None:
     "--calibration_tokens",
     type=int,
     default=None,
-    help=f"Tokens of the calibration text, in rows of 512. [default: {DEFAULT_CALIBRATION_TOKENS}]",
+    help=f"Tokens of the calibration text, a multiple of 512 (its rows). [default: {DEFAULT_CALIBRATION_TOKENS}]",
 )
 @option("--act_order", is_flag=True, help="GPTQ: round the columns of largest input energy first (same layout).")
 def quantize(

@@ -7,14 +7,15 @@ import json
 import pytest
 import torch
 
-from gpt_fast.checkpoint import check_checkpoint
+from gpt_fast.checkpoint import check_checkpoint, model_from_state
 from gpt_fast.cli import main
 from gpt_fast.config import QuantConfig, load_checkpoint_config
 from gpt_fast.convert.random_init import make_random_checkpoint
 from gpt_fast.engine import Engine
 from gpt_fast.evaluate import default_text
 from gpt_fast.model import weight_bytes_per_token
-from gpt_fast.quant.calibrate import CALIBRATION_MODULES, calibration_rows, stdlib_docstrings
+from gpt_fast.quant.calibrate import CALIBRATION_MODULES, Calibration, calibration_rows, gptq_parts, stdlib_docstrings
+from gpt_fast.quant.gptq import gptq_int4, hessian
 from gpt_fast.quant.layout import stored_size
 from gpt_fast.quant.linear import Int4Linear
 from gpt_fast.quant.schemes import dequantize_int4
@@ -79,6 +80,47 @@ def test_the_stored_tensors_run_through_the_int4_layers_unchanged(calibrated, so
     assert len(our_greedy(engine, engine.encode("def quicksort(arr):"), 8)) == 8
 
 
+def linear_inputs(model: torch.nn.Module, rows: torch.Tensor, prefixes: list[str]) -> dict[str, torch.Tensor]:
+    """The inputs [B, T, K] each of the linear layers ``prefixes`` of ``model`` gets in a plain forward pass."""
+    inputs = {}
+    hooks = [
+        model.get_submodule(p).register_forward_pre_hook(lambda m, a, p=p: inputs.setdefault(p, a[0].clone()))
+        for p in prefixes
+    ]
+    model.setup_caches(*rows.shape)
+    with torch.no_grad():
+        model(rows, torch.arange(rows.shape[1]), last_only=True)
+    for hook in hooks:
+        hook.remove()
+    return inputs
+
+
+def test_each_layer_is_calibrated_on_what_the_quantized_layers_before_it_give(source):
+    """Every layer's GPTQ tensors are those of its float weight and the Hessian of its inputs in a plain forward
+    pass of the model holding every quantized layer's dequantized weights (a layer's inputs depend only on the
+    layers before it), and those differ from the float model's inputs (so the check tells the two apart)."""
+    config = load_checkpoint_config(source)
+    state = torch.load(source / "model.pth", weights_only=True)
+    quant = QuantConfig("int4", 32)
+    rows = torch.randint(0, config.model.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
+    cpu = torch.device("cpu")
+    model = model_from_state(config.model, state, cpu, torch.float32)
+    parts = gptq_parts(model, rows, config.model, quant, torch.float32, Calibration())
+    assert len(parts) == 4 * config.model.n_layer
+    dequantized = dict(state)
+    for prefix, tensors in parts.items():
+        dequantized[f"{prefix}.weight"] = dequantize_int4(tensors["weight"], tensors["scales"], tensors["zeros"], 32)
+    reference = model_from_state(config.model, dequantized, cpu, torch.float32)
+    inputs = linear_inputs(reference, rows, list(parts))
+    for prefix, tensors in parts.items():
+        expected = gptq_int4(state[f"{prefix}.weight"], hessian(inputs[prefix]), 32, torch.float32)
+        for name, tensor in zip(("weight", "scales", "zeros"), expected, strict=True):
+            torch.testing.assert_close(tensors[name], tensor, rtol=0, atol=0, msg=f"{prefix}.{name}")
+    last = f"layers.{config.model.n_layer - 1}.feed_forward.w2"
+    float_inputs = linear_inputs(model_from_state(config.model, state, cpu, torch.float32), rows, [last])
+    assert not torch.allclose(float_inputs[last], inputs[last], rtol=1e-3, atol=1e-3)
+
+
 def test_the_default_calibration_text_is_not_the_eval_text():
     text = stdlib_docstrings()
     assert len(text) > 100_000 and "argparse" in CALIBRATION_MODULES
@@ -98,7 +140,11 @@ BAD = {
     "unknown method": (["--mode", "int4", "--calibrate", "awq"], "--calibrate 'awq' is not one of gptq"),
     "too few tokens": (
         ["--mode", "int4", "--calibrate", "gptq", "--calibration_tokens", "100"],
-        "--calibration_tokens must be an integer of at least 512, got 100",
+        "--calibration_tokens must be a positive multiple of 512, got 100",
+    ),
+    "not whole rows": (
+        ["--mode", "int4", "--calibrate", "gptq", "--calibration_tokens", "1000"],
+        "--calibration_tokens must be a positive multiple of 512, got 1000",
     ),
     "act order alone": (["--mode", "int4", "--act_order"], "--act_order go with --calibrate gptq"),
     "not a projection": (

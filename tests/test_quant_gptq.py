@@ -50,32 +50,39 @@ def fit_and_pack(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.
     return levels[:, 0::2] | (levels[:, 1::2] << 4), scales, zeros
 
 
-def textbook_gptq(w: torch.Tensor, h: torch.Tensor, group_size: int, damp: float) -> torch.Tensor:
+def textbook_gptq(w: torch.Tensor, h: torch.Tensor, group_size: int, damp: float, act_order: bool) -> torch.Tensor:
     """Levels [N, K] of GPTQ as first written (Optimal Brain Quantization, one column at a time, no Cholesky, no
-    lazy batches): after rounding column i, the remaining columns F move by
-    ``-(w_i - q_i) * inv(H_F)[i, F] / inv(H_F)[i, i]``, with ``inv(H_F)`` inverted explicitly in float64; each
-    group's grid fitted to its columns as updated when the first of them comes."""
+    lazy batches): after rounding column i, the columns F not yet rounded move by
+    ``-(w_i - q_i) * inv(H_F)[i, F] / inv(H_F)[i, i]``, with ``inv(H_F)`` inverted explicitly in float64. In
+    order, each group's grid is fitted to its columns as updated when the first of them comes; with act-order the
+    columns go by decreasing ``H[i, i]`` and every grid is fitted to the weights before any update."""
     w = w.double().clone()
     h = h.double() + damp * h.diagonal().double().mean() * torch.eye(h.shape[0], dtype=torch.float64)
     levels = torch.empty_like(w)
     cols = w.shape[1]
-    for i in range(cols):
-        if i % group_size == 0:
+    order = sorted(range(cols), key=lambda i: -h[i, i].item()) if act_order else list(range(cols))
+    _, scales, zeros = fit_int4(w.float(), group_size, torch.float32)
+    scales, zeros = scales.double(), zeros.double()
+    for step, i in enumerate(order):
+        if not act_order and i % group_size == 0:
             _, scale, zero = fit_int4(w[:, i : i + group_size].float(), group_size, torch.float32)
-            scale, zero = scale[:, 0].double(), zero[:, 0].double()
+            scales[:, i // group_size], zeros[:, i // group_size] = scale[:, 0].double(), zero[:, 0].double()
+        scale, zero = scales[:, i // group_size], zeros[:, i // group_size]
         q = torch.round((w[:, i] - zero) / scale + INT4_MID).clamp(0, 15)
         levels[:, i] = q
-        inverse = torch.linalg.inv(h[i:, i:])  # the Hessian of the columns not yet rounded
+        rest = order[step:]  # the columns not yet rounded, i first
+        inverse = torch.linalg.inv(h[rest][:, rest])
         error = w[:, i] - ((q - INT4_MID) * scale + zero)
-        w[:, i:] -= error[:, None] * inverse[0] / inverse[0, 0]
+        w[:, rest] -= error[:, None] * inverse[0] / inverse[0, 0]
     return levels
 
 
-def test_gptq_rounds_as_the_textbook_update():
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_rounds_as_the_textbook_update(act_order):
     w, x = correlated_layer(24, 192, 512, seed=1)
     h = hessian(x)
-    packed, _, _ = gptq_int4(w, h, 64, torch.float32, refit=False)
-    expected = textbook_gptq(w, h, 64, damp=0.01)
+    packed, _, _ = gptq_int4(w, h, 64, torch.float32, act_order=act_order, refit=False)
+    expected = textbook_gptq(w, h, 64, damp=0.01, act_order=act_order)
     agree = (unpack_int4(packed).double() == expected).double().mean().item()
     assert agree > 0.99  # float32 against float64: a level may flip where a value sits on a rounding boundary
 

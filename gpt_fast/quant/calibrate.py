@@ -37,7 +37,6 @@ CALIBRATION_MODULES = (
 )  # fmt: skip
 DEFAULT_TEXT = "stdlib docstrings (gpt_fast.quant.calibrate.CALIBRATION_MODULES)"
 DEFAULT_TOKENS = 4096
-MIN_TOKENS = 512
 ROW_TOKENS = 512  # tokens per calibration row (each row is a contiguous span of the text)
 
 
@@ -53,8 +52,11 @@ class Calibration:
     damp: float = DAMP
 
     def __post_init__(self) -> None:
-        if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < MIN_TOKENS:
-            raise ValueError(f"--calibration_tokens must be an integer of at least {MIN_TOKENS}, got {self.tokens!r}")
+        whole_rows = (
+            isinstance(self.tokens, int) and not isinstance(self.tokens, bool) and self.tokens % ROW_TOKENS == 0
+        )
+        if not whole_rows or self.tokens < ROW_TOKENS:
+            raise ValueError(f"--calibration_tokens must be a positive multiple of {ROW_TOKENS}, got {self.tokens!r}")
         if not 0 < self.damp < 1:
             raise ValueError(f"the GPTQ damping must be between 0 and 1, got {self.damp!r}")
 

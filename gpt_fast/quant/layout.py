@@ -123,7 +123,8 @@ def quantize_state(
     """The tensors of the quantized checkpoint from the float ``state`` of ``config``: each quantized layer's
     ``weight`` replaced by its quantized tensors (computed and left on ``device``), scales and zeros in ``dtype``.
     The layers in ``given`` (``prefix -> {suffix: tensor}``) are taken from there as they are (their scales and
-    zeros cast to ``dtype``): a source quantized in this scheme already (:mod:`gpt_fast.convert.gguf_quant`)."""
+    zeros cast to ``dtype``): a source quantized in this scheme already (:mod:`gpt_fast.convert.gguf_quant`), or
+    layers rounded by GPTQ (:mod:`gpt_fast.quant.calibrate`)."""
     out = dict(state)
     given = given or {}
     linears = quantized_linears(config, quant)
