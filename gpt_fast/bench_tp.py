@@ -214,6 +214,8 @@ def main(argv: list[str] | None = None, write: Callable[[str], None] = print) ->
     sizes = parse_world_sizes(args.tp)
     for size in sizes:
         check_tensor_parallel(get_shape(args.shape), None, size)
+    if args.trace_dir is not None:
+        Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
     available = torch.cuda.device_count() if args.device == "cuda" else max(sizes)
     results = []
     with tempfile.TemporaryDirectory(prefix="bench_tp_") as folder:

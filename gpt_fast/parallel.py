@@ -202,15 +202,19 @@ class AllReduced(nn.Module):
 
 
 class AllGathered(nn.Module):
-    """The head split by vocabulary rows: each rank's logits [..., V / N] joined into [..., V] (one all-gather)."""
+    """The head split by vocabulary rows: each rank's logits [..., V / N] joined into [..., V] (one all-gather).
 
-    def __init__(self, layer: nn.Module, group: object) -> None:
+    The ranks' blocks are gathered along the first dimension and laid side by side here: torch 2.11's dynamo
+    refuses to trace the functional all-gather's own rearrangement for any other dimension."""
+
+    def __init__(self, layer: nn.Module, group: object, world_size: int) -> None:
         super().__init__()
-        self.layer, self.group = layer, group
+        self.layer, self.group, self.world_size = layer, group, world_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.layer(x)  # [..., V / N]
-        return _all_gather(logits.contiguous(), logits.dim() - 1, self.group)
+        logits = self.layer(x)  # [B, ..., V / N]
+        stacked = _all_gather(logits.contiguous(), 0, self.group)  # [N * B, ..., V / N]
+        return torch.cat(torch.chunk(stacked, self.world_size, dim=0), dim=-1)  # [B, ..., V]
 
 
 class TensorParallel:
@@ -235,7 +239,7 @@ class TensorParallel:
             layer.attention.wo = AllReduced(layer.attention.wo, self.group)
             layer.feed_forward.w2 = AllReduced(layer.feed_forward.w2, self.group)
         if shards_head(config, self.size):
-            model.output = AllGathered(model.output, self.group)
+            model.output = AllGathered(model.output, self.group, self.size)
 
     def gather(self, value: object) -> list[object]:
         """Every rank's ``value`` (a small picklable object), in rank order."""

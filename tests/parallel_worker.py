@@ -49,7 +49,9 @@ def run_checkpoints(spec: dict) -> dict:
 
 
 def run_shape(spec: dict) -> dict | None:
-    """The split model against the whole one (rank 0), on GPUs: bf16, ``compile`` mode."""
+    """The split model and the whole one (rank 0), on GPUs in bf16 (``compile`` mode), each against the whole model
+    in float32 on the same weights (eager): how far each one's logits are from it, and how far below its best logit
+    each greedy token of the split model is."""
     from gpt_fast.convert.random_init import random_weights
     from gpt_fast.shapes import get_shape
 
@@ -59,22 +61,27 @@ def run_shape(spec: dict) -> dict | None:
     options = EngineOptions(compile=spec["compile"], device="cuda", dtype="bfloat16", tp=spec["tp"])
     split = Engine.from_state(shape, state, options)
     tokens = split.generate_ids(spec["prompt"], spec["new_tokens"], GREEDY).tokens[0]
-    split_logits = logits_of(split, spec["prompt"] + tokens)
+    ids = spec["prompt"] + tokens
+    split_logits = logits_of(split, ids)
     if split.rank != 0:
         return None
     local = f"cuda:{os.environ['LOCAL_RANK']}"
     whole = Engine.from_state(shape, state, EngineOptions(compile=spec["compile"], device=local, dtype="bfloat16"))
     whole_tokens = whole.generate_ids(spec["prompt"], spec["new_tokens"], GREEDY).tokens[0]
-    whole_logits = logits_of(whole, spec["prompt"] + tokens)
-    steps = slice(len(spec["prompt"]) - 1, len(spec["prompt"]) - 1 + len(tokens))
-    chosen = whole_logits[steps].gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    whole_logits = logits_of(whole, ids)
+    del whole
+    exact_state = {name: tensor.float() for name, tensor in state.items()}
+    exact = Engine.from_state(shape, exact_state, EngineOptions(device=local, dtype="float32"))
+    exact_logits = logits_of(exact, ids)
+    steps = slice(len(spec["prompt"]) - 1, len(ids) - 1)
+    chosen = exact_logits[steps].gather(1, torch.tensor(tokens)[:, None])[:, 0]
     return {
         "tokens": tokens,
         "whole_tokens": whole_tokens,
-        "max_logit_difference": float((split_logits - whole_logits).abs().max()),
-        "logit_scale": float(whole_logits.abs().max()),
-        # how far below the whole model's best logit each greedy token of the split model is
-        "argmax_shortfall": (whole_logits[steps].max(dim=1).values - chosen).tolist(),
+        "split_error": float((split_logits - exact_logits).abs().mean()),
+        "whole_error": float((whole_logits - exact_logits).abs().mean()),
+        "logit_scale": float(exact_logits.abs().max()),
+        "argmax_shortfall": (exact_logits[steps].max(dim=1).values - chosen).tolist(),
     }
 
 

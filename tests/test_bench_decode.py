@@ -134,3 +134,13 @@ def test_every_registered_shape_converts_back_from_its_hf_config():
 
     for name, shape in SHAPES.items():
         assert model_config_from_hf(hf_config_dict(shape), name) == shape, name
+
+
+def test_the_attention_kernel_is_named_and_checked():
+    """On the CPU ``auto`` is the PyTorch code: one row, the kernel named in the header; Triton is refused."""
+    lines = []
+    rows = tiny_benchmark(lines, new_tokens=2, repeats=1, peers=False, attention_kernels=["auto", "torch"])
+    assert [r.name for r in rows] == ["gpt-fast none"]
+    assert lines[-2].endswith("our decode's attention kernel: torch")
+    with pytest.raises(ValueError, match="the triton attention kernel needs a CUDA GPU"):
+        tiny_benchmark(lines, peers=False, attention_kernels=["triton"])

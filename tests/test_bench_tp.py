@@ -31,8 +31,10 @@ def test_a_shape_that_does_not_split_is_refused_before_any_run():
 
 
 @pytest.mark.slow
-def test_one_invocation_measures_every_world_size(capsys):
+def test_one_invocation_measures_every_world_size(capsys, tmp_path):
+    traces = tmp_path / "not" / "made"
     results = main(["--shape", "tiny", "--tp", "1,2", "--device", "cpu", "--mode", "none", "--dtype", "float32"]
-                   + ["--new_tokens", "8", "--repeats", "1"])  # fmt: skip
+                   + ["--new_tokens", "8", "--repeats", "1", "--trace_dir", str(traces)])  # fmt: skip
     assert [(r.world_size, r.skipped) for r in results] == [(1, None), (2, None)]
+    assert sorted(p.name for p in traces.iterdir()) == ["trace_tp1.json", "trace_tp2.json"]
     assert results[1].bytes_per_token[0] < results[0].bytes_per_token[0] and len(results[1].copy_gbps) == 2

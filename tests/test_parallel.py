@@ -211,17 +211,18 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 @pytest.mark.parametrize("world", [2, 4], ids=["world2", "world4"])
 @pytest.mark.parametrize("compile_mode", ["none", "reduce-overhead"])
 def test_llama_2_7b_split_over_the_gpus_decodes_as_one_gpu(compile_mode, world, tmp_path):
-    """bf16: the split model's logits within bf16 rounding of the whole model's, and each of its greedy tokens the
-    whole model's best or within that rounding of it (a near-tie may break the other way)."""
+    """bf16, against the whole model in float32: the split model's logits no further from it (mean absolute
+    difference) than twice the whole bf16 model's, and each of its greedy tokens the float32 model's best or within
+    bf16 rounding of it (a near-tie may break the other way). The split model rounds each rank's partial sums to
+    bf16 before the all-reduce: a few roundings more per layer than the whole model, of the same size."""
     if GPUS < world:
         pytest.skip(f"needs {world} CUDA or ROCm GPUs, {GPUS} here")
     spec = worker_spec(tmp_path, shape="llama-2-7b", tp=world, compile=compile_mode, new_tokens=32)
     done = torchrun(world, str(WORKER), str(spec), timeout=480)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "out.json").read_text())
-    tolerance = 0.05 * result["logit_scale"]
-    assert result["max_logit_difference"] <= tolerance, result
-    assert max(result["argmax_shortfall"]) <= tolerance, result
+    assert result["split_error"] <= 2 * result["whole_error"], result
+    assert max(result["argmax_shortfall"]) <= 0.05 * result["logit_scale"], result
 
 
 def test_several_prompts_and_a_gpu_index_are_refused_with_tp():

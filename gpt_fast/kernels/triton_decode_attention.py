@@ -59,10 +59,12 @@ def _rotate(x1, x2, cos, sin, dtype):
 
 @triton.jit
 def _capped(scores, softcap, SOFTCAP: tl.constexpr):
-    """``softcap * tanh(scores / softcap)`` when ``SOFTCAP`` (tanh through exp: saturates to ±1, never NaN)."""
+    """``softcap * tanh(scores / softcap)`` when ``SOFTCAP`` (tanh through exp: saturates to ±1, never NaN), in
+    float32: inductor passes float scalars such as the scale and the cap as float64, which would otherwise promote
+    the running softmax state out of its loop's type."""
     if SOFTCAP:
         scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
-    return scores
+    return scores.to(tl.float32)
 
 
 @triton.jit
