@@ -19,8 +19,11 @@ from gpt_fast.config import INT4_GROUP_SIZES, QUANT_MODES, QuantConfig
 from gpt_fast.device import DTYPE_CHOICES, DTYPES, parse_dtype
 from gpt_fast.engine import Engine, EngineOptions, launched_world_size, user_turn
 from gpt_fast.evaluate import DATASETS, EvalOptions
-from gpt_fast.fileio import STDOUT
+from gpt_fast.fileio import STDOUT, regular_file
 from gpt_fast.generate import COMPILE_MODES
+from gpt_fast.quant.calibrate import DEFAULT_TEXT as DEFAULT_CALIBRATION_TEXT
+from gpt_fast.quant.calibrate import DEFAULT_TOKENS as DEFAULT_CALIBRATION_TOKENS
+from gpt_fast.quant.calibrate import Calibration
 from gpt_fast.runner import DEFAULT_PROMPT, GenerateOptions, run_generate, write_stdout
 from gpt_fast.sampling import SamplingConfig
 from gpt_fast.settings import apply_torch_settings
@@ -472,15 +475,27 @@ def quantize_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(func)
     def command(
-        *args: Any, quantize_mode: str | None, group_size: str | None, quantize_output: bool, **kwargs: Any
+        *args: Any,
+        quantize_mode: str | None,
+        group_size: str | None,
+        quantize_output: bool,
+        keep_float: str | None,
+        **kwargs: Any,
     ) -> Any:
-        return func(*args, quantization=quant_config(quantize_mode, group_size, quantize_output), **kwargs)
+        quantization = quant_config(quantize_mode, group_size, quantize_output, keep_float)
+        return func(*args, quantization=quantization, **kwargs)
 
+    decorated = option(
+        "--keep_float",
+        default=None,
+        metavar="LAYERS",
+        help="Projections to leave in the checkpoint's dtype, comma-separated (layers.0.feed_forward.w2,...).",
+    )(command)
     decorated = option(
         "--quantize_output",
         is_flag=True,
         help="Quantize the output projection too (by default it stays in the checkpoint's dtype).",
-    )(command)
+    )(decorated)
     return option(
         "--group_size",
         type=Choice(tuple(str(g) for g in INT4_GROUP_SIZES)),
@@ -489,15 +504,19 @@ def quantize_options(func: Callable[..., Any]) -> Callable[..., Any]:
     )(decorated)
 
 
-def quant_config(mode: str | None, group_size: str | None, output: bool) -> QuantConfig | None:
+def quant_config(mode: str | None, group_size: str | None, output: bool, keep_float: str | None) -> QuantConfig | None:
     if mode is None:
-        if group_size is not None or output:
-            raise ValueError("--group_size and --quantize_output go with --quantize")
+        if group_size is not None or output or keep_float is not None:
+            raise ValueError("--group_size, --quantize_output and --keep_float go with --quantize")
         return None
     if mode == "int8" and group_size is not None:
         raise ValueError("--group_size goes with int4 (int8 has one scale per output channel)")
     size = (int(group_size) if group_size is not None else DEFAULT_GROUP_SIZE) if mode == "int4" else None
-    return QuantConfig(mode=mode, group_size=size, output=output)
+    kept = tuple(name.strip() for name in keep_float.split(",")) if keep_float is not None else ()
+    try:
+        return QuantConfig(mode=mode, group_size=size, output=output, keep_float=kept)
+    except ValueError as err:
+        raise ValueError(str(err).replace("quantization.keep_float", "--keep_float")) from None
 
 
 @cli.command()
@@ -545,15 +564,57 @@ def report_converted(weights: Path) -> None:
     metavar="[cpu|cuda|cuda:N]",
     help="Where the quantization arithmetic runs (a GPU is much faster for 7B models).",
 )
-def quantize(checkpoint_path: str | None, quantization: QuantConfig, output_dir: Path, device: str) -> None:
+@option(
+    "--calibrate",
+    type=Choice(("gptq",)),
+    default=None,
+    help="int4: round with GPTQ, calibrated on a text run through the model (default: round to nearest, no data).",
+)
+@option(
+    "--calibration_text",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="A UTF-8 text to calibrate on (default: docstrings of standard-library modules; not the eval text).",
+)
+@option(
+    "--calibration_tokens",
+    type=int,
+    default=None,
+    help=f"Tokens of the calibration text, a multiple of 512 (its rows). [default: {DEFAULT_CALIBRATION_TOKENS}]",
+)
+@option("--act_order", is_flag=True, help="GPTQ: round the columns of largest input energy first (same layout).")
+def quantize(
+    checkpoint_path: str | None,
+    quantization: QuantConfig,
+    output_dir: Path,
+    device: str,
+    calibrate: str | None,
+    calibration_text: Path | None,
+    calibration_tokens: int | None,
+    act_order: bool,
+) -> None:
     """Write a weight-only quantized copy of a converted checkpoint (the scheme is recorded in its config.json)."""
     from gpt_fast.device import resolve_device
     from gpt_fast.engine import find_checkpoint
     from gpt_fast.quant.quantize import quantize_checkpoint
 
-    report_converted(
-        quantize_checkpoint(find_checkpoint(checkpoint_path), output_dir, quantization, resolve_device(device))
-    )
+    calibration = None
+    if calibrate is None:
+        if calibration_text is not None or calibration_tokens is not None or act_order:
+            raise ValueError("--calibration_text, --calibration_tokens and --act_order go with --calibrate gptq")
+    else:
+        if quantization.mode != "int4":
+            raise ValueError(f"--calibrate {calibrate} goes with --mode int4 (int8 stays within 1 % without it)")
+        quantization = dataclasses.replace(quantization, method=calibrate)
+        text = None if calibration_text is None else regular_file(calibration_text, "--calibration_text")
+        calibration = Calibration(
+            text=None if text is None else decode_utf8(text.read_bytes(), f"--calibration_text {text}"),
+            text_name=DEFAULT_CALIBRATION_TEXT if text is None else str(text),
+            tokens=DEFAULT_CALIBRATION_TOKENS if calibration_tokens is None else calibration_tokens,
+            act_order=act_order,
+        )
+    checkpoint = find_checkpoint(checkpoint_path)
+    report_converted(quantize_checkpoint(checkpoint, output_dir, quantization, resolve_device(device), calibration))
 
 
 @cli.command("eval")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -29,6 +30,9 @@ TOKENIZER_KINDS = ("sentencepiece", "tiktoken", "huggingface")
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16")  # what a weights file may hold (gpt_fast.device.DTYPES)
 QUANT_MODES = ("int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128, 256)
+QUANT_METHODS = ("rtn", "gptq")  # round-to-nearest (data-free), GPTQ (calibrated; int4 only)
+# The linear layers a scheme quantizes, by name; ``quantization.keep_float`` names some of them to keep in float.
+QUANTIZABLE_LINEAR = re.compile(r"layers\.(\d+)\.(attention\.(wqkv|wo)|feed_forward\.(w13|w2))")
 # Upper bound of every size in a model config (context, vocabulary, widths, layers, heads): 16M, far above any
 # real model (Llama 3.1 405B: 126 layers, width 16384) and small enough that products of sizes stay exact.
 MAX_SIZE = 1 << 24
@@ -256,13 +260,29 @@ class QuantConfig:
     """Weight-only quantization of a checkpoint's linear layers (the four projections of every layer, and the
     output projection when ``output`` is true). ``int8``: one symmetric scale per output channel. ``int4``:
     groups of ``group_size`` consecutive input columns, each with its own scale and zero point. Embeddings, norms,
-    scales and zero points stay in the checkpoint's ``dtype``."""
+    scales and zero points stay in the checkpoint's ``dtype``, and so do the projections ``keep_float`` names.
+    ``method`` records how the integers were chosen (``rtn``: round to nearest; ``gptq``: calibrated, see
+    :mod:`gpt_fast.quant.gptq`); the stored tensors and the kernels are the same for every method."""
 
     mode: str
     group_size: int | None = None  # int4 only
     output: bool = False
+    method: str = "rtn"  # how the weights were rounded: provenance; every method stores the same tensors
+    keep_float: tuple[str, ...] = ()  # projections left in the checkpoint's dtype ("layers.0.feed_forward.w2")
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "keep_float", tuple(self.keep_float))
+        _require(
+            self.method in QUANT_METHODS,
+            f"quantization.method {self.method!r} is not one of {', '.join(QUANT_METHODS)}",
+        )
+        _require(self.method != "gptq" or self.mode == "int4", "quantization.method gptq goes with int4 only")
+        for name in self.keep_float:
+            _require(
+                isinstance(name, str) and QUANTIZABLE_LINEAR.fullmatch(name) is not None,
+                f"quantization.keep_float: {name!r} is not a layer's projection (e.g. layers.0.feed_forward.w2)",
+            )
+        _require(len(set(self.keep_float)) == len(self.keep_float), "quantization.keep_float names a layer twice")
         _require(self.mode in QUANT_MODES, f"quantization.mode {self.mode!r} is not one of {', '.join(QUANT_MODES)}")
         if self.mode == "int4":
             sizes = ", ".join(map(str, INT4_GROUP_SIZES))
@@ -280,6 +300,12 @@ class QuantConfig:
             model.n_experts == 0,
             f"quantization of a mixture of experts is not supported (model.n_experts = {model.n_experts})",
         )
+        for name in self.keep_float:
+            layer = int(QUANTIZABLE_LINEAR.fullmatch(name).group(1))
+            _require(
+                layer < model.n_layer,
+                f"quantization.keep_float: {name!r} is beyond the model's layers (model.n_layer = {model.n_layer})",
+            )
         if self.mode != "int4":
             return
         for name in ("dim", "intermediate_size"):  # the input widths of the quantized layers (q_size is even)
@@ -288,8 +314,11 @@ class QuantConfig:
 
     @property
     def name(self) -> str:
-        """``int8``, ``int4-g128``: as reports name the scheme."""
-        return self.mode if self.group_size is None else f"{self.mode}-g{self.group_size}"
+        """``int8``, ``int4-g128``, ``int4-g128-gptq``, ``int4-g128-gptq (2 layers in float)``: as reports name the
+        scheme."""
+        name = self.mode if self.group_size is None else f"{self.mode}-g{self.group_size}"
+        name += "" if self.method == "rtn" else f"-{self.method}"
+        return name + (f" ({len(self.keep_float)} layers in float)" if self.keep_float else "")
 
 
 @dataclass(frozen=True)

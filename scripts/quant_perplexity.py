@@ -2,6 +2,10 @@
 in each scheme, then for each, perplexity on the default text (``pydoc_data.topics``, as ``gpt-fast eval``
 computes it) with its change from the float checkpoint, and greedy answers to a few chat prompts side by side.
 
+A scheme's name says it all: ``int4-g128-gptq-ao`` is int4 in groups of 128 rounded by GPTQ with act-order,
+calibrated on the default calibration text (standard-library docstrings, never the evaluation text; see
+:mod:`gpt_fast.quant.calibrate`).
+
 With ``--gguf FILE`` an extra row converts that GGUF file straight to int4 in groups of 32 (its Q4_0/Q4_1 blocks
 taken over as they are, :mod:`gpt_fast.convert.gguf_quant`): for the default model, whose source is a Q4_1 GGUF,
 that row is the original 4-bit model.
@@ -22,6 +26,7 @@ from gpt_fast.convert.gguf_file import convert_gguf
 from gpt_fast.engine import Engine, EngineOptions, find_checkpoint
 from gpt_fast.evaluate import default_text, perplexity
 from gpt_fast.fileio import write_text_atomic
+from gpt_fast.quant.calibrate import DEFAULT_TOKENS, Calibration
 from gpt_fast.quant.quantize import quantize_checkpoint
 from gpt_fast.sampling import SamplingConfig
 from gpt_fast.settings import apply_torch_settings
@@ -31,14 +36,20 @@ PROMPTS = [
     "Write a Python function that reverses a string.",
     "Give three tips for staying healthy.",
 ]
-SCHEMES = "int8,int4-g128,int4-g64,int4-g32"
+SCHEMES = "int8,int4-g128,int4-g64,int4-g32,int4-g128-gptq,int4-g128-gptq-ao,int4-g64-gptq-ao"
 
 
-def parse_scheme(name: str) -> QuantConfig:
-    """``int8``, ``int4-g128`` (``-output``: the output projection too)."""
+def parse_scheme(name: str, tokens: int) -> tuple[QuantConfig, Calibration | None]:
+    """``int8``, ``int4-g128``, then any of ``-gptq`` (calibrated on the default calibration text, ``tokens`` of
+    it), ``-ao`` (act-order) and ``-output`` (the output projection too), in that order."""
     output = name.endswith("-output")
-    mode, _, group = name.removesuffix("-output").partition("-g")
-    return QuantConfig(mode, int(group) if group else None, output)
+    name = name.removesuffix("-output")
+    act_order = name.endswith("-ao")
+    name = name.removesuffix("-ao")
+    gptq = name.endswith("-gptq")
+    mode, _, group = name.removesuffix("-gptq").partition("-g")
+    quant = QuantConfig(mode, int(group) if group else None, output, method="gptq" if gptq else "rtn")
+    return quant, Calibration(tokens=tokens, act_order=act_order) if gptq else None
 
 
 def build(args: argparse.Namespace, source: Path, work: Path) -> dict[str, Path]:
@@ -46,7 +57,8 @@ def build(args: argparse.Namespace, source: Path, work: Path) -> dict[str, Path]
     folders = {"float": source}
     for name in args.schemes.split(","):
         start = time.perf_counter()
-        quantize_checkpoint(source, work / name, parse_scheme(name), args.quantize_device)
+        quant, calibration = parse_scheme(name, args.calibration_tokens)
+        quantize_checkpoint(source, work / name, quant, args.quantize_device, calibration)
         print(f"quantized {name} in {time.perf_counter() - start:.1f} s")
         folders[name] = work / name
     if args.gguf is not None:
@@ -76,6 +88,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--quantize_device", default="cpu")
+    parser.add_argument("--calibration_tokens", type=int, default=DEFAULT_TOKENS, help="For the -gptq schemes.")
     parser.add_argument("--max_tokens", type=int, default=8192)
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--stride", type=int, default=512)

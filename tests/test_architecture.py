@@ -37,7 +37,15 @@ def test_the_model_imports_only_its_config(module):
     assert MODULES[module] <= {"config", "cache"}
 
 
-QUANT_LAYERS = ["quant.schemes", "quant.layout", "quant.linear", "quant.kernels", "quant.triton_gemv"]
+QUANT_LAYERS = [
+    "quant.schemes",
+    "quant.layout",
+    "quant.linear",
+    "quant.kernels",
+    "quant.triton_gemv",
+    "quant.gptq",
+    "quant.calibrate",
+]
 
 
 @pytest.mark.parametrize("module", QUANT_LAYERS)

@@ -191,6 +191,30 @@ BAD_CONFIGS = {
         lambda c: c.update(quantization={"mode": "int8", "bits": 8}),
         r"config.json.quantization: unknown field\(s\) bits",
     ),
+    "unknown quantization method": (
+        lambda c: c.update(quantization={"mode": "int4", "group_size": 32, "method": "awq"}),
+        r"quantization.method 'awq' is not one of rtn, gptq",
+    ),
+    "gptq with int8": (
+        lambda c: c.update(quantization={"mode": "int8", "method": "gptq"}),
+        r"quantization.method gptq goes with int4 only",
+    ),
+    "keep_float not a projection": (
+        lambda c: c.update(quantization={"mode": "int8", "keep_float": ["tok_embeddings"]}),
+        r"quantization.keep_float: 'tok_embeddings' is not a layer's projection",
+    ),
+    "keep_float as a string": (
+        lambda c: c.update(quantization={"mode": "int8", "keep_float": "layers.0.attention.wo"}),
+        r"quantization.keep_float must be a list",
+    ),
+    "keep_float twice": (
+        lambda c: c.update(quantization={"mode": "int8", "keep_float": ["layers.0.attention.wo"] * 2}),
+        r"quantization.keep_float names a layer twice",
+    ),
+    "keep_float beyond the layers": (
+        lambda c: c.update(quantization={"mode": "int8", "keep_float": ["layers.99.feed_forward.w2"]}),
+        r"quantization.keep_float: 'layers.99.feed_forward.w2' is beyond the model's layers \(model.n_layer = 2\)",
+    ),
     "int4 of an odd width": (
         lambda c: c.update(quantization={"mode": "int4", "group_size": 32}) or c["model"].update(dim=63),
         r"int4 quantization packs two input columns per byte: model.dim \(63\) is odd",

@@ -15,11 +15,12 @@ SCHEMES = [
     QuantConfig("int8", output=True),
     QuantConfig("int4", 128),
     QuantConfig("int4", 32, True),
+    QuantConfig("int4", 64, method="gptq", keep_float=("layers.0.feed_forward.w2", "layers.1.attention.wqkv")),
 ]
 
 
 def scheme_id(quant):
-    return quant.name + ("-output" if quant.output else "")
+    return quant.name.replace(" ", "_") + ("-output" if quant.output else "")
 
 
 def swapped_model(shape, quant):
@@ -37,7 +38,7 @@ def test_the_swapped_model_holds_what_the_loader_expects(shape_name, quant):
     found = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
     assert found == stored_specs(shape, quant, torch.float32)
     quantized = [m for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear))]
-    assert len(quantized) == 4 * shape.n_layer + quant.output
+    assert len(quantized) == 4 * shape.n_layer + quant.output - len(quant.keep_float)
     assert (model.output is not None) == (quant.output or not shape.tie_embeddings)
 
 

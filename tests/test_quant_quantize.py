@@ -51,7 +51,13 @@ def test_config_json_records_the_scheme(quantized):
     assert load_checkpoint_config(quantized["int4-g32"]).quantization == QuantConfig("int4", 32)
     assert load_checkpoint_config(quantized["int4-g128-output"]).quantization == QuantConfig("int4", 128, True)
     config = json.loads((quantized["int8"] / "config.json").read_text())
-    assert config["quantization"] == {"mode": "int8", "group_size": None, "output": False}
+    assert config["quantization"] == {
+        "mode": "int8",
+        "group_size": None,
+        "output": False,
+        "method": "rtn",
+        "keep_float": [],
+    }
     assert config["source"]["kind"] == "quantized" and config["dtype"] == "float32"
     for folder in quantized.values():
         check_checkpoint(folder)  # what generate checks before reading the weights
@@ -97,8 +103,11 @@ def test_generate_and_bench_figures_use_the_quantized_bytes(quantized, source, c
     assert int4_bytes < int8_bytes < 0.5 * float_bytes
 
 
+KEPT = "layers.1.attention.wo"
+
+
 def test_convert_quantize_does_both_in_one_go(tmp_path, capsys):
-    """From a Hugging Face folder: the same tensors as converting, then quantizing."""
+    """From a Hugging Face folder: the same tensors as converting, then quantizing (a layer kept in float by both)."""
     save_hf_llama(tmp_path / "hf")
     code, out, err = run(["convert", str(tmp_path / "hf"), "--output_dir", str(tmp_path / "f")], capsys)
     assert code == 0, err
@@ -112,19 +121,23 @@ def test_convert_quantize_does_both_in_one_go(tmp_path, capsys):
             "int4",
             "--group_size",
             "32",
+            "--keep_float",
+            KEPT,
         ],
         capsys,
     )
     assert code == 0, err
-    assert "Quantization {'mode': 'int4', 'group_size': 32, 'output': False}" in out
+    expected = {"mode": "int4", "group_size": 32, "output": False, "method": "rtn", "keep_float": (KEPT,)}
+    assert f"Quantization {expected}" in out
     code, out, err = run(
         ["quantize", "--checkpoint_path", str(tmp_path / "f"), "--mode", "int4", "--group_size", "32"]
-        + ["--output_dir", str(tmp_path / "q2")],
+        + ["--keep_float", KEPT, "--output_dir", str(tmp_path / "q2")],
         capsys,
     )
     assert code == 0, err
     one, two = (torch.load(tmp_path / name / "model.pth", weights_only=True) for name in ("q", "q2"))
     assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+    assert one[f"{KEPT}.weight"].dtype == torch.float32 and one["layers.0.attention.wo.weight"].dtype == torch.uint8
 
 
 BAD = {

@@ -12,19 +12,19 @@ Scales and zeros, like every tensor that is not quantized, are in the checkpoint
 
 from __future__ import annotations
 
-import re
+from collections import Counter
 from collections.abc import Mapping
 
 import torch
 from tqdm import tqdm
 
-from gpt_fast.config import ModelConfig, QuantConfig
+from gpt_fast.config import QUANTIZABLE_LINEAR, ModelConfig, QuantConfig
 from gpt_fast.model import weight_count, weight_shapes
 from gpt_fast.quant.schemes import n_groups, quantize_int4, quantize_int8
 
 Shape = tuple[int, ...]
-LAYER_LINEAR = re.compile(r"layers\.\d+\.(attention\.(wqkv|wo)|feed_forward\.(w13|w2))")
 OUTPUT = "output"
+LAYER_KINDS = ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")  # each layer's projections
 QUANTIZED_DTYPES = {"int8": torch.int8, "int4": torch.uint8}
 
 
@@ -35,7 +35,9 @@ def quantized_linears(config: ModelConfig, quant: QuantConfig) -> dict[str, tupl
         prefix = name.removesuffix(".weight")
         if prefix == name:  # a bias, or stacked experts (a parameter of its own)
             continue
-        if LAYER_LINEAR.fullmatch(prefix) or (prefix == OUTPUT and quant.output):
+        if prefix in quant.keep_float:
+            continue
+        if QUANTIZABLE_LINEAR.fullmatch(prefix) or (prefix == OUTPUT and quant.output):
             linears[prefix] = (shape[0], shape[1])
     if quant.output and config.tie_embeddings:
         linears[OUTPUT] = (config.vocab_size, config.dim)
@@ -81,16 +83,18 @@ def stored_size(config: ModelConfig, quant: QuantConfig | None, dtype: torch.dty
         return tensors, size
     extra_tensors = len(quantized_tensors(1, 2, quant, dtype)) - 1
     dim, inter, qkv = config.dim, config.intermediate_size, config.q_size + 2 * config.kv_size
-    layer = [(qkv, dim), (dim, config.q_size), (2 * inter, dim), (dim, inter)]
+    layer = [(qkv, dim), (dim, config.q_size), (2 * inter, dim), (dim, inter)]  # as LAYER_KINDS
     linears = [(shape, config.n_layer) for shape in layer]
     if quant.output:
         linears.append(((config.vocab_size, dim), 1))
         if config.tie_embeddings:  # stored apart: nothing of the embedding table is replaced
             tensors += 1
             size += config.vocab_size * dim * dtype.itemsize
-    for (out_features, in_features), count in linears:
-        quantized = _bytes(quantized_tensors(out_features, in_features, quant, dtype))
-        size += count * (quantized - out_features * in_features * dtype.itemsize)
+    kept = Counter(QUANTIZABLE_LINEAR.fullmatch(name).group(2) for name in quant.keep_float)
+    for (shape, count), kind in zip(linears, LAYER_KINDS + (OUTPUT,), strict=False):
+        count -= kept[kind]
+        quantized = _bytes(quantized_tensors(*shape, quant, dtype))
+        size += count * (quantized - shape[0] * shape[1] * dtype.itemsize)
         tensors += count * extra_tensors
     return tensors, size
 
@@ -119,7 +123,8 @@ def quantize_state(
     """The tensors of the quantized checkpoint from the float ``state`` of ``config``: each quantized layer's
     ``weight`` replaced by its quantized tensors (computed and left on ``device``), scales and zeros in ``dtype``.
     The layers in ``given`` (``prefix -> {suffix: tensor}``) are taken from there as they are (their scales and
-    zeros cast to ``dtype``): a source quantized in this scheme already (:mod:`gpt_fast.convert.gguf_quant`)."""
+    zeros cast to ``dtype``): a source quantized in this scheme already (:mod:`gpt_fast.convert.gguf_quant`), or
+    layers rounded by GPTQ (:mod:`gpt_fast.quant.calibrate`)."""
     out = dict(state)
     given = given or {}
     linears = quantized_linears(config, quant)

@@ -100,13 +100,22 @@ def quantize_int4(
     weight: torch.Tensor, group_size: int, scale_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``weight`` [N, K] (K even) -> packed ``q`` uint8 [N, K/2], ``scales`` and ``zeros`` [N, ceil(K/group_size)]
-    in ``scale_dtype``.
+    in ``scale_dtype`` (the grid of :func:`fit_int4`)."""
+    assert weight.shape[1] % 2 == 0, "int4 packs two columns per byte"
+    levels, scales, zeros = fit_int4(weight, group_size, scale_dtype)
+    return pack_int4(levels), scales, zeros
+
+
+def fit_int4(
+    weight: torch.Tensor, group_size: int, scale_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight`` [N, K] -> levels uint8 [N, K] (0..15), ``scales`` and ``zeros`` [N, ceil(K/group_size)] in
+    ``scale_dtype``.
 
     Data-free: each group keeps, of the clipped ranges of :data:`INT4_CLIP_RATIOS` and then
     :data:`INT4_REFITS` alternations of a least-squares fit of its scale and zero to its levels and a re-rounding
     of its levels to that grid, the candidate of least squared error (so never worse than plain min/max)."""
     rows, cols = weight.shape
-    assert cols % 2 == 0, "int4 packs two columns per byte"
     groups, real = _grouped(weight.float(), group_size)  # [N, G, S], [G, S]
     low, high = groups.amin(dim=2), groups.amax(dim=2)
     center = (groups * real).sum(dim=2) / real.sum(dim=1)
@@ -121,7 +130,7 @@ def quantize_int4(
         q, scales, zeros = _refit(groups, real, best[0], scale_dtype)
         best = _keep_better(best, [q, scales, zeros, _int4_error(groups, real, q, scales, zeros)])
     q, scales, zeros, _ = best
-    return pack_int4(q.reshape(rows, -1)[:, :cols].to(torch.uint8)), scales, zeros
+    return q.reshape(rows, -1)[:, :cols].to(torch.uint8), scales, zeros
 
 
 def _keep_better(best: list | None, candidate: list) -> list:
@@ -149,7 +158,12 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
     """The float32 matrix [N, K] that ``packed``, ``scales``, ``zeros`` stand for."""
-    levels = unpack_int4(packed).float()
+    return dequantize_levels(unpack_int4(packed), scales, zeros, group_size)
+
+
+def dequantize_levels(levels: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The float32 matrix [N, K] that unpacked ``levels`` [N, K] stand for with ``scales``, ``zeros`` [N, G]."""
+    levels = levels.float()
     cols = levels.shape[1]
     s = scales.float().repeat_interleave(group_size, dim=1)[:, :cols]
     z = zeros.float().repeat_interleave(group_size, dim=1)[:, :cols]
