@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from gpt_fast.quant.schemes import INT4_LEVELS, INT4_MID, dequantize_levels, fit_int4, n_groups, pack_int4
+from gpt_fast.quant.schemes import INT4_MID, dequantize_levels, fit_int4, int4_levels, n_groups, pack_int4
 
 BLOCK = 128  # columns per lazy batch (rounded up to a multiple of the group size)
 DAMP = 0.01  # added to H's diagonal, as a fraction of its mean: keeps the factorization stable
@@ -52,7 +52,7 @@ def _inverse_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
 
 def _round(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Levels [N] of column ``w`` [N] on the grid ``scale``, ``zero`` [N] (float32), and the values they stand for."""
-    q = torch.round((w - zero) / scale + INT4_MID).clamp_(0, INT4_LEVELS - 1)
+    q = int4_levels(w, scale, zero)
     return q, (q - INT4_MID) * scale + zero
 
 

@@ -59,6 +59,11 @@ def _grouped(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tens
     return w.reshape(rows, -1, group_size), real.reshape(-1, group_size)
 
 
+def int4_levels(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """The levels (0..15, as floats) nearest to ``values`` on the grid ``scales``, ``zeros`` (float32, broadcast)."""
+    return torch.round((values - zeros) / scales + INT4_MID).clamp_(0, INT4_LEVELS - 1)
+
+
 def _int4_grid(
     groups: torch.Tensor, low: torch.Tensor, high: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -66,9 +71,7 @@ def _int4_grid(
     ``groups`` on that grid."""
     scales = ((high - low) / (INT4_LEVELS - 1)).clamp_min(_TINY).to(dtype)
     zeros = (low + INT4_MID * scales.float()).to(dtype)
-    s, z = scales.float()[..., None], zeros.float()[..., None]
-    q = torch.round((groups - z) / s + INT4_MID).clamp_(0, INT4_LEVELS - 1)
-    return q, scales, zeros
+    return int4_levels(groups, scales.float()[..., None], zeros.float()[..., None]), scales, zeros
 
 
 def _int4_error(
@@ -92,8 +95,7 @@ def _refit(
     cov = (a * groups).sum(dim=2) / count - mean_a * mean_w
     scales = (cov / var_a).clamp_min(_TINY).to(dtype)
     zeros = (mean_w - mean_a * scales.float()).to(dtype)
-    s, z = scales.float()[..., None], zeros.float()[..., None]
-    return torch.round((groups - z) / s + INT4_MID).clamp_(0, INT4_LEVELS - 1), scales, zeros
+    return int4_levels(groups, scales.float()[..., None], zeros.float()[..., None]), scales, zeros
 
 
 def quantize_int4(
