@@ -239,6 +239,7 @@ def run_benchmark(
     prompt = torch.randint(0, shape.vocab_size, (prompt_tokens,), generator=generator).tolist()
     ttft_prompt = torch.randint(0, shape.vocab_size, (ttft_tokens,), generator=generator).tolist()
     copy_gbps = copy_bandwidth_gbps(device)
+    write(f"measured: copy bandwidth {copy_gbps:.0f} GB/s")  # now, so that a run cut off later still has it
     subject = Subject(state, shape, mode, device, dtype)
     runners: dict[str, Builder] = {
         f"gpt-fast {mode}" + (f" attention-{kernel}" if len(attention) > 1 else ""): functools.partial(

@@ -39,6 +39,7 @@ def test_table_on_the_cpu(capsys):
     rows = tiny_benchmark(lines, peers=True)
     assert [r.name.split()[0] for r in rows] == ["gpt-fast", "transformers", "transformers"]
     assert all(r.tokens_per_sec > 0 and r.ttft_ms > 0 and r.compile_seconds > 0 for r in rows)
+    assert lines[0].startswith("measured: copy bandwidth ") and lines[0].endswith(" GB/s")  # before any row
     table = lines[-1].splitlines()
     assert table[0].startswith("| implementation | compile (s) | tok/s | × first | weights read (GB) | GB/s |")
     assert len(table) == 2 + len(rows)
