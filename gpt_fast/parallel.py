@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import datetime
+import gc
 import os
 import re
 from collections.abc import Mapping
@@ -277,8 +278,6 @@ def leave() -> None:
     A CUDA graph that captured a collective holds a reference on NCCL's communicator, and destroying the
     communicator waits until every such graph is gone (pytorch/pytorch#115388): with `reduce-overhead` the ranks
     hung here for ever. So the compiled state, which keeps the graphs, is released first."""
-    import gc
-
     import torch.distributed as dist
 
     if dist.is_initialized():
