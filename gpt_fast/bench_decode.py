@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import gc
 import importlib.util
 import statistics
 import time
@@ -264,18 +265,29 @@ def run_benchmark(
             )
     rows = []
     for name, build in runners.items():  # each built when measured and freed after
-        rows.append(measure(name, build(), prompt, ttft_prompt, new_tokens, repeats, device))
-        write(f"measured: {rows[-1]}")
-        torch._dynamo.reset()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        try:
+            rows.append(measure(name, build(), prompt, ttft_prompt, new_tokens, repeats, device))
+            write(f"measured: {rows[-1]}")
+        except torch.OutOfMemoryError as error:  # a peer that needs more memory than ours loses its row only
+            write(f"not measured: {name}: out of memory ({str(error).splitlines()[0]})")
+        release_memory(device)
     write(
         f"{shape_name}, {device_name(device)}, torch {torch.__version__}, {dtype}; copy bandwidth {copy_gbps:.0f} "
         f"GB/s; prompt {prompt_tokens} tokens, {new_tokens} new, TTFT prompt {ttft_tokens}; our decode's attention "
         f"kernel: {', '.join(attention)}"
     )
-    write(table(rows, copy_gbps))
+    write(table(rows, copy_gbps) if rows else "no row was measured")
     return rows
+
+
+def release_memory(device: torch.device) -> None:
+    """Free what the last row held: its compiled graphs (and their CUDA-graph memory pools), then the objects
+    that refer to each other (transformers' models hold their compiled forward, which holds the model), then the
+    allocator's cached blocks."""
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def quantized_runners(

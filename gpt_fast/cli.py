@@ -27,6 +27,7 @@ from gpt_fast.quant.calibrate import Calibration
 from gpt_fast.runner import DEFAULT_PROMPT, GenerateOptions, run_generate, write_stdout
 from gpt_fast.sampling import SamplingConfig
 from gpt_fast.settings import apply_torch_settings
+from gpt_fast.shapes import SHAPES, get_shape
 from gpt_fast.speculative import DEFAULT_SPECULATE_K, SpeculativeOptions
 
 EXIT_USER_ERROR = 1
@@ -682,7 +683,7 @@ def prepare(repo_id: str, hf_token: str | None, revision: str | None) -> None:
 
 
 @cli.command("random-checkpoint")
-@click.argument("shape")
+@click.argument("shape", type=Choice(tuple(SHAPES)))
 @option("--output_dir", type=click.Path(path_type=Path), required=True)
 @option("--dtype", type=Choice(tuple(DTYPES)), default="bfloat16", show_default=True)
 @option("--seed", type=int, default=0, show_default=True)
@@ -693,9 +694,8 @@ def prepare(repo_id: str, hf_token: str | None, revision: str | None) -> None:
     help="Where the random numbers are drawn (cuda is much faster for 7B shapes).",
 )
 def random_checkpoint(shape: str, output_dir: Path, dtype: str, seed: int, device: str) -> None:
-    """Write a random-weight checkpoint of a named SHAPE (llama-2-7b, llama-3-8b, smollm2-135m, tiny)."""
+    """Write a random-weight checkpoint of a named SHAPE, with a byte-level tokenizer (for benchmarks)."""
     from gpt_fast.convert.random_init import make_random_checkpoint
-    from gpt_fast.shapes import get_shape
 
     path = make_random_checkpoint(
         get_shape(shape), output_dir, dtype=parse_dtype(dtype), seed=seed, device=device, source=shape

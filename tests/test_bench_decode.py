@@ -45,6 +45,26 @@ def test_table_on_the_cpu(capsys):
     assert len(table) == 2 + len(rows)
 
 
+def test_a_row_out_of_memory_loses_only_itself(monkeypatch):
+    import gpt_fast.bench_decode as bench_decode
+
+    real = bench_decode.hf_runners
+
+    def eager_runs_out(state, shape, static, device, dtype):
+        if not static:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.75 GiB.\nmore detail")
+        return real(state, shape, static, device, dtype)
+
+    monkeypatch.setattr(bench_decode, "hf_runners", eager_runs_out)
+    lines = []
+    rows = tiny_benchmark(lines, peers=True)
+    assert [r.name.split()[0] for r in rows] == ["gpt-fast", "transformers"]
+    failed = [line for line in lines if line.startswith("not measured: ")]
+    assert len(failed) == 1
+    assert failed[0].endswith(" eager: out of memory (CUDA out of memory. Tried to allocate 1.75 GiB.)")
+    assert len(lines[-1].splitlines()) == 2 + len(rows)
+
+
 def test_hf_runner_generates_exactly_the_requested_tokens():
     shape = get_shape("tiny")
     run, _ = hf_runners(random_weights(shape, torch.float32, seed=1), shape, False, torch.device("cpu"), torch.float32)

@@ -247,7 +247,8 @@ def test_random_checkpoint_and_convert_commands(tmp_path, capsys):
     )
     assert code == 0 and (tmp_path / "r" / "model.pth").is_file(), err
     code, _, err = run(["random-checkpoint", "huge", "--output_dir", str(tmp_path / "h")], capsys)
-    assert code == 1 and f"known shapes: {', '.join(SHAPES)}" in err and "mixtral-8x7b" in err
+    assert code == 1 and f"'huge' is not one of {', '.join(SHAPES)}" in err and "mixtral-8x7b" in err
+    assert not (tmp_path / "h").exists()
     code, _, err = run(["convert", str(tmp_path / "r" / "model.pth")], capsys)
     assert code == 1 and "neither a Hugging Face checkpoint folder nor a GGUF file" in err
 
