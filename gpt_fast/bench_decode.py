@@ -93,6 +93,7 @@ class Subject:
     mode: str
     device: torch.device
     dtype: torch.dtype
+    regional_compile: bool = False  # our rows compile one layer and reuse it (EngineOptions.regional_compile)
 
 
 def ours_runners(
@@ -108,7 +109,12 @@ def ours_runners(
     attention computed by ``attention``; also the weight bytes a decode step reads."""
     mode, device, dtype = subject.mode, subject.device, subject.dtype
     options = EngineOptions(
-        compile=mode, device=str(device), dtype=dtype_name(dtype), quant_kernel=kernel, attention_kernel=attention
+        compile=mode,
+        device=str(device),
+        dtype=dtype_name(dtype),
+        quant_kernel=kernel,
+        attention_kernel=attention,
+        regional_compile=subject.regional_compile,
     )
     state = {name: t.to(device=device, dtype=dtype) for name, t in subject.state.items()}  # one copy, shared
     if quant is not None:
@@ -231,6 +237,7 @@ def run_benchmark(
     peers: bool,
     quantize: Sequence[QuantConfig] = (),
     attention_kernels: Sequence[str] = ("auto",),
+    regional_compile: bool = False,
     write: Callable[[str], None] = print,
 ) -> list[Row]:
     shape = get_shape(shape_name)
@@ -241,9 +248,11 @@ def run_benchmark(
     ttft_prompt = torch.randint(0, shape.vocab_size, (ttft_tokens,), generator=generator).tolist()
     copy_gbps = copy_bandwidth_gbps(device)
     write(f"measured: copy bandwidth {copy_gbps:.0f} GB/s")  # now, so that a run cut off later still has it
-    subject = Subject(state, shape, mode, device, dtype)
+    subject = Subject(state, shape, mode, device, dtype, regional_compile)
     runners: dict[str, Builder] = {
-        f"gpt-fast {mode}" + (f" attention-{kernel}" if len(attention) > 1 else ""): functools.partial(
+        f"gpt-fast {mode}"
+        + (" regional" if regional_compile else "")
+        + (f" attention-{kernel}" if len(attention) > 1 else ""): functools.partial(
             ours_runners, subject, attention=kernel
         )
         for kernel in attention
@@ -274,7 +283,8 @@ def run_benchmark(
     write(
         f"{shape_name}, {device_name(device)}, torch {torch.__version__}, {dtype}; copy bandwidth {copy_gbps:.0f} "
         f"GB/s; prompt {prompt_tokens} tokens, {new_tokens} new, TTFT prompt {ttft_tokens}; our decode's attention "
-        f"kernel: {', '.join(attention)}"
+        f"kernel: {', '.join(attention)}; our compiled steps: "
+        f"{'one layer compiled and reused (regional)' if regional_compile else 'the whole step compiled'}"
     )
     write(table(rows, copy_gbps) if rows else "no row was measured")
     return rows
@@ -353,6 +363,9 @@ def main(argv: list[str] | None = None) -> None:
         default="auto",
         help="Our rows' decode attention, comma-separated: auto, triton (fused kernel), torch (inductor).",
     )
+    parser.add_argument(
+        "--regional_compile", action="store_true", help="Our rows compile one layer and reuse it for every layer."
+    )
     args = parser.parse_args(argv)
     schemes = parse_schemes(args.quantize, args.group_size)
     apply_torch_settings()
@@ -368,6 +381,7 @@ def main(argv: list[str] | None = None) -> None:
         peers=not args.no_peers,
         quantize=schemes,
         attention_kernels=[name for name in args.attention_kernels.split(",") if name],
+        regional_compile=args.regional_compile,
     )
 
 

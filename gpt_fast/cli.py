@@ -119,15 +119,29 @@ def add_device_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """--compile, --compile_prefill, --device, --dtype, handed to the command as ``engine_options``."""
+    """--compile, --compile_prefill, --regional_compile, --device, --dtype, handed to the command as
+    ``engine_options``."""
 
     @functools.wraps(func)
     def command(
-        *args: Any, compile_mode: str, compile_prefill: bool, device: str | None, dtype: str, **kwargs: Any
+        *args: Any,
+        compile_mode: str,
+        compile_prefill: bool,
+        regional_compile: bool,
+        device: str | None,
+        dtype: str,
+        **kwargs: Any,
     ) -> Any:
-        return func(*args, engine_options=EngineOptions(compile_mode, compile_prefill, device, dtype), **kwargs)
+        options = EngineOptions(compile_mode, compile_prefill, device, dtype, regional_compile=regional_compile)
+        return func(*args, engine_options=options, **kwargs)
 
     decorated = add_device_options(command)
+    decorated = option(
+        "--regional_compile",
+        is_flag=True,
+        help="Compile one transformer layer and reuse it for every layer: faster compilation; the decode speed "
+        "may differ (no fusion across layers).",
+    )(decorated)
     decorated = option("--compile_prefill", is_flag=True, help="Also compile the prefill (dynamic shapes).")(decorated)
     return option(
         "--compile",

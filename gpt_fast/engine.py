@@ -69,9 +69,10 @@ class EngineOptions:
     (None: the GPU if there is one), dtype (``auto``: bfloat16 on a GPU, float32 on the CPU), speculative
     decoding (None: plain decoding), the kernels of a quantized checkpoint's layers (``auto``: see
     :func:`gpt_fast.quant.kernels.resolve_kernel`), the attention kernel of compiled decode steps (``auto``: see
-    :func:`gpt_fast.kernels.decode_attention.resolve_attention_kernel`) and the ranks of tensor parallelism
+    :func:`gpt_fast.kernels.decode_attention.resolve_attention_kernel`), the ranks of tensor parallelism
     (``tp``: the model split over that many processes started by ``torchrun``, one GPU each; see
-    :mod:`gpt_fast.parallel`)."""
+    :mod:`gpt_fast.parallel`) and regional compilation (one layer compiled and reused for all: see
+    :func:`gpt_fast.model.layer_region`; no effect without compilation)."""
 
     compile: str = "none"
     compile_prefill: bool = False
@@ -81,6 +82,7 @@ class EngineOptions:
     quant_kernel: str = "auto"
     tp: int = 1
     attention_kernel: str = "auto"
+    regional_compile: bool = False
 
     def __post_init__(self) -> None:
         if self.compile not in COMPILE_MODES:
@@ -97,6 +99,8 @@ class EngineOptions:
             raise ValueError("speculative decoding does not run with tensor parallelism (--tp) yet")
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise ValueError(f"attention_kernel {self.attention_kernel!r} is not one of {', '.join(ATTENTION_KERNELS)}")
+        if self.regional_compile and self.tp > 1:  # collectives inside a reused region: not tried on GPUs yet
+            raise ValueError("--regional_compile does not run with tensor parallelism (--tp) yet")
 
     def check_parallel(self, config: ModelConfig, quantization: QuantConfig | None) -> None:
         """A model that does not split over ``tp`` ranks is refused before any weights are read."""
@@ -280,6 +284,7 @@ class Engine:
         if self._parallel is not None:
             self._parallel.connect(self._model, self.model_config)
         use_attention_kernel(self._model, self.attention_kernel)
+        self._model.regional_compile = self.options.regional_compile
         if self._draft is not None:
             self._draft.load_weights()
         if self.options.speculative is not None:

@@ -165,3 +165,10 @@ def test_the_attention_kernel_is_named_and_checked():
     assert lines[-2].endswith("our decode's attention kernel: torch")
     with pytest.raises(ValueError, match="the triton attention kernel needs a CUDA GPU"):
         tiny_benchmark(lines, peers=False, attention_kernels=["triton"])
+
+
+def test_regional_compile_is_named_in_the_rows_and_the_summary():
+    lines = []
+    rows = tiny_benchmark(lines, new_tokens=4, repeats=1, peers=False, regional_compile=True)
+    assert [r.name for r in rows] == ["gpt-fast none regional"]
+    assert lines[-2].endswith("our compiled steps: one layer compiled and reused (regional)")

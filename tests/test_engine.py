@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from gpt_fast import Completion, Engine, EngineOptions, SamplingConfig
+from gpt_fast.config import QuantConfig
 from gpt_fast.convert.random_init import make_random_checkpoint, random_weights
+from gpt_fast.quant.layout import quantize_state
 from gpt_fast.shapes import get_shape
 
 GREEDY = SamplingConfig(temperature=0)
@@ -50,7 +52,11 @@ def test_weights_come_from_the_folder_whose_config_was_read(tiny, tmp_path):
 
 @pytest.mark.parametrize(
     "options, message",
-    [({"compile": "turbo"}, "--compile 'turbo' is not one of"), ({"dtype": "int4"}, "--dtype 'int4' is not one of")],
+    [
+        ({"compile": "turbo"}, "--compile 'turbo' is not one of"),
+        ({"dtype": "int4"}, "--dtype 'int4' is not one of"),
+        ({"regional_compile": True, "tp": 2}, "--regional_compile does not run with tensor parallelism"),
+    ],
 )
 def test_options_check_themselves(options, message):
     with pytest.raises(ValueError, match=message):
@@ -96,6 +102,20 @@ def test_engine_over_weights_in_memory_takes_ids():
     assert len(result.tokens[0]) == 5 and engine.stop_ids == ()
     with pytest.raises(RuntimeError, match="no tokenizer"):
         engine.encode("hi")
+
+
+@pytest.mark.parametrize("quant", [None, QuantConfig("int8")], ids=["float", "int8"])
+def test_regional_compile_decodes_as_eager(quant):
+    shape = get_shape("tiny")
+    state = random_weights(shape, torch.float32, seed=0)
+    if quant is not None:
+        state = quantize_state(state, shape, quant, torch.float32)
+    eager = Engine.from_state(shape, state, EngineOptions(device="cpu"), quant)
+    torch._dynamo.reset()
+    options = EngineOptions(compile="default", device="cpu", regional_compile=True)
+    regional = Engine.from_state(shape, state, options, quant)
+    assert regional.model.regional_compile and not eager.model.regional_compile
+    assert regional.generate_ids([1, 2, 3], 12, GREEDY).tokens == eager.generate_ids([1, 2, 3], 12, GREEDY).tokens
 
 
 def test_checkpoint_by_org_and_name(tiny, tmp_path, monkeypatch):

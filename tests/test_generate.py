@@ -171,3 +171,13 @@ def test_bad_requests(model):
 )
 def test_compile_cache_labels(hits, misses, label):
     assert CompileCacheUse(hits, misses).label == label
+
+
+def test_regionally_compiled_greedy_equals_eager(model):
+    torch._dynamo.reset()
+    model.regional_compile = True
+    try:
+        compiled = generate(model, PROMPT, max_new_tokens=30, sampling=GREEDY, steps=make_steps("default"))
+    finally:
+        model.regional_compile = False
+    assert compiled.tokens == greedy(model).tokens

@@ -6,12 +6,12 @@ from gpt_fast.model import Transformer, attend_one_query, rope_inv_freq, weight_
 from gpt_fast.shapes import get_shape
 
 
-def tiny_model(n_local_heads: int, tie: bool = False, seed: int = 0) -> Transformer:
+def tiny_model(n_local_heads: int, tie: bool = False, seed: int = 0, **fields) -> Transformer:
+    """A two-layer model of random weights (``fields``: other config values)."""
     torch.manual_seed(seed)
     config = ModelConfig(
         block_size=128,
         vocab_size=97,
-        n_layer=2,
         n_head=4,
         dim=32,
         intermediate_size=48,
@@ -20,6 +20,7 @@ def tiny_model(n_local_heads: int, tie: bool = False, seed: int = 0) -> Transfor
         rope_base=10000.0,
         norm_eps=1e-5,
         tie_embeddings=tie,
+        **({"n_layer": 2} | fields),
     )
     model = Transformer(config)
     for p in model.parameters():
@@ -178,3 +179,26 @@ def test_bytes_per_token_excludes_the_embedding_table_unless_tied():
     table = 97 * 32 * 4
     assert weight_bytes_per_token(untied) == sum(p.numel() * 4 for p in untied.parameters()) - table
     assert weight_bytes_per_token(tied) == sum(p.numel() * 4 for p in tied.parameters())
+
+
+@pytest.mark.parametrize("regional", [True, False], ids=["regional", "whole"])
+@torch.no_grad()
+def test_regional_compile_traces_one_region_for_the_layers(regional):
+    layer_types = ("sliding_attention", "full_attention") * 2
+    model = tiny_model(2, n_layer=4, sliding_window=4, layer_types=layer_types)
+    model.setup_caches(1, 16)
+    model.regional_compile = regional
+    graphs = []
+
+    def capture(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    torch._dynamo.reset()
+    tokens, positions = torch.tensor([[3, 1, 4, 1, 5, 9]]), torch.arange(6)
+    compiled = torch.compile(model, backend=capture, fullgraph=True)(tokens, positions)
+    torch.testing.assert_close(compiled, model(tokens, positions), rtol=1e-5, atol=1e-5)
+    (graph,) = graphs
+    calls = [n for n in graph.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
+    regions = {n.args[0].target for n in calls}
+    assert (len(calls), len(regions) < len(layer_types)) == ((4, True) if regional else (0, True))
