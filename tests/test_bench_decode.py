@@ -162,7 +162,7 @@ def test_the_attention_kernel_is_named_and_checked():
     lines = []
     rows = tiny_benchmark(lines, new_tokens=2, repeats=1, peers=False, attention_kernels=["auto", "torch"])
     assert [r.name for r in rows] == ["gpt-fast none"]
-    assert lines[-2].endswith("our decode's attention kernel: torch")
+    assert lines[-2].endswith("our decode's attention kernel: torch; our compiled steps: the whole step compiled")
     with pytest.raises(ValueError, match="the triton attention kernel needs a CUDA GPU"):
         tiny_benchmark(lines, peers=False, attention_kernels=["triton"])
 
