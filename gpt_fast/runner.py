@@ -89,7 +89,11 @@ class GenerateOptions:
 
 def load_reporting(engine: Engine, write: Write) -> None:
     """Read the weights, saying what is loaded where and how long it took (the blog's first lines)."""
-    write(f"Using device={engine.device} ({engine.device_name}), dtype={engine.dtype_name}, compile={engine.compile}\n")
+    regional = " (regional: one layer compiled and reused)" if engine.options.regional_compile else ""
+    write(
+        f"Using device={engine.device} ({engine.device_name}), dtype={engine.dtype_name}, "
+        f"compile={engine.compile}{regional}\n"
+    )
     if engine.world_size > 1:
         write(f"Tensor parallel over {engine.world_size} ranks (figures are rank 0's: bandwidth and memory per GPU)\n")
     write("Loading model ...\n")
@@ -227,6 +231,7 @@ def report(engine: Engine, runner: SampleRunner, samples: list[SampleMetrics], w
         trace=trace,
         speculative=SpeculativeMetrics.combined([s.speculative for s in timed]) if timed[0].speculative else None,
         world_size=engine.world_size,
+        regional_compile=engine.options.regional_compile,
     )
     over = f" ({metrics.averaged_over})"
     write(f"Bandwidth achieved{over}: {metrics.average_bandwidth_gbps:.2f} GB/s\n")

@@ -312,6 +312,15 @@ def test_metrics_to_standard_output(checkpoint, capsys):
     assert "Average tokens/sec" in err
 
 
+def test_regional_compile_is_said_and_recorded(checkpoint, capsys):
+    extra = ("--compile", "default", "--regional_compile", "--metrics_json", "-", "--num_samples", "1")
+    code, out, err = run(generate_args(checkpoint, *extra), capsys)
+    assert code == 0, err
+    metrics = json.loads(out)
+    assert metrics["regional_compile"] is True and metrics["compile"] == "default"
+    assert "compile=default (regional: one layer compiled and reused)" in err
+
+
 def test_prompt_from_standard_input_and_from_a_file(checkpoint, tmp_path, capsys, monkeypatch):
     prompt = "def f(x):\n    return x\n"
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(prompt.encode())))
