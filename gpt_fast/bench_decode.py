@@ -249,10 +249,9 @@ def run_benchmark(
     copy_gbps = copy_bandwidth_gbps(device)
     write(f"measured: copy bandwidth {copy_gbps:.0f} GB/s")  # now, so that a run cut off later still has it
     subject = Subject(state, shape, mode, device, dtype, regional_compile)
+    ours = f"gpt-fast {mode}" + (" regional" if regional_compile else "")
     runners: dict[str, Builder] = {
-        f"gpt-fast {mode}"
-        + (" regional" if regional_compile else "")
-        + (f" attention-{kernel}" if len(attention) > 1 else ""): functools.partial(
+        ours + (f" attention-{kernel}" if len(attention) > 1 else ""): functools.partial(
             ours_runners, subject, attention=kernel
         )
         for kernel in attention

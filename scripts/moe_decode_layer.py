@@ -20,11 +20,11 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch._inductor.config as inductor_config
 
 from gpt_fast.device import device_synchronize
 from gpt_fast.generate import compile_options
 from gpt_fast.model import MoEFeedForward, gated
+from gpt_fast.settings import apply_torch_settings
 from gpt_fast.shapes import get_shape
 
 LAYERS = 4
@@ -56,7 +56,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--calls", type=int, default=200)
     args = parser.parse_args()
-    inductor_config.coordinate_descent_tuning = True
+    apply_torch_settings()
     config = get_shape(args.shape)
     device = torch.device(args.device)
     with device:
