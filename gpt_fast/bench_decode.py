@@ -30,7 +30,7 @@ from gpt_fast.convert.hf_config import hf_config_dict
 from gpt_fast.convert.layout import MODULE_NAMING, split_tensors
 from gpt_fast.convert.random_init import random_weights
 from gpt_fast.device import device_name, device_synchronize, dtype_name, parse_dtype
-from gpt_fast.engine import Engine, EngineOptions, resolve_attention_kernel
+from gpt_fast.engine import KERNEL_TUNINGS, Engine, EngineOptions, resolve_attention_kernel
 from gpt_fast.quant.layout import quantize_state, stored_size
 from gpt_fast.sampling import SamplingConfig
 from gpt_fast.settings import apply_torch_settings
@@ -94,6 +94,7 @@ class Subject:
     device: torch.device
     dtype: torch.dtype
     regional_compile: bool = False  # our rows compile one layer and reuse it (EngineOptions.regional_compile)
+    kernel_tuning: str = KERNEL_TUNINGS[0]  # how inductor picks our kernels' configurations (EngineOptions)
 
 
 def ours_runners(
@@ -115,6 +116,7 @@ def ours_runners(
         quant_kernel=kernel,
         attention_kernel=attention,
         regional_compile=subject.regional_compile,
+        kernel_tuning=subject.kernel_tuning,
     )
     state = {name: t.to(device=device, dtype=dtype) for name, t in subject.state.items()}  # one copy, shared
     if quant is not None:
@@ -238,6 +240,7 @@ def run_benchmark(
     quantize: Sequence[QuantConfig] = (),
     attention_kernels: Sequence[str] = ("auto",),
     regional_compile: bool = False,
+    kernel_tuning: str = KERNEL_TUNINGS[0],
     write: Callable[[str], None] = print,
 ) -> list[Row]:
     shape = get_shape(shape_name)
@@ -248,8 +251,12 @@ def run_benchmark(
     ttft_prompt = torch.randint(0, shape.vocab_size, (ttft_tokens,), generator=generator).tolist()
     copy_gbps = copy_bandwidth_gbps(device)
     write(f"measured: copy bandwidth {copy_gbps:.0f} GB/s")  # now, so that a run cut off later still has it
-    subject = Subject(state, shape, mode, device, dtype, regional_compile)
-    ours = f"gpt-fast {mode}" + (" regional" if regional_compile else "")
+    subject = Subject(state, shape, mode, device, dtype, regional_compile, kernel_tuning)
+    ours = (
+        f"gpt-fast {mode}"
+        + (" regional" if regional_compile else "")
+        + (" heuristic" if kernel_tuning == "heuristic" else "")
+    )
     runners: dict[str, Builder] = {
         ours + (f" attention-{kernel}" if len(attention) > 1 else ""): functools.partial(
             ours_runners, subject, attention=kernel
@@ -283,7 +290,8 @@ def run_benchmark(
         f"{shape_name}, {device_name(device)}, torch {torch.__version__}, {dtype}; copy bandwidth {copy_gbps:.0f} "
         f"GB/s; prompt {prompt_tokens} tokens, {new_tokens} new, TTFT prompt {ttft_tokens}; our decode's attention "
         f"kernel: {', '.join(attention)}; our compiled steps: "
-        f"{'one layer compiled and reused (regional)' if regional_compile else 'the whole step compiled'}"
+        f"{'one layer compiled and reused (regional)' if regional_compile else 'the whole step compiled'}, "
+        f"kernels {'tuned by coordinate descent' if kernel_tuning == KERNEL_TUNINGS[0] else 'as inductor picks them'}"
     )
     write(table(rows, copy_gbps) if rows else "no row was measured")
     return rows
@@ -365,6 +373,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--regional_compile", action="store_true", help="Our rows compile one layer and reuse it for every layer."
     )
+    parser.add_argument(
+        "--kernel_tuning",
+        choices=KERNEL_TUNINGS,
+        default=KERNEL_TUNINGS[0],
+        help="Our rows' kernel configurations: tuned by coordinate descent, or inductor's heuristic choice.",
+    )
     args = parser.parse_args(argv)
     schemes = parse_schemes(args.quantize, args.group_size)
     apply_torch_settings()
@@ -381,6 +395,7 @@ def main(argv: list[str] | None = None) -> None:
         quantize=schemes,
         attention_kernels=[name for name in args.attention_kernels.split(",") if name],
         regional_compile=args.regional_compile,
+        kernel_tuning=args.kernel_tuning,
     )
 
 

@@ -20,7 +20,7 @@ from gpt_fast.device import DTYPE_CHOICES, DTYPES, parse_dtype
 from gpt_fast.engine import Engine, EngineOptions, launched_world_size, user_turn
 from gpt_fast.evaluate import DATASETS, EvalOptions
 from gpt_fast.fileio import STDOUT, regular_file
-from gpt_fast.generate import COMPILE_MODES
+from gpt_fast.generate import COMPILE_MODES, KERNEL_TUNINGS
 from gpt_fast.quant.calibrate import DEFAULT_TEXT as DEFAULT_CALIBRATION_TEXT
 from gpt_fast.quant.calibrate import DEFAULT_TOKENS as DEFAULT_CALIBRATION_TOKENS
 from gpt_fast.quant.calibrate import Calibration
@@ -119,8 +119,8 @@ def add_device_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """--compile, --compile_prefill, --regional_compile, --device, --dtype, handed to the command as
-    ``engine_options``."""
+    """--compile, --compile_prefill, --regional_compile, --kernel_tuning, --device, --dtype, handed to the command
+    as ``engine_options``."""
 
     @functools.wraps(func)
     def command(
@@ -128,14 +128,26 @@ def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
         compile_mode: str,
         compile_prefill: bool,
         regional_compile: bool,
+        kernel_tuning: str,
         device: str | None,
         dtype: str,
         **kwargs: Any,
     ) -> Any:
-        options = EngineOptions(compile_mode, compile_prefill, device, dtype, regional_compile=regional_compile)
+        options = EngineOptions(
+            compile_mode, compile_prefill, device, dtype, regional_compile=regional_compile, kernel_tuning=kernel_tuning
+        )
         return func(*args, engine_options=options, **kwargs)
 
     decorated = add_device_options(command)
+    decorated = option(
+        "--kernel_tuning",
+        type=Choice(KERNEL_TUNINGS),
+        default=ENGINE.kernel_tuning,
+        show_default=True,
+        help="coordinate-descent: inductor benchmarks neighbouring block sizes of each generated kernel at its "
+        "first run (faster kernels; most of a cold compile); heuristic: its first choice (compiles several times "
+        "faster).",
+    )(decorated)
     decorated = option(
         "--regional_compile",
         is_flag=True,

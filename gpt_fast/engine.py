@@ -30,6 +30,7 @@ from gpt_fast.device import DTYPE_CHOICES, device_name, dtype_name, resolve_devi
 from gpt_fast.drafters import Drafter
 from gpt_fast.generate import (
     COMPILE_MODES,
+    KERNEL_TUNINGS,
     CompileCacheUse,
     GenerationResult,
     cache_length,
@@ -71,8 +72,9 @@ class EngineOptions:
     :func:`gpt_fast.quant.kernels.resolve_kernel`), the attention kernel of compiled decode steps (``auto``: see
     :func:`gpt_fast.kernels.decode_attention.resolve_attention_kernel`), the ranks of tensor parallelism
     (``tp``: the model split over that many processes started by ``torchrun``, one GPU each; see
-    :mod:`gpt_fast.parallel`) and regional compilation (one layer compiled and reused for all: see
-    :func:`gpt_fast.model.layer_region`; no effect without compilation)."""
+    :mod:`gpt_fast.parallel`), regional compilation (one layer compiled and reused for all: see
+    :func:`gpt_fast.model.layer_region`), and how inductor picks its kernels' configurations (``kernel_tuning``:
+    :data:`gpt_fast.generate.KERNEL_TUNINGS`); the last two have no effect without compilation."""
 
     compile: str = "none"
     compile_prefill: bool = False
@@ -83,6 +85,7 @@ class EngineOptions:
     tp: int = 1
     attention_kernel: str = "auto"
     regional_compile: bool = False
+    kernel_tuning: str = KERNEL_TUNINGS[0]
 
     def __post_init__(self) -> None:
         if self.compile not in COMPILE_MODES:
@@ -99,6 +102,8 @@ class EngineOptions:
             raise ValueError("speculative decoding does not run with tensor parallelism (--tp) yet")
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise ValueError(f"attention_kernel {self.attention_kernel!r} is not one of {', '.join(ATTENTION_KERNELS)}")
+        if self.kernel_tuning not in KERNEL_TUNINGS:
+            raise ValueError(f"--kernel_tuning {self.kernel_tuning!r} is not one of {', '.join(KERNEL_TUNINGS)}")
         if self.regional_compile and self.tp > 1:  # collectives inside a reused region: not tried on GPUs yet
             raise ValueError("--regional_compile does not run with tensor parallelism (--tp) yet")
 
@@ -187,7 +192,7 @@ class Engine:
         self._sharded = sharded  # the state is this rank's part already
         self._parallel: TensorParallel | None = None  # the group, once joined (load_weights)
         self._folder_id = folder_identity(checkpoint_dir)
-        self._steps = make_steps(options.compile, options.compile_prefill)
+        self._steps = make_steps(options.compile, options.compile_prefill, options.kernel_tuning)
         self._slot_steps: SlotSteps | None = None  # made on first use of a batcher
         self._model: Transformer | None = None
         self._draft = draft  # the draft checkpoint's engine, for speculative decoding with a draft model
@@ -348,7 +353,7 @@ class Engine:
     def speculative_steps(self) -> SpeculativeSteps:
         """The steps of a speculative round, compiled as the engine's compile mode says (made on first use)."""
         if self._spec_steps is None:
-            self._spec_steps = make_speculative_steps(self.options.compile)
+            self._spec_steps = make_speculative_steps(self.options.compile, self.options.kernel_tuning)
         return self._spec_steps
 
     @property
@@ -565,7 +570,8 @@ class Engine:
         run one batcher, or single-stream generation, at a time."""
         self.options.check_batching()
         if self._slot_steps is None:
-            self._slot_steps = make_slot_steps(self.options.compile, self.options.compile_prefill)
+            opts = self.options
+            self._slot_steps = make_slot_steps(opts.compile, opts.compile_prefill, opts.kernel_tuning)
         return Batcher(
             self.model, self._slot_steps, options or BatchOptions(), tokenizer=self._tokenizer, stop_ids=self.stop_ids
         )

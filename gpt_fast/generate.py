@@ -21,6 +21,9 @@ from gpt_fast.profiling import DECODE_MARK, PREFILL_MARK
 from gpt_fast.sampling import SamplingConfig, sample
 
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
+# How inductor picks each generated kernel's block sizes and warps: coordinate-descent tuning benchmarks neighbouring
+# configurations at the first run (the faster kernels; most of a cold compile), heuristic takes its own choice.
+KERNEL_TUNINGS = ("coordinate-descent", "heuristic")
 CACHE_LENGTH_MULTIPLE = 64  # round cache lengths up so nearby request lengths share one compiled graph
 
 TokenCallback = Callable[[list[int]], None]  # receives one decoded token per batch row, in order
@@ -55,27 +58,35 @@ class Steps:
     mode: str
 
 
-def make_steps(mode: str, compile_prefill: bool = False) -> Steps:
+def make_steps(mode: str, compile_prefill: bool = False, tuning: str = KERNEL_TUNINGS[0]) -> Steps:
     """Wrap the step functions for a compile mode (``none`` = eager). The decode step has fixed shapes, so it is
     compiled whole (``fullgraph=True``); ``reduce-overhead`` and ``max-autotune`` also capture it as a CUDA graph."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile mode {mode!r} is not one of {', '.join(COMPILE_MODES)}")
     if mode == "none":
         return Steps(prefill, decode_one_token, mode)
-    decode = torch.compile(decode_one_token, options=compile_options(mode), fullgraph=True)
-    return Steps(compiled_prefill() if compile_prefill else prefill, decode, mode)
+    decode = torch.compile(decode_one_token, options=compile_options(mode, tuning), fullgraph=True)
+    return Steps(compiled_prefill(tuning) if compile_prefill else prefill, decode, mode)
 
 
-def compile_options(mode: str) -> dict[str, Any]:
-    """Inductor options for the decode step in a compile mode: the mode's own, plus programmatic dependent launch
-    (PDL) in the CUDA-graph modes. With PDL each kernel's blocks are scheduled while the kernel before it drains,
-    which shortens the gaps between the few hundred small kernels of a decode step. On an H100 it decoded the
-    SmolLM2-135M shape 8 % faster and left the GEMV-bound Llama-2-7B shape unchanged (BENCHMARKS.md, 2026-11-22).
-    Inductor emits it only for CUDA GPUs of compute capability 9 and up, never on ROCm. ``default`` mode, which
-    launches every kernel from the host, keeps inductor's launcher as it is."""
+def tuning_options(tuning: str) -> dict[str, Any]:
+    """The inductor option of a kernel tuning (one of :data:`KERNEL_TUNINGS`)."""
+    if tuning not in KERNEL_TUNINGS:
+        raise ValueError(f"kernel tuning {tuning!r} is not one of {', '.join(KERNEL_TUNINGS)}")
+    return {"coordinate_descent_tuning": tuning == "coordinate-descent"}
+
+
+def compile_options(mode: str, tuning: str = KERNEL_TUNINGS[0]) -> dict[str, Any]:
+    """Inductor options for the decode step in a compile mode: the mode's own, the kernel tuning's
+    (:func:`tuning_options`), and programmatic dependent launch (PDL) in the CUDA-graph modes. With PDL each
+    kernel's blocks are scheduled while the kernel before it drains, which shortens the gaps between the few
+    hundred small kernels of a decode step. On an H100 it decoded the SmolLM2-135M shape 8 % faster and left the
+    GEMV-bound Llama-2-7B shape unchanged (BENCHMARKS.md, 2026-11-22). Inductor emits it only for CUDA GPUs of
+    compute capability 9 and up, never on ROCm. ``default`` mode, which launches every kernel from the host, keeps
+    inductor's launcher as it is."""
     import torch._inductor
 
-    options: dict[str, Any] = dict(torch._inductor.list_mode_options(mode))
+    options: dict[str, Any] = dict(torch._inductor.list_mode_options(mode)) | tuning_options(tuning)
     if options.get("triton.cudagraphs") and hasattr(torch._inductor.config.triton, "enable_pdl"):
         options["triton.enable_pdl"] = True
     return options
@@ -103,10 +114,10 @@ def compile_cache_use() -> CompileCacheUse:
     return CompileCacheUse(counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"])
 
 
-def compiled_prefill() -> Callable[..., None]:
+def compiled_prefill(tuning: str = KERNEL_TUNINGS[0]) -> Callable[..., None]:
     """The prefill compiled once for every prompt length: the length dimension is marked dynamic (and only it:
     ``dynamic=True`` would also make the sampling settings symbolic), and no CUDA graphs."""
-    compiled = torch.compile(prefill, fullgraph=True)
+    compiled = torch.compile(prefill, fullgraph=True, options=tuning_options(tuning))
 
     def prefill_any_length(model: Transformer, idx: torch.Tensor, sampling: SamplingConfig) -> None:
         torch._dynamo.maybe_mark_dynamic(idx, 1)

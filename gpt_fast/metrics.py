@@ -102,6 +102,7 @@ class RunMetrics:
     speculative: SpeculativeMetrics | None = None  # over the samples the averages are over
     world_size: int = 1  # processes the model was split over (tensor parallelism); the figures are rank 0's
     regional_compile: bool = False  # one layer compiled and reused for every layer (EngineOptions.regional_compile)
+    kernel_tuning: str | None = None  # EngineOptions.kernel_tuning of a compiled run; None in eager mode
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from gpt_fast.device import memory_used
-from gpt_fast.engine import DEFAULT_MAX_NEW_TOKENS, Engine, set_seed
+from gpt_fast.engine import DEFAULT_MAX_NEW_TOKENS, Engine, EngineOptions, set_seed
 from gpt_fast.fileio import check_output_file, write_text_atomic
 from gpt_fast.generate import GenerationResult
 from gpt_fast.metrics import RunMetrics, SampleMetrics, SpeculativeMetrics, averages_label, timed_samples
@@ -87,12 +87,19 @@ class GenerateOptions:
         return trace_file(self.profile, f"trace_rank{rank}", f"rank{rank}") if self.profile_all_ranks else None
 
 
+def compile_notes(options: EngineOptions) -> str:
+    """What the first line says about compilation beyond the mode: regional, and untuned kernels."""
+    notes = ["regional: one layer compiled and reused"] if options.regional_compile else []
+    if options.compile != "none" and options.kernel_tuning == "heuristic":
+        notes.append("kernels: inductor's heuristic configurations, not tuned")
+    return f" ({'; '.join(notes)})" if notes else ""
+
+
 def load_reporting(engine: Engine, write: Write) -> None:
     """Read the weights, saying what is loaded where and how long it took (the blog's first lines)."""
-    regional = " (regional: one layer compiled and reused)" if engine.options.regional_compile else ""
     write(
         f"Using device={engine.device} ({engine.device_name}), dtype={engine.dtype_name}, "
-        f"compile={engine.compile}{regional}\n"
+        f"compile={engine.compile}{compile_notes(engine.options)}\n"
     )
     if engine.world_size > 1:
         write(f"Tensor parallel over {engine.world_size} ranks (figures are rank 0's: bandwidth and memory per GPU)\n")
@@ -232,6 +239,7 @@ def report(engine: Engine, runner: SampleRunner, samples: list[SampleMetrics], w
         speculative=SpeculativeMetrics.combined([s.speculative for s in timed]) if timed[0].speculative else None,
         world_size=engine.world_size,
         regional_compile=engine.options.regional_compile,
+        kernel_tuning=None if engine.options.compile == "none" else engine.options.kernel_tuning,
     )
     over = f" ({metrics.averaged_over})"
     write(f"Bandwidth achieved{over}: {metrics.average_bandwidth_gbps:.2f} GB/s\n")

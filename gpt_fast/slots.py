@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from gpt_fast.generate import compile_options
+from gpt_fast.generate import KERNEL_TUNINGS, compile_options, tuning_options
 from gpt_fast.model import Transformer
 from gpt_fast.sampling import SamplingConfig, sample_rows
 
@@ -93,16 +93,16 @@ class SlotSteps:
     mode: str
 
 
-def make_slot_steps(mode: str, compile_prefill: bool = False) -> SlotSteps:
+def make_slot_steps(mode: str, compile_prefill: bool = False, tuning: str = KERNEL_TUNINGS[0]) -> SlotSteps:
     """The steps for a compile mode (``none`` = eager). The decode step is compiled whole and specialized on
     ``rows`` (``dynamic=False``): each value is its own graph with fixed shapes. A compiled prefill takes any prompt
     length (the length dimension is marked dynamic), as the single-stream one does."""
     if mode == "none":
         return SlotSteps(prefill_slot, decode_slots, mode)
-    decode = torch.compile(decode_slots, options=compile_options(mode), fullgraph=True, dynamic=False)
+    decode = torch.compile(decode_slots, options=compile_options(mode, tuning), fullgraph=True, dynamic=False)
     prefill = prefill_slot
     if compile_prefill:
-        compiled = torch.compile(prefill_slot, fullgraph=True)
+        compiled = torch.compile(prefill_slot, fullgraph=True, options=tuning_options(tuning))
 
         def prefill(model: Transformer, state: SlotState, slot: int, idx: torch.Tensor) -> None:
             torch._dynamo.maybe_mark_dynamic(idx, 1)

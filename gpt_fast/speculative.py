@@ -46,6 +46,7 @@ from gpt_fast.drafters import (
 )
 from gpt_fast.generate import (
     CACHE_LENGTH_MULTIPLE,
+    KERNEL_TUNINGS,
     GenerationResult,
     HostTokens,
     Steps,
@@ -189,13 +190,13 @@ class SpeculativeSteps:
     mode: str
 
 
-def make_speculative_steps(mode: str) -> SpeculativeSteps:
+def make_speculative_steps(mode: str, tuning: str = KERNEL_TUNINGS[0]) -> SpeculativeSteps:
     """The round's steps for a compile mode (``none`` = eager). Each has fixed shapes for a fixed k and batch, so
     each compiles whole; ``reduce-overhead`` and ``max-autotune`` capture each as a CUDA graph."""
     functions = (verify_step, propose_step, draft_first, draft_next)
     if mode == "none":
         return SpeculativeSteps(*functions, mode)
-    options = compile_options(mode)
+    options = compile_options(mode, tuning)
     return SpeculativeSteps(*(torch.compile(f, options=options, fullgraph=True) for f in functions), mode)
 
 

@@ -162,7 +162,10 @@ def test_the_attention_kernel_is_named_and_checked():
     lines = []
     rows = tiny_benchmark(lines, new_tokens=2, repeats=1, peers=False, attention_kernels=["auto", "torch"])
     assert [r.name for r in rows] == ["gpt-fast none"]
-    assert lines[-2].endswith("our decode's attention kernel: torch; our compiled steps: the whole step compiled")
+    assert lines[-2].endswith(
+        "our decode's attention kernel: torch; our compiled steps: the whole step compiled, kernels tuned by "
+        "coordinate descent"
+    )
     with pytest.raises(ValueError, match="the triton attention kernel needs a CUDA GPU"):
         tiny_benchmark(lines, peers=False, attention_kernels=["triton"])
 
@@ -171,4 +174,13 @@ def test_regional_compile_is_named_in_the_rows_and_the_summary():
     lines = []
     rows = tiny_benchmark(lines, new_tokens=4, repeats=1, peers=False, regional_compile=True)
     assert [r.name for r in rows] == ["gpt-fast none regional"]
-    assert lines[-2].endswith("our compiled steps: one layer compiled and reused (regional)")
+    assert lines[-2].endswith(
+        "our compiled steps: one layer compiled and reused (regional), kernels tuned by coordinate descent"
+    )
+
+
+def test_heuristic_kernels_are_named_in_the_rows_and_the_summary():
+    lines = []
+    rows = tiny_benchmark(lines, new_tokens=4, repeats=1, peers=False, kernel_tuning="heuristic")
+    assert [r.name for r in rows] == ["gpt-fast none heuristic"]
+    assert lines[-2].endswith("our compiled steps: the whole step compiled, kernels as inductor picks them")

@@ -319,6 +319,17 @@ def test_regional_compile_is_said_and_recorded(checkpoint, capsys):
     metrics = json.loads(out)
     assert metrics["regional_compile"] is True and metrics["compile"] == "default"
     assert "compile=default (regional: one layer compiled and reused)" in err
+    assert metrics["kernel_tuning"] == "coordinate-descent"
+
+
+def test_heuristic_kernel_tuning_is_said_and_recorded(checkpoint, capsys):
+    extra = ("--compile", "default", "--kernel_tuning", "heuristic", "--metrics_json", "-", "--num_samples", "1")
+    code, out, err = run(generate_args(checkpoint, *extra), capsys)
+    assert code == 0, err
+    assert json.loads(out)["kernel_tuning"] == "heuristic"
+    assert "compile=default (kernels: inductor's heuristic configurations, not tuned)" in err
+    code, out, err = run(generate_args(checkpoint, "--metrics_json", "-", "--num_samples", "1"), capsys)
+    assert code == 0 and json.loads(out)["kernel_tuning"] is None  # eager: no kernels generated
 
 
 def test_prompt_from_standard_input_and_from_a_file(checkpoint, tmp_path, capsys, monkeypatch):

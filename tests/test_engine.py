@@ -56,6 +56,7 @@ def test_weights_come_from_the_folder_whose_config_was_read(tiny, tmp_path):
         ({"compile": "turbo"}, "--compile 'turbo' is not one of"),
         ({"dtype": "int4"}, "--dtype 'int4' is not one of"),
         ({"regional_compile": True, "tp": 2}, "--regional_compile does not run with tensor parallelism"),
+        ({"kernel_tuning": "exhaustive"}, "--kernel_tuning 'exhaustive' is not one of coordinate-descent, heuristic"),
     ],
 )
 def test_options_check_themselves(options, message):

@@ -154,6 +154,20 @@ def test_compile_options_are_inductor_settings(mode):
     assert options.get("triton.cudagraphs", False) == (mode != "default")
 
 
+@pytest.mark.parametrize(("tuning", "coordinate_descent"), [("coordinate-descent", True), ("heuristic", False)])
+def test_kernel_tuning_reaches_every_compiled_step(monkeypatch, tuning, coordinate_descent):
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compiled.append(kwargs["options"]) or fn)
+    make_steps("reduce-overhead", compile_prefill=True, tuning=tuning)
+    assert len(compiled) == 2
+    assert all(options["coordinate_descent_tuning"] is coordinate_descent for options in compiled)
+
+
+def test_unknown_kernel_tuning():
+    with pytest.raises(ValueError, match="kernel tuning 'slow' is not one of coordinate-descent, heuristic"):
+        make_steps("default", tuning="slow")
+
+
 def test_unknown_compile_mode():
     with pytest.raises(ValueError, match="not one of none, default, reduce-overhead, max-autotune"):
         make_steps("fast")

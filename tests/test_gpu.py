@@ -78,6 +78,14 @@ def test_every_mode_runs_and_agrees_with_eager(runs, mode):
     assert (runs[mode]["compile_seconds"] is None) == (mode == "none")
 
 
+@pytest.mark.parametrize("extra", [(), ("--regional_compile",)], ids=["whole", "regional"])
+def test_heuristic_kernels_agree_with_eager(runs, checkpoint, tmp_path, extra):
+    """Kernels left as inductor picks them (no coordinate-descent tuning) in CUDA graphs: eager's greedy tokens."""
+    run = generate(checkpoint, tmp_path, "reduce-overhead", "--kernel_tuning", "heuristic", *extra)
+    assert run["kernel_tuning"] == "heuristic"
+    assert run["samples"][-1]["generated_ids"] == runs["none"]["samples"][-1]["generated_ids"]
+
+
 @pytest.mark.skipif(torch.version.hip is not None, reason="ROCm keeps the PyTorch attention code")
 @pytest.mark.parametrize("mode", COMPILE_MODES)
 def test_compiled_modes_decode_with_the_fused_attention_kernel(runs, mode):
