@@ -30,7 +30,8 @@ from gpt_fast.convert.hf_config import hf_config_dict
 from gpt_fast.convert.layout import MODULE_NAMING, split_tensors
 from gpt_fast.convert.random_init import random_weights
 from gpt_fast.device import device_name, device_synchronize, dtype_name, parse_dtype
-from gpt_fast.engine import KERNEL_TUNINGS, Engine, EngineOptions, resolve_attention_kernel
+from gpt_fast.engine import Engine, EngineOptions, resolve_attention_kernel
+from gpt_fast.generate import COORDINATE_DESCENT, HEURISTIC, KERNEL_TUNINGS
 from gpt_fast.quant.layout import quantize_state, stored_size
 from gpt_fast.sampling import SamplingConfig
 from gpt_fast.settings import apply_torch_settings
@@ -94,7 +95,7 @@ class Subject:
     device: torch.device
     dtype: torch.dtype
     regional_compile: bool = False  # our rows compile one layer and reuse it (EngineOptions.regional_compile)
-    kernel_tuning: str = KERNEL_TUNINGS[0]  # how inductor picks our kernels' configurations (EngineOptions)
+    kernel_tuning: str = COORDINATE_DESCENT  # how inductor picks our kernels' configurations (EngineOptions)
 
 
 def ours_runners(
@@ -240,7 +241,7 @@ def run_benchmark(
     quantize: Sequence[QuantConfig] = (),
     attention_kernels: Sequence[str] = ("auto",),
     regional_compile: bool = False,
-    kernel_tuning: str = KERNEL_TUNINGS[0],
+    kernel_tuning: str = COORDINATE_DESCENT,
     write: Callable[[str], None] = print,
 ) -> list[Row]:
     shape = get_shape(shape_name)
@@ -252,11 +253,8 @@ def run_benchmark(
     copy_gbps = copy_bandwidth_gbps(device)
     write(f"measured: copy bandwidth {copy_gbps:.0f} GB/s")  # now, so that a run cut off later still has it
     subject = Subject(state, shape, mode, device, dtype, regional_compile, kernel_tuning)
-    ours = (
-        f"gpt-fast {mode}"
-        + (" regional" if regional_compile else "")
-        + (" heuristic" if kernel_tuning == "heuristic" else "")
-    )
+    suffix, compiled_as = describe_compilation(regional_compile, kernel_tuning)
+    ours = f"gpt-fast {mode}{suffix}"
     runners: dict[str, Builder] = {
         ours + (f" attention-{kernel}" if len(attention) > 1 else ""): functools.partial(
             ours_runners, subject, attention=kernel
@@ -289,12 +287,18 @@ def run_benchmark(
     write(
         f"{shape_name}, {device_name(device)}, torch {torch.__version__}, {dtype}; copy bandwidth {copy_gbps:.0f} "
         f"GB/s; prompt {prompt_tokens} tokens, {new_tokens} new, TTFT prompt {ttft_tokens}; our decode's attention "
-        f"kernel: {', '.join(attention)}; our compiled steps: "
-        f"{'one layer compiled and reused (regional)' if regional_compile else 'the whole step compiled'}, "
-        f"kernels {'tuned by coordinate descent' if kernel_tuning == KERNEL_TUNINGS[0] else 'as inductor picks them'}"
+        f"kernel: {', '.join(attention)}; our compiled steps: {compiled_as}"
     )
     write(table(rows, copy_gbps) if rows else "no row was measured")
     return rows
+
+
+def describe_compilation(regional_compile: bool, kernel_tuning: str) -> tuple[str, str]:
+    """Our rows' name suffix and the summary line's words for how their steps are compiled."""
+    suffix = (" regional" if regional_compile else "") + (" heuristic" if kernel_tuning == HEURISTIC else "")
+    steps = "one layer compiled and reused (regional)" if regional_compile else "the whole step compiled"
+    kernels = "as inductor picks them" if kernel_tuning == HEURISTIC else "tuned by coordinate descent"
+    return suffix, f"{steps}, kernels {kernels}"
 
 
 def release_memory(device: torch.device) -> None:
@@ -376,7 +380,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--kernel_tuning",
         choices=KERNEL_TUNINGS,
-        default=KERNEL_TUNINGS[0],
+        default=COORDINATE_DESCENT,
         help="Our rows' kernel configurations: tuned by coordinate descent, or inductor's heuristic choice.",
     )
     args = parser.parse_args(argv)

@@ -30,6 +30,7 @@ from gpt_fast.device import DTYPE_CHOICES, device_name, dtype_name, resolve_devi
 from gpt_fast.drafters import Drafter
 from gpt_fast.generate import (
     COMPILE_MODES,
+    COORDINATE_DESCENT,
     KERNEL_TUNINGS,
     CompileCacheUse,
     GenerationResult,
@@ -85,7 +86,7 @@ class EngineOptions:
     tp: int = 1
     attention_kernel: str = "auto"
     regional_compile: bool = False
-    kernel_tuning: str = KERNEL_TUNINGS[0]
+    kernel_tuning: str = COORDINATE_DESCENT
 
     def __post_init__(self) -> None:
         if self.compile not in COMPILE_MODES:

@@ -23,7 +23,8 @@ from gpt_fast.sampling import SamplingConfig, sample
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
 # How inductor picks each generated kernel's block sizes and warps: coordinate-descent tuning benchmarks neighbouring
 # configurations at the first run (the faster kernels; most of a cold compile), heuristic takes its own choice.
-KERNEL_TUNINGS = ("coordinate-descent", "heuristic")
+COORDINATE_DESCENT, HEURISTIC = "coordinate-descent", "heuristic"
+KERNEL_TUNINGS = (COORDINATE_DESCENT, HEURISTIC)  # the first is the default
 CACHE_LENGTH_MULTIPLE = 64  # round cache lengths up so nearby request lengths share one compiled graph
 
 TokenCallback = Callable[[list[int]], None]  # receives one decoded token per batch row, in order
@@ -58,7 +59,7 @@ class Steps:
     mode: str
 
 
-def make_steps(mode: str, compile_prefill: bool = False, tuning: str = KERNEL_TUNINGS[0]) -> Steps:
+def make_steps(mode: str, compile_prefill: bool = False, tuning: str = COORDINATE_DESCENT) -> Steps:
     """Wrap the step functions for a compile mode (``none`` = eager). The decode step has fixed shapes, so it is
     compiled whole (``fullgraph=True``); ``reduce-overhead`` and ``max-autotune`` also capture it as a CUDA graph."""
     if mode not in COMPILE_MODES:
@@ -73,10 +74,10 @@ def tuning_options(tuning: str) -> dict[str, Any]:
     """The inductor option of a kernel tuning (one of :data:`KERNEL_TUNINGS`)."""
     if tuning not in KERNEL_TUNINGS:
         raise ValueError(f"kernel tuning {tuning!r} is not one of {', '.join(KERNEL_TUNINGS)}")
-    return {"coordinate_descent_tuning": tuning == "coordinate-descent"}
+    return {"coordinate_descent_tuning": tuning == COORDINATE_DESCENT}
 
 
-def compile_options(mode: str, tuning: str = KERNEL_TUNINGS[0]) -> dict[str, Any]:
+def compile_options(mode: str, tuning: str = COORDINATE_DESCENT) -> dict[str, Any]:
     """Inductor options for the decode step in a compile mode: the mode's own, the kernel tuning's
     (:func:`tuning_options`), and programmatic dependent launch (PDL) in the CUDA-graph modes. With PDL each
     kernel's blocks are scheduled while the kernel before it drains, which shortens the gaps between the few
@@ -114,7 +115,7 @@ def compile_cache_use() -> CompileCacheUse:
     return CompileCacheUse(counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"])
 
 
-def compiled_prefill(tuning: str = KERNEL_TUNINGS[0]) -> Callable[..., None]:
+def compiled_prefill(tuning: str = COORDINATE_DESCENT) -> Callable[..., None]:
     """The prefill compiled once for every prompt length: the length dimension is marked dynamic (and only it:
     ``dynamic=True`` would also make the sampling settings symbolic), and no CUDA graphs."""
     compiled = torch.compile(prefill, fullgraph=True, options=tuning_options(tuning))

@@ -14,7 +14,7 @@ import torch
 from gpt_fast.device import memory_used
 from gpt_fast.engine import DEFAULT_MAX_NEW_TOKENS, Engine, EngineOptions, set_seed
 from gpt_fast.fileio import check_output_file, write_text_atomic
-from gpt_fast.generate import GenerationResult
+from gpt_fast.generate import HEURISTIC, GenerationResult
 from gpt_fast.metrics import RunMetrics, SampleMetrics, SpeculativeMetrics, averages_label, timed_samples
 from gpt_fast.profiling import trace_file
 from gpt_fast.sampling import SamplingConfig
@@ -90,7 +90,7 @@ class GenerateOptions:
 def compile_notes(options: EngineOptions) -> str:
     """What the first line says about compilation beyond the mode: regional, and untuned kernels."""
     notes = ["regional: one layer compiled and reused"] if options.regional_compile else []
-    if options.compile != "none" and options.kernel_tuning == "heuristic":
+    if options.compile != "none" and options.kernel_tuning == HEURISTIC:
         notes.append("kernels: inductor's heuristic configurations, not tuned")
     return f" ({'; '.join(notes)})" if notes else ""
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from gpt_fast.generate import KERNEL_TUNINGS, compile_options, tuning_options
+from gpt_fast.generate import COORDINATE_DESCENT, compile_options, tuning_options
 from gpt_fast.model import Transformer
 from gpt_fast.sampling import SamplingConfig, sample_rows
 
@@ -93,7 +93,7 @@ class SlotSteps:
     mode: str
 
 
-def make_slot_steps(mode: str, compile_prefill: bool = False, tuning: str = KERNEL_TUNINGS[0]) -> SlotSteps:
+def make_slot_steps(mode: str, compile_prefill: bool = False, tuning: str = COORDINATE_DESCENT) -> SlotSteps:
     """The steps for a compile mode (``none`` = eager). The decode step is compiled whole and specialized on
     ``rows`` (``dynamic=False``): each value is its own graph with fixed shapes. A compiled prefill takes any prompt
     length (the length dimension is marked dynamic), as the single-stream one does."""

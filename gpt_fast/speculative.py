@@ -46,7 +46,7 @@ from gpt_fast.drafters import (
 )
 from gpt_fast.generate import (
     CACHE_LENGTH_MULTIPLE,
-    KERNEL_TUNINGS,
+    COORDINATE_DESCENT,
     GenerationResult,
     HostTokens,
     Steps,
@@ -190,7 +190,7 @@ class SpeculativeSteps:
     mode: str
 
 
-def make_speculative_steps(mode: str, tuning: str = KERNEL_TUNINGS[0]) -> SpeculativeSteps:
+def make_speculative_steps(mode: str, tuning: str = COORDINATE_DESCENT) -> SpeculativeSteps:
     """The round's steps for a compile mode (``none`` = eager). Each has fixed shapes for a fixed k and batch, so
     each compiles whole; ``reduce-overhead`` and ``max-autotune`` capture each as a CUDA graph."""
     functions = (verify_step, propose_step, draft_first, draft_next)
