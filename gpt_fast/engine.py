@@ -44,6 +44,7 @@ from gpt_fast.kernels.decode_attention import ATTENTION_KERNELS, resolve_attenti
 from gpt_fast.model import Transformer, weight_bytes_per_token
 from gpt_fast.parallel import TensorParallel, check_tensor_parallel, device_of, env_ranks, join
 from gpt_fast.paths import CHECKPOINTS_DIR
+from gpt_fast.precompile import PrecompiledStep
 from gpt_fast.profiling import record_trace
 from gpt_fast.quant.kernels import KERNELS
 from gpt_fast.sampling import SamplingConfig
@@ -74,8 +75,10 @@ class EngineOptions:
     :func:`gpt_fast.kernels.decode_attention.resolve_attention_kernel`), the ranks of tensor parallelism
     (``tp``: the model split over that many processes started by ``torchrun``, one GPU each; see
     :mod:`gpt_fast.parallel`), regional compilation (one layer compiled and reused for all: see
-    :func:`gpt_fast.model.layer_region`), and how inductor picks its kernels' configurations (``kernel_tuning``:
-    :data:`gpt_fast.generate.KERNEL_TUNINGS`); the last two have no effect without compilation."""
+    :func:`gpt_fast.model.layer_region`), how inductor picks its kernels' configurations (``kernel_tuning``:
+    :data:`gpt_fast.generate.KERNEL_TUNINGS`; no effect without compilation), and whether the decode step is
+    compiled ahead of time and kept on disk for the next process (``aot_precompile``: :mod:`gpt_fast.precompile`;
+    one prompt's plain decoding in one process)."""
 
     compile: str = "none"
     compile_prefill: bool = False
@@ -87,6 +90,7 @@ class EngineOptions:
     attention_kernel: str = "auto"
     regional_compile: bool = False
     kernel_tuning: str = COORDINATE_DESCENT
+    aot_precompile: bool = False
 
     def __post_init__(self) -> None:
         if self.compile not in COMPILE_MODES:
@@ -107,6 +111,18 @@ class EngineOptions:
             raise ValueError(f"--kernel_tuning {self.kernel_tuning!r} is not one of {', '.join(KERNEL_TUNINGS)}")
         if self.regional_compile and self.tp > 1:  # collectives inside a reused region: not tried on GPUs yet
             raise ValueError("--regional_compile does not run with tensor parallelism (--tp) yet")
+        self._check_aot_precompile()
+
+    def _check_aot_precompile(self) -> None:
+        if not self.aot_precompile:
+            return
+        if self.compile == "none":
+            raise ValueError("--aot_precompile keeps a compiled decode step: give it a --compile mode")
+        others = {"--regional_compile": self.regional_compile, "--tp": self.tp > 1}
+        others["speculative decoding"] = self.speculative is not None
+        for name, used in others.items():
+            if used:
+                raise ValueError(f"--aot_precompile does not combine with {name} yet")
 
     def check_parallel(self, config: ModelConfig, quantization: QuantConfig | None) -> None:
         """A model that does not split over ``tp`` ranks is refused before any weights are read."""
@@ -122,6 +138,8 @@ class EngineOptions:
             )
         if self.tp > 1:  # the batcher's host-side decisions follow the device's timing, which differs by rank
             raise ValueError("several prompts (continuous batching, serve) do not run with tensor parallelism yet")
+        if self.aot_precompile:  # the batcher's slot steps are other functions, compiled as usual
+            raise ValueError("--aot_precompile keeps one prompt's decode step; several prompts (serve) do not use it")
 
 
 @dataclass(frozen=True)
@@ -193,7 +211,9 @@ class Engine:
         self._sharded = sharded  # the state is this rank's part already
         self._parallel: TensorParallel | None = None  # the group, once joined (load_weights)
         self._folder_id = folder_identity(checkpoint_dir)
-        self._steps = make_steps(options.compile, options.compile_prefill, options.kernel_tuning)
+        self._steps = make_steps(
+            options.compile, options.compile_prefill, options.kernel_tuning, options.aot_precompile
+        )
         self._slot_steps: SlotSteps | None = None  # made on first use of a batcher
         self._model: Transformer | None = None
         self._draft = draft  # the draft checkpoint's engine, for speculative decoding with a draft model
@@ -336,6 +356,13 @@ class Engine:
     def compile_cache_use() -> CompileCacheUse:
         """How the compilations so far used the on-disk compile cache (``.label``: warm, cold or partly warm)."""
         return compile_cache_use()
+
+    @property
+    def aot_package(self) -> str | None:
+        """With ``aot_precompile``: how the decode step's latest package was obtained (loaded from disk, or
+        compiled and saved, and where); None otherwise or before the first decode step."""
+        decode = self._steps.decode
+        return decode.outcome if isinstance(decode, PrecompiledStep) else None
 
     @property
     def device_name(self) -> str:

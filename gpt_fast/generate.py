@@ -17,6 +17,7 @@ import torch
 
 from gpt_fast.device import device_synchronize
 from gpt_fast.model import Transformer
+from gpt_fast.precompile import PrecompiledStep
 from gpt_fast.profiling import DECODE_MARK, PREFILL_MARK
 from gpt_fast.sampling import SamplingConfig, sample
 
@@ -45,7 +46,8 @@ def decode_one_token(model: Transformer, sampling: SamplingConfig) -> None:
     after it, and ``input_pos`` advances."""
     state = model.decode_state
     cur = state.tokens.index_select(1, state.input_pos)  # [B, 1]
-    logits = model(cur, state.input_pos)  # [B, 1, V]
+    # the keywords are spelled out: torch 2.11 cannot load an ahead-of-time package that guards a default argument
+    logits = model(cur, state.input_pos, last_only=False, first_row=0)  # [B, 1, V]
     state.tokens.index_copy_(1, state.input_pos + 1, sample(logits[:, -1], sampling)[:, None])
     state.input_pos.add_(1)
 
@@ -59,14 +61,21 @@ class Steps:
     mode: str
 
 
-def make_steps(mode: str, compile_prefill: bool = False, tuning: str = COORDINATE_DESCENT) -> Steps:
+def make_steps(
+    mode: str, compile_prefill: bool = False, tuning: str = COORDINATE_DESCENT, aot_precompile: bool = False
+) -> Steps:
     """Wrap the step functions for a compile mode (``none`` = eager). The decode step has fixed shapes, so it is
-    compiled whole (``fullgraph=True``); ``reduce-overhead`` and ``max-autotune`` also capture it as a CUDA graph."""
+    compiled whole (``fullgraph=True``); ``reduce-overhead`` and ``max-autotune`` also capture it as a CUDA graph.
+    With ``aot_precompile`` it is compiled ahead of time and kept on disk (:mod:`gpt_fast.precompile`)."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile mode {mode!r} is not one of {', '.join(COMPILE_MODES)}")
     if mode == "none":
         return Steps(prefill, decode_one_token, mode)
-    decode = torch.compile(decode_one_token, options=compile_options(mode, tuning), fullgraph=True)
+    options = compile_options(mode, tuning)
+    if aot_precompile:
+        decode: Callable[..., None] = PrecompiledStep(decode_one_token, options)
+    else:
+        decode = torch.compile(decode_one_token, options=options, fullgraph=True)
     return Steps(compiled_prefill(tuning) if compile_prefill else prefill, decode, mode)
 
 

@@ -101,6 +101,7 @@ class RunMetrics:
     trace: dict[str, Any] | None = None  # `gpt-fast trace-summary --json` of the trace, when profiled
     speculative: SpeculativeMetrics | None = None  # over the samples the averages are over
     world_size: int = 1  # processes the model was split over (tensor parallelism); the figures are rank 0's
+    aot_package: str | None = None  # with --aot_precompile: the decode step's package, loaded or compiled and saved
     regional_compile: bool = False  # one layer compiled and reused for every layer (EngineOptions.regional_compile)
     kernel_tuning: str | None = None  # EngineOptions.kernel_tuning of a compiled run; None in eager mode
 

@@ -14,7 +14,7 @@ import torch
 from gpt_fast.device import memory_used
 from gpt_fast.engine import DEFAULT_MAX_NEW_TOKENS, Engine, EngineOptions, set_seed
 from gpt_fast.fileio import check_output_file, write_text_atomic
-from gpt_fast.generate import HEURISTIC, GenerationResult
+from gpt_fast.generate import HEURISTIC, CompileCacheUse, GenerationResult
 from gpt_fast.metrics import RunMetrics, SampleMetrics, SpeculativeMetrics, averages_label, timed_samples
 from gpt_fast.profiling import trace_file
 from gpt_fast.sampling import SamplingConfig
@@ -181,10 +181,9 @@ class SampleRunner:
             write(f"\nSample {index + 1}/{opts.num_samples}: {describe(sample)}{tag}\n")
             if index == 0 and self.engine.compile != "none":
                 cache = self.engine.compile_cache_use()
-                write(
-                    f"Compilation time: {sample.seconds:.2f} seconds (compile cache {cache.label}: {cache.hits} of "
-                    f"{cache.hits + cache.misses} graphs loaded from it)\n"
-                )
+                write(f"Compilation time: {sample.seconds:.2f} seconds ({describe_cache_use(cache)})\n")
+                if self.engine.aot_package is not None:
+                    write(f"Decode step ahead of time: {self.engine.aot_package}\n")
         if self.opts.trace_path is not None:  # on every rank: the collectives need them all
             profiling = self.engine.profiled(self.trace_path) if self.trace_path else contextlib.nullcontext()
             with profiling:
@@ -192,6 +191,14 @@ class SampleRunner:
             samples.append(sample)
             write(f"\nProfiled sample: {describe(sample)} (not in the averages: the profiler slows it down)\n")
         return samples
+
+
+def describe_cache_use(cache: CompileCacheUse) -> str:
+    """How inductor's on-disk cache served this run's graphs (none pass through it when the decode step came from
+    an ahead-of-time package)."""
+    if cache.hits + cache.misses == 0:
+        return "no graph went through inductor's compile cache"
+    return f"compile cache {cache.label}: {cache.hits} of {cache.hits + cache.misses} graphs loaded from it"
 
 
 def describe(sample: SampleMetrics) -> str:
@@ -238,6 +245,7 @@ def report(engine: Engine, runner: SampleRunner, samples: list[SampleMetrics], w
         trace=trace,
         speculative=SpeculativeMetrics.combined([s.speculative for s in timed]) if timed[0].speculative else None,
         world_size=engine.world_size,
+        aot_package=engine.aot_package,
         regional_compile=engine.options.regional_compile,
         kernel_tuning=None if engine.options.compile == "none" else engine.options.kernel_tuning,
     )

@@ -57,6 +57,12 @@ def test_weights_come_from_the_folder_whose_config_was_read(tiny, tmp_path):
         ({"dtype": "int4"}, "--dtype 'int4' is not one of"),
         ({"regional_compile": True, "tp": 2}, "--regional_compile does not run with tensor parallelism"),
         ({"kernel_tuning": "exhaustive"}, "--kernel_tuning 'exhaustive' is not one of coordinate-descent, heuristic"),
+        ({"aot_precompile": True}, "--aot_precompile keeps a compiled decode step: give it a --compile mode"),
+        ({"aot_precompile": True, "compile": "default", "tp": 2}, "--aot_precompile does not combine with --tp"),
+        (
+            {"aot_precompile": True, "compile": "default", "regional_compile": True},
+            "--aot_precompile does not combine with --regional_compile",
+        ),
     ],
 )
 def test_options_check_themselves(options, message):
@@ -141,3 +147,8 @@ def test_readme_python_example_runs_as_written(smollm2_gguf, tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
+
+
+def test_aot_precompile_is_refused_for_several_prompts():
+    with pytest.raises(ValueError, match="--aot_precompile keeps one prompt's decode step"):
+        EngineOptions(compile="default", aot_precompile=True).check_batching()

@@ -1,0 +1,84 @@
+"""precompile: the package key follows everything a package depends on; a package saved by one `gpt-fast generate`
+is loaded by the next process and decodes the eager model's greedy tokens; a damaged package is compiled again and
+replaced."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpt_fast.config import ModelConfig
+from gpt_fast.convert.random_init import make_random_checkpoint
+from gpt_fast.engine import Engine
+from gpt_fast.generate import compile_options, decode_one_token
+from gpt_fast.model import Transformer
+from gpt_fast.precompile import LOADED, SAVED, SUFFIX, package_key
+from gpt_fast.sampling import SamplingConfig
+from gpt_fast.shapes import get_shape
+
+GREEDY = SamplingConfig(temperature=0)
+OPTIONS = compile_options("default")
+
+
+def tiny_model(dtype: torch.dtype = torch.float32, batch: int = 1, length: int = 64) -> Transformer:
+    config = ModelConfig(
+        block_size=256, vocab_size=128, n_layer=2, n_head=4, dim=32, intermediate_size=64, n_local_heads=2,
+        head_dim=8, rope_base=10000.0, norm_eps=1e-5,
+    )  # fmt: skip
+    model = Transformer(config).to(dtype)
+    model.setup_caches(batch, length)
+    return model
+
+
+def key(model: Transformer, sampling: SamplingConfig = GREEDY, options: dict | None = None) -> str:
+    return package_key(decode_one_token, model, sampling, OPTIONS if options is None else options)
+
+
+def test_the_key_follows_what_a_package_depends_on(monkeypatch):
+    model = tiny_model()
+    base = key(model)
+    assert key(tiny_model()) == base  # other weights, same everything else: the weights are inputs
+    different = [
+        key(model, SamplingConfig(temperature=0.8, top_k=200)),
+        key(model, options=OPTIONS | {"coordinate_descent_tuning": not OPTIONS["coordinate_descent_tuning"]}),
+        key(tiny_model(batch=2)),
+        key(tiny_model(length=128)),
+        key(tiny_model(torch.bfloat16)),
+    ]
+    monkeypatch.setattr("gpt_fast.precompile.source_digest", lambda: "changed source")
+    different.append(key(model))
+    assert len({base, *different}) == len(different) + 1
+
+
+def run_generate(checkpoint: Path, cache: Path, out: Path, *extra: str) -> dict:
+    command = [sys.executable, "-m", "gpt_fast", "generate", "--checkpoint_path", str(checkpoint), "--device", "cpu"]
+    command += ["--prompt", "Hello", "--max_new_tokens", "12", "--temperature", "0", "--num_samples", "1"]
+    command += ["--metrics_json", str(out), *extra]
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path), "TORCHINDUCTOR_CACHE_DIR": str(cache)}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_the_next_process_loads_the_package_and_decodes_as_eager(tmp_path):
+    checkpoint = make_random_checkpoint(get_shape("tiny"), tmp_path / "ck", dtype=torch.float32, seed=1).parent
+    engine = Engine.load(checkpoint, device="cpu")
+    eager = engine.generate_ids(engine.encode("Hello"), 12, GREEDY).tokens
+    runs = []
+    for index in range(3):
+        out = tmp_path / f"{index}.json"
+        runs.append(run_generate(checkpoint, tmp_path / "cache", out, "--compile", "default", "--aot_precompile"))
+        if index == 1:  # damage the package: the third run compiles it again
+            (package,) = (tmp_path / "cache" / "gpt-fast-aot").glob(f"*{SUFFIX}")
+            package.write_bytes(b"not a package")
+    outcomes = [run["aot_package"] for run in runs]
+    assert outcomes[0].startswith(SAVED) and outcomes[1].startswith(LOADED), outcomes
+    assert outcomes[2].startswith(SAVED) and "did not load" in outcomes[2], outcomes
+    assert [run["samples"][0]["generated_ids"] for run in runs] == [eager] * 3
