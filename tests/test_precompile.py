@@ -56,8 +56,8 @@ def test_the_key_follows_what_a_package_depends_on(monkeypatch):
     assert len({base, *different}) == len(different) + 1
 
 
-def run_generate(checkpoint: Path, cache: Path, out: Path, *extra: str) -> dict:
-    command = [sys.executable, "-m", "gpt_fast", "generate", "--checkpoint_path", str(checkpoint), "--device", "cpu"]
+def run_generate(checkpoint: Path, cache: Path, out: Path, device: str, *extra: str) -> dict:
+    command = [sys.executable, "-m", "gpt_fast", "generate", "--checkpoint_path", str(checkpoint), "--device", device]
     command += ["--prompt", "Hello", "--max_new_tokens", "12", "--temperature", "0", "--num_samples", "1"]
     command += ["--metrics_json", str(out), *extra]
     env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path), "TORCHINDUCTOR_CACHE_DIR": str(cache)}
@@ -66,15 +66,25 @@ def run_generate(checkpoint: Path, cache: Path, out: Path, *extra: str) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.mark.slow
-def test_the_next_process_loads_the_package_and_decodes_as_eager(tmp_path):
+@pytest.mark.parametrize(
+    "device, mode",
+    [
+        pytest.param("cpu", "default", marks=pytest.mark.slow),
+        pytest.param("cuda", "reduce-overhead", marks=pytest.mark.gpu),
+    ],
+)
+def test_the_next_process_loads_the_package_and_decodes_as_eager(tmp_path, device, mode):
+    """float32, so that the compiled step's greedy tokens are the eager model's (on the GPU too: CUDA graphs)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA or ROCm GPU")
     checkpoint = make_random_checkpoint(get_shape("tiny"), tmp_path / "ck", dtype=torch.float32, seed=1).parent
-    engine = Engine.load(checkpoint, device="cpu")
+    engine = Engine.load(checkpoint, device=device, dtype="float32")
     eager = engine.generate_ids(engine.encode("Hello"), 12, GREEDY).tokens
     runs = []
     for index in range(3):
         out = tmp_path / f"{index}.json"
-        runs.append(run_generate(checkpoint, tmp_path / "cache", out, "--compile", "default", "--aot_precompile"))
+        extra = ("--dtype", "float32", "--compile", mode, "--aot_precompile")
+        runs.append(run_generate(checkpoint, tmp_path / "cache", out, device, *extra))
         if index == 1:  # damage the package: the third run compiles it again
             (package,) = (tmp_path / "cache" / "gpt-fast-aot").glob(f"*{SUFFIX}")
             package.write_bytes(b"not a package")
