@@ -94,18 +94,18 @@ class PrecompiledStep:
         self.folder = folder
         self.outcome: str | None = None
         self._by_key: dict[str, Callable[..., None]] = {}
-        # the decode loop calls this once per token: the digest is computed only for a new model, cache or sampling
-        self._by_call: dict[tuple[int, int, SamplingConfig], Callable[..., None]] = {}
+        # the decode loop calls this once per token: the digest is computed again only when the model, its decode
+        # state (new caches) or the sampling differ from the last call's (held, so no other object takes their ids)
+        self._last: tuple[Transformer, object, SamplingConfig, Callable[..., None]] | None = None
 
     def __call__(self, model: Transformer, sampling: SamplingConfig) -> None:
-        call = (id(model), id(model.decode_state), sampling)
-        function = self._by_call.get(call)
-        if function is None:
+        last = self._last
+        if last is None or last[0] is not model or last[1] is not model.decode_state or last[2] != sampling:
             key = package_key(self.step, model, sampling, self.options)
             if key not in self._by_key:
                 self._by_key[key] = self._obtain(key, model, sampling)
-            function = self._by_call[call] = self._by_key[key]
-        function(model, sampling)
+            last = self._last = (model, model.decode_state, sampling, self._by_key[key])
+        last[3](model, sampling)
 
     def _graph_setting(self) -> contextlib.AbstractContextManager[None]:
         """A loaded package takes CUDA graphs from inductor's global setting, not from its compile options."""

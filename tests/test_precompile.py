@@ -18,7 +18,7 @@ from gpt_fast.convert.random_init import make_random_checkpoint
 from gpt_fast.engine import Engine
 from gpt_fast.generate import compile_options, decode_one_token
 from gpt_fast.model import Transformer
-from gpt_fast.precompile import LOADED, SAVED, SUFFIX, package_key
+from gpt_fast.precompile import LOADED, SAVED, SUFFIX, PrecompiledStep, package_key
 from gpt_fast.sampling import SamplingConfig
 from gpt_fast.shapes import get_shape
 
@@ -92,3 +92,30 @@ def test_the_next_process_loads_the_package_and_decodes_as_eager(tmp_path, devic
     assert outcomes[0].startswith(SAVED) and outcomes[1].startswith(LOADED), outcomes
     assert outcomes[2].startswith(SAVED) and "did not load" in outcomes[2], outcomes
     assert [run["samples"][0]["generated_ids"] for run in runs] == [eager] * 3
+
+
+def test_a_new_package_is_sought_only_when_the_model_caches_or_sampling_change(monkeypatch):
+    """The digest is worked out on the first call and again only after new caches or other sampling; a key seen
+    before reuses its function (no compile here: what would be obtained is recorded instead)."""
+    obtained = []
+
+    def obtain(self, key, model, sampling):
+        obtained.append(key)
+        return lambda model, sampling: None
+
+    keyed = []
+
+    def counted_key(*args):
+        keyed.append(package_key(*args))
+        return keyed[-1]
+
+    monkeypatch.setattr(PrecompiledStep, "_obtain", obtain)
+    monkeypatch.setattr("gpt_fast.precompile.package_key", counted_key)
+    step, model = PrecompiledStep(decode_one_token, OPTIONS), tiny_model()
+    for _ in range(3):
+        step(model, GREEDY)
+    step(model, SamplingConfig(temperature=0.8, top_k=200))
+    step(model, GREEDY)  # seen before: no new package
+    model.setup_caches(2, 64)
+    step(model, GREEDY)
+    assert len(keyed) == 4 and len(obtained) == 3 and len(set(obtained)) == 3
