@@ -89,9 +89,8 @@ class PrecompiledStep:
     (:func:`package_key`), else compiled ahead of time and saved for the next process. ``outcome`` says how the
     last new package was obtained: :data:`LOADED`, :data:`SAVED`, or compiled without a package and why."""
 
-    def __init__(self, step: Callable[..., None], options: dict[str, Any], folder: Path | None = None) -> None:
+    def __init__(self, step: Callable[..., None], options: dict[str, Any]) -> None:
         self.step, self.options = step, options
-        self.folder = folder
         self.outcome: str | None = None
         self._by_key: dict[str, Callable[..., None]] = {}
         # the decode loop calls this once per token: the digest is computed again only when the model, its decode
@@ -112,7 +111,7 @@ class PrecompiledStep:
         return torch._inductor.config.patch({"triton.cudagraphs": bool(self.options.get("triton.cudagraphs"))})
 
     def _obtain(self, key: str, model: Transformer, sampling: SamplingConfig) -> Callable[..., None]:
-        path = (self.folder or package_folder()) / f"{key}{SUFFIX}"
+        path = package_folder() / f"{key}{SUFFIX}"
         problem = ""
         if path.is_file():
             try:
