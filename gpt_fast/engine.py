@@ -118,8 +118,11 @@ class EngineOptions:
             return
         if self.compile == "none":
             raise ValueError("--aot_precompile keeps a compiled decode step: give it a --compile mode")
-        others = {"--regional_compile": self.regional_compile, "--tp": self.tp > 1}
-        others["speculative decoding"] = self.speculative is not None
+        others = {
+            "--regional_compile": self.regional_compile,
+            "--tp": self.tp > 1,
+            "speculative decoding": self.speculative is not None,
+        }
         for name, used in others.items():
             if used:
                 raise ValueError(f"--aot_precompile does not combine with {name} yet")

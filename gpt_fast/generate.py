@@ -116,6 +116,14 @@ class CompileCacheUse:
             return "warm"
         return "cold" if self.hits == 0 else "partly warm"
 
+    @property
+    def description(self) -> str:
+        """In words, for a report (no graph passes through the cache when the decode step came from an
+        ahead-of-time package)."""
+        if self.hits + self.misses == 0:
+            return "no graph went through inductor's compile cache"
+        return f"compile cache {self.label}: {self.hits} of {self.hits + self.misses} graphs loaded from it"
+
 
 def compile_cache_use() -> CompileCacheUse:
     """How this process's compilations used inductor's FX graph cache (torch's own counters)."""

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import platform
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +44,10 @@ def package_folder() -> Path:
     return Path(cache_dir()) / "gpt-fast-aot"
 
 
+@functools.cache
 def source_digest() -> str:
-    """A digest of gpt-fast's Python source: torch keeps no guard on code, so a changed model must not load an old
-    package."""
+    """A digest of gpt-fast's Python source (read once per process): torch keeps no guard on code, so a changed
+    model must not load an old package."""
     digest = hashlib.sha256()
     root = Path(__file__).parent
     for path in sorted(root.rglob("*.py")):
@@ -75,13 +77,11 @@ def package_key(
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-@contextlib.contextmanager
-def _aot_enabled() -> Iterator[None]:
+def _aot_enabled() -> contextlib.AbstractContextManager[None]:
     """torch 2.11 gives ``torch.compile``'s result its ``aot_compile`` only with this Dynamo setting; later
     versions always do."""
     config = torch._dynamo.config
-    with config.patch(enable_aot_compile=True) if hasattr(config, "enable_aot_compile") else contextlib.nullcontext():
-        yield
+    return config.patch(enable_aot_compile=True) if hasattr(config, "enable_aot_compile") else contextlib.nullcontext()
 
 
 class PrecompiledStep:

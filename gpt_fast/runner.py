@@ -14,7 +14,7 @@ import torch
 from gpt_fast.device import memory_used
 from gpt_fast.engine import DEFAULT_MAX_NEW_TOKENS, Engine, EngineOptions, set_seed
 from gpt_fast.fileio import check_output_file, write_text_atomic
-from gpt_fast.generate import HEURISTIC, CompileCacheUse, GenerationResult
+from gpt_fast.generate import HEURISTIC, GenerationResult
 from gpt_fast.metrics import RunMetrics, SampleMetrics, SpeculativeMetrics, averages_label, timed_samples
 from gpt_fast.profiling import trace_file
 from gpt_fast.sampling import SamplingConfig
@@ -181,7 +181,7 @@ class SampleRunner:
             write(f"\nSample {index + 1}/{opts.num_samples}: {describe(sample)}{tag}\n")
             if index == 0 and self.engine.compile != "none":
                 cache = self.engine.compile_cache_use()
-                write(f"Compilation time: {sample.seconds:.2f} seconds ({describe_cache_use(cache)})\n")
+                write(f"Compilation time: {sample.seconds:.2f} seconds ({cache.description})\n")
                 if self.engine.aot_package is not None:
                     write(f"Decode step ahead of time: {self.engine.aot_package}\n")
         if self.opts.trace_path is not None:  # on every rank: the collectives need them all
@@ -191,14 +191,6 @@ class SampleRunner:
             samples.append(sample)
             write(f"\nProfiled sample: {describe(sample)} (not in the averages: the profiler slows it down)\n")
         return samples
-
-
-def describe_cache_use(cache: CompileCacheUse) -> str:
-    """How inductor's on-disk cache served this run's graphs (none pass through it when the decode step came from
-    an ahead-of-time package)."""
-    if cache.hits + cache.misses == 0:
-        return "no graph went through inductor's compile cache"
-    return f"compile cache {cache.label}: {cache.hits} of {cache.hits + cache.misses} graphs loaded from it"
 
 
 def describe(sample: SampleMetrics) -> str:
