@@ -32,6 +32,7 @@ from gpt_fast.convert.random_init import random_weights
 from gpt_fast.device import device_name, device_synchronize, dtype_name, parse_dtype
 from gpt_fast.engine import Engine, EngineOptions, resolve_attention_kernel
 from gpt_fast.generate import COORDINATE_DESCENT, HEURISTIC, KERNEL_TUNINGS
+from gpt_fast.quant.kernels import triton_usable
 from gpt_fast.quant.layout import quantize_state, stored_size
 from gpt_fast.sampling import SamplingConfig
 from gpt_fast.settings import apply_torch_settings
@@ -314,13 +315,18 @@ def release_memory(device: torch.device) -> None:
 def quantized_runners(
     subject: Subject, schemes: Sequence[QuantConfig], write: Callable[[str], None]
 ) -> dict[str, Builder]:
-    """The rows of ``--quantize``: ours per scheme, upstream's int8, torchao's where importable."""
+    """The rows of ``--quantize``: ours per scheme (int4 on a CUDA GPU: with PyTorch's tinygemm, the automatic
+    choice, and with our Triton kernel), upstream's int8, torchao's where importable."""
     runners: dict[str, Builder] = {}
     torchao = importlib.util.find_spec("torchao") is not None
     if schemes and not torchao:
         write("torchao is not importable: its rows skipped")
     for scheme in schemes:
         runners[f"gpt-fast {subject.mode} {scheme.name}"] = functools.partial(ours_runners, subject, scheme)
+        if scheme.mode == "int4" and triton_usable(subject.device):
+            runners[f"gpt-fast {subject.mode} {scheme.name} triton"] = functools.partial(
+                ours_runners, subject, scheme, "triton"
+            )
         if scheme.mode == "int8":
             runners[f"upstream-style {scheme.name} (dequant + F.linear, inductor)"] = functools.partial(
                 ours_runners, subject, scheme, "dequant"

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from gpt_fast.fileio import write_text_atomic
 from gpt_fast.model import weight_shapes
 from gpt_fast.quant import triton_gemv
-from gpt_fast.quant.kernels import int4_dequantize
+from gpt_fast.quant.kernels import group_interleave, int4_dequantize
 from gpt_fast.quant.schemes import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 from gpt_fast.settings import apply_torch_settings
 from gpt_fast.shapes import get_shape
@@ -51,7 +51,7 @@ def launches(scheme: str, sweep: bool, n: int, k: int) -> list[triton_gemv.Launc
     if scheme == "int8":
         grid = itertools.product((1, 2, 4, 8), (512, 1024, 2048), (4, 8), (False, True))
     else:
-        grid = itertools.product((1, 2, 4, 8), (GROUP, 2 * GROUP, 4 * GROUP), (2, 4, 8), (False, True))
+        grid = itertools.product((1, 2, 4, 8, 16), (2 * GROUP, 4 * GROUP, 8 * GROUP), (1, 2, 4))
     return [triton_gemv.Launch(*config) for config in grid]
 
 
@@ -65,26 +65,27 @@ def variants(scheme: str, sweep: bool, n: int, k: int) -> dict[str, Fn]:
         if scheme == "int8":
             out[name] = lambda x, w, launch=launch: triton_gemv.int8_gemv(x, w[0], w[1], launch)
         else:
-            out[name] = lambda x, w, launch=launch: triton_gemv.int4_gemv(x, w[0], w[1], w[2], GROUP, launch)
+            out[name] = lambda x, w, launch=launch: triton_gemv.int4_gemv(x, w[3], w[1], w[2], GROUP, launch)
     torch._dynamo.reset()
     if scheme == "int8":
         out["aten _weight_int8pack_mm"] = lambda x, w: torch.ops.aten._weight_int8pack_mm(x, w[0], w[1])
         out["inductor dequant"] = torch.compile(lambda x, w: F.linear(x, w[0].to(x.dtype)) * w[1])
     else:
-        out["aten _weight_int4pack_mm"] = lambda x, w: torch.ops.aten._weight_int4pack_mm(x, w[3], GROUP, w[4])
+        out["aten _weight_int4pack_mm"] = lambda x, w: torch.ops.aten._weight_int4pack_mm(x, w[4], GROUP, w[5])
         out["inductor dequant"] = torch.compile(lambda x, w: F.linear(x, int4_dequantize(w[0], w[1], w[2], GROUP)))
     return out
 
 
 def quantized(scheme: str, weight: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """The tensors of ``weight`` in ``scheme`` (int4: also tinygemm's layout) and the float64 matrix they mean."""
+    """The tensors of ``weight`` in ``scheme`` (int4: also our Triton kernel's words and tinygemm's layout) and the
+    float64 matrix they mean."""
     if scheme == "bf16":
         return (weight,), weight.double()
     if scheme == "int8":
         q, s = quantize_int8(weight, torch.bfloat16)
         return (q, s), dequantize_int8(q, s).double()
     q, s, z = quantize_int4(weight, GROUP, torch.bfloat16)
-    tensors: tuple[torch.Tensor, ...] = (q, s, z)
+    tensors: tuple[torch.Tensor, ...] = (q, s, z, group_interleave(q, GROUP))
     try:  # tinygemm: even columns in the high nibble, [K / group, N, 2] scales and zeros
         levels = torch.stack([q & 0xF, q >> 4], dim=-1).reshape(q.shape[0], -1)
         tiny = ((levels[:, 0::2] << 4) | levels[:, 1::2]).to(torch.uint8)

@@ -12,9 +12,16 @@ import pytest
 import torch
 
 from gpt_fast.config import QuantConfig
-from gpt_fast.quant.kernels import FEW_ROWS, int4_dequantize, int4_linear, int8_linear, resolve_kernel
+from gpt_fast.quant.kernels import (
+    FEW_ROWS,
+    group_interleave,
+    int4_dequantize,
+    int4_linear,
+    int8_linear,
+    resolve_kernel,
+)
 from gpt_fast.quant.linear import Int4Linear
-from gpt_fast.quant.schemes import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+from gpt_fast.quant.schemes import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8, unpack_int4
 
 # Relative error ||ours - exact|| / ||exact|| allowed against the float64 product: float32 arithmetic lands near
 # 1e-6; bfloat16 activations and scales (8 bits of mantissa) near 3e-3.
@@ -61,9 +68,25 @@ def test_int4_dequantize_in_pytorch_matches_the_scheme():
     q, scales, zeros = quantize_int4(torch.randn(32, 200), 64, torch.float32)
     torch.testing.assert_close(int4_dequantize(q, scales, zeros, 64), dequantize_int4(q, scales, zeros, 64))
     x = torch.randn(3, 200)
-    torch.testing.assert_close(
-        int4_linear(x, q, scales, zeros, 64, "dequant"), x @ dequantize_int4(q, scales, zeros, 64).T
-    )
+    torch.testing.assert_close(int4_linear(x, q, scales, zeros, 64), x @ dequantize_int4(q, scales, zeros, 64).T)
+
+
+@pytest.mark.parametrize("cols, group_size", [(256, 64), (200, 32), (576, 128)])
+def test_group_interleave_puts_each_column_where_the_triton_kernel_reads_it(cols, group_size):
+    """Column c of group g = c // group_size sits in word g * group_size / 8 + (c % group_size) % (group_size / 8)
+    of its row, nibble (c % group_size) // (group_size / 8); a shorter last group is padded with zeros."""
+    torch.manual_seed(cols)
+    q, _, _ = quantize_int4(torch.randn(3, cols), group_size, torch.float32)
+    words = group_interleave(q, group_size)
+    per_group = group_size // 8
+    groups = -(-cols // group_size)
+    assert words.dtype == torch.int32 and words.shape == (3, groups * per_group)
+    nibbles = torch.stack([(words >> (4 * i)) & 0xF for i in range(8)], dim=-1)  # [3, words, 8]
+    col = torch.arange(groups * group_size)
+    read = nibbles[:, (col // group_size) * per_group + col % per_group, (col % group_size) // per_group]
+    levels = unpack_int4(q)
+    assert torch.equal(read[:, :cols], levels.to(read.dtype))
+    assert not read[:, cols:].any()
 
 
 def test_cpu_int4_kernel_needs_rows_in_sixteens():
@@ -100,6 +123,7 @@ def test_a_rocm_build_falls_back_to_plain_pytorch(monkeypatch):
 TRITON_CHECK = """
 import torch
 from gpt_fast.quant import triton_gemv
+from gpt_fast.quant.kernels import group_interleave
 from gpt_fast.quant.schemes import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 torch.manual_seed(0)
 worst = 0.0
@@ -113,8 +137,9 @@ for rows, n, k in [(1, 64, 256), (3, 37, 200), (2, 16, 1024)]:
     for group in (32, 128):
         q, s, z = quantize_int4(w, group, torch.float32)
         exact = x.double() @ dequantize_int4(q, s, z, group).double().T
-        for launch in [None, triton_gemv.Launch(8, 4 * group, 4), triton_gemv.Launch(2, group, 1, words=True)]:
-            got = triton_gemv.int4_gemv(x, q, s, z, group, launch).double()
+        words = group_interleave(q, group)
+        for launch in [None, triton_gemv.Launch(4, 2 * group, 2), triton_gemv.Launch(2, group, 1)]:
+            got = triton_gemv.int4_gemv(x, words, s, z, group, launch).double()
             worst = max(worst, ((got - exact).norm() / exact.norm()).item())
 print(worst)
 """
@@ -127,8 +152,8 @@ print(worst)
     reason="Triton 3.6's interpreter takes int() of 1-element arrays, an error since numpy 2.4",
 )
 def test_triton_kernels_in_the_interpreter():
-    """Both kernel families (bytes and 32-bit words), ragged shapes included, run by Triton's interpreter on
-    CPU tensors (TRITON_INTERPRET is read when the kernels are defined: a process of its own)."""
+    """The int8 kernel (bytes and 32-bit words) and the int4 kernel, ragged shapes included, run by Triton's
+    interpreter on CPU tensors (TRITON_INTERPRET is read when the kernels are defined: a process of its own)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(TRITON_CHECK)], capture_output=True, text=True, env=env, timeout=600

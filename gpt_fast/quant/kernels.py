@@ -67,9 +67,9 @@ def register_triton_ops() -> None:
 
     @triton_op("gpt_fast::int4_gemv", mutates_args=())
     def int4_gemv(
-        x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+        x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
     ) -> torch.Tensor:
-        return triton_gemv.int4_gemv(x, weight, scales, zeros, group_size, wrap=wrap_triton)
+        return triton_gemv.int4_gemv(x, words, scales, zeros, group_size, wrap=wrap_triton)
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, kernel: str) -> torch.Tensor:
@@ -99,21 +99,37 @@ def int4_dequantize(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
 
 
 def int4_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor,
-    group_size: int,
-    kernel: str,
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
 ) -> torch.Tensor:
-    """``x`` [..., K] times the int4 ``weight`` [N, K / 2] with ``scales`` and ``zeros`` [N, groups]."""
+    """``x`` [..., K] times the int4 ``weight`` [N, K / 2] with ``scales`` and ``zeros`` [N, groups], dequantized
+    (the ``dequant`` kernel, and every kernel's path for more than :data:`FEW_ROWS` rows)."""
     rows = x.reshape(-1, x.shape[-1])
-    out_features = scales.shape[0]
-    if kernel == "triton" and rows.shape[0] <= FEW_ROWS:
-        out = torch.ops.gpt_fast.int4_gemv(rows.contiguous(), weight, scales, zeros, group_size)
-    else:
-        out = F.linear(rows, int4_dequantize(weight, scales, zeros, group_size).to(x.dtype))
-    return out.reshape(*x.shape[:-1], out_features)
+    out = F.linear(rows, int4_dequantize(weight, scales, zeros, group_size).to(x.dtype))
+    return out.reshape(*x.shape[:-1], scales.shape[0])
+
+
+def group_interleave(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The int4 ``weight`` [N, K/2] (uint8, two columns per byte) as the 32-bit words [N, G * group_size / 8]
+    that :func:`gpt_fast.quant.triton_gemv.int4_gemv` reads (G whole groups; a shorter last group padded): word
+    ``j`` of group ``g`` holds, in its nibble ``i`` (bits 4i to 4i+3), column ``g * group_size + i * group_size /
+    8 + j``."""
+    n, k = weight.shape[0], 2 * weight.shape[1]
+    groups = -(-k // group_size)
+    levels = torch.stack([weight & 0xF, weight >> 4], dim=-1).reshape(n, k)
+    levels = F.pad(levels, (0, groups * group_size - k))
+    nibbles = levels.reshape(n, groups, 8, group_size // 8).transpose(2, 3)  # [N, G, words, 8]
+    words = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)  # [N, G, words, 4]: each word's bytes, lowest first
+    return words.contiguous().view(torch.int32).reshape(n, -1)
+
+
+def int4_triton_linear(
+    x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """``x`` [..., K] (few rows) times a weight repacked for our Triton kernel
+    (:func:`group_interleave`, see :class:`gpt_fast.quant.linear.Int4Linear`)."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.ops.gpt_fast.int4_gemv(rows.contiguous(), words, scales, zeros, group_size)
+    return out.reshape(*x.shape[:-1], scales.shape[0])
 
 
 def int4_aten_linear(

@@ -14,7 +14,15 @@ import torch
 from torch import nn
 
 from gpt_fast.config import ModelConfig, QuantConfig
-from gpt_fast.quant.kernels import FEW_ROWS, int4_aten_linear, int4_linear, int8_linear, resolve_kernel
+from gpt_fast.quant.kernels import (
+    FEW_ROWS,
+    group_interleave,
+    int4_aten_linear,
+    int4_linear,
+    int4_triton_linear,
+    int8_linear,
+    resolve_kernel,
+)
 from gpt_fast.quant.layout import quantized_linears, quantized_tensors
 from gpt_fast.quant.schemes import INT4_MID, unpack_int4
 
@@ -65,9 +73,9 @@ class Int4Linear(QuantizedLinear):
     def prepare(self, kernel: str, *, auto: bool = False, compiled: bool = False) -> None:
         """``aten``, and ``auto`` on a CUDA GPU, repack a copy of the weights for PyTorch's own int4 kernel of the
         device, used for few rows: on the CPU ``_weight_int4pack_mm_for_cpu``; on CUDA (bf16 only) tinygemm,
-        ``_weight_int4pack_mm``, which reads the weights faster than our Triton kernel (H200, Llama-3-8B
-        ``w13``: 33.0 against 46.8 us; BENCHMARKS.md). Where that kernel does not take the shape or dtype, ``aten``
-        means ``dequant`` and ``auto`` keeps ``kernel``."""
+        ``_weight_int4pack_mm``. ``triton`` repacks a copy for our Triton kernel
+        (:func:`gpt_fast.quant.kernels.group_interleave`). Where PyTorch's kernel does not take the shape or
+        dtype, ``aten`` means ``dequant`` and ``auto`` keeps ``kernel``."""
         device = self.weight.device.type
         repack = {"cpu": self._repack_cpu, "cuda": self._repack_cuda}.get(device)
         wanted = kernel == "aten" or (auto and device == "cuda" and torch.version.hip is None)
@@ -75,6 +83,8 @@ class Int4Linear(QuantizedLinear):
             self.kernel = "aten"
         else:
             self.kernel = "dequant" if kernel == "aten" else kernel
+        if self.kernel == "triton":
+            self.register_buffer("words", group_interleave(self.weight, self.group_size), persistent=False)
 
     def _repack_cpu(self) -> bool:
         """Scales and zeros as one [groups, out, 2] tensor; columns padded to whole groups."""
@@ -104,9 +114,12 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("scales_and_zeros", stacked, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel == "aten" and x.numel() // x.shape[-1] <= FEW_ROWS:
+        few = x.numel() // x.shape[-1] <= FEW_ROWS
+        if self.kernel == "aten" and few:
             return self.biased(int4_aten_linear(x, self.packed, self.scales_and_zeros, self.group_size))
-        return self.biased(int4_linear(x, self.weight, self.scales, self.zeros, self.group_size, self.kernel))
+        if self.kernel == "triton" and few:
+            return self.biased(int4_triton_linear(x, self.words, self.scales, self.zeros, self.group_size))
+        return self.biased(int4_linear(x, self.weight, self.scales, self.zeros, self.group_size))
 
 
 LINEARS = {"int8": Int8Linear, "int4": Int4Linear}

@@ -6,16 +6,16 @@ partial product per loaded weight in registers and reducing once at the end, so 
 conversions and fused multiply-adds only. Programs are numbered row-fastest: the programs of all activation rows
 that read one block of weights run side by side, and all but the first find it in L2.
 
-int4: each step covers ``GROUPS`` whole groups as a [BLOCK_N, GROUPS, ...] tile; the nibbles meet their
-activation columns. With ``w = q * s + (zero - 8 s)`` per group, the scale multiplies the group's partial sums and
-the offset only the sum of the group's activations, so the inner loop does no per-weight dequantization beyond
-unpacking.
+int4: the weights are repacked once (:func:`gpt_fast.quant.kernels.group_interleave`) so that each 32-bit word
+holds 8 columns of one group that meet contiguous activations; each step covers ``GROUPS`` whole groups as a
+[BLOCK_N, GROUPS, words] tile. The scale multiplies the group's partial sums and the zero point only the sum of
+the group's activations, so that each weight costs a shift, a logical operation and a float multiply-add (see
+:func:`_int4_gemv`).
 
-Two ways of reading the weights (``AS_WORDS``): as bytes converted by the hardware, and as 32-bit words whose
-bytes or nibbles become floats through the mantissa of 2**23, which spares the
-integer-to-float conversions (a quarter of the float multiply-add rate on recent NVIDIA GPUs) that would otherwise
-bound the int4 kernel below the memory's speed. Which is faster, and which tile, is for
-``scripts/quant_gemv.py --sweep`` to say on the GPU at hand.
+int8: the weights are read as bytes converted by the hardware, or (``AS_WORDS``) as 32-bit words whose bytes
+become floats through the mantissa of 2**23, which spares the integer-to-float conversions (a quarter of the float
+multiply-add rate on recent NVIDIA GPUs). Which is faster, and which tile, is for ``scripts/quant_gemv.py
+--sweep`` to say on the GPU at hand.
 
 Imported only where Triton is (:mod:`gpt_fast.quant.kernels` decides); the launchers run on CUDA tensors, and
 in Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors for the tests.
@@ -134,56 +134,46 @@ def _int4_gemv(
     N,
     K,
     NG,
+    ONE,
     BLOCK_N: tl.constexpr,
     GROUPS: tl.constexpr,
     GROUP: tl.constexpr,
     EVEN: tl.constexpr,
-    AS_WORDS: tl.constexpr,
 ):
-    """int4 weights read a byte (two columns) at a time, the nibbles converted to float32 by the hardware, or
-    (``AS_WORDS``, the weights given as int32) as 32-bit words of 8 nibbles, each turned into a float through the
-    mantissa of 2**23."""
+    """int4 weights in the words of :func:`gpt_fast.quant.kernels.group_interleave`: nibble ``i`` of a group's
+    word ``j`` is the group's column ``i * GROUP / 8 + j``, so that the activations each nibble position meets
+    are contiguous (vector loads, shared by the ``BLOCK_N`` rows). A nibble becomes the float ``1 + q / 128`` by
+    moving it to bits 16-19 and setting the exponent bits of 1.0 (``ONE``, an argument: held in a register, the
+    mask and the exponent bits take one logical instruction, where two constants take two): a shift and a
+    logical operation per weight, no conversion and no subtraction. With ``w = (q - 8) s + zero`` per group,
+    the group's sum is ``128 s * sum(v x) + (zero - 136 s) * sum(x)``."""
     m, rn = _program_rows(M, BLOCK_N)
     x_row = x_ptr + m * K
+    WORDS: tl.constexpr = GROUP // 8  # words per row and group
     rg = tl.arange(0, GROUPS)
+    rj = tl.arange(0, WORDS)
+    w_rows = w_ptr + rn.to(tl.int64)[:, None, None] * (NG * WORDS)
+    acc = tl.zeros((BLOCK_N, GROUPS, WORDS), dtype=tl.float32)
     acc_offset = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
-    if AS_WORDS:
-        WORDS: tl.constexpr = GROUP // 8
-        kw = K // 8  # words per weight row
-        w_rows = w_ptr + rn.to(tl.int64)[:, None, None] * kw
-        acc = tl.zeros((BLOCK_N, GROUPS, WORDS), dtype=tl.float32)
-        for g0 in range(0, NG, GROUPS):
-            g = g0 + rg
-            word = g[:, None] * WORDS + tl.arange(0, WORDS)[None, :]  # [GROUPS, WORDS]: index within the row
-            packed = _load(w_rows + word[None, :, :], (rn[:, None, None] < N) & (word < kw)[None, :, :], EVEN)
-            scales, zeros = _group_scales(s_ptr, z_ptr, rn, g, N, NG, EVEN)
-            partial = tl.zeros((BLOCK_N, GROUPS, WORDS), dtype=tl.float32)
-            x_sum = tl.zeros((GROUPS, WORDS), dtype=tl.float32)
-            for i in tl.static_range(8):
-                x = _load(x_row + 8 * word + i, word < kw, EVEN).to(tl.float32)
-                level = (((packed >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-                partial += level * x[None, :, :]
-                x_sum += x
-            acc += partial * scales[:, :, None]
-            acc_offset += (zeros - 8.0 * scales) * tl.sum(x_sum, axis=1)[None, :]
-        _store_int4(y_ptr, m, N, rn, acc, acc_offset)
-    else:
-        HALF: tl.constexpr = GROUP // 2
-        kb = K // 2  # bytes per weight row
-        w_rows = w_ptr + rn.to(tl.int64)[:, None, None] * kb
-        acc = tl.zeros((BLOCK_N, GROUPS, HALF), dtype=tl.float32)
-        for g0 in range(0, NG, GROUPS):
-            g = g0 + rg
-            byte = g[:, None] * HALF + tl.arange(0, HALF)[None, :]  # [GROUPS, HALF]: index within the row
-            x_even = _load(x_row + 2 * byte, byte < kb, EVEN).to(tl.float32)
-            x_odd = _load(x_row + 2 * byte + 1, byte < kb, EVEN).to(tl.float32)
-            packed = _load(w_rows + byte[None, :, :], (rn[:, None, None] < N) & (byte < kb)[None, :, :], EVEN)
-            scales, zeros = _group_scales(s_ptr, z_ptr, rn, g, N, NG, EVEN)
-            low = (packed & 0xF).to(tl.float32)
-            high = (packed >> 4).to(tl.float32)
-            acc += (low * x_even[None, :, :] + high * x_odd[None, :, :]) * scales[:, :, None]
-            acc_offset += (zeros - 8.0 * scales) * tl.sum(x_even + x_odd, axis=1)[None, :]
-        _store_int4(y_ptr, m, N, rn, acc, acc_offset)
+    for g0 in range(0, NG, GROUPS):
+        g = g0 + rg
+        word = g[:, None] * WORDS + rj[None, :]  # [GROUPS, WORDS]: index within the row
+        packed = _load(w_rows + word[None, :, :], (rn[:, None, None] < N) & (g < NG)[None, :, None], EVEN)
+        scales, zeros = _group_scales(s_ptr, z_ptr, rn, g, N, NG, EVEN)
+        partial = tl.zeros((BLOCK_N, GROUPS, WORDS), dtype=tl.float32)
+        x_sum = tl.zeros((GROUPS, WORDS), dtype=tl.float32)
+        for i in tl.static_range(8):
+            col = g[:, None] * GROUP + i * WORDS + rj[None, :]  # [GROUPS, WORDS]
+            x = _load(x_row + col, col < K, EVEN).to(tl.float32)
+            if 4 * i <= 16:
+                moved = packed << (16 - 4 * i)
+            else:
+                moved = packed >> (4 * i - 16)
+            partial += ((moved & 0x000F0000) | ONE).to(tl.float32, bitcast=True) * x[None, :, :]
+            x_sum += x
+        acc += partial * (128.0 * scales)[:, :, None]
+        acc_offset += (zeros - (128.0 + 8.0) * scales) * tl.sum(x_sum, axis=1)[None, :]
+    _store_int4(y_ptr, m, N, rn, acc, acc_offset)
 
 
 def int8_launch(n: int, k: int) -> Launch:
@@ -191,12 +181,6 @@ def int8_launch(n: int, k: int) -> Launch:
     loads 16 bytes of each row per step and a 4096-row matrix makes 2048 programs (15 per multiprocessor of an
     H100). Chosen by reasoning, not measured: ``scripts/quant_gemv.py --sweep`` times the alternatives."""
     return Launch(2, min(1024, triton.next_power_of_2(k)), 4, words=True)
-
-
-def int4_launch(n: int, k: int, group_size: int) -> Launch:
-    """The tile for an [n, k] int4 matrix in groups of ``group_size``: 2 rows of up to 1024 columns (whole groups)
-    per program, 2 warps (16 bytes per thread per row and step, as for int8). Not measured either."""
-    return Launch(2, max(group_size, min(1024, triton.next_power_of_2(k))), 2, words=True)
 
 
 Wrap = Callable[[Callable[..., None]], Callable[..., None]]  # torch.library.wrap_triton inside a triton_op
@@ -246,24 +230,36 @@ def int8_gemv(
     return y
 
 
+ONE_BITS = 0x3F800000  # the float 1.0 (see _int4_gemv)
+WIDE_ROWS = 8192  # int4 matrices of at least this many rows take taller tiles (int4_launch)
+
+
+def int4_launch(n: int, k: int, group_size: int) -> Launch:
+    """The tile for an [n, k] int4 matrix: 8 groups per step and one warp; 8 rows per program for a wide matrix,
+    1 for a narrower one (more programs to keep the GPU's memory busy). The best summed times over the
+    Llama-2-7B, Llama-3-8B and SmolLM2 matrices in ``scripts/quant_gemv.py --sweep`` on an H200, those of at
+    least 8192 rows and those of fewer apart (BENCHMARKS.md, twelfth session)."""
+    return Launch(8 if n >= WIDE_ROWS else 1, 8 * group_size, 1)
+
+
 def int4_gemv(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    words: torch.Tensor,
     scales: torch.Tensor,
     zeros: torch.Tensor,
     group_size: int,
     launch: Launch | None = None,
     wrap: Wrap = _unwrapped,
 ) -> torch.Tensor:
-    """``x`` [M, K] @ dequantized(``weight`` [N, K/2] uint8, ``scales``/``zeros`` [N, G]).T -> [M, N]."""
+    """``x`` [M, K] @ dequantized(``words`` [N, G * group_size / 8] int32, ``scales``/``zeros`` [N, G]).T ->
+    [M, N]; ``words`` from :func:`gpt_fast.quant.kernels.group_interleave`."""
     m, k = x.shape
     n, n_groups = scales.shape
     launch = launch or int4_launch(n, k, group_size)
-    groups = launch.block_k // group_size
-    y, grid, even, words = _prelude(x, n, launch)
+    y, grid, even, _ = _prelude(x, n, launch)
     wrap(_int4_gemv)[grid](
         x,
-        weight.view(torch.int32) if words else weight,
+        words,
         scales,
         zeros,
         y,
@@ -271,11 +267,11 @@ def int4_gemv(
         n,
         k,
         n_groups,
+        ONE_BITS,
         BLOCK_N=launch.block_n,
-        GROUPS=groups,
+        GROUPS=launch.block_k // group_size,
         GROUP=group_size,
         EVEN=even,
-        AS_WORDS=words,
         num_warps=launch.warps,
     )
     return y
