@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
 
 def apply_torch_settings() -> None:
     """Inductor settings for generation: coordinate-descent tuning of the generated kernels (decode is made of
@@ -13,6 +18,7 @@ def apply_torch_settings() -> None:
     inductor_config.triton.unique_kernel_names = True
     inductor_config.fx_graph_cache = True
     _use_workers_ptxas()
+    _keep_tuned_configs_on_load()
 
 
 def _use_workers_ptxas() -> None:
@@ -27,3 +33,53 @@ def _use_workers_ptxas() -> None:
     pin = getattr(compile_tasks, "_set_triton_ptxas_path", None)
     if pin is not None:
         pin()
+
+
+def _keep_tuned_configs_on_load() -> None:
+    """torch 2.11 only: make a kernel loaded from a cache (an ``--aot_precompile`` package, or inductor's FX graph
+    cache) run the configuration coordinate-descent tuning found for it in an earlier process instead of tuning it
+    again at its first call, which in 2.11 happened to 1-5 of the Llama-2-7B step's 24 kernels per warm start
+    (1.5-11.6 s; BENCHMARKS.md, twelfth session). Two causes, both upstream bugs (pytorch/pytorch#172819, #181292):
+
+    - ``CachingAutotuner.recheck_autotune_cache`` drops the cache entry's "found by coordinate descent" mark
+      when the configuration it names is one the kernel compiled already, or its only one: replaced by
+      :func:`recheck_autotune_cache`;
+    - ``dynamic_scale_rblock`` adds halved-reduction-block configurations to a reduction kernel after its cache
+      lookup, so that a hit is benchmarked and tuned again, and the kernel's list of configurations (which the
+      cache entry is keyed by) differs between the process that saves an entry and the one that reads it: turned
+      off. Coordinate-descent tuning, which also halves and doubles the reduction block, is unchanged.
+
+    With both, four warm starts of the 7B package re-tuned no kernel; with the first alone, 1-3 per start."""
+    if not torch.__version__.startswith("2.11."):
+        return
+    import torch._inductor.config as inductor_config
+    from torch._inductor.runtime import triton_heuristics
+
+    triton_heuristics.CachingAutotuner.recheck_autotune_cache = recheck_autotune_cache
+    inductor_config.dynamic_scale_rblock = False
+
+
+def recheck_autotune_cache(self: Any, reload_kernel_from_src: Callable[[], Any]) -> None:
+    """A cached kernel's check of the autotune cache: on a hit, keep only the compiled configuration the entry
+    names (compiling it if it is not among them) and carry the entry's ``found_by_coordesc`` over to it, so that
+    the kernel's first call does not tune it again. ``self`` is inductor's ``CachingAutotuner`` of a kernel that
+    is launched statically."""
+    from torch._inductor.runtime import triton_heuristics
+
+    configs = [result.config for result in self.compile_results]
+    cached, _, info = triton_heuristics.check_autotune_cache(configs, self.filename, self.inductor_meta)
+    self.autotune_cache_info = info
+    if len(cached) != 1:
+        return
+    best = cached[0]
+    tuned = getattr(best, "found_by_coordesc", False)
+    hashable = triton_heuristics.triton_config_to_hashable
+    match = next((r for r in self.compile_results if hashable(r.config) == hashable(best)), None)
+    if match is None:
+        if not tuned:
+            return
+        if self.fn.fn is None:
+            self.fn = reload_kernel_from_src().fn
+        match = self._precompile_config(best)
+    match.config.found_by_coordesc = tuned
+    self.compile_results = [match]

@@ -1,6 +1,7 @@
 """Where a compile's time goes: runs a `gpt-fast` command in this process and logs every Triton compilation in it
-(kernel, warps, stages, seconds, Triton's cache key) and every lookup in inductor's autotune cache (hit or miss),
-then torch's own compile phases (``torch._dynamo.utils.compile_times``) and the process's wall time.
+(kernel, warps, stages, seconds, Triton's cache key), every lookup in inductor's autotune cache (hit or miss, and the
+file it is kept in), every coordinate-descent tuning of a kernel (seconds, the configurations it started from and
+ended with), then torch's own compile phases (``torch._dynamo.utils.compile_times``) and the process's wall time.
 
     python scripts/compile_log.py LOG generate --compile reduce-overhead --checkpoint_path CKPT ...
 
@@ -45,10 +46,25 @@ def log_autotune_cache(log: TextIO) -> None:
     def logged(configs: list[Any], filename: str | None, inductor_meta: dict[str, Any]) -> Any:
         result = check(configs, filename, inductor_meta)
         state = result[2].get("autotune_cache_state")
-        log.write(f"autotune_cache {state} {inductor_meta.get('kernel_name')} configs={len(configs)}\n")
+        log.write(f"autotune_cache {state} {inductor_meta.get('kernel_name')} configs={len(configs)} file={filename}\n")
         return result
 
     heuristics.check_autotune_cache = logged
+
+
+def log_coordinate_descent(log: TextIO) -> None:
+    tune = heuristics.CachingAutotuner._coordinate_descent_tuning
+
+    def logged(self: Any, launcher: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        winner = tune(self, launcher, *args, **kwargs)
+        log.write(
+            f"coordinate_descent {time.perf_counter() - start:.3f}s {self.inductor_meta.get('kernel_name')} "
+            f"from={launcher.config} to={winner.config} saved={self.save_cache_hook is not None}\n"
+        )
+        return winner
+
+    heuristics.CachingAutotuner._coordinate_descent_tuning = logged
 
 
 def main() -> None:
@@ -58,6 +74,7 @@ def main() -> None:
     log = open(sys.argv[1], "a", buffering=1)  # open until the command exits: atexit writes the phases
     log_triton_compiles(log)
     log_autotune_cache(log)
+    log_coordinate_descent(log)
 
     def phases() -> None:
         log.write(dynamo_utils.compile_times(repr="str", aggregate=True) + "\n")

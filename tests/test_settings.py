@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 REPORT = "import os; print(os.environ.get('TRITON_PTXAS_PATH'))"
 OURS = f"from gpt_fast.settings import apply_torch_settings; apply_torch_settings(); {REPORT}"
 WORKERS = f"from torch._inductor.runtime import compile_tasks as t; t._set_triton_ptxas_path(); {REPORT}"
@@ -37,3 +39,71 @@ def test_inductor_flags():
 def test_importing_changes_nothing():
     code = f"import torch._inductor.config as c; import gpt_fast.settings; {REPORT}; print(c.coordinate_descent_tuning)"
     assert _run(code).split() == ["None", "False"]
+
+
+def fake_autotuner(compiled, cached):
+    """A statically launched kernel's autotuner as ``recheck_autotune_cache`` sees it: ``compiled`` configurations
+    (kwargs, warps) and an autotune cache answering ``cached`` (a hit: one configuration)."""
+    import types
+
+    def config(kwargs, warps, coordesc=None):
+        c = types.SimpleNamespace(kwargs=kwargs, num_warps=warps, num_stages=1)
+        if coordesc is not None:
+            c.found_by_coordesc = coordesc
+        return c
+
+    return types.SimpleNamespace(
+        compile_results=[types.SimpleNamespace(config=config(*c)) for c in compiled],
+        filename="kernel.py",
+        inductor_meta={"coordinate_descent_tuning": True},
+        fn=types.SimpleNamespace(fn=object()),
+        is_statically_launchable=lambda: True,
+        _precompile_config=lambda c: types.SimpleNamespace(config=c),
+    ), [config(*c) for c in cached]
+
+
+CASES = {
+    "the tuned winner is one of two compiled": ([({"X": 1}, 4), ({"X": 8}, 8)], [({"X": 8}, 8, True)]),
+    "the tuned winner is the only one compiled": ([({"X": 8}, 8)], [({"X": 8}, 8, True)]),
+    "the tuned winner is not compiled": ([({"X": 1}, 4), ({"X": 2}, 4)], [({"X": 8}, 8, True)]),
+    "an untuned entry": ([({"X": 1}, 4), ({"X": 2}, 4)], [({"X": 2}, 4, False)]),
+    "a miss": ([({"X": 1}, 4), ({"X": 2}, 4)], [({"X": 1}, 4), ({"X": 2}, 4)]),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_cached_kernel_keeps_its_tuned_configuration_as_newer_torch_does(monkeypatch, case):
+    """Our replacement for torch 2.11's check against the reference: the same method in the torch installed here,
+    which has upstream's fix (pytorch/pytorch#172819). Both keep the configuration the entry names, and its
+    found_by_coordesc flag, so that the kernel is not tuned again at its first call."""
+    from torch._inductor.runtime import triton_heuristics
+
+    from gpt_fast.settings import recheck_autotune_cache
+
+    compiled, cached = CASES[case]
+    outcomes = []
+    for recheck in (triton_heuristics.CachingAutotuner.recheck_autotune_cache, recheck_autotune_cache):
+        tuner, answer = fake_autotuner(compiled, cached)
+        monkeypatch.setattr(triton_heuristics, "check_autotune_cache", lambda *_, a=answer: (a, None, {}))
+        recheck(tuner, lambda: None)
+        kept = [r.config for r in tuner.compile_results]
+        outcomes.append([(sorted(c.kwargs.items()), getattr(c, "found_by_coordesc", False)) for c in kept])
+    assert outcomes[0] == outcomes[1]
+
+
+@pytest.mark.parametrize("version, replaced", [("2.11.0+cu130", True), ("2.13.0+cpu", False)])
+def test_the_cache_fixes_are_made_on_torch_2_11_only(monkeypatch, version, replaced):
+    import torch
+    import torch._inductor.config as inductor_config
+    from torch._inductor.runtime import triton_heuristics
+
+    from gpt_fast import settings
+
+    tuner = triton_heuristics.CachingAutotuner
+    monkeypatch.setattr(tuner, "recheck_autotune_cache", tuner.recheck_autotune_cache)  # restored afterwards
+    monkeypatch.setattr(torch, "__version__", version)
+    with inductor_config.patch(dynamic_scale_rblock=True):  # the config module's own undo (monkeypatch's deletes)
+        settings._keep_tuned_configs_on_load()
+        assert (tuner.recheck_autotune_cache is settings.recheck_autotune_cache) == replaced
+        assert inductor_config.dynamic_scale_rblock is not replaced
+    assert inductor_config.dynamic_scale_rblock
