@@ -38,7 +38,7 @@ class Launch:
     block_n: int
     block_k: int
     warps: int
-    words: bool = False  # weights read as 32-bit words (where K is a multiple of 8)
+    words: bool = False  # int8: weights read as 32-bit words (where K is a multiple of 8)
 
 
 @triton.jit
@@ -192,7 +192,7 @@ def _unwrapped(kernel: Callable[..., None]) -> Callable[..., None]:
 
 def _prelude(x: torch.Tensor, n: int, launch: Launch) -> tuple[torch.Tensor, tuple[int], bool, bool]:
     """What both GEMVs set up for ``x`` [M, K] and ``n`` outputs: the output [M, N], the grid (one program per row
-    and block of outputs), whether the blocks tile K and N exactly, and whether the weights are read as int32
+    and block of outputs), whether the blocks tile K and N exactly, and whether int8 weights are read as int32
     words."""
     m, k = x.shape
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -234,8 +234,8 @@ ONE_BITS = 0x3F800000  # the float 1.0 (see _int4_gemv)
 WIDE_ROWS = 8192  # int4 matrices of at least this many rows take taller tiles (int4_launch)
 
 
-def int4_launch(n: int, k: int, group_size: int) -> Launch:
-    """The tile for an [n, k] int4 matrix: 8 groups per step and one warp; 8 rows per program for a wide matrix,
+def int4_launch(n: int, group_size: int) -> Launch:
+    """The tile for an int4 matrix of n rows: 8 groups per step and one warp; 8 rows per program for a wide matrix,
     1 for a narrower one (more programs to keep the GPU's memory busy). The best summed times over the
     Llama-2-7B, Llama-3-8B and SmolLM2 matrices in ``scripts/quant_gemv.py --sweep`` on an H200, those of at
     least 8192 rows and those of fewer apart (BENCHMARKS.md, twelfth session)."""
@@ -255,7 +255,7 @@ def int4_gemv(
     [M, N]; ``words`` from :func:`gpt_fast.quant.kernels.group_interleave`."""
     m, k = x.shape
     n, n_groups = scales.shape
-    launch = launch or int4_launch(n, k, group_size)
+    launch = launch or int4_launch(n, group_size)
     y, grid, even, _ = _prelude(x, n, launch)
     wrap(_int4_gemv)[grid](
         x,
