@@ -25,7 +25,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from gpt_fast.quant.schemes import INT4_MID
+from gpt_fast.quant.schemes import INT4_MID, pack_int4, unpack_int4
 
 KERNELS = ("auto", "triton", "aten", "dequant")
 FEW_ROWS = 16  # activation rows the specialized kernels take; more are a matrix product
@@ -99,13 +99,11 @@ def int4_dequantize(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
 
 
 def int4_linear(
-    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+    rows: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
 ) -> torch.Tensor:
-    """``x`` [..., K] times the int4 ``weight`` [N, K / 2] with ``scales`` and ``zeros`` [N, groups], dequantized
+    """``rows`` [M, K] times the int4 ``weight`` [N, K / 2] with ``scales`` and ``zeros`` [N, groups], dequantized
     (the ``dequant`` kernel, and every kernel's path for more than :data:`FEW_ROWS` rows)."""
-    rows = x.reshape(-1, x.shape[-1])
-    out = F.linear(rows, int4_dequantize(weight, scales, zeros, group_size).to(x.dtype))
-    return out.reshape(*x.shape[:-1], scales.shape[0])
+    return F.linear(rows, int4_dequantize(weight, scales, zeros, group_size).to(rows.dtype))
 
 
 def group_interleave(weight: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -115,35 +113,29 @@ def group_interleave(weight: torch.Tensor, group_size: int) -> torch.Tensor:
     8 + j``."""
     n, k = weight.shape[0], 2 * weight.shape[1]
     groups = -(-k // group_size)
-    levels = torch.stack([weight & 0xF, weight >> 4], dim=-1).reshape(n, k)
-    levels = F.pad(levels, (0, groups * group_size - k))
+    levels = F.pad(unpack_int4(weight), (0, groups * group_size - k))  # [N, G * group_size]
     nibbles = levels.reshape(n, groups, 8, group_size // 8).transpose(2, 3)  # [N, G, words, 8]
-    words = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)  # [N, G, words, 4]: each word's bytes, lowest first
+    words = pack_int4(nibbles.reshape(-1, 8))  # [N * G * words, 4]: each word's bytes, lowest first
     return words.contiguous().view(torch.int32).reshape(n, -1)
 
 
 def int4_triton_linear(
-    x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+    rows: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
 ) -> torch.Tensor:
-    """``x`` [..., K] (few rows) times a weight repacked for our Triton kernel
-    (:func:`group_interleave`, see :class:`gpt_fast.quant.linear.Int4Linear`)."""
-    rows = x.reshape(-1, x.shape[-1])
-    out = torch.ops.gpt_fast.int4_gemv(rows.contiguous(), words, scales, zeros, group_size)
-    return out.reshape(*x.shape[:-1], scales.shape[0])
+    """``rows`` [M, K] (few) times a weight repacked for our Triton kernel (:func:`group_interleave`, see
+    :class:`gpt_fast.quant.linear.Int4Linear`)."""
+    return torch.ops.gpt_fast.int4_gemv(rows.contiguous(), words, scales, zeros, group_size)
 
 
 def int4_aten_linear(
-    x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int
+    rows: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int
 ) -> torch.Tensor:
-    """``x`` [..., K] times a weight repacked for PyTorch's own int4 kernel of its device (see
+    """``rows`` [M, K] (few) times a weight repacked for PyTorch's own int4 kernel of its device (see
     :class:`gpt_fast.quant.linear.Int4Linear`): ``_weight_int4pack_mm_for_cpu`` (columns padded to a whole number
-    of groups: ``x`` is padded with zeros to match) or, on CUDA, tinygemm's ``_weight_int4pack_mm``."""
-    rows = x.reshape(-1, x.shape[-1])
+    of groups: ``rows`` are padded with zeros to match) or, on CUDA, tinygemm's ``_weight_int4pack_mm``."""
     padded = scales_and_zeros.shape[0] * group_size
     if padded != rows.shape[1]:
         rows = F.pad(rows, (0, padded - rows.shape[1]))
-    if x.device.type == "cpu":
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group_size, scales_and_zeros)
-    else:
-        out = torch.ops.aten._weight_int4pack_mm(rows.contiguous(), packed, group_size, scales_and_zeros)
-    return out.reshape(*x.shape[:-1], scales_and_zeros.shape[1])
+    if rows.device.type == "cpu":
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group_size, scales_and_zeros)
+    return torch.ops.aten._weight_int4pack_mm(rows.contiguous(), packed, group_size, scales_and_zeros)

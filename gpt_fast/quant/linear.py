@@ -114,12 +114,15 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("scales_and_zeros", stacked, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        few = x.numel() // x.shape[-1] <= FEW_ROWS
+        rows = x.reshape(-1, x.shape[-1])  # [M, K]
+        few = rows.shape[0] <= FEW_ROWS
         if self.kernel == "aten" and few:
-            return self.biased(int4_aten_linear(x, self.packed, self.scales_and_zeros, self.group_size))
-        if self.kernel == "triton" and few:
-            return self.biased(int4_triton_linear(x, self.words, self.scales, self.zeros, self.group_size))
-        return self.biased(int4_linear(x, self.weight, self.scales, self.zeros, self.group_size))
+            out = int4_aten_linear(rows, self.packed, self.scales_and_zeros, self.group_size)
+        elif self.kernel == "triton" and few:
+            out = int4_triton_linear(rows, self.words, self.scales, self.zeros, self.group_size)
+        else:
+            out = int4_linear(rows, self.weight, self.scales, self.zeros, self.group_size)
+        return self.biased(out.reshape(*x.shape[:-1], out.shape[-1]))
 
 
 LINEARS = {"int8": Int8Linear, "int4": Int4Linear}
