@@ -4,8 +4,9 @@ it compiles by itself) and eager. With ``--quantize int8,int4``, the same weight
 upstream gpt-fast's int8 formula (``F.linear(x, w.to(x.dtype)) * scales``, compiled by inductor: our ``dequant``
 kernel) and, where torchao is importable, torchao's weight-only int8 and int4 (tinygemm layout) on our model.
 Prints one table: tok/s, its ratio to our unquantized row, GB/s (of the weights each row reads), % of the copy
-bandwidth measured in the same run, TTFT, compile time, memory; and which attention kernel our decode steps used
-(``--attention_kernels triton,torch``: a row for each).
+bandwidth measured in the same run, TTFT, compile time, memory; and which attention and activation kernels our
+decode steps used (``--attention_kernels triton,torch``, ``--activation_kernels triton,torch``: a row for each
+combination).
 
     python -m gpt_fast.bench_decode --shape llama-2-7b --device cuda --quantize int8,int4
 """
@@ -30,7 +31,7 @@ from gpt_fast.convert.hf_config import hf_config_dict
 from gpt_fast.convert.layout import MODULE_NAMING, split_tensors
 from gpt_fast.convert.random_init import random_weights
 from gpt_fast.device import device_name, device_synchronize, dtype_name, parse_dtype
-from gpt_fast.engine import Engine, EngineOptions, resolve_attention_kernel
+from gpt_fast.engine import Engine, EngineOptions, resolve_activation_kernel, resolve_attention_kernel
 from gpt_fast.generate import COORDINATE_DESCENT, HEURISTIC, KERNEL_TUNINGS
 from gpt_fast.quant.kernels import triton_usable
 from gpt_fast.quant.layout import quantize_state, stored_size
@@ -105,6 +106,7 @@ def ours_runners(
     kernel: str = "auto",
     rework: Callable[[Engine], None] | None = None,
     attention: str = "auto",
+    activation: str = "auto",
 ) -> tuple[tuple[Run, Run], int]:
     """Decode as ``gpt-fast generate --compile MODE`` does (eager prefill); the first token of the long prompt
     as with ``--compile_prefill`` (one compiled prefill for every prompt length). The weights quantized with
@@ -117,6 +119,7 @@ def ours_runners(
         dtype=dtype_name(dtype),
         quant_kernel=kernel,
         attention_kernel=attention,
+        activation_kernel=activation,
         regional_compile=subject.regional_compile,
         kernel_tuning=subject.kernel_tuning,
     )
@@ -241,12 +244,14 @@ def run_benchmark(
     peers: bool,
     quantize: Sequence[QuantConfig] = (),
     attention_kernels: Sequence[str] = ("auto",),
+    activation_kernels: Sequence[str] = ("auto",),
     regional_compile: bool = False,
     kernel_tuning: str = COORDINATE_DESCENT,
     write: Callable[[str], None] = print,
 ) -> list[Row]:
     shape = get_shape(shape_name)
     attention = list(dict.fromkeys(resolve_attention_kernel(kernel, device) for kernel in attention_kernels))
+    activation = list(dict.fromkeys(resolve_activation_kernel(k, device, shape) for k in activation_kernels))
     state = random_weights(shape, dtype, seed=0, device=device)
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, shape.vocab_size, (prompt_tokens,), generator=generator).tolist()
@@ -257,10 +262,13 @@ def run_benchmark(
     suffix, compiled_as = describe_compilation(regional_compile, kernel_tuning)
     ours = f"gpt-fast {mode}{suffix}"
     runners: dict[str, Builder] = {
-        ours + (f" attention-{kernel}" if len(attention) > 1 else ""): functools.partial(
-            ours_runners, subject, attention=kernel
+        ours
+        + (f" attention-{att}" if len(attention) > 1 else "")
+        + (f" activation-{act}" if len(activation) > 1 else ""): functools.partial(
+            ours_runners, subject, attention=att, activation=act
         )
-        for kernel in attention
+        for att in attention
+        for act in activation
     }
     runners |= quantized_runners(subject, quantize, write)
     if peers:
@@ -288,7 +296,7 @@ def run_benchmark(
     write(
         f"{shape_name}, {device_name(device)}, torch {torch.__version__}, {dtype}; copy bandwidth {copy_gbps:.0f} "
         f"GB/s; prompt {prompt_tokens} tokens, {new_tokens} new, TTFT prompt {ttft_tokens}; our decode's attention "
-        f"kernel: {', '.join(attention)}; our compiled steps: {compiled_as}"
+        f"kernel: {', '.join(attention)}; activation kernel: {', '.join(activation)}; our compiled steps: {compiled_as}"
     )
     write(table(rows, copy_gbps) if rows else "no row was measured")
     return rows
@@ -381,6 +389,11 @@ def main(argv: list[str] | None = None) -> None:
         help="Our rows' decode attention, comma-separated: auto, triton (fused kernel), torch (inductor).",
     )
     parser.add_argument(
+        "--activation_kernels",
+        default="auto",
+        help="Our rows' gated-MLP activation, comma-separated: auto, triton (own kernel), torch (inside the GEMV).",
+    )
+    parser.add_argument(
         "--regional_compile", action="store_true", help="Our rows compile one layer and reuse it for every layer."
     )
     parser.add_argument(
@@ -404,6 +417,7 @@ def main(argv: list[str] | None = None) -> None:
         peers=not args.no_peers,
         quantize=schemes,
         attention_kernels=[name for name in args.attention_kernels.split(",") if name],
+        activation_kernels=[name for name in args.activation_kernels.split(",") if name],
         regional_compile=args.regional_compile,
         kernel_tuning=args.kernel_tuning,
     )

@@ -166,7 +166,7 @@ class DraftModel(Drafter):
         return super().setup(batch_size, max_seq_length, vocab_size, sampling, device)
 
     def prefill(self, prompt: torch.Tensor) -> None:
-        self.model(prompt, torch.arange(prompt.shape[1], device=prompt.device), last_only=True)
+        self.model(prompt, torch.arange(prompt.shape[1], device=prompt.device), last_only=True, from_start=True)
 
     def draft(self, steps: Any, state: DecodeState, sampling: SamplingConfig) -> None:
         torch.compiler.cudagraph_mark_step_begin()

@@ -41,6 +41,7 @@ from gpt_fast.generate import (
     make_steps,
 )
 from gpt_fast.kernels.decode_attention import ATTENTION_KERNELS, resolve_attention_kernel, use_attention_kernel
+from gpt_fast.kernels.gated_activation import ACTIVATION_KERNELS, resolve_activation_kernel, use_activation_kernel
 from gpt_fast.model import Transformer, weight_bytes_per_token
 from gpt_fast.parallel import TensorParallel, check_tensor_parallel, device_of, env_ranks, join
 from gpt_fast.paths import CHECKPOINTS_DIR
@@ -72,7 +73,9 @@ class EngineOptions:
     (None: the GPU if there is one), dtype (``auto``: bfloat16 on a GPU, float32 on the CPU), speculative
     decoding (None: plain decoding), the kernels of a quantized checkpoint's layers (``auto``: see
     :func:`gpt_fast.quant.kernels.resolve_kernel`), the attention kernel of compiled decode steps (``auto``: see
-    :func:`gpt_fast.kernels.decode_attention.resolve_attention_kernel`), the ranks of tensor parallelism
+    :func:`gpt_fast.kernels.decode_attention.resolve_attention_kernel`), the gated MLPs' activation kernel of
+    compiled decode steps (``auto``: see :func:`gpt_fast.kernels.gated_activation.resolve_activation_kernel`),
+    the ranks of tensor parallelism
     (``tp``: the model split over that many processes started by ``torchrun``, one GPU each; see
     :mod:`gpt_fast.parallel`), regional compilation (one layer compiled and reused for all: see
     :func:`gpt_fast.model.layer_region`), how inductor picks its kernels' configurations (``kernel_tuning``:
@@ -88,6 +91,7 @@ class EngineOptions:
     quant_kernel: str = "auto"
     tp: int = 1
     attention_kernel: str = "auto"
+    activation_kernel: str = "auto"
     regional_compile: bool = False
     kernel_tuning: str = COORDINATE_DESCENT
     aot_precompile: bool = False
@@ -107,6 +111,9 @@ class EngineOptions:
             raise ValueError("speculative decoding does not run with tensor parallelism (--tp) yet")
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise ValueError(f"attention_kernel {self.attention_kernel!r} is not one of {', '.join(ATTENTION_KERNELS)}")
+        if self.activation_kernel not in ACTIVATION_KERNELS:
+            kernels = ", ".join(ACTIVATION_KERNELS)
+            raise ValueError(f"activation_kernel {self.activation_kernel!r} is not one of {kernels}")
         if self.kernel_tuning not in KERNEL_TUNINGS:
             raise ValueError(f"--kernel_tuning {self.kernel_tuning!r} is not one of {', '.join(KERNEL_TUNINGS)}")
         if self.regional_compile and self.tp > 1:  # collectives inside a reused region: not tried on GPUs yet
@@ -209,6 +216,9 @@ class Engine:
             self.device = device_of(self.device, self.ranks)
         self.dtype = resolve_dtype(options.dtype, self.device)
         self.attention_kernel = resolve_attention_kernel(options.attention_kernel, self.device)  # before compiling
+        self.activation_kernel = resolve_activation_kernel(
+            options.activation_kernel, self.device, model_config, options.aot_precompile
+        )
         self._tokenizer = checkpoint_tokenizer(checkpoint_dir, config) if config is not None else None
         self._state = state
         self._sharded = sharded  # the state is this rank's part already
@@ -313,6 +323,7 @@ class Engine:
         if self._parallel is not None:
             self._parallel.connect(self._model, self.model_config)
         use_attention_kernel(self._model, self.attention_kernel)
+        use_activation_kernel(self._model, self.activation_kernel)
         self._model.regional_compile = self.options.regional_compile
         if self._draft is not None:
             self._draft.load_weights()

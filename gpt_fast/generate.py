@@ -35,7 +35,7 @@ def prefill(model: Transformer, idx: torch.Tensor, sampling: SamplingConfig) -> 
     """Run the prompt ``idx`` [B, T] through the model and leave the decode state at its first new token."""
     state, length = model.decode_state, idx.shape[1]
     input_pos = torch.arange(length, device=idx.device)
-    logits = model(idx, input_pos, last_only=True)  # [B, 1, V]
+    logits = model(idx, input_pos, last_only=True, from_start=True)  # [B, 1, V]
     state.tokens[:, :length] = idx
     state.tokens[:, length] = sample(logits[:, -1], sampling)
     state.input_pos.fill_(length)
@@ -47,7 +47,7 @@ def decode_one_token(model: Transformer, sampling: SamplingConfig) -> None:
     state = model.decode_state
     cur = state.tokens.index_select(1, state.input_pos)  # [B, 1]
     # the keywords are spelled out: torch 2.11 cannot load an ahead-of-time package that guards a default argument
-    logits = model(cur, state.input_pos, last_only=False, first_row=0)  # [B, 1, V]
+    logits = model(cur, state.input_pos, last_only=False, first_row=0, from_start=False)  # [B, 1, V]
     state.tokens.index_copy_(1, state.input_pos + 1, sample(logits[:, -1], sampling)[:, None])
     state.input_pos.add_(1)
 

@@ -153,10 +153,11 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor,
+        mask: torch.Tensor | None,
         input_pos: torch.Tensor,
         first_row: int = 0,
     ) -> torch.Tensor:
+        """``mask`` None: the tokens are their sequence's first, so each attends causally to the new keys alone."""
         cfg = self.config
         bsz, seqlen, _ = x.shape
         q, k, v = self.wqkv(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
@@ -173,15 +174,16 @@ class Attention(nn.Module):
             return self.wo(y.view(bsz, seqlen, cfg.q_size))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
-        k, v = self.kv_cache.update(input_pos, k, v, first_row)  # [B, H_kv, S, D]
-        if seqlen == 1 and torch.compiler.is_compiling():  # eager: SDPA's fused kernel beats materialized products
-            y = attend_one_query(q, k, v, mask, scale=self.scale, softcap=self.softcap)
+        keys, values = self.kv_cache.update(input_pos, k, v, first_row)  # [B, H_kv, S, D]
+        gqa = cfg.n_head != cfg.n_local_heads
+        if mask is None:  # a prompt from position 0: its own keys, causally (flash skips the masked blocks)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=self.scale)
+        elif seqlen == 1 and torch.compiler.is_compiling():  # eager: SDPA's kernel beats materialized products
+            y = attend_one_query(q, keys, values, mask, scale=self.scale, softcap=self.softcap)
         elif self.softcap is not None:
-            y = attend_softcapped(q, k, v, mask, self.scale or cfg.head_dim**-0.5, self.softcap)
+            y = attend_softcapped(q, keys, values, mask, self.scale or cfg.head_dim**-0.5, self.softcap)
         else:
-            y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, enable_gqa=cfg.n_head != cfg.n_local_heads, scale=self.scale
-            )
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa, scale=self.scale)
         return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, cfg.q_size))
 
 
@@ -191,6 +193,10 @@ def gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor
 
 
 class FeedForward(nn.Module):
+    # The hidden state of a compiled decode step as a kernel of its own (gpt_fast.kernels.gated_activation sets it:
+    # it takes w13's output and the activation's name); None: the PyTorch code (gated).
+    activation_kernel = None
+
     def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size or config.intermediate_size
@@ -199,7 +205,10 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(self.intermediate_size, config.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.w13(x)  # [B, T, 2I]
+        if x.shape[1] == 1 and self.activation_kernel is not None and torch.compiler.is_compiling():
+            return self.w2(self.activation_kernel(gate_up, self.activation))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.w2(gated(gate, up, self.activation))
 
 
@@ -279,7 +288,7 @@ class TransformerBlock(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor,
+        mask: torch.Tensor | None,
         input_pos: torch.Tensor,
         first_row: int = 0,
     ) -> torch.Tensor:
@@ -294,7 +303,7 @@ class TransformerBlock(nn.Module):
 
 
 @torch.compiler.nested_compile_region
-def layer_region(layer: TransformerBlock, *args: torch.Tensor | int) -> torch.Tensor:
+def layer_region(layer: TransformerBlock, *args: torch.Tensor | int | None) -> torch.Tensor:
     """One layer, marked as a region torch.compile traces and compiles once and then reuses for every layer called
     with inputs of the same shapes (regional compilation): a 32-layer step compiles about one layer's code instead
     of 32 copies of it. The price: inductor cannot fuse across a layer's boundary (a layer's last residual add with
@@ -345,12 +354,21 @@ class Transformer(nn.Module):
         self.max_batch_size, self.max_seq_length = batch_size, max_seq_length
 
     def forward(
-        self, idx: torch.Tensor, input_pos: torch.Tensor, *, last_only: bool = False, first_row: int = 0
+        self,
+        idx: torch.Tensor,
+        input_pos: torch.Tensor,
+        *,
+        last_only: bool = False,
+        first_row: int = 0,
+        from_start: bool = False,
     ) -> torch.Tensor:
         """Logits [B, T, V] for tokens ``idx`` [B, T] ([B, 1, V] with ``last_only``) at positions ``input_pos``:
         [T], the same for every row (one prompt, or copies of it), or [B, T], each row's own (independent
         sequences decoded together). The rows are the cache's rows ``first_row`` to ``first_row + B - 1``, so
-        that one sequence can be prefilled into its row while the others wait."""
+        that one sequence can be prefilled into its row while the others wait. ``from_start`` says that
+        ``input_pos`` is ``0 .. T - 1`` (a prompt's prefill): the full-attention layers then attend causally over
+        the new keys alone, with SDPA's causal kernels, rather than over the whole cache through a mask (a
+        1024-token prompt's first token on the Llama-2-7B shape: BENCHMARKS.md, thirteenth session)."""
         assert self.max_seq_length > 0, "setup_caches() must be called before forward()"
         cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [T, D/2] or [B, T, D/2]
         x = self.tok_embeddings(idx)
@@ -360,11 +378,12 @@ class Transformer(nn.Module):
         # [T, S] or [B, T, S], causal over the whole cache; additive and in the model's dtype once here rather
         # than per layer
         mask = torch.where(key_pos <= input_pos[..., None], 0.0, float("-inf")).to(x.dtype)
-        inputs = {"full_attention": (cos, sin, mask)}  # each layer type's rotary tables and mask
+        causal = from_start and self.config.attn_logit_softcap is None  # soft-capped scores need the mask
+        inputs = {"full_attention": (cos, sin, None if causal else mask)}  # each layer type's rotary tables, mask
         if self.config.sliding_window is not None:
             inputs["sliding_attention"] = self.sliding_inputs(input_pos, key_pos, cos, sin, mask)
         if input_pos.dim() == 2:  # masks [B, 1, T, S]: the same for every head
-            inputs = {kind: (c, s, m[:, None]) for kind, (c, s, m) in inputs.items()}
+            inputs = {kind: (c, s, None if m is None else m[:, None]) for kind, (c, s, m) in inputs.items()}
         for layer in self.layers:
             args = (x, *inputs[layer.layer_type], input_pos, first_row)
             x = layer_region(layer, *args) if self.regional_compile else layer(*args)

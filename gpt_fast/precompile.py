@@ -10,9 +10,9 @@ Such a package is specialized to what it was compiled for, and unlike ``torch.co
 recompiling when its guards fail; torch also drops the guards on code. So each package is named by a digest of
 everything it depends on (:func:`package_key`): torch and Python versions, the device, gpt-fast's own source, the
 compile options, the model's config and every tensor's name, shape and dtype (quantization, caches, batch), the
-sampling settings and the attention kernel. Anything else loads as a new package or compiles one. A package that
-cannot be loaded (another torch's, a damaged file) is compiled again and replaced. Packages live in inductor's cache
-folder, whose kernels they use, under ``gpt-fast-aot``.
+sampling settings and the attention and activation kernels. Anything else loads as a new package or compiles one. A
+package that cannot be loaded (another torch's, a damaged file) is compiled again and replaced. Packages live in
+inductor's cache folder, whose kernels they use, under ``gpt-fast-aot``.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from gpt_fast.model import Transformer
 from gpt_fast.sampling import SamplingConfig
 
 SUFFIX = ".aot"
+KERNELS = ("decode_kernel", "activation_kernel")  # the model's attributes that swap its code for a kernel
 LOADED, SAVED = "loaded", "compiled and saved"
 
 
@@ -72,7 +73,9 @@ def package_key(
         "config": dataclasses.asdict(model.config),
         "tensors": [(name, list(t.shape), str(t.dtype)) for name, t in tensors],
         "sampling": dataclasses.asdict(sampling),
-        "attention": sorted({getattr(getattr(m, "decode_kernel", None), "__qualname__", "") for m in model.modules()}),
+        "kernels": sorted(
+            {getattr(getattr(m, name, None), "__qualname__", "") for m in model.modules() for name in KERNELS}
+        ),
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 

@@ -68,7 +68,8 @@ def prefill_slot(model: Transformer, state: SlotState, slot: int, idx: torch.Ten
     """Run the prompt ``idx`` [1, T] through the model into the cache row of ``slot`` and sample its first token;
     the other slots are left as they are."""
     length = idx.shape[1]
-    logits = model(idx, torch.arange(length, device=idx.device), last_only=True, first_row=slot)  # [1, 1, V]
+    positions = torch.arange(length, device=idx.device)
+    logits = model(idx, positions, last_only=True, first_row=slot, from_start=True)  # [1, 1, V]
     state.input_pos[slot] = length
     sample_into(state, slice(slot, slot + 1), logits[:, -1], state.input_pos[slot : slot + 1])
 

@@ -105,6 +105,34 @@ def test_one_query_attention_matches_sdpa(n_kv, dtype):
         )
 
 
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"n_local_heads": 4},
+        {"n_local_heads": 2},
+        {"n_local_heads": 2, "sliding_window": 4, "layer_types": ("sliding_attention", "full_attention")},
+        {"n_local_heads": 2, "attn_logit_softcap": 5.0},
+    ],
+    ids=["mha", "gqa", "sliding", "softcapped"],
+)
+@torch.no_grad()
+def test_a_prompt_from_the_start_attends_as_through_the_mask(fields):
+    """``from_start``: the full-attention layers attend causally over the new keys alone (SDPA's causal path); the
+    logits and the cache it leaves are those of attention through the mask over the whole cache."""
+    model = tiny_model(**fields)
+    tokens = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(3))
+    results = []
+    for from_start in (False, True):
+        model.setup_caches(2, 32)
+        model.layers[0].attention.kv_cache.kv.normal_()  # stale entries past the prompt: both must ignore them
+        logits = model(tokens, torch.arange(11), from_start=from_start)
+        results.append((logits, [layer.attention.kv_cache.kv[:, :, :, :11].clone() for layer in model.layers]))
+    (masked, masked_cache), (causal, causal_cache) = results
+    torch.testing.assert_close(causal, masked, rtol=1e-5, atol=1e-5)
+    for got, expected in zip(causal_cache, masked_cache, strict=True):
+        torch.testing.assert_close(got, expected)
+
+
 def test_last_only_returns_last_position():
     model = tiny_model(2)
     tokens = torch.randint(0, 97, (1, 10))
@@ -196,8 +224,8 @@ def test_regional_compile_traces_one_region_for_the_layers(regional):
 
     torch._dynamo.reset()
     tokens, positions = torch.tensor([[3, 1, 4, 1, 5, 9]]), torch.arange(6)
-    compiled = torch.compile(model, backend=capture, fullgraph=True)(tokens, positions)
-    torch.testing.assert_close(compiled, model(tokens, positions), rtol=1e-5, atol=1e-5)
+    compiled = torch.compile(model, backend=capture, fullgraph=True)(tokens, positions, from_start=True)
+    torch.testing.assert_close(compiled, model(tokens, positions, from_start=True), rtol=1e-5, atol=1e-5)
     (graph,) = graphs
     calls = [n for n in graph.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
     regions = {n.args[0].target for n in calls}

@@ -51,6 +51,9 @@ def test_the_key_follows_what_a_package_depends_on(monkeypatch):
         key(tiny_model(length=128)),
         key(tiny_model(torch.bfloat16)),
     ]
+    with_kernel = tiny_model()
+    with_kernel.layers[0].feed_forward.activation_kernel = lambda gate_up, activation: gate_up
+    different.append(key(with_kernel))
     monkeypatch.setattr("gpt_fast.precompile.source_digest", lambda: "changed source")
     different.append(key(model))
     assert len({base, *different}) == len(different) + 1

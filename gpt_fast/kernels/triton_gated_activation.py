@@ -1,0 +1,56 @@
+"""Triton kernel for a gated MLP's hidden state in a decode step: ``act(gate) * up`` from ``w13``'s output.
+
+Rounding follows the PyTorch code (:func:`gpt_fast.model.gated`): the activation in float32, rounded to the model's
+dtype, then the product with ``up`` in float32, rounded again. ``gelu_tanh`` is GeLU's tanh approximation, written
+through ``exp`` (Triton has no portable tanh).
+
+Imported only where Triton is (:mod:`gpt_fast.kernels.gated_activation` decides); the launcher runs on CUDA tensors,
+and in Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors for the tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 1024  # hidden units per program
+ACTIVATIONS = ("silu", "gelu_tanh")
+Wrap = Callable[[Callable[..., None]], Callable[..., None]]  # torch.library.wrap_triton inside a triton_op
+
+
+@triton.jit
+def _gated_activation(gate_up_ptr, out_ptr, hidden, GELU: tl.constexpr, BLOCK: tl.constexpr):
+    """Row ``program_id(0)``'s units ``program_id(1) * BLOCK ...``: gate at ``[row, i]``, up at ``[row, hidden + i]``
+    of ``gate_up`` [rows, 2 * hidden]; out [rows, hidden]."""
+    row = tl.program_id(0).to(tl.int64)
+    units = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = units < hidden
+    gate = tl.load(gate_up_ptr + row * 2 * hidden + units, inside).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * 2 * hidden + hidden + units, inside).to(tl.float32)
+    if GELU:  # x (1 + tanh(z)) / 2 = x sigmoid(2z), z = sqrt(2 / pi) (x + 0.044715 x^3): no cancellation for x < 0
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        act = gate / (1.0 + tl.exp(-2.0 * inner))
+    else:
+        act = gate / (1.0 + tl.exp(-gate))
+    act = act.to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * hidden + units, (act * up).to(out_ptr.dtype.element_ty), inside)
+
+
+def _unwrapped(kernel: Callable[..., None]) -> Callable[..., None]:
+    return kernel
+
+
+def gated_activation(gate_up: torch.Tensor, activation: str, wrap: Wrap = _unwrapped) -> torch.Tensor:
+    """``act(gate) * up`` for ``gate_up`` [..., 2 * hidden] (gate first, then up; contiguous); returns [..., hidden]
+    in its dtype. ``activation``: ``silu`` (SwiGLU) or ``gelu_tanh`` (GeGLU)."""
+    assert activation in ACTIVATIONS and gate_up.is_contiguous() and gate_up.shape[-1] % 2 == 0
+    hidden = gate_up.shape[-1] // 2
+    out = torch.empty((*gate_up.shape[:-1], hidden), dtype=gate_up.dtype, device=gate_up.device)
+    rows = gate_up.numel() // gate_up.shape[-1]
+    wrap(_gated_activation)[(rows, triton.cdiv(hidden, BLOCK))](
+        gate_up, out, hidden, GELU=activation == "gelu_tanh", BLOCK=BLOCK
+    )
+    return out
