@@ -116,6 +116,8 @@ for dtype in (torch.float32, torch.bfloat16):
     for activation in ("silu", "gelu_tanh"):
         for shape in ((1, 1, 2 * 1536), (3, 1, 2 * 2500), (2, 5, 2 * 96)):
             gate_up = (4 * torch.randn(shape, generator=torch.Generator().manual_seed(len(shape)))).to(dtype)
+            if shape[1] > 1:  # not contiguous: the rows of another layout
+                gate_up = gate_up.transpose(0, 1).contiguous().transpose(0, 1)
             got = gated_activation(gate_up, activation)
             exact = gate_up.double() if dtype == torch.float32 else gate_up  # bfloat16: PyTorch's own rounding
             expected = gated(*exact.chunk(2, dim=-1), activation)
@@ -133,10 +135,10 @@ print(json.dumps(worst))
     reason="Triton 3.6's interpreter takes int() of 1-element arrays, an error since numpy 2.4",
 )
 def test_the_kernel_in_the_interpreter_matches_the_pytorch_code():
-    """SiLU and tanh-GeLU, one row and several, ragged blocks, within two ulps (relative above 1, absolute below):
-    in float32 of the PyTorch code in float64 (PyTorch's float32 tanh-GeLU cancels in 1 + tanh for x < 0), in
-    bfloat16 of the PyTorch code in bfloat16 (the interpreter rounds float32 to bfloat16 by truncation, the GPU to
-    nearest)."""
+    """SiLU and tanh-GeLU, one row and several (in another layout too), ragged blocks, within two ulps (relative
+    above 1, absolute below): in float32 of the PyTorch code in float64 (PyTorch's float32 tanh-GeLU cancels in
+    1 + tanh for x < 0), in bfloat16 of the PyTorch code in bfloat16 (the interpreter rounds float32 to bfloat16 by
+    truncation, the GPU to nearest)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     result = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -44,9 +44,10 @@ def _unwrapped(kernel: Callable[..., None]) -> Callable[..., None]:
 
 
 def gated_activation(gate_up: torch.Tensor, activation: str, wrap: Wrap = _unwrapped) -> torch.Tensor:
-    """``act(gate) * up`` for ``gate_up`` [..., 2 * hidden] (gate first, then up; contiguous); returns [..., hidden]
-    in its dtype. ``activation``: ``silu`` (SwiGLU) or ``gelu_tanh`` (GeGLU)."""
-    assert activation in ACTIVATIONS and gate_up.is_contiguous() and gate_up.shape[-1] % 2 == 0
+    """``act(gate) * up`` for ``gate_up`` [..., 2 * hidden] (gate first, then up); returns [..., hidden] in its
+    dtype. ``activation``: ``silu`` (SwiGLU) or ``gelu_tanh`` (GeGLU)."""
+    assert activation in ACTIVATIONS and gate_up.shape[-1] % 2 == 0
+    gate_up = gate_up.contiguous()  # the kernel indexes rows of 2 * hidden elements
     hidden = gate_up.shape[-1] // 2
     out = torch.empty((*gate_up.shape[:-1], hidden), dtype=gate_up.dtype, device=gate_up.device)
     rows = gate_up.numel() // gate_up.shape[-1]
