@@ -75,9 +75,8 @@ class EngineOptions:
     :func:`gpt_fast.quant.kernels.resolve_kernel`), the attention kernel of compiled decode steps (``auto``: see
     :func:`gpt_fast.kernels.decode_attention.resolve_attention_kernel`), the gated MLPs' activation kernel of
     compiled decode steps (``auto``: see :func:`gpt_fast.kernels.gated_activation.resolve_activation_kernel`),
-    the ranks of tensor parallelism
-    (``tp``: the model split over that many processes started by ``torchrun``, one GPU each; see
-    :mod:`gpt_fast.parallel`), regional compilation (one layer compiled and reused for all: see
+    the ranks of tensor parallelism (``tp``: the model split over that many processes started by ``torchrun``,
+    one GPU each; see :mod:`gpt_fast.parallel`), regional compilation (one layer compiled and reused for all: see
     :func:`gpt_fast.model.layer_region`), how inductor picks its kernels' configurations (``kernel_tuning``:
     :data:`gpt_fast.generate.KERNEL_TUNINGS`; no effect without compilation), and whether the decode step is
     compiled ahead of time and kept on disk for the next process (``aot_precompile``: :mod:`gpt_fast.precompile`;

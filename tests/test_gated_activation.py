@@ -2,6 +2,7 @@
 kernel (compiled for a GPU, and run in Triton's interpreter) against the model's PyTorch code, where Triton is
 installed."""
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 import gpt_fast.kernels.gated_activation as gated_activation
+import gpt_fast.quant.kernels as quant_kernels
 from gpt_fast.convert.random_init import random_weights
 from gpt_fast.engine import Engine, EngineOptions
 from gpt_fast.kernels.gated_activation import resolve_activation_kernel, use_activation_kernel
@@ -38,13 +40,15 @@ def test_auto_takes_the_kernel_for_large_mlps_on_a_gpu_with_triton(monkeypatch):
     gpu = torch.device("cuda")
     registered = []
     monkeypatch.setattr(gated_activation, "register_triton_ops", lambda: registered.append(True))
-    monkeypatch.setattr(gated_activation, "triton_usable", lambda device: True)
+    for module in (gated_activation, quant_kernels):
+        monkeypatch.setattr(module, "triton_usable", lambda device: True)
     assert resolve_activation_kernel("auto", gpu, get_shape("llama-2-7b")) == "triton"
     assert resolve_activation_kernel("auto", gpu, get_shape("smollm2-135m")) == "torch"
     assert resolve_activation_kernel("triton", gpu, get_shape("smollm2-135m")) == "triton"
     assert resolve_activation_kernel("auto", gpu, get_shape("llama-2-7b"), aot_precompile=True) == "torch"
     assert len(registered) == 2
-    monkeypatch.setattr(gated_activation, "triton_usable", lambda device: False)
+    for module in (gated_activation, quant_kernels):
+        monkeypatch.setattr(module, "triton_usable", lambda device: False)
     assert resolve_activation_kernel("auto", gpu, get_shape("llama-2-7b")) == "torch"
 
 
@@ -61,8 +65,7 @@ def test_compiled_decode_steps_call_the_kernel_and_nothing_else_does(activation)
     """The kernel replaces ``gated`` in compiled steps of one position per row only: eager steps and prefills keep
     the PyTorch code. A stand-in kernel that records its calls and computes as ``gated`` leaves the logits as
     they were."""
-    shape = get_shape("tiny")
-    shape = type(shape)(**{**shape.__dict__, "mlp_activation": activation})
+    shape = dataclasses.replace(get_shape("tiny"), mlp_activation=activation)
     engine = Engine.from_state(shape, random_weights(shape, torch.float32, seed=0), EngineOptions(device="cpu"))
     model, calls = engine.model, []
 

@@ -54,12 +54,9 @@ def test_compiled_decoding_with_the_kernel_gives_eagers_greedy_tokens(aot_precom
     prompts = [list(range(1, 21)), list(range(5, 12)), list(range(30, 63))]
     tokens = {}
     for mode, kernel in (("none", "torch"), ("reduce-overhead", "triton")):
-        options = (
-            EngineOptions(
-                compile=mode, device="cuda", dtype="float32", activation_kernel=kernel, aot_precompile=aot_precompile
-            )
-            if mode != "none"
-            else EngineOptions(compile=mode, device="cuda", dtype="float32")
+        precompiled = aot_precompile and mode != "none"
+        options = EngineOptions(
+            compile=mode, device="cuda", dtype="float32", activation_kernel=kernel, aot_precompile=precompiled
         )
         engine = Engine.from_state(shape, state, options)
         assert engine.activation_kernel == kernel

@@ -36,6 +36,15 @@ def triton_usable(device: torch.device) -> bool:
     return device.type == "cuda" and torch.version.hip is None and importlib.util.find_spec("triton") is not None
 
 
+def check_kernel_choice(kernel: str, choices: tuple[str, ...], what: str, device: torch.device) -> None:
+    """Refuse a ``kernel`` (the choice of a ``what``, e.g. "attention kernel") that is not one of ``choices``, or
+    that is ``triton`` where :func:`triton_usable` says no."""
+    if kernel not in choices:
+        raise ValueError(f"{what} {kernel!r} is not one of {', '.join(choices)}")
+    if kernel == "triton" and not triton_usable(device):
+        raise ValueError(f"the triton {what} needs a CUDA GPU with Triton installed, not {device}")
+
+
 def resolve_kernel(kernel: str, device: torch.device) -> str:
     """``auto``: Triton on a CUDA GPU, PyTorch's own kernels on the CPU, plain PyTorch elsewhere. Choosing Triton
     registers its operators (:func:`register_triton_ops`), before anything is compiled."""
