@@ -13,6 +13,11 @@ k + 1 positions); prompt lookup; a draft model; and, with a draft model, replay 
 draft model's steps run each round (its proposals unused), whose measured speed-up is set against the one
 predicted from the acceptance rate and the draft model's measured round time.
 
+With ``--batch_invariant`` the target runs batch-invariant steps (:mod:`gpt_fast.kernels.invariant`), so that its
+verify steps round as its decode steps do; a first row decodes with the usual kernels on a second engine over the
+same weights, the speed-ups are over that fastest plain decoding, and each speculative row's text is compared with
+plain decoding's on the same kernels.
+
 Rates are of the decode phase: (new tokens - 1) / (time after the first token), median of ``--repeats`` runs after a
 warm-up run that compiles.
 """
@@ -57,6 +62,7 @@ class Row:
     round_ms: float  # decode time per round (per token for plain decoding), wall, median
     speculative: SpeculativeMetrics | None  # over the timed runs
     agreement: float | None = None  # replay rows with spoiled proposals: the chance each is kept
+    kernels: str = "usual"  # or "batch-invariant"
 
 
 def decode_rate(result: object) -> tuple[float, float]:
@@ -69,7 +75,12 @@ def decode_rate(result: object) -> tuple[float, float]:
 
 
 def measure(
-    name: str, run: Callable[[], object], repeats: int, k: int | None = None, agreement: float | None = None
+    name: str,
+    run: Callable[[], object],
+    repeats: int,
+    k: int | None = None,
+    agreement: float | None = None,
+    kernels: str = "usual",
 ) -> Row:
     run()  # warm-up: compiles
     results = [run() for _ in range(repeats)]
@@ -83,6 +94,7 @@ def measure(
         round_ms=statistics.median(ms for _, ms in rates),
         speculative=SpeculativeMetrics.combined(specs) if specs else None,
         agreement=agreement,
+        kernels=kernels,
     )
 
 
@@ -104,10 +116,17 @@ class Setup:
     draft: Engine | None
     lookups: tuple[int, ...]
     agreements: tuple[float, ...]
+    usual: Engine | None = None  # with a batch-invariant target: the same weights with the usual kernels
 
-    def generate(self, drafter: Drafter | None, tokens: int | None = None) -> Callable[[], object]:
-        n = tokens or self.new_tokens
-        return lambda: self.engine.generate_ids(self.prompt, n, GREEDY, ignore_eos=self.ignore_eos, drafter=drafter)
+    @property
+    def kernels(self) -> str:
+        return "batch-invariant" if self.engine.options.batch_invariant else "usual"
+
+    def generate(
+        self, drafter: Drafter | None, tokens: int | None = None, engine: Engine | None = None
+    ) -> Callable[[], object]:
+        n, engine = tokens or self.new_tokens, engine or self.engine
+        return lambda: engine.generate_ids(self.prompt, n, GREEDY, ignore_eos=self.ignore_eos, drafter=drafter)
 
 
 def record_for_replay(setup: Setup, k: int) -> list[int]:
@@ -131,9 +150,21 @@ def record_for_replay(setup: Setup, k: int) -> list[int]:
     return recorded
 
 
+def plain_rows(setup: Setup, write: Callable[[str], None]) -> list[Row]:
+    """Plain decoding: with the usual kernels first (the speed-ups' baseline), then on the target's own if they
+    differ."""
+    rows = []
+    if setup.usual is not None:
+        rows.append(measure("plain decoding, usual kernels", setup.generate(None, engine=setup.usual), setup.repeats))
+    name = "plain decoding" if setup.usual is None else f"plain decoding, {setup.kernels}"
+    rows.append(measure(name, setup.generate(None), setup.repeats, kernels=setup.kernels))
+    for row in rows:
+        write(f"measured: {row.name}, {row.tokens_per_sec:.1f} tok/s")
+    return rows
+
+
 def run_rows(setup: Setup, ks: Sequence[int], write: Callable[[str], None]) -> list[Row]:
-    rows = [measure("plain decoding", setup.generate(None), setup.repeats)]
-    write(f"measured: {rows[-1].name}, {rows[-1].tokens_per_sec:.1f} tok/s")
+    rows = plain_rows(setup, write)
     for k in ks:
         recorded = record_for_replay(setup, k)
         write(f"measured: replay recording, k={k}")
@@ -147,7 +178,7 @@ def run_rows(setup: Setup, ks: Sequence[int], write: Callable[[str], None]) -> l
                 drafters.append((f"replay {agreement:.0%} + draft steps", replay, agreement))
         for name, drafter, agreement in drafters:
             torch.manual_seed(0)
-            rows.append(measure(name, setup.generate(drafter), setup.repeats, k, agreement))
+            rows.append(measure(name, setup.generate(drafter), setup.repeats, k, agreement, setup.kernels))
             write(f"measured: {name}, k={k}, {rows[-1].tokens_per_sec:.1f} tok/s")
     return rows
 
@@ -166,8 +197,14 @@ def _same_text(tokens: list[int], plain: list[int]) -> str:
     return f"NO (from token {first})"
 
 
+def plain_on(rows: list[Row], kernels: str) -> Row:
+    """Plain decoding's row on ``kernels``."""
+    return next(r for r in rows if r.k is None and r.kernels == kernels)
+
+
 def table(rows: list[Row]) -> str:
-    """One line per run: speed-up over plain decoding, identical text, acceptance, costs of a round."""
+    """One line per run: speed-up over the first (plain decoding with the usual kernels), identical text (against
+    plain decoding on the same kernels; a second plain row against the first), acceptance, costs of a round."""
     plain = rows[0]
     lines = [
         "| run | k | tok/s | speed-up | identical text | acceptance | tokens/verify step | round (ms, wall) | "
@@ -176,7 +213,7 @@ def table(rows: list[Row]) -> str:
     ]
     for r in rows:
         spec = r.speculative
-        same = "—" if r is plain else _same_text(r.tokens, plain.tokens)
+        same = "—" if r is plain else _same_text(r.tokens, (plain if r.k is None else plain_on(rows, r.kernels)).tokens)
         cells = [r.name, "—" if r.k is None else str(r.k), f"{r.tokens_per_sec:.1f}"]
         cells += [f"{r.tokens_per_sec / plain.tokens_per_sec:.2f}×", same]
         cells += ["—" if spec is None else f"{spec.acceptance_rate:.1%}"]
@@ -189,8 +226,9 @@ def table(rows: list[Row]) -> str:
 
 def agreement_table(rows: list[Row]) -> str:
     """Replay at each agreement with the draft model's steps: tokens per round and speed-up, predicted from the
-    agreement and the draft model's measured round time, against measured."""
-    plain = rows[0]
+    agreement and the draft model's measured round time, against measured (speed-ups over plain decoding on the
+    same kernels)."""
+    plain = plain_on(rows, rows[-1].kernels)
     lines = [
         "| k | agreement | acceptance (measured) | tokens/verify step, predicted | measured | speed-up, predicted | "
         "measured |",
@@ -232,6 +270,16 @@ def checkpoint_engines(checkpoint: str | None, draft: str | None, options: Engin
     return target, draft_engine
 
 
+def usual_engine(engine: Engine, args: argparse.Namespace) -> Engine:
+    """A second engine over the batch-invariant ``engine``'s weights (the same tensors) with the usual kernels."""
+    options = dataclasses.replace(engine.options, batch_invariant=False)
+    if args.shape is not None:
+        return Engine.from_state(engine.model_config, engine.model.state_dict(), options)
+    usual = Engine.open(engine.checkpoint_dir, options)
+    usual.load_weights()
+    return usual
+
+
 def parse_list(text: str, kind: type, name: str) -> tuple:
     try:
         values = tuple(kind(v) for v in text.split(",") if v.strip())
@@ -262,6 +310,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--mode", default="reduce-overhead", choices=COMPILE_MODES)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--batch_invariant",
+        action="store_true",
+        help="The target's steps batch-invariant (verify rounds as decode), and plain decoding with the usual kernels.",
+    )
     parser.add_argument("--json", type=Path, help="Also write the rows as JSON here.")
     args = parser.parse_args(argv)
     try:
@@ -281,7 +334,9 @@ def run(args: argparse.Namespace, write: Callable[[str], None] = print) -> list[
     agreements = parse_list(args.agreements, float, "--agreements")
     if not all(0 <= a <= 1 for a in agreements):
         raise ValueError(f"--agreements must lie in [0, 1], got {args.agreements}")
-    options = EngineOptions(compile=args.mode, device=args.device, dtype=args.dtype)
+    options = EngineOptions(
+        compile=args.mode, device=args.device, dtype=args.dtype, batch_invariant=args.batch_invariant
+    )
     apply_torch_settings()
     if args.shape is not None:
         options = dataclasses.replace(options, dtype="bfloat16" if args.dtype == "auto" else args.dtype)
@@ -295,7 +350,8 @@ def run(args: argparse.Namespace, write: Callable[[str], None] = print) -> list[
         prompt = engine.encode(text, chat=args.chat)
         what = f"{engine.checkpoint_dir}" + (f", draft {args.draft_checkpoint_path}" if draft else "")
     engine.check_fits(prompt, args.new_tokens)
-    setup = Setup(engine, prompt, args.new_tokens, args.repeats, args.ignore_eos, draft, lookups, agreements)
+    usual = usual_engine(engine, args) if args.batch_invariant else None
+    setup = Setup(engine, prompt, args.new_tokens, args.repeats, args.ignore_eos, draft, lookups, agreements, usual)
     started = time.strftime("%Y-%m-%d %H:%M")
     rows = run_rows(setup, ks, write)
     write(

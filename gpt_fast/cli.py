@@ -204,8 +204,8 @@ def aot_precompile_option(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def speculative_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """--draft_checkpoint_path, --prompt_lookup, --speculate_k, folded into the command's ``engine_options`` (so it
-    goes below the decorator that makes them)."""
+    """--draft_checkpoint_path, --prompt_lookup, --speculate_k, --batch_invariant, folded into the command's
+    ``engine_options`` (so it goes below the decorator that makes them)."""
 
     @functools.wraps(func)
     def command(
@@ -213,18 +213,28 @@ def speculative_options(func: Callable[..., Any]) -> Callable[..., Any]:
         draft_checkpoint_path: str | None,
         prompt_lookup: int | None,
         speculate_k: int | None,
+        batch_invariant: bool,
         engine_options: EngineOptions,
         **kwargs: Any,
     ) -> Any:
         speculative = SpeculativeOptions.from_flags(draft_checkpoint_path, prompt_lookup, speculate_k)
-        return func(*args, engine_options=dataclasses.replace(engine_options, speculative=speculative), **kwargs)
+        options = dataclasses.replace(engine_options, speculative=speculative, batch_invariant=batch_invariant)
+        return func(*args, engine_options=options, **kwargs)
 
+    decorated = option(
+        "--batch_invariant",
+        is_flag=True,
+        help="Batch-invariant decode and verify steps: each token computed the same way however many a step "
+        "computes, so that speculative decoding gives plain decoding's tokens (both with this flag) in any dtype, "
+        "where bfloat16's rounding can otherwise flip a near-tie. Slower steps; not with --tp, --aot_precompile, "
+        "quantized checkpoints or mixtures of experts.",
+    )(command)
     decorated = option(
         "--speculate_k",
         type=int,
         default=None,
         help=f"Speculative decoding: tokens drafted per verify step. [default: {DEFAULT_SPECULATE_K}]",
-    )(command)
+    )(decorated)
     decorated = option(
         "--prompt_lookup",
         type=int,
@@ -630,6 +640,11 @@ def report_converted(weights: Path) -> None:
     help=f"Tokens of the calibration text, a multiple of 512 (its rows). [default: {DEFAULT_CALIBRATION_TOKENS}]",
 )
 @option("--act_order", is_flag=True, help="GPTQ: round the columns of largest input energy first (same layout).")
+@option(
+    "--awq",
+    is_flag=True,
+    help="GPTQ: first scale each layer's input channels by their activations (AWQ), folded into the norms, v and up.",
+)
 def quantize(
     checkpoint_path: str | None,
     quantization: QuantConfig,
@@ -639,6 +654,7 @@ def quantize(
     calibration_text: Path | None,
     calibration_tokens: int | None,
     act_order: bool,
+    awq: bool,
 ) -> None:
     """Write a weight-only quantized copy of a converted checkpoint (the scheme is recorded in its config.json)."""
     from gpt_fast.device import resolve_device
@@ -647,8 +663,8 @@ def quantize(
 
     calibration = None
     if calibrate is None:
-        if calibration_text is not None or calibration_tokens is not None or act_order:
-            raise ValueError("--calibration_text, --calibration_tokens and --act_order go with --calibrate gptq")
+        if calibration_text is not None or calibration_tokens is not None or act_order or awq:
+            raise ValueError("--calibration_text, --calibration_tokens, --act_order and --awq go with --calibrate gptq")
     else:
         if quantization.mode != "int4":
             raise ValueError(f"--calibrate {calibrate} goes with --mode int4 (int8 stays within 1 % without it)")
@@ -659,6 +675,7 @@ def quantize(
             text_name=DEFAULT_CALIBRATION_TEXT if text is None else str(text),
             tokens=DEFAULT_CALIBRATION_TOKENS if calibration_tokens is None else calibration_tokens,
             act_order=act_order,
+            awq=awq,
         )
     checkpoint = find_checkpoint(checkpoint_path)
     report_converted(quantize_checkpoint(checkpoint, output_dir, quantization, resolve_device(device), calibration))

@@ -42,6 +42,7 @@ from gpt_fast.generate import (
 )
 from gpt_fast.kernels.decode_attention import ATTENTION_KERNELS, resolve_attention_kernel, use_attention_kernel
 from gpt_fast.kernels.gated_activation import ACTIVATION_KERNELS, resolve_activation_kernel, use_activation_kernel
+from gpt_fast.kernels.invariant import INVARIANT_ROWS, check_invariant, use_invariant_kernels
 from gpt_fast.model import Transformer, weight_bytes_per_token
 from gpt_fast.parallel import TensorParallel, check_tensor_parallel, device_of, env_ranks, join
 from gpt_fast.paths import CHECKPOINTS_DIR
@@ -80,7 +81,9 @@ class EngineOptions:
     :func:`gpt_fast.model.layer_region`), how inductor picks its kernels' configurations (``kernel_tuning``:
     :data:`gpt_fast.generate.KERNEL_TUNINGS`; no effect without compilation), and whether the decode step is
     compiled ahead of time and kept on disk for the next process (``aot_precompile``: :mod:`gpt_fast.precompile`;
-    one prompt's plain decoding in one process)."""
+    one prompt's plain decoding in one process), and whether every decode and verify step computes each token's
+    row on its own, so that speculative decoding gives plain decoding's tokens in any dtype (``batch_invariant``:
+    :mod:`gpt_fast.kernels.invariant`)."""
 
     compile: str = "none"
     compile_prefill: bool = False
@@ -94,6 +97,7 @@ class EngineOptions:
     regional_compile: bool = False
     kernel_tuning: str = COORDINATE_DESCENT
     aot_precompile: bool = False
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.compile not in COMPILE_MODES:
@@ -118,6 +122,20 @@ class EngineOptions:
         if self.regional_compile and self.tp > 1:  # collectives inside a reused region: not tried on GPUs yet
             raise ValueError("--regional_compile does not run with tensor parallelism (--tp) yet")
         self._check_aot_precompile()
+        self._check_batch_invariant()
+
+    def _check_batch_invariant(self) -> None:
+        if not self.batch_invariant:
+            return
+        others = {
+            "--tp": self.tp > 1,
+            "--aot_precompile": self.aot_precompile,
+            "--attention_kernel triton": self.attention_kernel == "triton",
+            "--activation_kernel triton": self.activation_kernel == "triton",
+        }
+        for name, used in others.items():
+            if used:
+                raise ValueError(f"--batch_invariant does not combine with {name}")
 
     def _check_aot_precompile(self) -> None:
         if not self.aot_precompile:
@@ -209,22 +227,30 @@ class Engine:
         self.config = config  # the checkpoint's config.json; None for weights given in memory
         self.quantization = config.quantization if config is not None else quantization
         options.check_parallel(model_config, self.quantization)
+        if options.batch_invariant:
+            check_invariant(model_config, self.quantization)
         self.ranks = env_ranks() if options.tp > 1 else None  # None: one process (or the launcher of the ranks)
         self.device = resolve_device(options.device)
         if options.tp > 1:
             self.device = device_of(self.device, self.ranks)
         self.dtype = resolve_dtype(options.dtype, self.device)
         self.attention_kernel = resolve_attention_kernel(options.attention_kernel, self.device)  # before compiling
-        self.activation_kernel = resolve_activation_kernel(
-            options.activation_kernel, self.device, model_config, options.aot_precompile
-        )
+        self.activation_kernel = "torch"  # batch-invariant steps: the same elementwise code for any number of rows
+        if not options.batch_invariant:
+            self.activation_kernel = resolve_activation_kernel(
+                options.activation_kernel, self.device, model_config, options.aot_precompile
+            )
         self._tokenizer = checkpoint_tokenizer(checkpoint_dir, config) if config is not None else None
         self._state = state
         self._sharded = sharded  # the state is this rank's part already
         self._parallel: TensorParallel | None = None  # the group, once joined (load_weights)
         self._folder_id = folder_identity(checkpoint_dir)
         self._steps = make_steps(
-            options.compile, options.compile_prefill, options.kernel_tuning, options.aot_precompile
+            options.compile,
+            options.compile_prefill,
+            options.kernel_tuning,
+            options.aot_precompile,
+            exact=options.batch_invariant,
         )
         self._slot_steps: SlotSteps | None = None  # made on first use of a batcher
         self._model: Transformer | None = None
@@ -242,7 +268,8 @@ class Engine:
         options = options or EngineOptions()
         draft = None
         if options.speculative is not None and options.speculative.draft_checkpoint is not None:
-            draft = cls.open(options.speculative.draft_checkpoint, replace(options, speculative=None))
+            draft_options = replace(options, speculative=None, batch_invariant=False)  # its rounding does not matter
+            draft = cls.open(options.speculative.draft_checkpoint, draft_options)
             check_draft_config(config, draft.config, draft.checkpoint_dir)
         return cls(options, config.model, checkpoint_dir=directory, config=config, draft=draft)
 
@@ -323,6 +350,8 @@ class Engine:
             self._parallel.connect(self._model, self.model_config)
         use_attention_kernel(self._model, self.attention_kernel)
         use_activation_kernel(self._model, self.activation_kernel)
+        if self.options.batch_invariant:
+            use_invariant_kernels(self._model, self.device)
         self._model.regional_compile = self.options.regional_compile
         if self._draft is not None:
             self._draft.load_weights()
@@ -394,7 +423,9 @@ class Engine:
     def speculative_steps(self) -> SpeculativeSteps:
         """The steps of a speculative round, compiled as the engine's compile mode says (made on first use)."""
         if self._spec_steps is None:
-            self._spec_steps = make_speculative_steps(self.options.compile, self.options.kernel_tuning)
+            self._spec_steps = make_speculative_steps(
+                self.options.compile, self.options.kernel_tuning, exact=self.options.batch_invariant
+            )
         return self._spec_steps
 
     @property
@@ -559,6 +590,11 @@ class Engine:
         if drafter is None:
             stream = generate_stream(self.model, prompt_ids, **common)
             return stream if self._parallel is None else self._same_on_every_rank(stream)
+        if self.options.batch_invariant and batch_size * (drafter.k + 1) > INVARIANT_ROWS:
+            raise ValueError(
+                f"--batch_invariant verifies up to {INVARIANT_ROWS} rows per step: batch {batch_size} x "
+                f"(k {drafter.k} + 1) is more"
+            )
         return speculative_stream(self.model, drafter, prompt_ids, spec_steps=self.speculative_steps, **common)
 
     def _same_on_every_rank(

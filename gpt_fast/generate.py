@@ -62,16 +62,22 @@ class Steps:
 
 
 def make_steps(
-    mode: str, compile_prefill: bool = False, tuning: str = COORDINATE_DESCENT, aot_precompile: bool = False
+    mode: str,
+    compile_prefill: bool = False,
+    tuning: str = COORDINATE_DESCENT,
+    aot_precompile: bool = False,
+    *,
+    exact: bool = False,
 ) -> Steps:
     """Wrap the step functions for a compile mode (``none`` = eager). The decode step has fixed shapes, so it is
     compiled whole (``fullgraph=True``); ``reduce-overhead`` and ``max-autotune`` also capture it as a CUDA graph.
-    With ``aot_precompile`` it is compiled ahead of time and kept on disk (:mod:`gpt_fast.precompile`)."""
+    With ``aot_precompile`` it is compiled ahead of time and kept on disk (:mod:`gpt_fast.precompile`); with
+    ``exact``, with eager rounding (:func:`compile_options`)."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile mode {mode!r} is not one of {', '.join(COMPILE_MODES)}")
     if mode == "none":
         return Steps(prefill, decode_one_token, mode)
-    options = compile_options(mode, tuning)
+    options = compile_options(mode, tuning, exact=exact)
     if aot_precompile:
         decode: Callable[..., None] = PrecompiledStep(decode_one_token, options)
     else:
@@ -86,19 +92,25 @@ def tuning_options(tuning: str) -> dict[str, Any]:
     return {"coordinate_descent_tuning": tuning == COORDINATE_DESCENT}
 
 
-def compile_options(mode: str, tuning: str = COORDINATE_DESCENT) -> dict[str, Any]:
+def compile_options(mode: str, tuning: str = COORDINATE_DESCENT, *, exact: bool = False) -> dict[str, Any]:
     """Inductor options for the decode step in a compile mode: the mode's own, the kernel tuning's
     (:func:`tuning_options`), and programmatic dependent launch (PDL) in the CUDA-graph modes. With PDL each
     kernel's blocks are scheduled while the kernel before it drains, which shortens the gaps between the few
     hundred small kernels of a decode step. On an H100 it decoded the SmolLM2-135M shape 8 % faster and left the
     GEMV-bound Llama-2-7B shape unchanged (BENCHMARKS.md, 2026-11-22). Inductor emits it only for CUDA GPUs of
     compute capability 9 and up, never on ROCm. ``default`` mode, which launches every kernel from the host, keeps
-    inductor's launcher as it is."""
+    inductor's launcher as it is.
+
+    ``exact``: fused elementwise operations round to the model's dtype wherever eager PyTorch would
+    (``emulate_precision_casts``), so that the same operations round alike however inductor fuses them in one
+    graph or another: batch-invariant steps need it (:mod:`gpt_fast.kernels.invariant`)."""
     import torch._inductor
 
     options: dict[str, Any] = dict(torch._inductor.list_mode_options(mode)) | tuning_options(tuning)
     if options.get("triton.cudagraphs") and hasattr(torch._inductor.config.triton, "enable_pdl"):
         options["triton.enable_pdl"] = True
+    if exact:
+        options["emulate_precision_casts"] = True
     return options
 
 

@@ -104,6 +104,7 @@ class RunMetrics:
     aot_package: str | None = None  # with --aot_precompile: the decode step's package, loaded or compiled and saved
     regional_compile: bool = False  # one layer compiled and reused for every layer (EngineOptions.regional_compile)
     kernel_tuning: str | None = None  # EngineOptions.kernel_tuning of a compiled run; None in eager mode
+    batch_invariant: bool = False  # each token's row computed on its own (EngineOptions.batch_invariant)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"

@@ -22,7 +22,21 @@ from gpt_fast.cache import DecodeState, KVCache
 from gpt_fast.config import ModelConfig, RopeScaling
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    """RMSNorm over the last dimension, normalized in float32: times ``weight`` after rounding to ``x``'s dtype, or
+    (Gemma, ``offset`` not 0) times ``offset + weight`` in float32, rounded once at the end."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (normed * (offset + weight.float())).to(x.dtype)
+    return weight * normed.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
+    # The norm as an operator of its own (gpt_fast.kernels.invariant sets it, with rms_norm's arguments); None:
+    # rms_norm.
+    kernel = None
+
     def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.eps = eps
@@ -30,11 +44,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:  # Gemma: scaled by (offset + weight) in float32, rounded once at the end
-            return (normed * (self.offset + self.weight.float())).to(x.dtype)
-        return self.weight * normed.to(x.dtype)
+        norm = rms_norm if self.kernel is None else self.kernel
+        return norm(x, self.weight, self.eps, self.offset)
 
 
 def rope_inv_freq(head_dim: int, base: float, scaling: RopeScaling | None, max_seq_length: int = 0) -> torch.Tensor:
@@ -133,6 +144,9 @@ class Attention(nn.Module):
     # One decode step's rotary embedding, cache write and attention fused (gpt_fast.kernels.decode_attention sets
     # it); None: the PyTorch code below.
     decode_kernel = None
+    # The same for any number of positions, each computed on its own (gpt_fast.kernels.invariant sets it), taking
+    # every step but a prompt's causal prefill; None: the code below.
+    rows_kernel = None
 
     def __init__(self, config: ModelConfig, window: int | None = None) -> None:
         super().__init__()
@@ -166,11 +180,12 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         v = v.view(bsz, seqlen, cfg.n_local_heads, cfg.head_dim)
+        kernel = self.rows_kernel if mask is not None else None
         if seqlen == 1 and self.decode_kernel is not None and torch.compiler.is_compiling():
+            kernel = self.decode_kernel
+        if kernel is not None:
             scale = self.scale or cfg.head_dim**-0.5
-            y = self.decode_kernel(
-                q, k, v, cos, sin, self.kv_cache.kv, input_pos, first_row, scale, self.softcap, self.window
-            )
+            y = kernel(q, k, v, cos, sin, self.kv_cache.kv, input_pos, first_row, scale, self.softcap, self.window)
             return self.wo(y.view(bsz, seqlen, cfg.q_size))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
@@ -312,6 +327,10 @@ def layer_region(layer: TransformerBlock, *args: torch.Tensor | int | None) -> t
 
 
 class Transformer(nn.Module):
+    # The tied output projection's product, with F.linear's arguments (gpt_fast.kernels.invariant sets it); None:
+    # F.linear.
+    head_kernel = None
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -390,7 +409,10 @@ class Transformer(nn.Module):
         if last_only:
             x = x[:, -1:]
         x = self.norm(x)
-        logits = F.linear(x, self.tok_embeddings.weight) if self.output is None else self.output(x)
+        if self.output is None:
+            logits = (F.linear if self.head_kernel is None else self.head_kernel)(x, self.tok_embeddings.weight, None)
+        else:
+            logits = self.output(x)
         cap = self.config.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

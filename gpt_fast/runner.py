@@ -92,6 +92,8 @@ def compile_notes(options: EngineOptions) -> str:
     notes = ["regional: one layer compiled and reused"] if options.regional_compile else []
     if options.compile != "none" and options.kernel_tuning == HEURISTIC:
         notes.append("kernels: inductor's heuristic configurations, not tuned")
+    if options.batch_invariant:
+        notes.append("batch-invariant steps")
     return f" ({'; '.join(notes)})" if notes else ""
 
 
@@ -240,6 +242,7 @@ def report(engine: Engine, runner: SampleRunner, samples: list[SampleMetrics], w
         aot_package=engine.aot_package,
         regional_compile=engine.options.regional_compile,
         kernel_tuning=None if engine.options.compile == "none" else engine.options.kernel_tuning,
+        batch_invariant=engine.options.batch_invariant,
     )
     over = f" ({metrics.averaged_over})"
     write(f"Bandwidth achieved{over}: {metrics.average_bandwidth_gbps:.2f} GB/s\n")

@@ -190,13 +190,14 @@ class SpeculativeSteps:
     mode: str
 
 
-def make_speculative_steps(mode: str, tuning: str = COORDINATE_DESCENT) -> SpeculativeSteps:
+def make_speculative_steps(mode: str, tuning: str = COORDINATE_DESCENT, *, exact: bool = False) -> SpeculativeSteps:
     """The round's steps for a compile mode (``none`` = eager). Each has fixed shapes for a fixed k and batch, so
-    each compiles whole; ``reduce-overhead`` and ``max-autotune`` capture each as a CUDA graph."""
+    each compiles whole; ``reduce-overhead`` and ``max-autotune`` capture each as a CUDA graph. ``exact``: with
+    eager rounding (:func:`gpt_fast.generate.compile_options`)."""
     functions = (verify_step, propose_step, draft_first, draft_next)
     if mode == "none":
         return SpeculativeSteps(*functions, mode)
-    options = compile_options(mode, tuning)
+    options = compile_options(mode, tuning, exact=exact)
     return SpeculativeSteps(*(torch.compile(f, options=options, fullgraph=True) for f in functions), mode)
 
 

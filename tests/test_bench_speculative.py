@@ -51,6 +51,24 @@ def test_a_checkpoint_with_prompt_lookup(tmp_path, capsys):
     assert "| agreement |" not in capsys.readouterr().out  # no draft model, no agreement table
 
 
+@pytest.mark.parametrize("source", ["shape", "checkpoint"])
+def test_batch_invariant_rows_compare_with_plain_decoding_on_their_own_kernels(source, tmp_path, capsys):
+    """Plain decoding with the usual kernels first (the speed-ups' baseline, on a second engine), then on the
+    batch-invariant target, whose text the speculative rows are compared with."""
+    args = ["--shape", "tiny"]
+    if source == "checkpoint":
+        checkpoint = make_random_checkpoint(get_shape("tiny"), tmp_path / "tiny", dtype=torch.float32)
+        args = ["--checkpoint_path", str(checkpoint), "--prompt", "abcabcabcabc", "--ignore_eos"]
+    main([*args, "--batch_invariant", "--prompt_lookup", "2", *COMMON, "--json", str(tmp_path / "rows.json")])
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    names = ["plain decoding, usual kernels", "plain decoding, batch-invariant", "replay", "prompt lookup 2"]
+    assert [r["name"] for r in rows] == names
+    assert [r["kernels"] for r in rows] == ["usual"] + ["batch-invariant"] * 3
+    assert all(r["tokens"] == rows[1]["tokens"] for r in rows[2:])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| replay | 4 |")]
+    assert len(lines) == 1 and "| yes | 100.0% | 5.00 |" in lines[0]
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

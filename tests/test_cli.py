@@ -371,6 +371,10 @@ MORE_BAD_INPUTS = {
     "prompt lookup of zero": (["--prompt_lookup", "0"], r"--prompt_lookup must be an integer in 1\.\.16, got 0"),
     "speculate_k too large": (["--prompt_lookup", "2", "--speculate_k", "99"], r"--speculate_k must be an integer"),
     "draft checkpoint missing": (["--draft_checkpoint_path", "/nonexistent/d"], "checkpoint not found: /nonexistent/d"),
+    "batch invariance with an AOT package": (
+        ["--batch_invariant", "--compile", "default", "--aot_precompile"],
+        "--batch_invariant does not combine with --aot_precompile",
+    ),
 }
 
 
@@ -442,12 +446,14 @@ def test_serve_refuses_a_port_in_use(checkpoint, capsys):
     assert code == 1 and f"error: cannot listen on 127.0.0.1:{port}:" in err and "Time to load model" not in out
 
 
-def test_speculative_generate_reports_acceptance_and_keeps_the_text(checkpoint, tmp_path, capsys):
+@pytest.mark.parametrize("invariant", [[], ["--batch_invariant"]], ids=["usual", "batch-invariant"])
+def test_speculative_generate_reports_acceptance_and_keeps_the_text(invariant, checkpoint, tmp_path, capsys):
     """Greedy: the same ids with prompt lookup as without; the figures in the report and in the JSON."""
     ids = {}
     for name, extra in (("plain", []), ("lookup", ["--prompt_lookup", "2", "--speculate_k", "3"])):
         path = tmp_path / f"{name}.json"
         args = ["--prompt", "abcabcabc", "--temperature", "0", "--ignore_eos", "--metrics_json", str(path), *extra]
+        args += invariant
         code, out, err = run(generate_args(checkpoint, *args), capsys)
         assert code == 0, err
         metrics = json.loads(path.read_text())
@@ -455,6 +461,7 @@ def test_speculative_generate_reports_acceptance_and_keeps_the_text(checkpoint, 
     assert ids["lookup"] == ids["plain"]
     assert "Speculative decoding: prompt lookup (n-grams up to 2), 3 tokens drafted per verify step" in out
     assert re.search(r"Speculative decoding \(samples 2-2\): prompt lookup .*, k=3: acceptance \d+\.\d%", out)
+    assert metrics["batch_invariant"] == bool(invariant) and ("batch-invariant steps" in out) == bool(invariant)
     spec = metrics["speculative"]
     assert spec == metrics["samples"][1]["speculative"] and spec["k"] == 3 and spec["rounds"] > 0
     assert spec["tokens_per_step"] == pytest.approx(1 + spec["accepted"] / spec["rounds"])

@@ -86,8 +86,9 @@ def test_the_triton_kernel_in_the_interpreter_matches_the_pytorch_code():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+@pytest.mark.parametrize("from_cache", [False, True], ids=["decode", "rows"])
 @pytest.mark.parametrize("group", [1, 4])
-def test_the_kernel_compiles_for_a_gpu_with_float64_scalars(group):
+def test_the_kernel_compiles_for_a_gpu_with_float64_scalars(group, from_cache):
     """Inductor passes a triton_op's float arguments (the scale, the soft-cap) as float64: the kernel must keep its
     running softmax state in float32 all the same. Triton's front end types the kernel without a GPU."""
     import triton
@@ -98,7 +99,7 @@ def test_the_kernel_compiles_for_a_gpu_with_float64_scalars(group):
 
     kernel = _decode_attention_split
     sizes = {"H_KV": 8, "GROUP": group, "GROUP_PAD": group, "HALF": 64, "HALF_PAD": 64, "BLOCK_S": 16}
-    constants = {**sizes, "SPLIT_LEN": 128, "SPLITS": 4, "SOFTCAP": True, "WINDOW": True}
+    constants = {**sizes, "SPLIT_LEN": 128, "SPLITS": 4, "SOFTCAP": True, "WINDOW": True, "FROM_CACHE": from_cache}
     pointers = {"pos_ptr": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32"}
     signature = {name: "constexpr" if name in constants else "i64" for name in kernel.arg_names}
     signature.update({name: pointers.get(name, "*bf16") for name in kernel.arg_names if name.endswith("_ptr")})

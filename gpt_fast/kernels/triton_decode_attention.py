@@ -13,6 +13,12 @@ The step's own key is not read back from the cache: every program rotates it in 
 split holds its position also writes it (and the value) to the cache, so no program reads a position written in
 the same launch.
 
+Batch-invariant steps (:func:`rows_attention`, ``--batch_invariant``) take any number of query positions per row:
+a first kernel rotates and writes every new key and value, then each (query position, kv head, split) program
+attends over the cache up to its own position, its own key included. A query's program then does the same work,
+in the same order, with the same compiled code, whether it is a decode step's only position or one of a verify
+step's k + 1: its result does not depend on the others.
+
 Rounding follows the PyTorch path (:func:`gpt_fast.model.apply_rope`, :func:`gpt_fast.model.attend_one_query`):
 the rotation in float32, rounded to the model's dtype, then scores, softmax and sums in float32.
 
@@ -103,6 +109,67 @@ def _online_softmax(m_i, l_i, acc1, acc2, scores, v1, v2):
 
 
 @triton.jit
+def _rotated_key_value(k_row, v_row, d, cos, sin, HALF: tl.constexpr, d_in):
+    """A new key (at ``k_row``, one kv head's), rotated and rounded to its dtype, and its value (at ``v_row``): four
+    halves [HALF_PAD] in float32."""
+    k1, k2 = _rotate(
+        tl.load(k_row + d, mask=d_in, other=0.0).to(tl.float32),
+        tl.load(k_row + d + HALF, mask=d_in, other=0.0).to(tl.float32),
+        cos,
+        sin,
+        k_row.dtype.element_ty,
+    )
+    v1 = tl.load(v_row + d, mask=d_in, other=0.0).to(tl.float32)
+    v2 = tl.load(v_row + d + HALF, mask=d_in, other=0.0).to(tl.float32)
+    return k1, k2, v1, v2
+
+
+@triton.jit
+def _store_key_value(at, values_offset, k1, k2, v1, v2, mask, HALF: tl.constexpr):
+    """A key's and a value's halves into the cache at ``at`` (the key's first element)."""
+    dtype = at.dtype.element_ty
+    tl.store(at, k1.to(dtype), mask=mask)
+    tl.store(at + HALF, k2.to(dtype), mask=mask)
+    tl.store(at + values_offset, v1.to(dtype), mask=mask)
+    tl.store(at + values_offset + HALF, v2.to(dtype), mask=mask)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _write_rotated(
+    k_ptr,
+    v_ptr,
+    cos_ptr,
+    sin_ptr,
+    kv_ptr,
+    pos_ptr,
+    k_stride_b,
+    k_stride_h,
+    v_stride_b,
+    v_stride_h,
+    first_row,
+    T,
+    values_offset,
+    S,
+    H_KV: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+):
+    """Program (query row, kv head): the row's new key, rotated, and value into the cache at the row's position
+    (query rows as in :func:`_decode_attention_split`, their tables and positions one per query row)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    d = tl.arange(0, HALF_PAD)
+    d_in = d < HALF
+    cos = tl.load(cos_ptr + b * HALF + d, mask=d_in, other=0.0)
+    sin = tl.load(sin_ptr + b * HALF + d, mask=d_in, other=0.0)
+    k1, k2, v1, v2 = _rotated_key_value(
+        k_ptr + b * k_stride_b + h * k_stride_h, v_ptr + b * v_stride_b + h * v_stride_h, d, cos, sin, HALF, d_in
+    )
+    cache = kv_ptr + ((first_row + b // T) * H_KV + h).to(tl.int64) * S * (2 * HALF)
+    _store_key_value(cache + tl.load(pos_ptr + b) * (2 * HALF) + d, values_offset, k1, k2, v1, v2, d_in, HALF)
+
+
+@triton.jit(do_not_specialize=["T"])
 def _decode_attention_split(
     q_ptr,
     k_ptr,
@@ -124,6 +191,7 @@ def _decode_attention_split(
     cos_stride,
     pos_stride,
     first_row,
+    T,
     values_offset,
     S,
     scale,
@@ -139,8 +207,12 @@ def _decode_attention_split(
     SPLITS: tl.constexpr,
     SOFTCAP: tl.constexpr,
     WINDOW: tl.constexpr,
+    FROM_CACHE: tl.constexpr,
 ):
-    """Program (row b * H_KV + kv head, split): the GROUP query heads of one kv head over the split's positions."""
+    """Program (query row b * H_KV + kv head, split): the GROUP query heads of one kv head over the split's
+    positions. A query row is one position of one of the cache's rows, ``T`` positions per cache row. Without
+    ``FROM_CACHE`` (one position per row) the step's own key and value come in registers and are written here;
+    with it every key up to the query's position is read from the cache, where :func:`_write_rotated` put them."""
     b = tl.program_id(0) // H_KV
     h = tl.program_id(0) % H_KV
     split = tl.program_id(1)
@@ -157,9 +229,12 @@ def _decode_attention_split(
     q2 = tl.load(q_at + HALF, mask=q_in, other=0.0).to(tl.float32)
     q1, q2 = _rotate(q1, q2, cos[None, :], sin[None, :], q_ptr.dtype.element_ty)
 
-    cache = kv_ptr + ((first_row + b) * H_KV + h).to(tl.int64) * S * (2 * HALF)  # this row's keys of kv head h
+    cache = kv_ptr + ((first_row + b // T) * H_KV + h).to(tl.int64) * S * (2 * HALF)  # the row's keys of kv head h
     start = split * SPLIT_LEN
-    end = tl.minimum(start + SPLIT_LEN, pos)  # cached positions this split reads: [lo, end)
+    seen = pos  # positions before the query's own come from the cache, and with FROM_CACHE its own too
+    if FROM_CACHE:
+        seen = pos + 1
+    end = tl.minimum(start + SPLIT_LEN, seen)  # cached positions this split reads: [lo, end)
     lo = start
     if WINDOW:
         lo = tl.maximum(start, pos - window + 1)
@@ -180,27 +255,15 @@ def _decode_attention_split(
         scores = tl.where(valid[None, :], _capped(dots * scale, softcap, SOFTCAP), float("-inf"))  # [G, BLOCK_S]
         m_i, l_i, acc1, acc2 = _online_softmax(m_i, l_i, acc1, acc2, scores, v1, v2)
 
-    # the step's own key and value: rotated here, written to the cache by the split that holds the position
-    own = (pos >= start) & (pos < start + SPLIT_LEN)
-    k_at = k_ptr + b * k_stride_b + h * k_stride_h + d
-    v_at = v_ptr + b * v_stride_b + h * v_stride_h + d
-    k1, k2 = _rotate(
-        tl.load(k_at, mask=d_in, other=0.0).to(tl.float32),
-        tl.load(k_at + HALF, mask=d_in, other=0.0).to(tl.float32),
-        cos,
-        sin,
-        kv_ptr.dtype.element_ty,
-    )
-    v1 = tl.load(v_at, mask=d_in, other=0.0).to(tl.float32)
-    v2 = tl.load(v_at + HALF, mask=d_in, other=0.0).to(tl.float32)
-    at = cache + pos * (2 * HALF) + d
-    tl.store(at, k1.to(kv_ptr.dtype.element_ty), mask=d_in & own)
-    tl.store(at + HALF, k2.to(kv_ptr.dtype.element_ty), mask=d_in & own)
-    tl.store(at + values_offset, v1.to(kv_ptr.dtype.element_ty), mask=d_in & own)
-    tl.store(at + values_offset + HALF, v2.to(kv_ptr.dtype.element_ty), mask=d_in & own)
-    dots = _dots(q1, q2, k1[None, :], k2[None, :])  # [G, 1]
-    scores = tl.where(own, _capped(dots * scale, softcap, SOFTCAP), float("-inf"))
-    m_i, l_i, acc1, acc2 = _online_softmax(m_i, l_i, acc1, acc2, scores, v1[None, :], v2[None, :])
+    if not FROM_CACHE:  # the step's own key and value: rotated here, written by the split that holds the position
+        own = (pos >= start) & (pos < start + SPLIT_LEN)
+        k1, k2, v1, v2 = _rotated_key_value(
+            k_ptr + b * k_stride_b + h * k_stride_h, v_ptr + b * v_stride_b + h * v_stride_h, d, cos, sin, HALF, d_in
+        )
+        _store_key_value(cache + pos * (2 * HALF) + d, values_offset, k1, k2, v1, v2, d_in & own, HALF)
+        dots = _dots(q1, q2, k1[None, :], k2[None, :])  # [G, 1]
+        scores = tl.where(own, _capped(dots * scale, softcap, SOFTCAP), float("-inf"))
+        m_i, l_i, acc1, acc2 = _online_softmax(m_i, l_i, acc1, acc2, scores, v1[None, :], v2[None, :])
 
     rows = b * H_KV * GROUP + heads  # [G]: index of (row, query head)
     out_in = g_in[:, None] & d_in[None, :]
@@ -258,6 +321,95 @@ def _row_stride(t: torch.Tensor) -> int:
     return 0 if t.shape[0] == 1 else t.stride(0)
 
 
+@dataclass(frozen=True)
+class _Rows:
+    """A launch's query rows: queries ``q`` [R, H, D], new keys and values [R, H_kv, D] (heads contiguous), rotary
+    tables [R or 1, D/2] and positions [R or 1, 1] (one shared by all rows, or each row's own), and how many query
+    rows each cache row has (``per_cache_row``, from ``first_row`` on)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: torch.Tensor
+    first_row: int
+    per_cache_row: int
+
+
+def _attend(
+    rows: _Rows,
+    kv: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    window: int | None,
+    launch: Launch | None,
+    wrap: Wrap,
+    from_cache: bool,
+) -> torch.Tensor:
+    """Launch the attention kernel (and the combination of its splits) over ``rows``; returns [R, H, D]."""
+    n_rows, n_head, head_dim = rows.q.shape
+    _, _, n_kv, max_len, _ = kv.shape
+    assert rows.q.stride(-1) == rows.k.stride(-1) == rows.v.stride(-1) == 1 and kv.is_contiguous()
+    group, half = n_head // n_kv, head_dim // 2
+    launch = launch or decode_launch(group, head_dim)
+    splits = triton.cdiv(max_len, launch.split_len)
+    out = torch.empty((n_rows, n_head, head_dim), dtype=rows.q.dtype, device=rows.q.device)
+    partials = [out, out, out]  # unused with one split
+    if splits > 1:  # each split's maximum and sum [R * H, splits] and weighted sum of values [R * H, splits, D]
+        shapes = ((n_rows * n_head, splits), (n_rows * n_head, splits), (n_rows * n_head, splits, head_dim))
+        partials = [torch.empty(shape, dtype=torch.float32, device=rows.q.device) for shape in shapes]
+    wrap(_decode_attention_split)[(n_rows * n_kv, splits)](
+        rows.q,
+        rows.k,
+        rows.v,
+        rows.cos,
+        rows.sin,
+        kv,
+        rows.positions,
+        out,
+        *partials,
+        rows.q.stride(0),
+        rows.q.stride(1),
+        rows.k.stride(0),
+        rows.k.stride(1),
+        rows.v.stride(0),
+        rows.v.stride(1),
+        _row_stride(rows.cos),
+        _row_stride(rows.positions),
+        rows.first_row,
+        rows.per_cache_row,
+        kv.stride(0),
+        max_len,
+        scale,
+        1.0 if softcap is None else softcap,
+        max_len if window is None else window,
+        H_KV=n_kv,
+        GROUP=group,
+        GROUP_PAD=triton.next_power_of_2(group),
+        HALF=half,
+        HALF_PAD=triton.next_power_of_2(half),
+        BLOCK_S=launch.block_s,
+        SPLIT_LEN=launch.split_len,
+        SPLITS=splits,
+        SOFTCAP=softcap is not None,
+        WINDOW=window is not None,
+        FROM_CACHE=from_cache,
+        num_warps=launch.warps,
+    )
+    if splits > 1:
+        wrap(_combine_splits)[(n_rows * n_head,)](
+            *partials,
+            out,
+            SPLITS=splits,
+            SPLITS_PAD=triton.next_power_of_2(splits),
+            HALF=half,
+            HALF_PAD=triton.next_power_of_2(half),
+            num_warps=launch.warps,
+        )
+    return out
+
+
 def decode_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -280,62 +432,61 @@ def decode_attention(
     ``first_row`` to ``first_row + B - 1`` are these rows (written in place at the position); ``input_pos`` [1]
     (shared) or [B, 1]. Scores are scaled by ``scale``, soft-capped by ``softcap`` when given, and only the last
     ``window`` positions are seen when given. Returns [B, 1, H, D] in ``q``'s dtype."""
-    bsz, _, n_head, head_dim = q.shape
-    _, _, n_kv, max_len, _ = kv.shape
-    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and kv.is_contiguous()
-    group, half = n_head // n_kv, head_dim // 2
-    launch = launch or decode_launch(group, head_dim)
-    splits = triton.cdiv(max_len, launch.split_len)
-    out = torch.empty((bsz, 1, n_head, head_dim), dtype=q.dtype, device=q.device)
-    partials = [out, out, out]  # unused with one split
-    if splits > 1:  # each split's maximum and sum [B * H, splits] and weighted sum of values [B * H, splits, D]
-        shapes = ((bsz * n_head, splits), (bsz * n_head, splits), (bsz * n_head, splits, head_dim))
-        partials = [torch.empty(shape, dtype=torch.float32, device=q.device) for shape in shapes]
-    cos, sin, positions = cos.reshape(-1, half), sin.reshape(-1, half), input_pos.reshape(-1, 1)
-    wrap(_decode_attention_split)[(bsz * n_kv, splits)](
-        q,
-        k,
-        v,
+    half = q.shape[-1] // 2
+    rows = _Rows(
+        q[:, 0], k[:, 0], v[:, 0], cos.reshape(-1, half), sin.reshape(-1, half), input_pos.reshape(-1, 1), first_row, 1
+    )
+    return _attend(rows, kv, scale, softcap, window, launch, wrap, from_cache=False)[:, None]
+
+
+def rows_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv: torch.Tensor,
+    input_pos: torch.Tensor,
+    first_row: int,
+    scale: float,
+    softcap: float | None,
+    window: int | None,
+    launch: Launch | None = None,
+    wrap: Wrap = _unwrapped,
+) -> torch.Tensor:
+    """The batch-invariant attention of T query positions per row (a decode step's one, a verify step's k + 1):
+    every new key and value rotated and written into the cache, then each query over the cache up to its position.
+
+    ``q`` [B, T, H, D], ``k`` and ``v`` [B, T, H_kv, D] before the rotary embedding (heads contiguous);
+    ``cos``/``sin`` [T, D/2] (shared by the rows) or [B, T, D/2]; ``input_pos`` [T] or [B, T]; the rest as
+    :func:`decode_attention`. Returns [B, T, H, D] in ``q``'s dtype."""
+    bsz, seqlen, n_head, head_dim = q.shape
+    half, n_kv = head_dim // 2, kv.shape[2]
+    positions = input_pos.expand(bsz, seqlen).reshape(-1, 1)  # [B * T, 1]: one per query row
+
+    def per_row(t: torch.Tensor) -> torch.Tensor:  # [T or B, T, ...] -> [B * T, ...], a view where the layout allows
+        return t.expand(bsz, seqlen, *t.shape[-2:] if t.dim() == 4 else t.shape[-1:]).flatten(0, 1)
+
+    cos, sin = (per_row(t).contiguous() for t in (cos, sin))  # [B * T, D/2]
+    rows = _Rows(per_row(q), per_row(k), per_row(v), cos, sin, positions.contiguous(), first_row, seqlen)
+    wrap(_write_rotated)[(bsz * seqlen, n_kv)](
+        rows.k,
+        rows.v,
         cos,
         sin,
         kv,
-        positions,
-        out,
-        *partials,
-        q.stride(0),
-        q.stride(2),
-        k.stride(0),
-        k.stride(2),
-        v.stride(0),
-        v.stride(2),
-        _row_stride(cos),
-        _row_stride(positions),
+        rows.positions,
+        rows.k.stride(0),
+        rows.k.stride(1),
+        rows.v.stride(0),
+        rows.v.stride(1),
         first_row,
+        seqlen,
         kv.stride(0),
-        max_len,
-        scale,
-        1.0 if softcap is None else softcap,
-        max_len if window is None else window,
+        kv.shape[3],
         H_KV=n_kv,
-        GROUP=group,
-        GROUP_PAD=triton.next_power_of_2(group),
         HALF=half,
         HALF_PAD=triton.next_power_of_2(half),
-        BLOCK_S=launch.block_s,
-        SPLIT_LEN=launch.split_len,
-        SPLITS=splits,
-        SOFTCAP=softcap is not None,
-        WINDOW=window is not None,
-        num_warps=launch.warps,
     )
-    if splits > 1:
-        wrap(_combine_splits)[(bsz * n_head,)](
-            *partials,
-            out,
-            SPLITS=splits,
-            SPLITS_PAD=triton.next_power_of_2(splits),
-            HALF=half,
-            HALF_PAD=triton.next_power_of_2(half),
-            num_warps=launch.warps,
-        )
-    return out
+    out = _attend(rows, kv, scale, softcap, window, launch, wrap, from_cache=True)
+    return out.view(bsz, seqlen, n_head, head_dim)
