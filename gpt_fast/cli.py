@@ -640,11 +640,6 @@ def report_converted(weights: Path) -> None:
     help=f"Tokens of the calibration text, a multiple of 512 (its rows). [default: {DEFAULT_CALIBRATION_TOKENS}]",
 )
 @option("--act_order", is_flag=True, help="GPTQ: round the columns of largest input energy first (same layout).")
-@option(
-    "--awq",
-    is_flag=True,
-    help="GPTQ: first scale each layer's input channels by their activations (AWQ), folded into the norms, v and up.",
-)
 def quantize(
     checkpoint_path: str | None,
     quantization: QuantConfig,
@@ -654,7 +649,6 @@ def quantize(
     calibration_text: Path | None,
     calibration_tokens: int | None,
     act_order: bool,
-    awq: bool,
 ) -> None:
     """Write a weight-only quantized copy of a converted checkpoint (the scheme is recorded in its config.json)."""
     from gpt_fast.device import resolve_device
@@ -663,8 +657,8 @@ def quantize(
 
     calibration = None
     if calibrate is None:
-        if calibration_text is not None or calibration_tokens is not None or act_order or awq:
-            raise ValueError("--calibration_text, --calibration_tokens, --act_order and --awq go with --calibrate gptq")
+        if calibration_text is not None or calibration_tokens is not None or act_order:
+            raise ValueError("--calibration_text, --calibration_tokens and --act_order go with --calibrate gptq")
     else:
         if quantization.mode != "int4":
             raise ValueError(f"--calibrate {calibrate} goes with --mode int4 (int8 stays within 1 % without it)")
@@ -675,7 +669,6 @@ def quantize(
             text_name=DEFAULT_CALIBRATION_TEXT if text is None else str(text),
             tokens=DEFAULT_CALIBRATION_TOKENS if calibration_tokens is None else calibration_tokens,
             act_order=act_order,
-            awq=awq,
         )
     checkpoint = find_checkpoint(checkpoint_path)
     report_converted(quantize_checkpoint(checkpoint, output_dir, quantization, resolve_device(device), calibration))
