@@ -94,45 +94,19 @@ def _attend_one(
 
 @functools.cache
 def register_ops() -> None:
-    """Register the operators ``torch.ops.gpt_fast.invariant_linear``, ``invariant_rms_norm`` and
-    ``invariant_attention`` with the reference code for every device, eagerly (``torch.compile`` cannot trace a
-    registration). Nothing happens at import."""
-
-    @torch.library.custom_op("gpt_fast::invariant_linear", mutates_args=())
-    def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return reference_linear(x, weight, bias)
-
-    @invariant_linear.register_fake
-    def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return x.new_empty(x.shape[0], weight.shape[0])
-
-    @torch.library.custom_op("gpt_fast::invariant_rms_norm", mutates_args=())
-    def invariant_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
-        return reference_rms_norm(x, weight, eps, offset)
-
-    @invariant_rms_norm.register_fake
-    def _(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
-        return x.new_empty(x.shape)
-
-    @torch.library.custom_op("gpt_fast::invariant_attention", mutates_args=("kv",))
-    def invariant_attention(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv: torch.Tensor,
-        input_pos: torch.Tensor,
-        first_row: int,
-        scale: float,
-        softcap: float | None,
-        window: int | None,
-    ) -> torch.Tensor:
-        return reference_attention(q, k, v, cos, sin, kv, input_pos, first_row, scale, softcap, window)
-
-    @invariant_attention.register_fake
-    def _(q: torch.Tensor, *_args: object) -> torch.Tensor:
-        return q.new_empty(q.shape)  # contiguous, as both implementations return it
+    """Register the reference functions above as the operators ``torch.ops.gpt_fast.invariant_linear``,
+    ``invariant_rms_norm`` and ``invariant_attention`` (which writes into ``kv``), for every device, eagerly
+    (``torch.compile`` cannot trace a registration). Nothing happens at import."""
+    for name, function, mutates in (
+        ("linear", reference_linear, ()),
+        ("rms_norm", reference_rms_norm, ()),
+        ("attention", reference_attention, ("kv",)),
+    ):
+        torch.library.custom_op(f"gpt_fast::invariant_{name}", function, mutates_args=mutates)
+    # the shapes of their results, for tracing; contiguous, as every implementation returns them
+    torch.library.register_fake("gpt_fast::invariant_linear", lambda x, w, _b: x.new_empty(x.shape[0], w.shape[0]))
+    torch.library.register_fake("gpt_fast::invariant_rms_norm", lambda x, *_args: x.new_empty(x.shape))
+    torch.library.register_fake("gpt_fast::invariant_attention", lambda q, *_args: q.new_empty(q.shape))
 
 
 @functools.cache
