@@ -3,9 +3,10 @@ script in a process of its own with ``TRITON_INTERPRET=1`` (the interpreter test
 tests): prints, as JSON, the worst relative error per dtype and whether every row of a many-row launch equals, bit
 for bit, the same row launched alone.
 
-Cases: linear layers with and without bias, tiles that divide the shape and tiles that do not; RMSNorm with and
-without Gemma's offset; attention of 5 query positions per row (MHA and GQA, head_dim 16 and 64, each row at its own
-positions, cache rows after the first, one split and several, a sliding window with soft-capping).
+Cases: linear layers with and without bias, tiles that divide the shape and tiles that do not, rows of one program
+and of two; RMSNorm with and without Gemma's offset; attention of 5 query positions per row (MHA and GQA, head_dim 16
+and 64, each row at its own positions, cache rows after the first, one split and several, a sliding window with
+soft-capping), whose result must also not change in a longer cache.
 """
 
 from __future__ import annotations
@@ -18,8 +19,13 @@ import torch
 from gpt_fast.kernels import triton_decode_attention, triton_invariant
 from gpt_fast.kernels.invariant import reference_attention, reference_linear, reference_rms_norm
 
-# (rows, out features, in features, bias, launch (block_n, block_k, warps) or None: the default)
-LINEARS = [(5, 40, 96, True, (4, 32, 1)), (9, 37, 100, False, None), (1, 64, 576, False, None)]
+# (rows, out features, in features, bias, launch (block_n, block_k, warps, stages) or None: the default)
+LINEARS = [
+    (5, 40, 96, True, (16, 32, 1, 1)),
+    (9, 37, 100, False, None),
+    (1, 64, 576, False, None),
+    (20, 48, 64, True, None),
+]
 NORMS = [(7, 48, 0.0), (3, 576, 1.0)]
 # (batch, cache rows, first row, heads, kv heads, head_dim, cache length, first positions, window, softcap, launch)
 ATTENTIONS = [
@@ -104,7 +110,20 @@ def attention_cases(dtype: torch.dtype, device: str) -> tuple[float, bool]:
             for t in range(T)
         ]
         alike &= torch.equal(out, torch.cat(alone, dim=1)) and torch.equal(got_kv, alone_kv)
+        alike &= torch.equal(
+            out, in_a_longer_cache(q, k, v, cos, sin, kv, positions, first_row, scale, softcap, window, tile)
+        )
     return worst, alike
+
+
+def in_a_longer_cache(q, k, v, cos, sin, kv, positions, first_row, scale, softcap, window, tile) -> torch.Tensor:
+    """The attention with the same keys in a cache 200 positions longer (a request for more tokens): a token's result
+    must not depend on the cache's length."""
+    longer = torch.zeros(*kv.shape[:3], kv.shape[3] + 200, kv.shape[4], dtype=kv.dtype, device=kv.device)
+    longer[:, :, :, : kv.shape[3]] = kv
+    return triton_decode_attention.rows_attention(
+        q, k, v, cos, sin, longer, positions, first_row, scale, softcap, window, tile
+    )
 
 
 def report(device: str) -> dict[str, float | bool]:

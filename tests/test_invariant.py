@@ -287,7 +287,15 @@ def test_the_kernels_compile_for_a_gpu(name):
 
     kernel = getattr(triton_invariant, name, None) or getattr(triton_decode_attention, name)
     constants = {
-        "_rows_linear": {"HAS_BIAS": True, "BLOCK_N": 2, "BLOCK_K": 1024, "EVEN": False},
+        "_rows_linear": {
+            "HAS_BIAS": True,
+            "BLOCK_M": 16,
+            "BLOCK_N": 32,
+            "BLOCK_K": 256,
+            "EVEN": False,
+            "IEEE": False,
+            "UPCAST": False,
+        },
         "_rows_rms_norm": {"OFFSET": True, "BLOCK": 1024},
         "_write_rotated": {"H_KV": 8, "HALF": 64, "HALF_PAD": 64},
     }[name]

@@ -8,9 +8,10 @@ lookup at 3.01x plain decoding on an H200 with the text leaving plain decoding's
 batch-invariant step each reduction over a row (the linear layers, the RMSNorms, the attention of a query) is an
 operator whose result for a row does not depend on the other rows:
 
-- on a CUDA GPU with Triton (not ROCm), Triton kernels with one program per row whose compiled code and order do
-  not depend on the number of rows (:mod:`gpt_fast.kernels.triton_invariant`, and
-  :func:`gpt_fast.kernels.triton_decode_attention.rows_attention`);
+- on a CUDA GPU with Triton (not ROCm), Triton kernels whose compiled code and order for a row do not depend on
+  the number of rows: the linear layers multiply a fixed 16 rows at a time on the tensor cores (rows past the last
+  are zeros), the RMSNorm and the attention give each row (each query) programs of its own
+  (:mod:`gpt_fast.kernels.triton_invariant`, and :func:`gpt_fast.kernels.triton_decode_attention.rows_attention`);
 - elsewhere (the CPU, ROCm), the PyTorch code run one row at a time: the same operation on the same shapes for a
   decode step's row as for each of a verify step's rows. Correct everywhere; on a GPU a verify step then reads the
   weights once per position.

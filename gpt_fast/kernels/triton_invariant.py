@@ -1,15 +1,15 @@
 """Triton kernels for batch-invariant steps (``--batch_invariant``): a linear layer and an RMSNorm whose result for a
 row does not depend on how many rows are computed with it.
 
-Each program computes one row (and, for the linear layer, one block of its outputs), with a tile chosen from the
-weight's shape alone, and the number of rows is a run-time argument that Triton does not specialize on: a row's
-program runs the same compiled code, in the same order, whether the step has one row or seventeen. So a verify step
-over k + 1 positions rounds each position exactly as a one-position decode step does.
+The number of rows is a run-time argument that Triton does not specialize on, and every tile is chosen from the
+weight's shape alone: a row is computed by the same compiled code, in the same order, whether the step has one row or
+seventeen. So a verify step over k + 1 positions rounds each position exactly as a one-position decode step does.
 
-The linear layer is a matrix-vector product per row, like the quantized ones (:mod:`gpt_fast.quant.triton_gemv`):
-partial products accumulate per loaded weight in float32 registers and are reduced once at the end; programs are
-numbered row-fastest, so the programs of all rows that read one block of weights run side by side and all but the
-first find it in L2.
+The linear layer multiplies :data:`ROWS_PER_PROGRAM` rows at a time on the tensor cores (``tl.dot``), rows past the
+step's last one loaded as zeros: one element of the result is one sequence of matrix-multiply instructions over its
+row and column whatever the other rows hold. A verify step's rows then read each weight once, as a decode step's
+single row does; the fourteenth session's kernel, one program per row, read them once per row (a 7B verify step over
+5 positions cost 2.5 decode steps: BENCHMARKS.md).
 
 Imported only where Triton is (:mod:`gpt_fast.kernels.invariant` decides); the launchers run on CUDA tensors, and in
 Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors for the tests.
@@ -23,21 +23,25 @@ import torch
 import triton
 import triton.language as tl
 
+ROWS_PER_PROGRAM = 16  # the tensor cores' smallest tile height; fixed, whatever the step's row count
+
 
 @dataclass(frozen=True)
 class Launch:
-    """The linear layer's tile: output channels per program, input columns per step, warps."""
+    """The linear layer's tile: output channels per program, input columns per step, warps, pipeline stages."""
 
     block_n: int
     block_k: int
     warps: int
+    stages: int
 
 
-def linear_launch(k: int) -> Launch:
-    """The tile for a weight of ``k`` input columns: 2 output channels of up to 1024 columns per step, 4 warps (each
-    thread loads 16 bytes of bfloat16 per channel and step), as the int8 kernel's. Chosen by reasoning, not
-    measured."""
-    return Launch(2, min(1024, triton.next_power_of_2(k)), 4)
+def linear_launch(n: int, k: int) -> Launch:
+    """The tile for a weight of ``n`` output channels and ``k`` input columns (never the row count): 32 channels, 4
+    warps; 128 columns per step in 5 stages, or from 2048 columns on 256 in 4. Measured on an H200 over a grid of
+    tiles (``scripts/invariant_kernels.py --sweep``, fifteenth session): at the SmolLM2 and Llama-2-7B shapes, the
+    best single tile for the sum over a step's linear layers, and within 6 % of each matrix's best tile."""
+    return Launch(32, 256, 4, 4) if k >= 2048 else Launch(32, 128, 4, 5)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -50,30 +54,44 @@ def _rows_linear(
     N,
     K,
     HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
-    """Program ``(n block) * M + row``: ``y[row, n] = x[row] . w[n] (+ b[n])`` for the block's channels."""
-    pid = tl.program_id(0)
-    m = pid % M
-    rn = (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)
-    x_row = x_ptr + m.to(tl.int64) * K
-    w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    """Program ``(n block, m block)``: ``y[rows, n] = x[rows] @ w[n].T (+ b[n])`` for BLOCK_M rows (those from ``M``
+    on are zeros) and BLOCK_N channels, accumulated in float32 (``IEEE``: float32 inputs multiplied exactly, not as
+    TF32; ``UPCAST``: every input made float32 first, for Triton's interpreter, whose ``dot`` mishandles
+    bfloat16)."""
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    x_at = x_ptr + rm.to(tl.int64)[:, None] * K + rk[None, :]  # [BLOCK_M, BLOCK_K]
+    w_at = w_ptr + rn.to(tl.int64)[None, :] * K + rk[:, None]  # [BLOCK_K, BLOCK_N]: the weight's rows as columns
+    m_in = rm[:, None] < M
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
         if EVEN:
-            x = tl.load(x_row + kk)
-            w = tl.load(w_rows + kk[None, :])
+            x = tl.load(x_at, mask=m_in, other=0.0)
+            w = tl.load(w_at)
         else:
-            x = tl.load(x_row + kk, mask=kk < K, other=0.0)
-            w = tl.load(w_rows + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    y = tl.sum(acc, axis=1)
+            k_in = k0 + rk
+            x = tl.load(x_at, mask=m_in & (k_in[None, :] < K), other=0.0)
+            w = tl.load(w_at, mask=(rn[None, :] < N) & (k_in[:, None] < K), other=0.0)
+        if UPCAST:
+            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        elif IEEE:
+            acc = tl.dot(x, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
+        x_at += BLOCK_K
+        w_at += BLOCK_K
     if HAS_BIAS:
-        y += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-    tl.store(y_ptr + m.to(tl.int64) * N + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    y_at = y_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :]
+    tl.store(y_at, acc.to(y_ptr.dtype.element_ty), mask=m_in & (rn[None, :] < N))
 
 
 def rows_linear(
@@ -82,11 +100,12 @@ def rows_linear(
     """``x`` [M, K] @ ``weight`` [N, K].T (+ ``bias`` [N]) -> [M, N] in ``x``'s dtype, each row on its own."""
     m, k = x.shape
     n = weight.shape[0]
-    launch = launch or linear_launch(k)
+    launch = launch or linear_launch(n, k)
     x, weight = x.contiguous(), weight.contiguous()
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     even = k % launch.block_k == 0 and n % launch.block_n == 0
-    _rows_linear[(m * triton.cdiv(n, launch.block_n),)](
+    grid = (triton.cdiv(n, launch.block_n), triton.cdiv(m, ROWS_PER_PROGRAM))
+    _rows_linear[grid](
         x,
         weight,
         weight if bias is None else bias,
@@ -95,10 +114,14 @@ def rows_linear(
         n,
         k,
         HAS_BIAS=bias is not None,
+        BLOCK_M=ROWS_PER_PROGRAM,
         BLOCK_N=launch.block_n,
         BLOCK_K=launch.block_k,
         EVEN=even,
+        IEEE=x.dtype == torch.float32,
+        UPCAST=x.device.type == "cpu",  # only the interpreter runs a kernel on CPU tensors
         num_warps=launch.warps,
+        num_stages=launch.stages,
     )
     return y
 
