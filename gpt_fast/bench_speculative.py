@@ -130,22 +130,24 @@ class Setup:
 
 
 def record_for_replay(setup: Setup, k: int) -> list[int]:
-    """The target's greedy continuation as the verify step computes it, for the replay drafter.
+    """The target's greedy continuation as the timed replay computes it, for the replay drafter, recorded past the
+    request's end: the host may start rounds beyond the last one it needs, and their proposals count too.
 
-    Plain decoding's continuation is the first guess, but in bfloat16 a verify step over k + 1 positions may round
-    differently from a one-position decode step and flip a near-tie, after which every replayed proposal is off.
-    So the replay's own output is recorded and replayed again until it proposes exactly what it produces: each
-    pass keeps the agreed prefix and extends it past at least one flip. In float32 the first guess already holds.
-    """
-    slack = (MAX_ROUNDS_AHEAD + 1) * (k + 1)  # rounds the host may start past the end read proposals too
-    n = setup.new_tokens + slack
-    recorded = setup.generate(None, n)().tokens[0]
+    Plain decoding's continuation is the first guess, from a request whose KV cache is as long as the timed
+    speculative request's (both hold the same slack past the request). But a verify step over k + 1 positions may
+    round differently from a one-position decode step (in bfloat16, without ``--batch_invariant``) and flip a near-tie,
+    after which every replayed proposal is off. So the timed request itself is replayed and its output recorded until
+    it produces what it proposes: each pass keeps the agreed prefix and extends it past at least one flip. Every pass
+    is the timed request: a longer one would have a longer cache, and on a GPU even batch-invariant steps have given
+    different text with a longer cache (BENCHMARKS.md, fifteenth session)."""
+    slack = (MAX_ROUNDS_AHEAD + 1) * (k + 1)
+    recorded = setup.generate(None, setup.new_tokens + slack)().tokens[0]
     replay = Replay(setup.prompt + recorded, k)
     for _ in range(MAX_RECORDING_PASSES):
-        produced = setup.generate(replay, n)().tokens[0]
-        if produced == recorded:
+        produced = setup.generate(replay)().tokens[0]
+        if produced == recorded[: len(produced)]:
             break
-        recorded = produced
+        recorded = produced + recorded[len(produced) :]  # past the request: the first guess, proposals only
         replay.sequence = setup.prompt + recorded  # read by the next run's setup, copied into the same buffer
     return recorded
 

@@ -1,13 +1,15 @@
 """`python -m gpt_fast.bench_speculative` on the CPU with tiny models: every row, the tables, the JSON."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from gpt_fast.bench_speculative import expected_tokens_per_round, main
+from gpt_fast.bench_speculative import expected_tokens_per_round, main, record_for_replay
 from gpt_fast.convert.random_init import make_random_checkpoint
 from gpt_fast.shapes import get_shape
+from gpt_fast.speculative import MAX_ROUNDS_AHEAD
 
 COMMON = ["--device", "cpu", "--mode", "none", "--dtype", "float32", "--new_tokens", "24", "--repeats", "1"]
 
@@ -89,3 +91,30 @@ def test_expected_tokens_per_round():
     assert expected_tokens_per_round(1.0, 4) == 5.0
     assert expected_tokens_per_round(0.0, 4) == 1.0
     assert expected_tokens_per_round(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+class CacheLengthText:
+    """A stand-in for the benchmark's setup whose target's greedy text depends on its KV cache's length, as the
+    batch-invariant Llama-2-7B shape's did on an H200 (BENCHMARKS.md, fifteenth session): new token i is i, plus 1000
+    from token 10 on when the cache holds 320 positions or more. Speculative requests give the target's text whatever
+    the proposals, and their caches hold the host's run-ahead rounds too."""
+
+    prompt = list(range(32))
+    new_tokens = 200
+
+    def generate(self, drafter, tokens=None):
+        n = tokens or self.new_tokens
+        ahead = 0 if drafter is None else (MAX_ROUNDS_AHEAD + 1) * (drafter.k + 1)
+        cache = -(-(len(self.prompt) + n + ahead) // 64) * 64
+        text = [i + (1000 if cache >= 320 and i >= 10 else 0) for i in range(n)]
+        return lambda: SimpleNamespace(tokens=[text])
+
+
+def test_the_replay_is_recorded_from_the_request_it_replays():
+    """The recording is what the timed replay (a request of ``new_tokens``) produces, not what a longer request with
+    a longer cache would; the timed replay then keeps every proposal."""
+    setup = CacheLengthText()
+    recorded = record_for_replay(setup, 4)
+    timed = setup.generate(SimpleNamespace(k=4))().tokens[0]
+    assert recorded[: setup.new_tokens] == timed
+    assert len(recorded) == setup.new_tokens + (MAX_ROUNDS_AHEAD + 1) * 5
