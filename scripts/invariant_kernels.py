@@ -151,7 +151,11 @@ def summary(rows: list[dict], shapes: tuple[str, ...]) -> None:
             counted[(r["shape"], r["rows"], r["variant"])] += 1
     for shape in shapes:
         for m in ROWS:
-            done = {v: t for (s, r, v), t in step.items() if s == shape and r == m and counted[(s, r, v)] == 5}
+            done = {
+                v: t
+                for (s, r, v), t in step.items()
+                if s == shape and r == m and counted[(s, r, v)] == len(matrices(shape))
+            }
             best = sorted(done.items(), key=lambda item: item[1])[:6]
             print(
                 f"{shape} rows={m}: "

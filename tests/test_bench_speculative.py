@@ -8,8 +8,9 @@ import torch
 
 from gpt_fast.bench_speculative import expected_tokens_per_round, main, record_for_replay
 from gpt_fast.convert.random_init import make_random_checkpoint
+from gpt_fast.generate import cache_length
 from gpt_fast.shapes import get_shape
-from gpt_fast.speculative import MAX_ROUNDS_AHEAD
+from gpt_fast.speculative import MAX_ROUNDS_AHEAD, speculative_cache_length
 
 COMMON = ["--device", "cpu", "--mode", "none", "--dtype", "float32", "--new_tokens", "24", "--repeats", "1"]
 
@@ -93,6 +94,9 @@ def test_expected_tokens_per_round():
     assert expected_tokens_per_round(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
 
 
+CONTEXT = 4096  # the stand-in model's context
+
+
 class CacheLengthText:
     """A stand-in for the benchmark's setup whose target's greedy text depends on its KV cache's length, as the
     batch-invariant Llama-2-7B shape's did on an H200 (BENCHMARKS.md, fifteenth session): new token i is i, plus 1000
@@ -104,8 +108,10 @@ class CacheLengthText:
 
     def generate(self, drafter, tokens=None):
         n = tokens or self.new_tokens
-        ahead = 0 if drafter is None else (MAX_ROUNDS_AHEAD + 1) * (drafter.k + 1)
-        cache = -(-(len(self.prompt) + n + ahead) // 64) * 64
+        if drafter is None:
+            cache = cache_length(len(self.prompt), n, CONTEXT)
+        else:
+            cache = speculative_cache_length(len(self.prompt), n, drafter.k, CONTEXT)
         text = [i + (1000 if cache >= 320 and i >= 10 else 0) for i in range(n)]
         return lambda: SimpleNamespace(tokens=[text])
 
