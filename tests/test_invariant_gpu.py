@@ -45,13 +45,15 @@ def test_the_triton_kernels_match_the_reference_and_keep_rows_apart():
 @pytest.mark.parametrize("compile", ["none", "reduce-overhead"])
 @pytest.mark.parametrize("shape", ["smollm2-135m", "qwen2.5-7b"])
 def test_speculation_gives_plain_decoding_s_tokens_in_bfloat16(shape, compile):
-    """Two layers of each shape (the per-layer code is what matters), random N(0, 0.02²) weights. Plain decoding is
-    recorded past the replay's end: the host may start two rounds beyond the last one it needs, and their proposals
-    count in the acceptance rate."""
+    """Two layers of each shape (the per-layer code is what matters), random N(0, 0.02²) weights. A request for more
+    tokens (a longer KV cache) starts with the same tokens. Plain decoding is recorded past the replay's end: the
+    host may start two rounds beyond the last one it needs, and their proposals count in the acceptance rate."""
     config = dataclasses.replace(get_shape(shape), n_layer=2)
     options = EngineOptions(compile=compile, device="cuda", dtype="bfloat16", batch_invariant=True)
     engine = Engine.from_state(config, random_weights(config, torch.bfloat16, seed=0), options)
     plain = engine.generate_ids(PROMPT, 72, GREEDY, ignore_eos=True).tokens[0]
+    longer = engine.generate_ids(PROMPT, 200, GREEDY, ignore_eos=True).tokens[0]  # a longer KV cache
+    assert longer[:72] == plain
     lookup = engine.generate_ids(PROMPT, 48, GREEDY, ignore_eos=True, drafter=PromptLookup(2, 4))
     assert lookup.tokens[0] == plain[:48]
     replay = engine.generate_ids(PROMPT, 40, GREEDY, ignore_eos=True, drafter=Replay(PROMPT + plain, 8))

@@ -37,6 +37,7 @@ import triton.language as tl
 
 SPLIT_KEYS = 128  # positions per program, at least: a cache of S positions has ceil(S / 128) splits
 TILE_ELEMENTS = 4096  # query heads x positions x half a head per loop step: 32 float32 registers per thread
+COMBINE_CHUNK = 8  # splits combined per loop step (:func:`_combine_splits`)
 FULL_KV_HEADS = 32  # batch-invariant attention: kv heads for which splits of SPLIT_KEYS positions suffice
 
 
@@ -293,34 +294,51 @@ def _decode_attention_split(
         tl.store(partial + HALF, acc2, mask=out_in)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _combine_splits(
     m_ptr,
     l_ptr,
     acc_ptr,
     out_ptr,
-    SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    splits,
+    CHUNK: tl.constexpr,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
 ):
     """Program (row, query head): the splits' partial results, rescaled to their common maximum, summed,
     normalized. Splits that saw no position carry -inf and weigh 0; the split holding the query's own position
-    always saw one."""
+    always saw one.
+
+    The sum's order is the same for every cache length, so that a token's result does not depend on how long its
+    request's cache is: split i is added into slot i % CHUNK of a fixed [CHUNK] accumulator, one chunk of splits
+    after the other, and the slots are summed last in one fixed-shape reduction. ``splits`` is a runtime argument,
+    not specialized, so every cache length runs the same compiled code; splits past the query's position add exact
+    zeros. (A reduction over all splits at once, padded to a power of two, changed its order and where the compiler
+    fused a multiply into an add with the padded size, i.e. with the cache's length: sixteenth session.)"""
     row = tl.program_id(0)
-    sp = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HALF_PAD)
-    sp_in, d_in = sp < SPLITS, d < HALF
-    m = tl.load(m_ptr + row * SPLITS + sp, mask=sp_in, other=float("-inf"))
-    weights = tl.exp(m - tl.max(m, axis=0))  # [SPLITS_PAD]
-    total = tl.sum(weights * tl.load(l_ptr + row * SPLITS + sp, mask=sp_in, other=0.0), axis=0)
-    at = acc_ptr + (row * SPLITS + sp[:, None]) * (2 * HALF) + d[None, :]
-    at_in = sp_in[:, None] & d_in[None, :]
-    y1 = tl.sum(weights[:, None] * tl.load(at, mask=at_in, other=0.0), axis=0) / total
-    y2 = tl.sum(weights[:, None] * tl.load(at + HALF, mask=at_in, other=0.0), axis=0) / total
+    d_in = d < HALF
+    m = tl.full((CHUNK,), float("-inf"), tl.float32)
+    for first in range(0, splits, CHUNK):
+        sp = first + tl.arange(0, CHUNK)
+        m = tl.maximum(m, tl.load(m_ptr + row * splits + sp, mask=sp < splits, other=float("-inf")))
+    top = tl.max(m, axis=0)
+    total = tl.zeros((CHUNK,), tl.float32)
+    y1 = tl.zeros((CHUNK, HALF_PAD), tl.float32)
+    y2 = tl.zeros((CHUNK, HALF_PAD), tl.float32)
+    for first in range(0, splits, CHUNK):
+        sp = first + tl.arange(0, CHUNK)
+        sp_in = sp < splits
+        weights = tl.exp(tl.load(m_ptr + row * splits + sp, mask=sp_in, other=float("-inf")) - top)  # [CHUNK]
+        total += weights * tl.load(l_ptr + row * splits + sp, mask=sp_in, other=0.0)
+        at = acc_ptr + (row * splits + sp[:, None]) * (2 * HALF) + d[None, :]  # [CHUNK, HALF_PAD]
+        at_in = sp_in[:, None] & d_in[None, :]
+        y1 += weights[:, None] * tl.load(at, mask=at_in, other=0.0)
+        y2 += weights[:, None] * tl.load(at + HALF, mask=at_in, other=0.0)
+    norm = tl.sum(total, axis=0)
     out = out_ptr + row * (2 * HALF) + d
-    tl.store(out, y1.to(out_ptr.dtype.element_ty), mask=d_in)
-    tl.store(out + HALF, y2.to(out_ptr.dtype.element_ty), mask=d_in)
+    tl.store(out, (tl.sum(y1, axis=0) / norm).to(out_ptr.dtype.element_ty), mask=d_in)
+    tl.store(out + HALF, (tl.sum(y2, axis=0) / norm).to(out_ptr.dtype.element_ty), mask=d_in)
 
 
 Wrap = Callable[[Callable[..., None]], Callable[..., None]]  # torch.library.wrap_triton inside a triton_op
@@ -415,8 +433,8 @@ def _attend(
         wrap(_combine_splits)[(n_rows * n_head,)](
             *partials,
             out,
-            SPLITS=splits,
-            SPLITS_PAD=triton.next_power_of_2(splits),
+            splits,
+            CHUNK=COMBINE_CHUNK,
             HALF=half,
             HALF_PAD=triton.next_power_of_2(half),
             num_warps=launch.warps,
