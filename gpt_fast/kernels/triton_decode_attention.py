@@ -7,7 +7,8 @@ program's rows, so that each key and value is read once. Only the positions the 
 and not older than a sliding window), where the PyTorch path reads the whole cache under an additive mask.
 
 Long caches are split over programs (flash-decoding): each split keeps a running maximum, sum and weighted sum of
-values, and a second small kernel combines the splits. With one split the first kernel writes the output itself.
+values, and a second small kernel combines the splits, in one order whatever the cache's length (so a token's result
+does not depend on it). With one split the first kernel writes the output itself.
 
 The step's own key is not read back from the cache: every program rotates it in registers and the program whose
 split holds its position also writes it (and the value) to the cache, so no program reads a position written in
