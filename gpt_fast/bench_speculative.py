@@ -138,8 +138,8 @@ def record_for_replay(setup: Setup, k: int) -> list[int]:
     round differently from a one-position decode step (in bfloat16, without ``--batch_invariant``) and flip a near-tie,
     after which every replayed proposal is off. So the timed request itself is replayed and its output recorded until
     it produces what it proposes: each pass keeps the agreed prefix and extends it past at least one flip. Every pass
-    is the timed request: a longer one would have a longer cache, and on a GPU even batch-invariant steps have given
-    different text with a longer cache (BENCHMARKS.md, fifteenth session)."""
+    is the timed request: a longer one would have a longer cache, and a token must not hang on that (on a GPU the
+    batch-invariant steps once did: BENCHMARKS.md, fifteenth session; fixed in the sixteenth)."""
     slack = (MAX_ROUNDS_AHEAD + 1) * (k + 1)
     recorded = setup.generate(None, setup.new_tokens + slack)().tokens[0]
     replay = Replay(setup.prompt + recorded, k)

@@ -150,12 +150,9 @@ def summary(rows: list[dict], shapes: tuple[str, ...]) -> None:
             step[(r["shape"], r["rows"], r["variant"])] += r["us"] * r["uses"]
             counted[(r["shape"], r["rows"], r["variant"])] += 1
     for shape in shapes:
+        complete = len(matrices(shape))
         for m in ROWS:
-            done = {
-                v: t
-                for (s, r, v), t in step.items()
-                if s == shape and r == m and counted[(s, r, v)] == len(matrices(shape))
-            }
+            done = {v: t for (s, r, v), t in step.items() if s == shape and r == m and counted[(s, r, v)] == complete}
             best = sorted(done.items(), key=lambda item: item[1])[:6]
             print(
                 f"{shape} rows={m}: "
