@@ -6,7 +6,8 @@ kernel) and, where torchao is importable, torchao's weight-only int8 and int4 (t
 Prints one table: tok/s, its ratio to our unquantized row, GB/s (of the weights each row reads), % of the copy
 bandwidth measured in the same run, TTFT, compile time, memory; and which attention and activation kernels our
 decode steps used (``--attention_kernels triton,torch``, ``--activation_kernels triton,torch``: a row for each
-combination).
+combination). ``--builds N`` builds (and compiles) each row N times: two builds of one configuration differ more
+than the timed runs of one build, so tok/s is then the builds' median, their range beside it.
 
     python -m gpt_fast.bench_decode --shape llama-2-7b --device cuda --quantize int8,int4
 """
@@ -50,6 +51,7 @@ class Row:
     ttft_ms: float  # a prompt of --ttft_prompt tokens, one new token
     memory_gb: float | None
     bytes_per_token: int | None = None  # weights read per decoded token (None: as the first row)
+    build_range: tuple[float, float] | None = None  # the lowest and highest build's tok/s, with --builds > 1
 
 
 def timed(run: Callable[[], None], device: torch.device) -> float:
@@ -64,7 +66,7 @@ Run = Callable[[list[int], int], None]  # generate (prompt ids, new tokens)
 Builder = Callable[[], tuple[tuple[Run, Run], int | None]]  # a row's decode and first-token runs, bytes per token
 
 
-def measure(
+def measure_build(
     name: str,
     runs: tuple[tuple[Run, Run], int | None],
     prompt: list[int],
@@ -85,6 +87,37 @@ def measure(
     ttft = statistics.median(timed(lambda: ttft_run(ttft_prompt, 1), device) for _ in range(3))
     memory = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
     return Row(name, first, statistics.median(rates), 1e3 * ttft, memory, bytes_per_token)
+
+
+def measure(
+    name: str,
+    build: Builder,
+    prompt: list[int],
+    ttft_prompt: list[int],
+    new_tokens: int,
+    repeats: int,
+    device: torch.device,
+    builds: int = 1,
+) -> Row:
+    """``builds`` times: build the row's runs anew (compiled again, from inductor's caches after the first) and
+    :func:`measure_build` them. One build's timed runs agree within about 1 %, but on an H200 two builds of one
+    configuration in one process have differed by 20 % (BENCHMARKS.md, seventeenth session): with
+    ``builds`` > 1 a row's tok/s and TTFT are the medians over its builds, and the builds' tok/s range is kept.
+    The compile time and memory are the first build's."""
+    rows = []
+    for index in range(builds):
+        if index:
+            release_memory(device)
+        rows.append(measure_build(name, build(), prompt, ttft_prompt, new_tokens, repeats, device))
+    if builds == 1:
+        return rows[0]
+    rates = [row.tokens_per_sec for row in rows]
+    return dataclasses.replace(
+        rows[0],
+        tokens_per_sec=statistics.median(rates),
+        ttft_ms=statistics.median(row.ttft_ms for row in rows),
+        build_range=(min(rates), max(rates)),
+    )
 
 
 @dataclass(frozen=True)
@@ -223,9 +256,10 @@ def table(rows: list[Row], copy_gbps: float) -> str:
         bytes_per_token = r.bytes_per_token or rows[0].bytes_per_token
         gbps = bytes_per_token * r.tokens_per_sec / 1e9
         compile_s = "—" if r.compile_seconds is None else f"{r.compile_seconds:.1f}"
+        rate = f"{r.tokens_per_sec:.1f}" + ("" if r.build_range is None else " ({:.1f}–{:.1f})".format(*r.build_range))
         memory = "—" if r.memory_gb is None else f"{r.memory_gb:.2f}"
         lines.append(
-            f"| {r.name} | {compile_s} | {r.tokens_per_sec:.1f} | {r.tokens_per_sec / rows[0].tokens_per_sec:.2f} | "
+            f"| {r.name} | {compile_s} | {rate} | {r.tokens_per_sec / rows[0].tokens_per_sec:.2f} | "
             f"{bytes_per_token / 1e9:.3f} | {gbps:.0f} | {100 * gbps / copy_gbps:.1f} | {r.ttft_ms:.1f} | {memory} |"
         )
     return "\n".join(lines)
@@ -242,6 +276,7 @@ def run_benchmark(
     ttft_tokens: int,
     repeats: int,
     peers: bool,
+    builds: int = 1,
     quantize: Sequence[QuantConfig] = (),
     attention_kernels: Sequence[str] = ("auto",),
     activation_kernels: Sequence[str] = ("auto",),
@@ -288,7 +323,7 @@ def run_benchmark(
     rows = []
     for name, build in runners.items():  # each built when measured and freed after
         try:
-            rows.append(measure(name, build(), prompt, ttft_prompt, new_tokens, repeats, device))
+            rows.append(measure(name, build, prompt, ttft_prompt, new_tokens, repeats, device, builds))
             write(f"measured: {rows[-1]}")
         except torch.OutOfMemoryError as error:  # a peer that needs more memory than ours loses its row only
             write(f"not measured: {name}: out of memory ({str(error).splitlines()[0]})")
@@ -297,6 +332,7 @@ def run_benchmark(
         f"{shape_name}, {device_name(device)}, torch {torch.__version__}, {dtype}; copy bandwidth {copy_gbps:.0f} "
         f"GB/s; prompt {prompt_tokens} tokens, {new_tokens} new, TTFT prompt {ttft_tokens}; our decode's attention "
         f"kernel: {', '.join(attention)}; activation kernel: {', '.join(activation)}; our compiled steps: {compiled_as}"
+        + (f"; each row built {builds} times, tok/s their median (range)" if builds > 1 else "")
     )
     write(table(rows, copy_gbps) if rows else "no row was measured")
     return rows
@@ -380,6 +416,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new_tokens", type=int, default=200)
     parser.add_argument("--ttft_tokens", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--builds",
+        type=int,
+        default=1,
+        help="Build (and compile) each row this many times; tok/s is then the builds' median, their range beside it.",
+    )
     parser.add_argument("--no_peers", action="store_true")
     parser.add_argument("--quantize", default="", help="Also these schemes, comma-separated: int8, int4.")
     parser.add_argument("--group_size", type=int, default=128, choices=INT4_GROUP_SIZES)
@@ -403,6 +445,8 @@ def main(argv: list[str] | None = None) -> None:
         help="Our rows' kernel configurations: tuned by coordinate descent, or inductor's heuristic choice.",
     )
     args = parser.parse_args(argv)
+    if args.builds < 1:
+        parser.error(f"--builds must be at least 1, not {args.builds}")
     schemes = parse_schemes(args.quantize, args.group_size)
     apply_torch_settings()
     run_benchmark(
@@ -414,6 +458,7 @@ def main(argv: list[str] | None = None) -> None:
         new_tokens=args.new_tokens,
         ttft_tokens=args.ttft_tokens,
         repeats=args.repeats,
+        builds=args.builds,
         peers=not args.no_peers,
         quantize=schemes,
         attention_kernels=[name for name in args.attention_kernels.split(",") if name],

@@ -189,3 +189,33 @@ def test_heuristic_kernels_are_named_in_the_rows_and_the_summary():
     rows = tiny_benchmark(lines, new_tokens=4, repeats=1, peers=False, kernel_tuning="heuristic")
     assert [r.name for r in rows] == ["gpt-fast none heuristic"]
     assert lines[-2].endswith("our compiled steps: the whole step compiled, kernels as inductor picks them")
+
+
+def test_each_row_is_built_as_often_as_asked(monkeypatch):
+    import gpt_fast.bench_decode as bench_decode
+
+    built = []
+    real = bench_decode.ours_runners
+
+    def counted(*args, **kwargs):
+        built.append(args[1:])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench_decode, "ours_runners", counted)
+    lines = []
+    rows = tiny_benchmark(lines, new_tokens=4, repeats=1, peers=False, builds=3)
+    assert len(built) == 3 and len(rows) == 1
+    low, high = rows[0].build_range
+    assert low <= rows[0].tokens_per_sec <= high
+    assert f"| {rows[0].tokens_per_sec:.1f} ({low:.1f}–{high:.1f}) |" in lines[-1]
+    assert lines[-2].endswith("; each row built 3 times, tok/s their median (range)")
+    assert tiny_benchmark([], new_tokens=4, repeats=1, peers=False)[0].build_range is None
+
+
+def test_builds_below_one_are_refused(capsys):
+    from gpt_fast.bench_decode import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--shape", "tiny", "--device", "cpu", "--builds", "0"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith("error: --builds must be at least 1, not 0")
