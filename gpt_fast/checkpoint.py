@@ -201,11 +201,9 @@ def load_model(
     dtype: torch.dtype,
     kernel: str = "auto",
     shard: Shard | None = None,
-    *,
-    compiled: bool = False,
 ) -> Transformer:
     """Build the model ``config`` describes and load its weights file onto ``device`` in ``dtype`` (quantized
-    layers computing with ``kernel``, chosen for a model run under ``torch.compile`` when ``compiled``); NaN or
+    layers computing with ``kernel``); NaN or
     infinite weights (also those made by converting to ``dtype``) are refused. With ``shard``, only that rank's
     part of the model, sliced out of the memory-mapped file."""
     path = inside_folder(checkpoint_dir, config.weights, f"{checkpoint_dir / CONFIG_FILE}: weights")
@@ -217,7 +215,7 @@ def load_model(
         state = torch.load(path, map_location="cpu", weights_only=True)
     if shard is not None:
         state = shard.slice_state(state, config.model)
-    model = model_from_state(config.model, state, device, dtype, config.quantization, kernel, shard, compiled=compiled)
+    model = model_from_state(config.model, state, device, dtype, config.quantization, kernel, shard)
     check_finite(dict(model.named_parameters()), str(path))
     return model
 
@@ -248,8 +246,6 @@ def model_from_state(
     quantization: QuantConfig | None = None,
     kernel: str = "auto",
     shard: Shard | None = None,
-    *,
-    compiled: bool = False,
 ) -> Transformer:
     """The model for ``config`` holding ``state``'s tensors (no copy where they already have ``device`` and
     ``dtype``), ready for inference; with ``quantization``, its quantized layers compute with ``kernel``. With
@@ -265,5 +261,5 @@ def model_from_state(
     model.load_state_dict(state, assign=True)
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     if quantization is not None:
-        prepare_quantized(model, device, kernel, compiled=compiled)
+        prepare_quantized(model, device, kernel)
     return model

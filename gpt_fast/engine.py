@@ -331,7 +331,6 @@ class Engine:
                 self.quantization,
                 self.options.quant_kernel,
                 shard,
-                compiled=self.compile != "none",
             )
             self._state = None
         else:
@@ -344,7 +343,6 @@ class Engine:
                 self.dtype,
                 self.options.quant_kernel,
                 shard,
-                compiled=self.compile != "none",
             )
         if self._parallel is not None:
             self._parallel.connect(self._model, self.model_config)

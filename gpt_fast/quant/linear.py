@@ -52,12 +52,12 @@ class QuantizedLinear(nn.Module):
 class Int8Linear(QuantizedLinear):
     """``y = x @ (weight * scales[:, None]).T``: int8 weights [out, in], one scale per output channel."""
 
-    def prepare(self, kernel: str, *, auto: bool = False, compiled: bool = False) -> None:
-        """Chosen automatically for a compiled model on a CUDA GPU, ``dequant``: inductor makes the dequantizing
-        GEMV itself and folds the RMSNorm before it into its prologue, which our Triton kernel (a separate
-        operator) cannot. Llama-2-7B shape on an H200: 281 tok/s that way against 243 with our kernel, though the
-        kernels alone time the same (BENCHMARKS.md, fifth session). Eager keeps our kernel."""
-        self.kernel = "dequant" if auto and compiled and kernel == "triton" else kernel
+    def prepare(self, kernel: str, *, auto: bool = False) -> None:
+        """``kernel`` as resolved (:func:`gpt_fast.quant.kernels.resolve_kernel`): ``auto`` is our Triton kernel on
+        a CUDA GPU, compiled or not. In a compiled model it was measured faster than inductor's dequantizing GEMV
+        with the RMSNorm folded into its prologue, and the same in every build where inductor's varies with its
+        tuning (BENCHMARKS.md, eighteenth session)."""
+        self.kernel = kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.biased(int8_linear(x, self.weight, self.scales, self.kernel))
@@ -70,7 +70,7 @@ class Int4Linear(QuantizedLinear):
         super().__init__(in_features, out_features, quant, bias)
         self.group_size = quant.group_size
 
-    def prepare(self, kernel: str, *, auto: bool = False, compiled: bool = False) -> None:
+    def prepare(self, kernel: str, *, auto: bool = False) -> None:
         """``aten``, and ``auto`` on a CUDA GPU, repack a copy of the weights for PyTorch's own int4 kernel of the
         device, used for few rows: on the CPU ``_weight_int4pack_mm_for_cpu``; on CUDA (bf16 only) tinygemm,
         ``_weight_int4pack_mm``. ``triton`` repacks a copy for our Triton kernel
@@ -138,11 +138,10 @@ def quantize_linears(model: nn.Module, config: ModelConfig, quant: QuantConfig) 
         setattr(module, attr, LINEARS[quant.mode](in_features, out_features, quant, bias))
 
 
-def prepare_quantized(model: nn.Module, device: torch.device, kernel: str = "auto", *, compiled: bool = False) -> None:
+def prepare_quantized(model: nn.Module, device: torch.device, kernel: str = "auto") -> None:
     """Choose the kernels of every quantized layer for ``device`` (``auto``: see
-    :func:`gpt_fast.quant.kernels.resolve_kernel` and each layer's ``prepare``; ``compiled``: the model will run
-    under ``torch.compile``), once the weights are there."""
+    :func:`gpt_fast.quant.kernels.resolve_kernel` and each layer's ``prepare``), once the weights are there."""
     resolved = resolve_kernel(kernel, device)
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
-            module.prepare(resolved, auto=kernel == "auto", compiled=compiled)
+            module.prepare(resolved, auto=kernel == "auto")
