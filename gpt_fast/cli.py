@@ -640,6 +640,11 @@ def report_converted(weights: Path) -> None:
     help=f"Tokens of the calibration text, a multiple of 512 (its rows). [default: {DEFAULT_CALIBRATION_TOKENS}]",
 )
 @option("--act_order", is_flag=True, help="GPTQ: round the columns of largest input energy first (same layout).")
+@option(
+    "--asymmetric",
+    is_flag=True,
+    help="GPTQ: fit each layer's outputs to the float model's (its inputs there), not to its own weights' outputs.",
+)
 def quantize(
     checkpoint_path: str | None,
     quantization: QuantConfig,
@@ -649,6 +654,7 @@ def quantize(
     calibration_text: Path | None,
     calibration_tokens: int | None,
     act_order: bool,
+    asymmetric: bool,
 ) -> None:
     """Write a weight-only quantized copy of a converted checkpoint (the scheme is recorded in its config.json)."""
     from gpt_fast.device import resolve_device
@@ -657,8 +663,10 @@ def quantize(
 
     calibration = None
     if calibrate is None:
-        if calibration_text is not None or calibration_tokens is not None or act_order:
-            raise ValueError("--calibration_text, --calibration_tokens and --act_order go with --calibrate gptq")
+        if calibration_text is not None or calibration_tokens is not None or act_order or asymmetric:
+            raise ValueError(
+                "--calibration_text, --calibration_tokens, --act_order and --asymmetric go with --calibrate gptq"
+            )
     else:
         if quantization.mode != "int4":
             raise ValueError(f"--calibrate {calibrate} goes with --mode int4 (int8 stays within 1 % without it)")
@@ -669,6 +677,7 @@ def quantize(
             text_name=DEFAULT_CALIBRATION_TEXT if text is None else str(text),
             tokens=DEFAULT_CALIBRATION_TOKENS if calibration_tokens is None else calibration_tokens,
             act_order=act_order,
+            asymmetric=asymmetric,
         )
     checkpoint = find_checkpoint(checkpoint_path)
     report_converted(quantize_checkpoint(checkpoint, output_dir, quantization, resolve_device(device), calibration))

@@ -4,7 +4,7 @@ computes it) with its change from the float checkpoint, and greedy answers to a 
 
 A scheme's name says it all: ``int4-g128-gptq-ao`` is int4 in groups of 128 rounded by GPTQ with act-order,
 calibrated on the default calibration text (standard-library docstrings, never the evaluation text; see
-:mod:`gpt_fast.quant.calibrate`).
+:mod:`gpt_fast.quant.calibrate`); ``int4-g128-gptq-asym-ao`` the same with asymmetric calibration.
 
 With ``--gguf FILE`` an extra row converts that GGUF file straight to int4 in groups of 32 (its Q4_0/Q4_1 blocks
 taken over as they are, :mod:`gpt_fast.convert.gguf_quant`): for the default model, whose source is a Q4_1 GGUF,
@@ -41,15 +41,18 @@ SCHEMES = "int8,int4-g128,int4-g64,int4-g32,int4-g128-gptq,int4-g128-gptq-ao,int
 
 def parse_scheme(name: str, tokens: int) -> tuple[QuantConfig, Calibration | None]:
     """``int8``, ``int4-g128``, then any of ``-gptq`` (calibrated on the default calibration text, ``tokens`` of
-    it), ``-ao`` (act-order) and ``-output`` (the output projection too), in that order."""
+    it), ``-asym`` (asymmetric calibration), ``-ao`` (act-order) and ``-output`` (the output projection too), in
+    that order."""
     output = name.endswith("-output")
     name = name.removesuffix("-output")
     act_order = name.endswith("-ao")
     name = name.removesuffix("-ao")
+    asymmetric = name.endswith("-asym")
+    name = name.removesuffix("-asym")
     gptq = name.endswith("-gptq")
     mode, _, group = name.removesuffix("-gptq").partition("-g")
     quant = QuantConfig(mode, int(group) if group else None, output, method="gptq" if gptq else "rtn")
-    return quant, Calibration(tokens=tokens, act_order=act_order) if gptq else None
+    return quant, Calibration(tokens=tokens, act_order=act_order, asymmetric=asymmetric) if gptq else None
 
 
 def build(args: argparse.Namespace, source: Path, work: Path) -> dict[str, Path]:

@@ -15,7 +15,7 @@ from gpt_fast.engine import Engine
 from gpt_fast.evaluate import default_text
 from gpt_fast.model import weight_bytes_per_token
 from gpt_fast.quant.calibrate import CALIBRATION_MODULES, Calibration, calibration_rows, gptq_parts, stdlib_docstrings
-from gpt_fast.quant.gptq import gptq_int4, hessian
+from gpt_fast.quant.gptq import asymmetric_target, gptq_int4, hessian
 from gpt_fast.quant.layout import stored_size
 from gpt_fast.quant.linear import Int4Linear
 from gpt_fast.quant.schemes import dequantize_int4
@@ -35,7 +35,7 @@ def source(tmp_path_factory):
 def calibrated(source, tmp_path_factory):
     folder = tmp_path_factory.mktemp("gptq") / "q"
     args = ["--mode", "int4", "--group_size", "32", "--calibrate", "gptq", "--calibration_tokens", "1024"]
-    args += ["--act_order", "--keep_float", KEPT, "--quantize_output"]
+    args += ["--act_order", "--asymmetric", "--keep_float", KEPT, "--quantize_output"]
     with pytest.raises(SystemExit) as exit_info:
         main(["quantize", "--checkpoint_path", str(source), *args, "--output_dir", str(folder)])
     assert exit_info.value.code == 0
@@ -52,6 +52,7 @@ def test_config_json_records_the_method_the_kept_layers_and_the_calibration(cali
         "tokens": 1024,
         "act_order": True,
         "damp": 0.01,
+        "asymmetric": True,
     }
     check_checkpoint(calibrated)
 
@@ -95,29 +96,33 @@ def linear_inputs(model: torch.nn.Module, rows: torch.Tensor, prefixes: list[str
     return inputs
 
 
-def test_each_layer_is_calibrated_on_what_the_quantized_layers_before_it_give(source):
-    """Every layer's GPTQ tensors are those of its float weight and the Hessian of its inputs in a plain forward
-    pass of the model holding every quantized layer's dequantized weights (a layer's inputs depend only on the
-    layers before it), and those differ from the float model's inputs (so the check tells the two apart)."""
+@pytest.mark.parametrize("asymmetric", [False, True])
+def test_each_layer_is_calibrated_on_what_the_quantized_layers_before_it_give(source, asymmetric):
+    """Every layer's GPTQ tensors are those of its float weight (asymmetric: of its target against its inputs in
+    the float model) and the Hessian of its inputs in a plain forward pass of the model holding every quantized
+    layer's dequantized weights (a layer's inputs depend only on the layers before it), and those differ from the
+    float model's inputs (so the check tells the two apart)."""
     config = load_checkpoint_config(source)
     state = torch.load(source / "model.pth", weights_only=True)
     quant = QuantConfig("int4", 32)
     rows = torch.randint(0, config.model.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
     cpu = torch.device("cpu")
     model = model_from_state(config.model, state, cpu, torch.float32)
-    parts = gptq_parts(model, rows, config.model, quant, torch.float32, Calibration())
+    parts = gptq_parts(model, rows, config.model, quant, torch.float32, Calibration(asymmetric=asymmetric))
     assert len(parts) == 4 * config.model.n_layer
     dequantized = dict(state)
     for prefix, tensors in parts.items():
         dequantized[f"{prefix}.weight"] = dequantize_int4(tensors["weight"], tensors["scales"], tensors["zeros"], 32)
-    reference = model_from_state(config.model, dequantized, cpu, torch.float32)
-    inputs = linear_inputs(reference, rows, list(parts))
+    inputs = linear_inputs(model_from_state(config.model, dequantized, cpu, torch.float32), rows, list(parts))
+    float_inputs = linear_inputs(model_from_state(config.model, state, cpu, torch.float32), rows, list(parts))
     for prefix, tensors in parts.items():
-        expected = gptq_int4(state[f"{prefix}.weight"], hessian(inputs[prefix]), 32, torch.float32)
+        weight = state[f"{prefix}.weight"]
+        if asymmetric:
+            weight = asymmetric_target(weight, float_inputs[prefix], inputs[prefix])
+        expected = gptq_int4(weight, hessian(inputs[prefix]), 32, torch.float32)
         for name, tensor in zip(("weight", "scales", "zeros"), expected, strict=True):
             torch.testing.assert_close(tensors[name], tensor, rtol=0, atol=0, msg=f"{prefix}.{name}")
     last = f"layers.{config.model.n_layer - 1}.feed_forward.w2"
-    float_inputs = linear_inputs(model_from_state(config.model, state, cpu, torch.float32), rows, [last])
     assert not torch.allclose(float_inputs[last], inputs[last], rtol=1e-3, atol=1e-3)
 
 
@@ -146,7 +151,8 @@ BAD = {
         ["--mode", "int4", "--calibrate", "gptq", "--calibration_tokens", "1000"],
         "--calibration_tokens must be a positive multiple of 512, got 1000",
     ),
-    "act order alone": (["--mode", "int4", "--act_order"], "--act_order go with --calibrate gptq"),
+    "act order alone": (["--mode", "int4", "--act_order"], "--act_order and --asymmetric go with --calibrate gptq"),
+    "asymmetric alone": (["--mode", "int4", "--asymmetric"], "--act_order and --asymmetric go with --calibrate gptq"),
     "not a projection": (
         ["--mode", "int4", "--keep_float", "tok_embeddings"],
         "--keep_float: 'tok_embeddings' is not a layer's projection (e.g. layers.0.feed_forward.w2)",

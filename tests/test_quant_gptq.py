@@ -1,11 +1,12 @@
 """GPTQ against plain references: the output error it reaches against round-to-nearest, its rounding against the
-textbook update (an explicit inverse of the remaining columns' Hessian at every step, in float64), and the
-least-squares refit of the grids against a direct minimization."""
+textbook update (an explicit inverse of the remaining columns' Hessian at every step, in float64), the
+least-squares refit of the grids against a direct minimization, and the asymmetric target against a direct
+least-squares solve and plain GPTQ."""
 
 import pytest
 import torch
 
-from gpt_fast.quant.gptq import gptq_int4, hessian, refit_grids
+from gpt_fast.quant.gptq import asymmetric_target, gptq_int4, hessian, refit_grids
 from gpt_fast.quant.schemes import INT4_MID, dequantize_int4, dequantize_levels, fit_int4, unpack_int4
 
 
@@ -112,3 +113,36 @@ def test_inputs_that_are_always_zero_get_zero_weight_and_no_nan():
     q = dequantize_int4(packed, scales, zeros, 32)
     assert torch.isfinite(q).all()
     assert output_error(w, q, x) < output_error(w, min_max_rtn(w, 32), x)
+
+
+def drifted(x: torch.Tensor, seed: int) -> torch.Tensor:
+    """``x`` [n, K] as quantized layers before might leave it: mixed a little across features, plus noise."""
+    generator = torch.Generator().manual_seed(seed)
+    mix = torch.eye(x.shape[1]) + 0.01 * torch.randn(x.shape[1], x.shape[1], generator=generator)
+    return x @ mix + 0.05 * x.std() * torch.randn(x.shape, generator=generator)
+
+
+def test_the_asymmetric_target_is_the_least_squares_fit_to_the_float_outputs():
+    """Without a ridge, the target is the direct least-squares solve of ``X̃ W'ᵀ ≈ X Wᵀ`` (float64); with inputs
+    that did not drift, it is the weight itself."""
+    w, x = correlated_layer(16, 64, 512, seed=4)
+    noisy = drifted(x, seed=5)
+    exact = torch.linalg.lstsq(noisy.double(), x.double() @ w.double().T).solution.T
+    target = asymmetric_target(w, x, noisy, ridge=0.0)
+    torch.testing.assert_close(target.double(), exact, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(asymmetric_target(w, x, x), w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_on_the_asymmetric_target_comes_closer_to_the_float_outputs(act_order):
+    """‖W X − Q X̃‖ (X the float inputs, X̃ the drifted ones) below plain GPTQ's on ``hessian(X̃)``."""
+    w, x = correlated_layer(96, 256, 1024)
+    noisy = drifted(x, seed=6)
+    h = hessian(noisy)
+    targets = {"plain": w, "asymmetric": asymmetric_target(w, x, noisy)}
+    error = {}
+    for name, target in targets.items():
+        q = dequantize_int4(*gptq_int4(target, h, 32, torch.float32, act_order=act_order), 32).double()
+        reference = w.double() @ x.double().T
+        error[name] = ((reference - q @ noisy.double().T).norm() / reference.norm()).item()
+    assert error["asymmetric"] < 0.8 * error["plain"], error

@@ -12,6 +12,12 @@ The calibration rows go through the model in one batch, and each layer to quanti
 Hessian, rounds the layer's weights with GPTQ and puts the dequantized weights in place before the layer
 computes. So every layer is calibrated on the outputs of the layers before it *as quantized* (GPTQ's sequential
 order, within a block too), in a single pass, with one layer's Hessian in memory at a time.
+
+Asymmetric calibration (:func:`gpt_fast.quant.gptq.asymmetric_target`) also needs each layer's inputs in the float
+model, for the same tokens. They are computed a block ahead (:class:`FloatReference`): before a transformer block
+runs on the partly quantized model's hidden state, it runs, still float, on the float model's, and its layers'
+inputs are kept until each is quantized. One block's float inputs are in memory at a time, and the float model
+costs one more pass through each block, not a copy of the model.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from torch import nn
 
 from gpt_fast.config import ModelConfig, QuantConfig
 from gpt_fast.model import Transformer
-from gpt_fast.quant.gptq import DAMP, gptq_int4, hessian
+from gpt_fast.quant.gptq import DAMP, asymmetric_target, gptq_int4, hessian
 from gpt_fast.quant.layout import OUTPUT, quantized_linears
 from gpt_fast.quant.schemes import dequantize_int4
 
@@ -43,13 +49,14 @@ ROW_TOKENS = 512  # tokens per calibration row (each row is a contiguous span of
 @dataclass(frozen=True)
 class Calibration:
     """How GPTQ is calibrated: the text (None: :func:`stdlib_docstrings`) and what to call it, how many of its
-    tokens, act-order, the damping of the Hessian."""
+    tokens, act-order, the damping of the Hessian, asymmetric calibration (against the float model's outputs)."""
 
     text: str | None = None
     text_name: str = DEFAULT_TEXT
     tokens: int = DEFAULT_TOKENS
     act_order: bool = False
     damp: float = DAMP
+    asymmetric: bool = False
 
     def __post_init__(self) -> None:
         whole_rows = (
@@ -59,10 +66,18 @@ class Calibration:
             raise ValueError(f"--calibration_tokens must be a positive multiple of {ROW_TOKENS}, got {self.tokens!r}")
         if not 0 < self.damp < 1:
             raise ValueError(f"the GPTQ damping must be between 0 and 1, got {self.damp!r}")
+        if not isinstance(self.asymmetric, bool):
+            raise ValueError(f"asymmetric calibration is on or off (a bool), got {self.asymmetric!r}")
 
     def describe(self) -> dict:
         """What ``config.json`` records of it, under ``source.calibration``."""
-        return {"text": self.text_name, "tokens": self.tokens, "act_order": self.act_order, "damp": self.damp}
+        return {
+            "text": self.text_name,
+            "tokens": self.tokens,
+            "act_order": self.act_order,
+            "damp": self.damp,
+            "asymmetric": self.asymmetric,
+        }
 
     def content(self) -> str:
         return stdlib_docstrings() if self.text is None else self.text
@@ -96,6 +111,26 @@ def calibration_rows(ids: list[int], tokens: int, block_size: int, where: str) -
     return torch.stack([table[start : start + length] for start in starts.tolist()])
 
 
+class FloatReference:
+    """The float model a block ahead of the partly quantized one, for asymmetric calibration: :meth:`advance`, each
+    block's forward pre-hook, runs the block (its layers still float) on the float model's hidden state first,
+    while :attr:`recording` tells its layers' hooks to keep their inputs in :attr:`inputs` rather than quantize."""
+
+    def __init__(self) -> None:
+        self.hidden: torch.Tensor | None = None  # the float model's hidden state after the blocks run so far
+        self.inputs: dict[str, torch.Tensor] = {}
+        self.recording = False
+
+    def advance(self, block: nn.Module, args: tuple) -> None:
+        """``args`` are the block's arguments in the quantized model's pass; their hidden state is the float
+        model's too before the first block (the embeddings are never quantized)."""
+        self.recording = True
+        try:  # forward, not a call: the block's hooks (this one, the head's) are for the quantized pass
+            self.hidden = block.forward(args[0] if self.hidden is None else self.hidden, *args[1:])
+        finally:
+            self.recording = False
+
+
 def gptq_parts(
     model: Transformer,
     rows: torch.Tensor,
@@ -108,8 +143,13 @@ def gptq_parts(
     ``rows`` [B, T] of token ids going through the float32 ``model`` (whose quantized layers are left holding
     their dequantized weights); scales and zeros in ``dtype``."""
     parts: dict[str, dict[str, torch.Tensor]] = {}
+    reference = FloatReference() if calibration.asymmetric else None
 
-    def quantize(prefix: str, weight: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+    def quantize(
+        prefix: str, weight: torch.Tensor, inputs: torch.Tensor, float_inputs: torch.Tensor | None
+    ) -> torch.Tensor:
+        if float_inputs is not None:
+            weight = asymmetric_target(weight, float_inputs, inputs)
         packed, scales, zeros = gptq_int4(
             weight, hessian(inputs), quant.group_size, dtype, calibration.act_order, calibration.damp
         )
@@ -117,11 +157,15 @@ def gptq_parts(
         return dequantize_int4(packed, scales, zeros, quant.group_size)
 
     def before(prefix: str, module: nn.Linear, args: tuple) -> None:
-        module.weight = nn.Parameter(quantize(prefix, module.weight, args[0]), requires_grad=False)
+        if reference is not None and reference.recording:
+            reference.inputs[prefix] = args[0]
+            return
+        float_inputs = None if reference is None else reference.inputs.pop(prefix)
+        module.weight = nn.Parameter(quantize(prefix, module.weight, args[0], float_inputs), requires_grad=False)
 
     def head(module: nn.Module, args: tuple, hidden: torch.Tensor) -> None:
         source = model.tok_embeddings.weight if config.tie_embeddings else model.output.weight
-        quantize(OUTPUT, source, model.norm(hidden))
+        quantize(OUTPUT, source, model.norm(hidden), None if reference is None else model.norm(reference.hidden))
 
     hooks = [
         model.get_submodule(prefix).register_forward_pre_hook(lambda m, a, p=prefix: before(p, m, a))
@@ -130,6 +174,8 @@ def gptq_parts(
     ]
     if quant.output:  # the output projection's inputs: the final norm of the last layer's outputs, every position
         hooks.append(model.layers[-1].register_forward_hook(head))
+    if reference is not None:
+        hooks += [layer.register_forward_pre_hook(reference.advance) for layer in model.layers]
     try:
         batch, length = rows.shape
         device = model.tok_embeddings.weight.device
