@@ -203,9 +203,8 @@ def load_model(
     shard: Shard | None = None,
 ) -> Transformer:
     """Build the model ``config`` describes and load its weights file onto ``device`` in ``dtype`` (quantized
-    layers computing with ``kernel``); NaN or
-    infinite weights (also those made by converting to ``dtype``) are refused. With ``shard``, only that rank's
-    part of the model, sliced out of the memory-mapped file."""
+    layers computing with ``kernel``); NaN or infinite weights (also those made by converting to ``dtype``) are
+    refused. With ``shard``, only that rank's part of the model, sliced out of the memory-mapped file."""
     path = inside_folder(checkpoint_dir, config.weights, f"{checkpoint_dir / CONFIG_FILE}: weights")
     state = checkpoint_weights(path, config)
     if device.type == "cpu":

@@ -7,7 +7,9 @@ measured 25 to 50 times slower than dequantize-then-``F.linear`` on the CPU for 
 
 - ``triton``: our Triton kernels (:mod:`gpt_fast.quant.triton_gemv`), on CUDA GPUs. Wrapped as
   ``torch.library.triton_op`` so that ``torch.compile`` places them in its own generated code (and CUDA graphs
-  capture them).
+  capture them). int8's choice on CUDA, compiled or not: in a compiled 7B step it was measured faster than
+  inductor's own dequantizing GEMV (which folds the RMSNorm into its prologue), and the same in every build, where
+  inductor's varies with its coordinate-descent tuning (BENCHMARKS.md, eighteenth session).
 - ``aten``: PyTorch's own weight-only kernels, ``torch.ops.aten._weight_int8pack_mm``, and for int4
   ``_weight_int4pack_mm_for_cpu`` or CUDA's tinygemm ``_weight_int4pack_mm`` (on a copy of the weights repacked
   once at load, :mod:`gpt_fast.quant.linear`). The CPU's choice: they read the weights as they are, where

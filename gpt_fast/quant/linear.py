@@ -45,19 +45,17 @@ class QuantizedLinear(nn.Module):
         self.bias = _frozen((out_features,), torch.float32) if bias else None
         self.kernel = "dequant"
 
+    def prepare(self, kernel: str, *, auto: bool = False) -> None:
+        """Compute with ``kernel`` as :func:`gpt_fast.quant.kernels.resolve_kernel` resolved it (``auto``: whether
+        it was chosen automatically, for layers whose choice then depends on the weights)."""
+        self.kernel = kernel
+
     def biased(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.bias is None else y + self.bias
 
 
 class Int8Linear(QuantizedLinear):
     """``y = x @ (weight * scales[:, None]).T``: int8 weights [out, in], one scale per output channel."""
-
-    def prepare(self, kernel: str, *, auto: bool = False) -> None:
-        """``kernel`` as resolved (:func:`gpt_fast.quant.kernels.resolve_kernel`): ``auto`` is our Triton kernel on
-        a CUDA GPU, compiled or not. In a compiled model it was measured faster than inductor's dequantizing GEMV
-        with the RMSNorm folded into its prologue, and the same in every build where inductor's varies with its
-        tuning (BENCHMARKS.md, eighteenth session)."""
-        self.kernel = kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.biased(int8_linear(x, self.weight, self.scales, self.kernel))
