@@ -5,9 +5,10 @@ upstream gpt-fast's int8 formula (``F.linear(x, w.to(x.dtype)) * scales``, compi
 kernel) and, where torchao is importable, torchao's weight-only int8 and int4 (tinygemm layout) on our model.
 Prints one table: tok/s, its ratio to our unquantized row, GB/s (of the weights each row reads), % of the copy
 bandwidth measured in the same run, TTFT, compile time, memory; and which attention and activation kernels our
-decode steps used (``--attention_kernels triton,torch``, ``--activation_kernels triton,torch``: a row for each
-combination). ``--builds N`` builds (and compiles) each row N times: two builds of one configuration differ more
-than the timed runs of one build, so tok/s is then the builds' median, their range beside it.
+decode steps used (``--attention_kernels triton,torch``, ``--activation_kernels triton,torch``,
+``--layers_kernels triton,torch``: a row for each combination). ``--builds N`` builds (and compiles) each row N
+times: two builds of one configuration differ more than the timed runs of one build, so tok/s is then the builds'
+median, their range beside it.
 
     python -m gpt_fast.bench_decode --shape llama-2-7b --device cuda --quantize int8,int4
 """
@@ -32,7 +33,13 @@ from gpt_fast.convert.hf_config import hf_config_dict
 from gpt_fast.convert.layout import MODULE_NAMING, split_tensors
 from gpt_fast.convert.random_init import random_weights
 from gpt_fast.device import device_name, device_synchronize, dtype_name, parse_dtype
-from gpt_fast.engine import Engine, EngineOptions, resolve_activation_kernel, resolve_attention_kernel
+from gpt_fast.engine import (
+    Engine,
+    EngineOptions,
+    resolve_activation_kernel,
+    resolve_attention_kernel,
+    resolve_layers_kernel,
+)
 from gpt_fast.generate import COORDINATE_DESCENT, HEURISTIC, KERNEL_TUNINGS
 from gpt_fast.quant.kernels import triton_usable
 from gpt_fast.quant.layout import quantize_state, stored_size
@@ -140,11 +147,13 @@ def ours_runners(
     rework: Callable[[Engine], None] | None = None,
     attention: str = "auto",
     activation: str = "auto",
+    layers: str = "auto",
 ) -> tuple[tuple[Run, Run], int]:
     """Decode as ``gpt-fast generate --compile MODE`` does (eager prefill); the first token of the long prompt
     as with ``--compile_prefill`` (one compiled prefill for every prompt length). The weights quantized with
     ``quant`` (their layers computing with ``kernel``), or changed by ``rework`` (torchao); the decode steps'
-    attention computed by ``attention``; also the weight bytes a decode step reads."""
+    attention computed by ``attention``, their layers by ``layers`` (see :mod:`gpt_fast.kernels.persistent`); also
+    the weight bytes a decode step reads."""
     mode, device, dtype = subject.mode, subject.device, subject.dtype
     options = EngineOptions(
         compile=mode,
@@ -153,6 +162,7 @@ def ours_runners(
         quant_kernel=kernel,
         attention_kernel=attention,
         activation_kernel=activation,
+        layers_kernel=layers,
         regional_compile=subject.regional_compile,
         kernel_tuning=subject.kernel_tuning,
     )
@@ -280,6 +290,7 @@ def run_benchmark(
     quantize: Sequence[QuantConfig] = (),
     attention_kernels: Sequence[str] = ("auto",),
     activation_kernels: Sequence[str] = ("auto",),
+    layers_kernels: Sequence[str] = ("auto",),
     regional_compile: bool = False,
     kernel_tuning: str = COORDINATE_DESCENT,
     write: Callable[[str], None] = print,
@@ -287,6 +298,7 @@ def run_benchmark(
     shape = get_shape(shape_name)
     attention = list(dict.fromkeys(resolve_attention_kernel(kernel, device) for kernel in attention_kernels))
     activation = list(dict.fromkeys(resolve_activation_kernel(k, device, shape) for k in activation_kernels))
+    layers = list(dict.fromkeys(resolve_layers_kernel(kernel, device) for kernel in layers_kernels))
     state = random_weights(shape, dtype, seed=0, device=device)
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, shape.vocab_size, (prompt_tokens,), generator=generator).tolist()
@@ -299,11 +311,13 @@ def run_benchmark(
     runners: dict[str, Builder] = {
         ours
         + (f" attention-{att}" if len(attention) > 1 else "")
-        + (f" activation-{act}" if len(activation) > 1 else ""): functools.partial(
-            ours_runners, subject, attention=att, activation=act
+        + (f" activation-{act}" if len(activation) > 1 else "")
+        + (f" layers-{lay}" if len(layers) > 1 else ""): functools.partial(
+            ours_runners, subject, attention=att, activation=act, layers=lay
         )
         for att in attention
         for act in activation
+        for lay in layers
     }
     runners |= quantized_runners(subject, quantize, write)
     if peers:
@@ -331,7 +345,8 @@ def run_benchmark(
     write(
         f"{shape_name}, {device_name(device)}, torch {torch.__version__}, {dtype}; copy bandwidth {copy_gbps:.0f} "
         f"GB/s; prompt {prompt_tokens} tokens, {new_tokens} new, TTFT prompt {ttft_tokens}; our decode's attention "
-        f"kernel: {', '.join(attention)}; activation kernel: {', '.join(activation)}; our compiled steps: {compiled_as}"
+        f"kernel: {', '.join(attention)}; activation kernel: {', '.join(activation)}; layers kernel: "
+        f"{', '.join(layers)}; our compiled steps: {compiled_as}"
         + (f"; each row built {builds} times, tok/s their median (range)" if builds > 1 else "")
     )
     write(table(rows, copy_gbps) if rows else "no row was measured")
@@ -436,6 +451,11 @@ def main(argv: list[str] | None = None) -> None:
         help="Our rows' gated-MLP activation, comma-separated: auto, triton (own kernel), torch (inside the GEMV).",
     )
     parser.add_argument(
+        "--layers_kernels",
+        default="auto",
+        help="Our rows' decoder layers, comma-separated: auto, triton (one persistent kernel), torch (inductor).",
+    )
+    parser.add_argument(
         "--regional_compile", action="store_true", help="Our rows compile one layer and reuse it for every layer."
     )
     parser.add_argument(
@@ -463,6 +483,7 @@ def main(argv: list[str] | None = None) -> None:
         quantize=schemes,
         attention_kernels=[name for name in args.attention_kernels.split(",") if name],
         activation_kernels=[name for name in args.activation_kernels.split(",") if name],
+        layers_kernels=[name for name in args.layers_kernels.split(",") if name],
         regional_compile=args.regional_compile,
         kernel_tuning=args.kernel_tuning,
     )

@@ -17,7 +17,7 @@ import click
 from gpt_fast import __version__
 from gpt_fast.config import INT4_GROUP_SIZES, QUANT_MODES, QuantConfig
 from gpt_fast.device import DTYPE_CHOICES, DTYPES, parse_dtype
-from gpt_fast.engine import Engine, EngineOptions, launched_world_size, user_turn
+from gpt_fast.engine import LAYERS_KERNELS, Engine, EngineOptions, launched_world_size, user_turn
 from gpt_fast.evaluate import DATASETS, EvalOptions
 from gpt_fast.fileio import STDOUT, regular_file
 from gpt_fast.generate import COMPILE_MODES, KERNEL_TUNINGS
@@ -119,8 +119,8 @@ def add_device_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """--compile, --compile_prefill, --regional_compile, --kernel_tuning, --device, --dtype, handed to the command
-    as ``engine_options``."""
+    """--compile, --compile_prefill, --regional_compile, --kernel_tuning, --layers_kernel, --device, --dtype, handed
+    to the command as ``engine_options``."""
 
     @functools.wraps(func)
     def command(
@@ -129,16 +129,32 @@ def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
         compile_prefill: bool,
         regional_compile: bool,
         kernel_tuning: str,
+        layers_kernel: str,
         device: str | None,
         dtype: str,
         **kwargs: Any,
     ) -> Any:
         options = EngineOptions(
-            compile_mode, compile_prefill, device, dtype, regional_compile=regional_compile, kernel_tuning=kernel_tuning
+            compile_mode,
+            compile_prefill,
+            device,
+            dtype,
+            regional_compile=regional_compile,
+            kernel_tuning=kernel_tuning,
+            layers_kernel=layers_kernel,
         )
         return func(*args, engine_options=options, **kwargs)
 
     decorated = add_device_options(command)
+    decorated = option(
+        "--layers_kernel",
+        type=Choice(LAYERS_KERNELS),
+        default=ENGINE.layers_kernel,
+        show_default=True,
+        help="triton: a compiled one-token decode step of one sequence runs every layer in one persistent kernel "
+        "(small Llama-style models on CUDA GPUs; fewer launches, a compile without the layers); torch: inductor's "
+        "kernels; auto: torch.",
+    )(decorated)
     decorated = option(
         "--kernel_tuning",
         type=Choice(KERNEL_TUNINGS),

@@ -43,6 +43,13 @@ from gpt_fast.generate import (
 from gpt_fast.kernels.decode_attention import ATTENTION_KERNELS, resolve_attention_kernel, use_attention_kernel
 from gpt_fast.kernels.gated_activation import ACTIVATION_KERNELS, resolve_activation_kernel, use_activation_kernel
 from gpt_fast.kernels.invariant import INVARIANT_ROWS, check_invariant, use_invariant_kernels
+from gpt_fast.kernels.persistent import (
+    LAYERS_KERNELS,
+    check_layers_kernel,
+    programs_for,
+    resolve_layers_kernel,
+    use_layers_kernel,
+)
 from gpt_fast.model import Transformer, weight_bytes_per_token
 from gpt_fast.parallel import TensorParallel, check_tensor_parallel, device_of, env_ranks, join
 from gpt_fast.paths import CHECKPOINTS_DIR
@@ -76,6 +83,8 @@ class EngineOptions:
     :func:`gpt_fast.quant.kernels.resolve_kernel`), the attention kernel of compiled decode steps (``auto``: see
     :func:`gpt_fast.kernels.decode_attention.resolve_attention_kernel`), the gated MLPs' activation kernel of
     compiled decode steps (``auto``: see :func:`gpt_fast.kernels.gated_activation.resolve_activation_kernel`),
+    the kernel of every layer of a compiled one-token step of one sequence (``layers_kernel``: see
+    :mod:`gpt_fast.kernels.persistent`),
     the ranks of tensor parallelism (``tp``: the model split over that many processes started by ``torchrun``,
     one GPU each; see :mod:`gpt_fast.parallel`), regional compilation (one layer compiled and reused for all: see
     :func:`gpt_fast.model.layer_region`), how inductor picks its kernels' configurations (``kernel_tuning``:
@@ -94,6 +103,7 @@ class EngineOptions:
     tp: int = 1
     attention_kernel: str = "auto"
     activation_kernel: str = "auto"
+    layers_kernel: str = "auto"
     regional_compile: bool = False
     kernel_tuning: str = COORDINATE_DESCENT
     aot_precompile: bool = False
@@ -117,6 +127,10 @@ class EngineOptions:
         if self.activation_kernel not in ACTIVATION_KERNELS:
             kernels = ", ".join(ACTIVATION_KERNELS)
             raise ValueError(f"activation_kernel {self.activation_kernel!r} is not one of {kernels}")
+        if self.layers_kernel not in LAYERS_KERNELS:
+            raise ValueError(f"--layers_kernel {self.layers_kernel!r} is not one of {', '.join(LAYERS_KERNELS)}")
+        if self.layers_kernel == "triton" and (self.tp > 1 or self.speculative is not None):
+            raise ValueError("--layers_kernel triton runs plain decoding on one GPU (no --tp, no speculation)")
         if self.kernel_tuning not in KERNEL_TUNINGS:
             raise ValueError(f"--kernel_tuning {self.kernel_tuning!r} is not one of {', '.join(KERNEL_TUNINGS)}")
         if self.regional_compile and self.tp > 1:  # collectives inside a reused region: not tried on GPUs yet
@@ -132,6 +146,7 @@ class EngineOptions:
             "--aot_precompile": self.aot_precompile,
             "--attention_kernel triton": self.attention_kernel == "triton",
             "--activation_kernel triton": self.activation_kernel == "triton",
+            "--layers_kernel triton": self.layers_kernel == "triton",
         }
         for name, used in others.items():
             if used:
@@ -146,6 +161,7 @@ class EngineOptions:
             "--regional_compile": self.regional_compile,
             "--tp": self.tp > 1,
             "speculative decoding": self.speculative is not None,
+            "--layers_kernel triton": self.layers_kernel == "triton",
         }
         for name, used in others.items():
             if used:
@@ -235,6 +251,9 @@ class Engine:
             self.device = device_of(self.device, self.ranks)
         self.dtype = resolve_dtype(options.dtype, self.device)
         self.attention_kernel = resolve_attention_kernel(options.attention_kernel, self.device)  # before compiling
+        self.layers_kernel = resolve_layers_kernel(options.layers_kernel, self.device)
+        if self.layers_kernel == "triton":
+            check_layers_kernel(model_config, self.quantization, programs_for(self.device))
         self.activation_kernel = "torch"  # batch-invariant steps: the same elementwise code for any number of rows
         if not options.batch_invariant:
             self.activation_kernel = resolve_activation_kernel(
@@ -348,6 +367,7 @@ class Engine:
             self._parallel.connect(self._model, self.model_config)
         use_attention_kernel(self._model, self.attention_kernel)
         use_activation_kernel(self._model, self.activation_kernel)
+        use_layers_kernel(self._model, self.layers_kernel)
         if self.options.batch_invariant:
             use_invariant_kernels(self._model, self.device)
         self._model.regional_compile = self.options.regional_compile

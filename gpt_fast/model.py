@@ -330,6 +330,11 @@ class Transformer(nn.Module):
     # The tied output projection's product, with F.linear's arguments (gpt_fast.kernels.invariant sets it); None:
     # F.linear.
     head_kernel = None
+    # Every layer of a compiled one-token step of a one-row cache as one operator, called with (model, x,
+    # input_pos), and what it needs done with the model once the caches are allocated, called with the model
+    # (gpt_fast.kernels.persistent sets both); None: the layers' code, nothing.
+    layers_kernel = None
+    caches_ready = None
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -371,6 +376,8 @@ class Transformer(nn.Module):
             scale = torch.tensor(self.config.embedding_scale, dtype=weight.dtype, device=weight.device)
             self.register_buffer("embedding_scale", scale, persistent=False)
         self.max_batch_size, self.max_seq_length = batch_size, max_seq_length
+        if self.caches_ready is not None:
+            self.caches_ready(self)
 
     def forward(
         self,
@@ -403,9 +410,13 @@ class Transformer(nn.Module):
             inputs["sliding_attention"] = self.sliding_inputs(input_pos, key_pos, cos, sin, mask)
         if input_pos.dim() == 2:  # masks [B, 1, T, S]: the same for every head
             inputs = {kind: (c, s, None if m is None else m[:, None]) for kind, (c, s, m) in inputs.items()}
-        for layer in self.layers:
-            args = (x, *inputs[layer.layer_type], input_pos, first_row)
-            x = layer_region(layer, *args) if self.regional_compile else layer(*args)
+        one_token = idx.shape == (1, 1) and self.max_batch_size == 1 and input_pos.dim() == 1
+        if self.layers_kernel is not None and one_token and torch.compiler.is_compiling():
+            x = self.layers_kernel(self, x, input_pos)
+        else:
+            for layer in self.layers:
+                args = (x, *inputs[layer.layer_type], input_pos, first_row)
+                x = layer_region(layer, *args) if self.regional_compile else layer(*args)
         if last_only:
             x = x[:, -1:]
         x = self.norm(x)

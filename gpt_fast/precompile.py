@@ -34,7 +34,8 @@ from gpt_fast.model import Transformer
 from gpt_fast.sampling import SamplingConfig
 
 SUFFIX = ".aot"
-KERNELS = ("decode_kernel", "activation_kernel")  # the model's attributes that swap its code for a kernel
+# the model's attributes that swap its code for a kernel
+KERNELS = ("decode_kernel", "activation_kernel", "layers_kernel")
 LOADED, SAVED = "loaded", "compiled and saved"
 
 
