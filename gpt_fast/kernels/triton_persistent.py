@@ -67,7 +67,8 @@ def _pointer(table, layer, column, dtype: tl.constexpr):
 def _tile(w_ptr, rows, inside, K, BLOCK: tl.constexpr):
     """Rows ``rows`` [R] of ``w`` [N, K], whole: [R, BLOCK] (zeros outside)."""
     kk = tl.arange(0, BLOCK)
-    return tl.load(w_ptr + rows.to(tl.int64)[:, None] * K + kk[None, :], mask=inside[:, None] & (kk < K)[None, :])
+    inside = inside[:, None] & (kk < K)[None, :]
+    return tl.load(w_ptr + rows.to(tl.int64)[:, None] * K + kk[None, :], mask=inside, other=0.0)
 
 
 @triton.jit
