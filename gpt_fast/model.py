@@ -410,8 +410,7 @@ class Transformer(nn.Module):
             inputs["sliding_attention"] = self.sliding_inputs(input_pos, key_pos, cos, sin, mask)
         if input_pos.dim() == 2:  # masks [B, 1, T, S]: the same for every head
             inputs = {kind: (c, s, None if m is None else m[:, None]) for kind, (c, s, m) in inputs.items()}
-        one_token = idx.shape == (1, 1) and self.max_batch_size == 1 and input_pos.dim() == 1
-        if self.layers_kernel is not None and one_token and torch.compiler.is_compiling():
+        if self.layers_kernel is not None and self._one_token_of_one_sequence(idx, input_pos):
             x = self.layers_kernel(self, x, input_pos)
         else:
             for layer in self.layers:
@@ -426,6 +425,11 @@ class Transformer(nn.Module):
             logits = self.output(x)
         cap = self.config.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def _one_token_of_one_sequence(self, idx: torch.Tensor, input_pos: torch.Tensor) -> bool:
+        """Whether this is a compiled step of one token of a one-row cache: the steps ``layers_kernel`` takes."""
+        one_token = idx.shape == (1, 1) and self.max_batch_size == 1 and input_pos.dim() == 1
+        return one_token and torch.compiler.is_compiling()
 
     def sliding_inputs(
         self, input_pos: torch.Tensor, key_pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor

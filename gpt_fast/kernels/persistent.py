@@ -73,10 +73,8 @@ def fill_pointer_table(model: Transformer) -> None:
     """Write the kernel's data pointers into ``model.layers_table`` [L, :data:`TABLE_COLUMNS`]: the model calls it
     once its caches are allocated, outside any CUDA graph (a capture cannot copy from the host), and the graphs
     read the table where it is."""
-    weights, kv = layer_weights(model), [layer.attention.kv_cache.kv for layer in model.layers]
-    layers = len(kv)
-    pointers = [t.data_ptr() for i in range(layers) for t in (*weights[i * 6 : i * 6 + 6], kv[i])]
-    model.layers_table.copy_(torch.tensor(pointers, dtype=torch.int64).view(layers, TABLE_COLUMNS))
+    rows = [[t.data_ptr() for t in (*_weights_of(layer), layer.attention.kv_cache.kv)] for layer in model.layers]
+    model.layers_table.copy_(torch.tensor(rows, dtype=torch.int64))
 
 
 def programs_for(device: torch.device) -> int:
@@ -105,9 +103,8 @@ def register_layers_op() -> None:
     ) -> torch.Tensor:
         """The kernel reads the weights and caches through ``table`` (:func:`fill_pointer_table`); they are
         arguments so that the compiler orders the operator after what writes them."""
-        n_head, n_kv, head_dim, inter, max_seq = shape
         return triton_persistent.decode_layers(
-            x, table, input_pos, cos, sin, (n_head, n_kv, head_dim, inter, max_seq), eps, scale, programs_for(x.device)
+            x, table, input_pos, cos, sin, tuple(shape), eps, scale, programs_for(x.device)
         )
 
     @decode_layers.register_fake
@@ -115,14 +112,16 @@ def register_layers_op() -> None:
         return torch.empty_like(x)
 
 
+def _weights_of(layer: nn.Module) -> list[torch.Tensor]:
+    """A layer's wqkv, wo, w13, w2, attention norm and MLP norm weights: the table's columns but the cache."""
+    attention, mlp = layer.attention, layer.feed_forward
+    return [attention.wqkv.weight, attention.wo.weight, mlp.w13.weight, mlp.w2.weight, layer.attention_norm.weight,
+            layer.ffn_norm.weight]  # fmt: skip
+
+
 def layer_weights(model: Transformer) -> list[torch.Tensor]:
-    """Every layer's wqkv, wo, w13, w2, attention norm and MLP norm weights, in that order, layer after layer."""
-    weights = []
-    for layer in model.layers:
-        attention, mlp = layer.attention, layer.feed_forward
-        weights += [attention.wqkv.weight, attention.wo.weight, mlp.w13.weight, mlp.w2.weight]
-        weights += [layer.attention_norm.weight, layer.ffn_norm.weight]
-    return weights
+    """Every layer's weights (:func:`_weights_of`), layer after layer."""
+    return [weight for layer in model.layers for weight in _weights_of(layer)]
 
 
 def persistent_layers(model: Transformer, x: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:

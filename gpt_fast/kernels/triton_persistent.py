@@ -41,7 +41,7 @@ import triton.language as tl
 
 from gpt_fast.kernels import persistent
 
-PHASES = 5  # per layer
+PHASES = tl.constexpr(5)  # per layer
 TABLE_COLUMNS = tl.constexpr(persistent.TABLE_COLUMNS)
 
 
@@ -252,6 +252,13 @@ def _mlp_phase(
 
 
 @triton.jit
+def _arrivals(layers_done, phase: tl.constexpr, P, SYNC: tl.constexpr):
+    """The arrivals the barrier opening ``phase`` of the launch's layer ``layers_done`` waits for: one per program
+    for each phase run before it in this launch; 0 (no barrier) for the launch's first phase, or without ``SYNC``."""
+    return (layers_done * PHASES + phase) * P * SYNC
+
+
+@triton.jit
 def _decode_layers(
     x_ptr, h_ptr, q_ptr, part_ptr, act_ptr, table, cos_ptr, sin_ptr, pos_ptr, bar_ptr,
     first_layer, end_layer, eps, scale, DIM, INTER, S,
@@ -267,22 +274,22 @@ def _decode_layers(
     pos = tl.load(pos_ptr)
     SYNC: tl.constexpr = PHASE == -1
     for layer in range(first_layer, end_layer):
-        arrivals = (layer - first_layer) * 5 * P * SYNC  # barriers passed before this layer, times P; 0: none
+        done = layer - first_layer  # layers this launch ran before this one
         if SYNC or PHASE == 0:
-            _qkv_phase(x_ptr, table, layer, q_ptr, cos_ptr, sin_ptr, bar_ptr, arrivals, pos, eps, pid, P, DIM, S,
-                       N_HEAD, N_KV, HEAD_DIM, ROWS_QKV, BLOCK_D)  # fmt: skip
+            _qkv_phase(x_ptr, table, layer, q_ptr, cos_ptr, sin_ptr, bar_ptr, _arrivals(done, 0, P, SYNC),
+                       pos, eps, pid, P, DIM, S, N_HEAD, N_KV, HEAD_DIM, ROWS_QKV, BLOCK_D)  # fmt: skip
         if SYNC or PHASE == 1:
-            _attention_phase(table, layer, q_ptr, part_ptr, bar_ptr, (arrivals + P) * SYNC, pos, scale, pid, P, S,
-                             N_HEAD, N_KV, HEAD_DIM, SPLITS, BLOCK_S)  # fmt: skip
+            _attention_phase(table, layer, q_ptr, part_ptr, bar_ptr, _arrivals(done, 1, P, SYNC), pos,
+                             scale, pid, P, S, N_HEAD, N_KV, HEAD_DIM, SPLITS, BLOCK_S)  # fmt: skip
         if SYNC or PHASE == 2:
-            _residual_phase(table, layer, 1, part_ptr, x_ptr, h_ptr, bar_ptr, (arrivals + 2 * P) * SYNC, pid, P,
+            _residual_phase(table, layer, 1, part_ptr, x_ptr, h_ptr, bar_ptr, _arrivals(done, 2, P, SYNC), pid, P,
                             DIM, N_HEAD * HEAD_DIM, ROWS_O, BLOCK_Q, True, N_HEAD, HEAD_DIM, SPLITS)  # fmt: skip
         if SYNC or PHASE == 3:
-            _mlp_phase(h_ptr, table, layer, act_ptr, bar_ptr, (arrivals + 3 * P) * SYNC, eps, pid, P, DIM, INTER,
-                       ROWS_MLP, BLOCK_D)  # fmt: skip
+            _mlp_phase(h_ptr, table, layer, act_ptr, bar_ptr, _arrivals(done, 3, P, SYNC), eps, pid, P,
+                       DIM, INTER, ROWS_MLP, BLOCK_D)  # fmt: skip
         if SYNC or PHASE == 4:
-            _residual_phase(table, layer, 3, act_ptr, h_ptr, x_ptr, bar_ptr, (arrivals + 4 * P) * SYNC, pid, P,
-                            DIM, INTER, ROWS_DOWN, BLOCK_I, False, N_HEAD, HEAD_DIM, SPLITS)  # fmt: skip
+            _residual_phase(table, layer, 3, act_ptr, h_ptr, x_ptr, bar_ptr, _arrivals(done, 4, P, SYNC),
+                            pid, P, DIM, INTER, ROWS_DOWN, BLOCK_I, False, N_HEAD, HEAD_DIM, SPLITS)  # fmt: skip
 
 
 @dataclass(frozen=True)
