@@ -4,9 +4,9 @@ it compiles by itself) and eager. With ``--quantize int8,int4``, the same weight
 upstream gpt-fast's int8 formula (``F.linear(x, w.to(x.dtype)) * scales``, compiled by inductor: our ``dequant``
 kernel) and, where torchao is importable, torchao's weight-only int8 and int4 (tinygemm layout) on our model.
 Prints one table: tok/s, its ratio to our unquantized row, GB/s (of the weights each row reads), % of the copy
-bandwidth measured in the same run, TTFT, compile time, memory; and which attention and activation kernels our
-decode steps used (``--attention_kernels triton,torch``, ``--activation_kernels triton,torch``,
-``--layers_kernels triton,torch``: a row for each combination). ``--builds N`` builds (and compiles) each row N
+bandwidth measured in the same run, TTFT, compile time, memory; and which kernels our decode steps used
+(``--attention_kernels triton,torch``, ``--activation_kernels triton,torch``, ``--layers_kernels triton,torch``,
+``--linear_kernels triton,torch``: a row for each combination). ``--builds N`` builds (and compiles) each row N
 times: two builds of one configuration differ more than the timed runs of one build, so tok/s is then the builds'
 median, their range beside it.
 
@@ -39,6 +39,7 @@ from gpt_fast.engine import (
     resolve_activation_kernel,
     resolve_attention_kernel,
     resolve_layers_kernel,
+    resolve_linear_kernel,
 )
 from gpt_fast.generate import COORDINATE_DESCENT, HEURISTIC, KERNEL_TUNINGS
 from gpt_fast.quant.kernels import triton_usable
@@ -148,11 +149,13 @@ def ours_runners(
     attention: str = "auto",
     activation: str = "auto",
     layers: str = "auto",
+    linear: str = "auto",
 ) -> tuple[tuple[Run, Run], int]:
     """Decode as ``gpt-fast generate --compile MODE`` does (eager prefill); the first token of the long prompt
     as with ``--compile_prefill`` (one compiled prefill for every prompt length). The weights quantized with
     ``quant`` (their layers computing with ``kernel``), or changed by ``rework`` (torchao); the decode steps'
-    attention computed by ``attention``, their layers by ``layers`` (see :mod:`gpt_fast.kernels.persistent`); also
+    attention computed by ``attention``, their layers by ``layers`` (see :mod:`gpt_fast.kernels.persistent`), their
+    unquantized linear layers by ``linear`` (see :mod:`gpt_fast.kernels.linear`); also
     the weight bytes a decode step reads."""
     mode, device, dtype = subject.mode, subject.device, subject.dtype
     options = EngineOptions(
@@ -163,6 +166,7 @@ def ours_runners(
         attention_kernel=attention,
         activation_kernel=activation,
         layers_kernel=layers,
+        linear_kernel=linear,
         regional_compile=subject.regional_compile,
         kernel_tuning=subject.kernel_tuning,
     )
@@ -291,6 +295,7 @@ def run_benchmark(
     attention_kernels: Sequence[str] = ("auto",),
     activation_kernels: Sequence[str] = ("auto",),
     layers_kernels: Sequence[str] = ("auto",),
+    linear_kernels: Sequence[str] = ("auto",),
     regional_compile: bool = False,
     kernel_tuning: str = COORDINATE_DESCENT,
     write: Callable[[str], None] = print,
@@ -299,6 +304,7 @@ def run_benchmark(
     attention = list(dict.fromkeys(resolve_attention_kernel(kernel, device) for kernel in attention_kernels))
     activation = list(dict.fromkeys(resolve_activation_kernel(k, device, shape) for k in activation_kernels))
     layers = list(dict.fromkeys(resolve_layers_kernel(kernel, device) for kernel in layers_kernels))
+    linear = list(dict.fromkeys(resolve_linear_kernel(k, device, shape, mode) for k in linear_kernels))
     state = random_weights(shape, dtype, seed=0, device=device)
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, shape.vocab_size, (prompt_tokens,), generator=generator).tolist()
@@ -312,12 +318,14 @@ def run_benchmark(
         ours
         + (f" attention-{att}" if len(attention) > 1 else "")
         + (f" activation-{act}" if len(activation) > 1 else "")
-        + (f" layers-{lay}" if len(layers) > 1 else ""): functools.partial(
-            ours_runners, subject, attention=att, activation=act, layers=lay
+        + (f" layers-{lay}" if len(layers) > 1 else "")
+        + (f" linear-{lin}" if len(linear) > 1 else ""): functools.partial(
+            ours_runners, subject, attention=att, activation=act, layers=lay, linear=lin
         )
         for att in attention
         for act in activation
         for lay in layers
+        for lin in linear
     }
     runners |= quantized_runners(subject, quantize, write)
     if peers:
@@ -346,7 +354,7 @@ def run_benchmark(
         f"{shape_name}, {device_name(device)}, torch {torch.__version__}, {dtype}; copy bandwidth {copy_gbps:.0f} "
         f"GB/s; prompt {prompt_tokens} tokens, {new_tokens} new, TTFT prompt {ttft_tokens}; our decode's attention "
         f"kernel: {', '.join(attention)}; activation kernel: {', '.join(activation)}; layers kernel: "
-        f"{', '.join(layers)}; our compiled steps: {compiled_as}"
+        f"{', '.join(layers)}; linear kernel: {', '.join(linear)}; our compiled steps: {compiled_as}"
         + (f"; each row built {builds} times, tok/s their median (range)" if builds > 1 else "")
     )
     write(table(rows, copy_gbps) if rows else "no row was measured")
@@ -456,6 +464,12 @@ def main(argv: list[str] | None = None) -> None:
         help="Our rows' decoder layers, comma-separated: auto, triton (one persistent kernel), torch (inductor).",
     )
     parser.add_argument(
+        "--linear_kernels",
+        default="auto",
+        help="Our rows' unquantized linear layers in one-row decode steps, comma-separated: auto, triton (our GEMV "
+        "with programmatic dependent launch), torch (cuBLAS or inductor).",
+    )
+    parser.add_argument(
         "--regional_compile", action="store_true", help="Our rows compile one layer and reuse it for every layer."
     )
     parser.add_argument(
@@ -484,6 +498,7 @@ def main(argv: list[str] | None = None) -> None:
         attention_kernels=[name for name in args.attention_kernels.split(",") if name],
         activation_kernels=[name for name in args.activation_kernels.split(",") if name],
         layers_kernels=[name for name in args.layers_kernels.split(",") if name],
+        linear_kernels=[name for name in args.linear_kernels.split(",") if name],
         regional_compile=args.regional_compile,
         kernel_tuning=args.kernel_tuning,
     )

@@ -17,7 +17,7 @@ import click
 from gpt_fast import __version__
 from gpt_fast.config import INT4_GROUP_SIZES, QUANT_MODES, QuantConfig
 from gpt_fast.device import DTYPE_CHOICES, DTYPES, parse_dtype
-from gpt_fast.engine import LAYERS_KERNELS, Engine, EngineOptions, launched_world_size, user_turn
+from gpt_fast.engine import LAYERS_KERNELS, LINEAR_KERNELS, Engine, EngineOptions, launched_world_size, user_turn
 from gpt_fast.evaluate import DATASETS, EvalOptions
 from gpt_fast.fileio import STDOUT, regular_file
 from gpt_fast.generate import COMPILE_MODES, KERNEL_TUNINGS
@@ -119,8 +119,8 @@ def add_device_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """--compile, --compile_prefill, --regional_compile, --kernel_tuning, --layers_kernel, --device, --dtype, handed
-    to the command as ``engine_options``."""
+    """--compile, --compile_prefill, --regional_compile, --kernel_tuning, --layers_kernel, --linear_kernel, --device,
+    --dtype, handed to the command as ``engine_options``."""
 
     @functools.wraps(func)
     def command(
@@ -130,6 +130,7 @@ def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
         regional_compile: bool,
         kernel_tuning: str,
         layers_kernel: str,
+        linear_kernel: str,
         device: str | None,
         dtype: str,
         **kwargs: Any,
@@ -142,10 +143,20 @@ def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
             regional_compile=regional_compile,
             kernel_tuning=kernel_tuning,
             layers_kernel=layers_kernel,
+            linear_kernel=linear_kernel,
         )
         return func(*args, engine_options=options, **kwargs)
 
     decorated = add_device_options(command)
+    decorated = option(
+        "--linear_kernel",
+        type=Choice(LINEAR_KERNELS),
+        default=ENGINE.linear_kernel,
+        show_default=True,
+        help="triton: the decoder layers' unquantized linear layers in compiled one-token steps of one sequence are "
+        "our GEMV, launched so that its weight loads overlap the kernel before it (CUDA GPUs); torch: cuBLAS or "
+        "inductor's; auto: triton in the CUDA-graph modes on GPUs of compute capability 9+ for 7B-sized models.",
+    )(decorated)
     decorated = option(
         "--layers_kernel",
         type=Choice(LAYERS_KERNELS),

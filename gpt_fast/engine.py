@@ -43,6 +43,7 @@ from gpt_fast.generate import (
 from gpt_fast.kernels.decode_attention import ATTENTION_KERNELS, resolve_attention_kernel, use_attention_kernel
 from gpt_fast.kernels.gated_activation import ACTIVATION_KERNELS, resolve_activation_kernel, use_activation_kernel
 from gpt_fast.kernels.invariant import INVARIANT_ROWS, check_invariant, use_invariant_kernels
+from gpt_fast.kernels.linear import LINEAR_KERNELS, resolve_linear_kernel, use_linear_kernel
 from gpt_fast.kernels.persistent import (
     LAYERS_KERNELS,
     check_layers_kernel,
@@ -84,7 +85,8 @@ class EngineOptions:
     :func:`gpt_fast.kernels.decode_attention.resolve_attention_kernel`), the gated MLPs' activation kernel of
     compiled decode steps (``auto``: see :func:`gpt_fast.kernels.gated_activation.resolve_activation_kernel`),
     the kernel of every layer of a compiled one-token step of one sequence (``layers_kernel``: see
-    :mod:`gpt_fast.kernels.persistent`),
+    :mod:`gpt_fast.kernels.persistent`), the decoder layers' unquantized linear layers in such steps
+    (``linear_kernel``: see :mod:`gpt_fast.kernels.linear`),
     the ranks of tensor parallelism (``tp``: the model split over that many processes started by ``torchrun``,
     one GPU each; see :mod:`gpt_fast.parallel`), regional compilation (one layer compiled and reused for all: see
     :func:`gpt_fast.model.layer_region`), how inductor picks its kernels' configurations (``kernel_tuning``:
@@ -104,6 +106,7 @@ class EngineOptions:
     attention_kernel: str = "auto"
     activation_kernel: str = "auto"
     layers_kernel: str = "auto"
+    linear_kernel: str = "auto"
     regional_compile: bool = False
     kernel_tuning: str = COORDINATE_DESCENT
     aot_precompile: bool = False
@@ -129,6 +132,8 @@ class EngineOptions:
             raise ValueError(f"activation_kernel {self.activation_kernel!r} is not one of {kernels}")
         if self.layers_kernel not in LAYERS_KERNELS:
             raise ValueError(f"--layers_kernel {self.layers_kernel!r} is not one of {', '.join(LAYERS_KERNELS)}")
+        if self.linear_kernel not in LINEAR_KERNELS:
+            raise ValueError(f"--linear_kernel {self.linear_kernel!r} is not one of {', '.join(LINEAR_KERNELS)}")
         if self.layers_kernel == "triton" and (self.tp > 1 or self.speculative is not None):
             raise ValueError("--layers_kernel triton runs plain decoding on one GPU (no --tp, no speculation)")
         if self.kernel_tuning not in KERNEL_TUNINGS:
@@ -147,6 +152,7 @@ class EngineOptions:
             "--attention_kernel triton": self.attention_kernel == "triton",
             "--activation_kernel triton": self.activation_kernel == "triton",
             "--layers_kernel triton": self.layers_kernel == "triton",
+            "--linear_kernel triton": self.linear_kernel == "triton",
         }
         for name, used in others.items():
             if used:
@@ -162,6 +168,7 @@ class EngineOptions:
             "--tp": self.tp > 1,
             "speculative decoding": self.speculative is not None,
             "--layers_kernel triton": self.layers_kernel == "triton",
+            "--linear_kernel triton": self.linear_kernel == "triton",
         }
         for name, used in others.items():
             if used:
@@ -255,9 +262,18 @@ class Engine:
         if self.layers_kernel == "triton":
             check_layers_kernel(model_config, self.quantization, programs_for(self.device))
         self.activation_kernel = "torch"  # batch-invariant steps: the same elementwise code for any number of rows
+        self.linear_kernel = "torch"  # and their own linear layers
         if not options.batch_invariant:
             self.activation_kernel = resolve_activation_kernel(
                 options.activation_kernel, self.device, model_config, options.aot_precompile
+            )
+            self.linear_kernel = resolve_linear_kernel(
+                options.linear_kernel,
+                self.device,
+                model_config,
+                options.compile,
+                aot_precompile=options.aot_precompile,
+                single_gpu=options.tp == 1,
             )
         self._tokenizer = checkpoint_tokenizer(checkpoint_dir, config) if config is not None else None
         self._state = state
@@ -368,6 +384,7 @@ class Engine:
         use_attention_kernel(self._model, self.attention_kernel)
         use_activation_kernel(self._model, self.activation_kernel)
         use_layers_kernel(self._model, self.layers_kernel)
+        use_linear_kernel(self._model, self.linear_kernel)
         if self.options.batch_invariant:
             use_invariant_kernels(self._model, self.device)
         self._model.regional_compile = self.options.regional_compile

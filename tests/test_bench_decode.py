@@ -157,17 +157,23 @@ def test_every_registered_shape_converts_back_from_its_hf_config():
         assert model_config_from_hf(hf_config_dict(shape), name) == shape, name
 
 
-def test_the_attention_activation_and_layers_kernels_are_named_and_checked():
-    """On the CPU ``auto`` is the PyTorch code for all three: one row, the kernels named in the header; Triton is
+def test_the_decode_kernels_are_named_and_checked():
+    """On the CPU ``auto`` is the PyTorch code for all four: one row, the kernels named in the header; Triton is
     refused."""
     lines = []
     rows = tiny_benchmark(
-        lines, new_tokens=2, repeats=1, peers=False, attention_kernels=["auto", "torch"], activation_kernels=["auto"]
+        lines,
+        new_tokens=2,
+        repeats=1,
+        peers=False,
+        attention_kernels=["auto", "torch"],
+        activation_kernels=["auto"],
+        linear_kernels=["auto", "torch"],
     )
     assert [r.name for r in rows] == ["gpt-fast none"]
     assert lines[-2].endswith(
-        "our decode's attention kernel: torch; activation kernel: torch; layers kernel: torch; our compiled steps: "
-        "the whole step compiled, kernels tuned by coordinate descent"
+        "our decode's attention kernel: torch; activation kernel: torch; layers kernel: torch; linear kernel: torch; "
+        "our compiled steps: the whole step compiled, kernels tuned by coordinate descent"
     )
     with pytest.raises(ValueError, match="the triton attention kernel needs a CUDA GPU"):
         tiny_benchmark(lines, peers=False, attention_kernels=["triton"])
@@ -175,6 +181,8 @@ def test_the_attention_activation_and_layers_kernels_are_named_and_checked():
         tiny_benchmark(lines, peers=False, activation_kernels=["triton"])
     with pytest.raises(ValueError, match="the triton layers kernel needs a CUDA GPU"):
         tiny_benchmark(lines, peers=False, layers_kernels=["triton"])
+    with pytest.raises(ValueError, match="the triton linear kernel needs a CUDA GPU"):
+        tiny_benchmark(lines, peers=False, linear_kernels=["triton"])
 
 
 def test_regional_compile_is_named_in_the_rows_and_the_summary():

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpt_fast.config import ModelConfig, QuantConfig
+from gpt_fast.kernels.linear import swap_linears
 from gpt_fast.model import Attention, RMSNorm, Transformer, apply_rope, attend_softcapped, rms_norm
 from gpt_fast.quant.kernels import triton_usable
 
@@ -176,12 +177,8 @@ def use_invariant_kernels(model: Transformer, device: torch.device) -> None:
     register_ops()
     if triton_usable(device):
         register_triton_kernels()
-    for module in list(model.modules()):
-        for name, child in module.named_children():
-            if type(child) is nn.Linear:
-                swapped = InvariantLinear(child.in_features, child.out_features, child.bias is not None, device="meta")
-                swapped.weight, swapped.bias = child.weight, child.bias
-                setattr(module, name, swapped)
+    swap_linears(model, InvariantLinear)
+    for module in model.modules():
         if isinstance(module, RMSNorm):
             module.kernel = invariant_rms_norm
         if isinstance(module, Attention):

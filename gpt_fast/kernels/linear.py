@@ -1,0 +1,103 @@
+"""The decoder layers' unquantized linear layers in a decode step of one sequence: cuBLAS or inductor, or our GEMV.
+
+- ``torch``: the model's ``nn.Linear`` (inductor turns a one-row product into its own reduction, or calls cuBLAS).
+- ``triton``: :mod:`gpt_fast.kernels.triton_linear`, a GEMV launched with programmatic dependent launch, whose
+  weight loads begin while the kernel before it drains. It is registered as the opaque operator
+  ``gpt_fast::linear_gemv`` (``torch.library.custom_op``, not ``triton_op``): inductor launches the kernels of a
+  ``triton_op`` itself, without PDL. On an H200, Llama-2-7B shape, one machine (BENCHMARKS.md, twentieth session):
+  245.6 tok/s against 217.2 with inductor's heuristic configurations (the kernel without PDL: 239.5-241.8), 244.1
+  against 241.1 with coordinate-descent tuning (whose builds spread more); Llama-3-8B shape 224.5 against 203.7.
+
+``auto`` takes the kernel in the CUDA-graph compile modes (where PDL applies) on CUDA GPUs of compute capability 9
+or more with Triton, for models whose MLP has at least :data:`LARGE_FFN` weights, on one GPU, without
+``--aot_precompile``; elsewhere the model's code. The model calls the kernel only in compiled steps with one row of
+activations (batch 1, one position); prefills, batches and eager steps keep ``nn.Linear``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpt_fast.config import ModelConfig
+from gpt_fast.kernels.gated_activation import LARGE_FFN
+from gpt_fast.model import Transformer
+from gpt_fast.quant.kernels import check_kernel_choice, triton_usable
+
+LINEAR_KERNELS = ("auto", "triton", "torch")
+PDL_MODES = ("reduce-overhead", "max-autotune")  # the compile modes that run decode steps in CUDA graphs
+
+
+def resolve_linear_kernel(
+    kernel: str,
+    device: torch.device,
+    config: ModelConfig,
+    compile_mode: str,
+    *,
+    aot_precompile: bool = False,
+    single_gpu: bool = True,
+) -> str:
+    """``auto``: see the module. Choosing Triton registers its operator (:func:`register_triton_ops`), before
+    anything is compiled."""
+    check_kernel_choice(kernel, LINEAR_KERNELS, "linear kernel", device)
+    if kernel == "auto":
+        measured = single_gpu and not aot_precompile and _with_pdl(device, compile_mode)
+        kernel = "triton" if measured and config.dim * config.intermediate_size >= LARGE_FFN else "torch"
+    if kernel == "triton":
+        register_triton_ops()
+    return kernel
+
+
+def _with_pdl(device: torch.device, compile_mode: str) -> bool:
+    """Whether decode steps run in CUDA graphs on a GPU whose kernels launch with PDL."""
+    if compile_mode not in PDL_MODES or not triton_usable(device):
+        return False
+    from gpt_fast.kernels.triton_pdl import pdl_usable
+
+    return pdl_usable(device)
+
+
+@functools.cache
+def register_triton_ops() -> None:
+    """Register the kernel as the operator ``torch.ops.gpt_fast.linear_gemv``, eagerly: ``torch.compile`` cannot
+    trace a registration (see :func:`gpt_fast.quant.kernels.register_triton_ops`). Nothing happens at import."""
+    from gpt_fast.kernels import triton_linear
+
+    @torch.library.custom_op("gpt_fast::linear_gemv", mutates_args=())
+    def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return triton_linear.linear_gemv(x, weight, bias)
+
+    @linear_gemv.register_fake
+    def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+class DecodeLinear(nn.Linear):
+    """An ``nn.Linear`` (the same parameters) whose compiled one-row products call ``gpt_fast::linear_gemv``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == x.shape[-1] and torch.compiler.is_compiling():  # one row: batch 1, one position
+            y = torch.ops.gpt_fast.linear_gemv(x.reshape(1, -1).contiguous(), self.weight, self.bias)
+            return y.view(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.weight, self.bias)
+
+
+def swap_linears(root: nn.Module, cls: type[nn.Linear]) -> None:
+    """Replace every plain ``nn.Linear`` inside ``root`` with a ``cls`` sharing its parameters."""
+    for module in list(root.modules()):
+        for name, child in module.named_children():
+            if type(child) is nn.Linear:
+                swapped = cls(child.in_features, child.out_features, child.bias is not None, device="meta")
+                swapped.weight, swapped.bias = child.weight, child.bias
+                setattr(module, name, swapped)
+
+
+def use_linear_kernel(model: Transformer, kernel: str) -> None:
+    """Give the linear layers of ``model``'s decoder layers the kernel ``kernel`` (a name
+    :func:`resolve_linear_kernel` returned): ``triton``, :class:`DecodeLinear`; ``torch``, none (``nn.Linear``).
+    Quantized layers and the output head keep theirs."""
+    if kernel == "triton":
+        swap_linears(model.layers, DecodeLinear)

@@ -1,0 +1,98 @@
+"""Triton kernel for a decode step's unquantized linear layer: one row of activations against a whole weight matrix.
+
+Each program owns ``BLOCK_N`` output channels and walks the input dimension in steps of ``BLOCK_K`` columns,
+keeping a float32 partial product per loaded weight and reducing once at the end. The first step's weights are
+loaded before the kernel waits for its activations (:mod:`gpt_fast.kernels.triton_pdl`), so that in a CUDA graph
+the loads start while the kernel before it drains. The tile, 4 channels × 1024 columns × 4 warps, was the fastest
+of seven in a chain of a Llama-2-7B layer's four GEMVs each after a small kernel, in a CUDA graph on an H200:
+102 µs per layer (3961 GB/s) against 117 µs for cuBLAS (BENCHMARKS.md, twentieth session).
+
+Imported only where Triton is (:mod:`gpt_fast.kernels.linear` decides); the launcher runs on CUDA tensors, and in
+Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors for the tests.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gpt_fast.kernels.triton_pdl import pdl_launch, wait_for_inputs
+
+BLOCK_N = 4  # output channels per program
+BLOCK_K = 1024  # input columns per step (fewer for a narrower matrix)
+WARPS = 4
+
+
+@triton.jit
+def _weights(w_rows, rn, kk, N, K, EVEN: tl.constexpr):
+    """The weight tile [BLOCK_N, BLOCK_K] of channels ``rn``, columns ``kk`` in float32: masked (zeros outside)
+    unless the tiles cover the matrix exactly."""
+    if EVEN:
+        w = tl.load(w_rows + kk[None, :])
+    else:
+        w = tl.load(w_rows + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
+    return w.to(tl.float32)
+
+
+@triton.jit
+def _activations(x_ptr, kk, K, EVEN: tl.constexpr):
+    """The activations [BLOCK_K] of columns ``kk`` in float32."""
+    if EVEN:
+        x = tl.load(x_ptr + kk)
+    else:
+        x = tl.load(x_ptr + kk, mask=kk < K, other=0.0)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _linear_gemv(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    N,
+    K,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """``y`` [N] = ``w`` [N, K] @ ``x`` [K] (+ ``b`` [N]), rounded to ``y``'s dtype."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
+    kk = tl.arange(0, BLOCK_K)
+    w = _weights(w_rows, rn, kk, N, K, EVEN)  # before the wait: the weights do not depend on the kernel before
+    wait_for_inputs(PDL)
+    acc = w * _activations(x_ptr, kk, K, EVEN)[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        acc += _weights(w_rows, rn, kk, N, K, EVEN) * _activations(x_ptr, kk, K, EVEN)[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
+
+
+def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` [1, K] @ ``weight`` [N, K].T (+ ``bias`` [N]) -> [1, N] in ``x``'s dtype."""
+    assert x.shape[0] == 1 and x.is_contiguous() and weight.is_contiguous()
+    n, k = weight.shape
+    block_k = min(BLOCK_K, triton.next_power_of_2(k))
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    _linear_gemv[(triton.cdiv(n, BLOCK_N),)](
+        x,
+        weight,
+        bias if bias is not None else weight,  # not read without a bias
+        y,
+        n,
+        k,
+        HAS_BIAS=bias is not None,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=block_k,
+        EVEN=n % BLOCK_N == 0 and k % block_k == 0,
+        num_warps=WARPS,
+        **pdl_launch(x.device),
+    )
+    return y

@@ -1,0 +1,192 @@
+"""The decode step's unquantized linear kernel (gpt_fast/kernels/linear.py, triton_linear.py, triton_pdl.py): which
+kernel ``auto`` picks, the layers it swaps, the Triton kernel in Triton's interpreter against a float64 product
+and inside a compiled model, and its launch with programmatic dependent launch compiled for an H200."""
+
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from gpt_fast.engine import EngineOptions
+from gpt_fast.kernels import linear
+from gpt_fast.kernels.linear import DecodeLinear, resolve_linear_kernel, use_linear_kernel
+from gpt_fast.model import Transformer
+from gpt_fast.shapes import get_shape
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+old_numpy = pytest.mark.skipif(
+    tuple(int(p) for p in np.__version__.split(".")[:2]) >= (2, 4),
+    reason="Triton 3.6's interpreter takes int() of 1-element arrays, an error since numpy 2.4",
+)
+TINY = dataclasses.replace(get_shape("tiny"), qkv_bias=True)  # a bias too
+
+
+def test_auto_is_the_model_code_on_the_cpu_and_triton_is_refused_there():
+    cpu = torch.device("cpu")
+    assert resolve_linear_kernel("auto", cpu, get_shape("llama-2-7b"), "reduce-overhead") == "torch"
+    assert resolve_linear_kernel("torch", cpu, TINY, "none") == "torch"
+    with pytest.raises(ValueError, match="the triton linear kernel needs a CUDA GPU with Triton installed"):
+        resolve_linear_kernel("triton", cpu, TINY, "reduce-overhead")
+    with pytest.raises(ValueError, match="linear kernel 'cublas' is not one of auto, triton, torch"):
+        resolve_linear_kernel("cublas", cpu, TINY, "none")
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    ("shape", "mode", "capability", "aot", "single_gpu", "expected"),
+    [
+        ("llama-2-7b", "reduce-overhead", 9, False, True, "triton"),
+        ("llama-2-7b", "max-autotune", 10, False, True, "triton"),
+        ("llama-2-7b", "default", 9, False, True, "torch"),  # no CUDA graphs: no PDL
+        ("llama-2-7b", "reduce-overhead", 8, False, True, "torch"),  # no PDL before compute capability 9
+        ("llama-2-7b", "reduce-overhead", 9, True, True, "torch"),  # --aot_precompile
+        ("llama-2-7b", "reduce-overhead", 9, False, False, "torch"),  # --tp: not measured
+        ("smollm2-135m", "reduce-overhead", 9, False, True, "torch"),  # a small model: not measured
+    ],
+)
+def test_auto_takes_the_kernel_where_it_was_measured_faster(
+    monkeypatch, shape, mode, capability, aot, single_gpu, expected
+):
+    from gpt_fast.kernels import triton_pdl
+
+    gpu = torch.device("cuda")
+    monkeypatch.setattr(linear, "triton_usable", lambda device: True)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (capability, 0))
+    assert triton_pdl.pdl_usable(gpu) == (capability >= 9)
+    kernel = resolve_linear_kernel("auto", gpu, get_shape(shape), mode, aot_precompile=aot, single_gpu=single_gpu)
+    assert kernel == expected
+
+
+def test_the_engine_options_refuse_what_the_kernel_does_not_combine_with():
+    with pytest.raises(ValueError, match="--linear_kernel 'x' is not one of auto, triton, torch"):
+        EngineOptions(linear_kernel="x")
+    with pytest.raises(ValueError, match="--batch_invariant does not combine with --linear_kernel triton"):
+        EngineOptions(compile="reduce-overhead", linear_kernel="triton", batch_invariant=True)
+    with pytest.raises(ValueError, match="--aot_precompile does not combine with --linear_kernel triton yet"):
+        EngineOptions(compile="reduce-overhead", linear_kernel="triton", aot_precompile=True)
+
+
+def test_the_decoder_layers_linears_are_swapped_sharing_their_parameters():
+    torch.manual_seed(0)
+    model = Transformer(TINY)
+    before = model.state_dict()
+    head = model.output
+    use_linear_kernel(model, "triton")
+    swapped = [m for m in model.modules() if isinstance(m, DecodeLinear)]
+    assert len(swapped) == 4 * TINY.n_layer  # wqkv, wo, w13, w2 of each layer
+    assert model.output is head and type(head) is nn.Linear  # the head keeps cuBLAS
+    after = model.state_dict()
+    assert list(after) == list(before)
+    assert all(after[name].data_ptr() == before[name].data_ptr() for name in before)
+    x = torch.randn(1, 1, TINY.dim)
+    layer = model.layers[0].attention.wqkv
+    torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight, layer.bias), rtol=0, atol=0)
+
+
+def test_the_torch_kernel_keeps_the_models_linears():
+    model = Transformer(TINY)
+    use_linear_kernel(model, "torch")
+    assert not any(isinstance(m, DecodeLinear) for m in model.modules())
+
+
+INTERPRETED = """
+import json, torch
+from gpt_fast.kernels.triton_linear import linear_gemv
+worst = {}
+for dtype in (torch.float32, torch.bfloat16):
+    for n, k, bias in ((64, 256, False), (37, 200, True), (8, 3000, True), (5, 2048, False)):
+        g = torch.Generator().manual_seed(n * k)
+        w = torch.randn(n, k, generator=g).to(dtype)
+        x = torch.randn(1, k, generator=g).to(dtype)
+        b = torch.randn(n, generator=g).to(dtype) if bias else None
+        exact = x.double() @ w.double().T + (b.double() if bias else 0)
+        got = linear_gemv(x, w, b)
+        assert got.dtype == dtype and got.shape == (1, n)
+        key = str(dtype)
+        worst[key] = max(worst.get(key, 0.0), ((got.double() - exact).norm() / exact.norm()).item())
+print(json.dumps(worst))
+"""
+
+
+@pytest.mark.slow
+@needs_triton
+@old_numpy
+def test_the_kernel_in_the_interpreter_matches_a_float64_product():
+    """Even and ragged tiles, one step of columns and several, with and without a bias: float32 to 1e-6, bfloat16
+    to the rounding of its output (the interpreter has no PDL: the kernel's constant compiles it out)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    worst = json.loads(result.stdout)
+    assert worst["torch.float32"] < 1e-6 and worst["torch.bfloat16"] < 5e-3, worst
+
+
+COMPILED = """
+import dataclasses
+import torch
+from gpt_fast.kernels import triton_linear
+from gpt_fast.kernels.linear import register_triton_ops, use_linear_kernel
+from gpt_fast.model import Transformer
+from gpt_fast.shapes import get_shape
+config = dataclasses.replace(get_shape("tiny"), qkv_bias=True)
+torch.manual_seed(0)
+model = Transformer(config)
+model.setup_caches(1, 32)
+x = torch.randint(0, config.vocab_size, (1, 1))
+pos = torch.tensor([3])
+with torch.no_grad():
+    expected = model(x, pos)
+    register_triton_ops()
+    use_linear_kernel(model, "triton")
+    calls = []
+    kernel = triton_linear.linear_gemv
+    triton_linear.linear_gemv = lambda *args: calls.append(args[1].shape) or kernel(*args)
+    got = torch.compile(model, backend="eager", fullgraph=True)(x, pos)
+print(len(calls), float((got - expected).abs().max()))
+"""
+
+
+@pytest.mark.slow
+@needs_triton
+@old_numpy
+def test_a_compiled_one_token_step_calls_the_kernel_and_matches_the_model():
+    """The swapped model compiled (Dynamo, eager backend) on the CPU with the kernel in Triton's interpreter: the
+    one-token step equals the model's own within float32 rounding, and the operator was called."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-c", COMPILED], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    calls, error = result.stdout.split()
+    assert int(calls) == 4 * TINY.n_layer and float(error) < 1e-5
+
+
+@needs_triton
+def test_the_kernel_compiles_for_an_h200_with_its_weights_loaded_before_the_wait():
+    """With PDL the first step's weights are loaded before ``griddepcontrol.wait``, and dependents are released
+    only after it (the rule of :mod:`gpt_fast.kernels.triton_pdl`)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from gpt_fast.kernels.triton_linear import BLOCK_K, BLOCK_N, WARPS, _linear_gemv
+
+    signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "K": "i32"}
+    constants = {"HAS_BIAS": False, "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K, "EVEN": True, "PDL": True}
+    signature |= dict.fromkeys(constants, "constexpr")
+    compiled = triton.compile(
+        ASTSource(_linear_gemv, signature, constexprs=constants),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": WARPS, "launch_pdl": True},
+    )
+    lines = compiled.asm["ptx"].splitlines()
+    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+    release = next(i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line)
+    assert any("ld.global" in line for line in lines[:wait])  # weights before the wait
+    assert release > wait

@@ -1,0 +1,85 @@
+"""GPU checks of the decode step's unquantized linear kernel (CUDA with Triton; skipped elsewhere): the kernel
+against a float64 product, alone and in a CUDA graph after another kernel (where it is launched with programmatic
+dependent launch on GPUs of compute capability 9+), and a model decoding with it in every CUDA-graph mode giving
+eager's greedy tokens.
+
+    python -m pytest -q -m gpu tests/test_linear_kernel_gpu.py
+"""
+
+import pytest
+import torch
+
+from gpt_fast.convert.random_init import random_weights
+from gpt_fast.engine import Engine, EngineOptions
+from gpt_fast.quant.kernels import triton_usable
+from gpt_fast.sampling import SamplingConfig
+from gpt_fast.shapes import get_shape
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or not triton_usable(torch.device("cuda")), reason="needs CUDA and Triton"
+    ),
+]
+
+
+def relative_error(got: torch.Tensor, exact: torch.Tensor) -> float:
+    return ((got.double() - exact).norm() / exact.norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(("n", "k", "bias"), [(12288, 4096, False), (4096, 11008, True), (1000, 576, True)])
+def test_the_kernel_matches_a_float64_product(dtype, n, k, bias):
+    from gpt_fast.kernels.triton_linear import linear_gemv
+
+    torch.manual_seed(n + k)
+    w = torch.randn(n, k, device="cuda", dtype=dtype)
+    x = torch.randn(1, k, device="cuda", dtype=dtype)
+    b = torch.randn(n, device="cuda", dtype=dtype) if bias else None
+    exact = x.double() @ w.double().T + (b.double() if bias else 0)
+    assert relative_error(linear_gemv(x, w, b), exact) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_a_chain_in_a_cuda_graph_matches_the_same_chain_without_one():
+    """Each GEMV reads the output of the one before (through a scaling kernel in between): if a kernel ran ahead of
+    its input under PDL, the graph's result would differ from the stream's."""
+    from gpt_fast.kernels.triton_linear import linear_gemv
+
+    torch.manual_seed(0)
+    weights = [torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16) / 45 for _ in range(16)]
+    x0 = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+
+    def chain() -> torch.Tensor:
+        x = x0
+        for w in weights:
+            x = linear_gemv(x * 1.0009765625, w)
+        return x
+
+    expected = chain()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = chain()
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_state():
+    return random_weights(get_shape("tiny"), torch.float32, seed=0, device=torch.device("cuda"))
+
+
+def greedy(state: dict, mode: str, kernel: str) -> list[int]:
+    """float32: see tests/test_quant_gpu.py's ``greedy``."""
+    torch._dynamo.reset()
+    options = EngineOptions(compile=mode, device="cuda", dtype="float32", linear_kernel=kernel)
+    engine = Engine.from_state(get_shape("tiny"), state, options)
+    prompt = list(range(1, 20))
+    engine.generate_ids(prompt, 24, SamplingConfig(temperature=0))  # warm-up: compiles, captures the graph
+    return engine.generate_ids(prompt, 24, SamplingConfig(temperature=0), ignore_eos=True).tokens[0]
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_decoding_with_the_kernel_gives_eagers_greedy_tokens(tiny_state, mode):
+    assert greedy(tiny_state, mode, "triton") == greedy(tiny_state, "none", "torch")
