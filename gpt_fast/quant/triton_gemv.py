@@ -13,9 +13,9 @@ the group's activations, so that each weight costs a shift, a logical operation 
 :func:`_int4_gemv`).
 
 int8: the weights are read as bytes converted by the hardware, or (``AS_WORDS``) as 32-bit words whose bytes
-become floats through the mantissa of 2**23, which spares the integer-to-float conversions (a quarter of the float
-multiply-add rate on recent NVIDIA GPUs). Which is faster, and which tile, is for ``scripts/quant_gemv.py
---sweep`` to say on the GPU at hand.
+become floats in the mantissa of 1.0 as int4's nibbles do (a shift and a logical operation per weight), which spares
+the integer-to-float conversions (a quarter of the float multiply-add rate on recent NVIDIA GPUs) and a
+subtraction. Which is faster, and which tile, is for ``scripts/quant_gemv.py --sweep`` to say on the GPU at hand.
 
 Imported only where Triton is (:mod:`gpt_fast.quant.kernels` decides); the launchers run on CUDA tensors, and
 in Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors for the tests.
@@ -89,14 +89,17 @@ def _int8_gemv(
     M,
     N,
     K,
+    ONE_SIGN,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN: tl.constexpr,
     AS_WORDS: tl.constexpr,
 ):
     """int8 weights read a byte at a time and converted to float32 by the hardware, or (``AS_WORDS``, the weights
-    given as int32) as 32-bit words of 4, each byte turned into a float by placing it, offset by 128, in the
-    mantissa of 2**23: a logical operation and a subtraction, no integer-to-float conversion."""
+    given as int32) as 32-bit words of 4, each byte ``q`` becoming the float ``1 + (q + 128) / 256`` as in the int4
+    kernel: moved to bits 15-22, its sign bit flipped and the exponent bits of 1.0 set by one logical operation
+    with ``ONE_SIGN`` (an argument, held in a register), a shift and that operation per weight, no conversion and no
+    subtraction. The row's sum is then ``256 * sum(v x) - 384 * sum(x)``."""
     m, rn = _program_rows(M, BLOCK_N)
     x_row = x_ptr + m * K
     if AS_WORDS:
@@ -104,14 +107,19 @@ def _int8_gemv(
         kw = K // 4
         w_rows = w_ptr + rn.to(tl.int64)[:, None] * kw
         acc = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+        x_sum = tl.zeros((WORDS,), dtype=tl.float32)
         for w0 in range(0, kw, WORDS):
             word = w0 + tl.arange(0, WORDS)
             packed = _load(w_rows + word[None, :], (rn[:, None] < N) & (word[None, :] < kw), EVEN)
             for i in tl.static_range(4):
                 x = _load(x_row + 4 * word + i, word < kw, EVEN).to(tl.float32)
-                biased = (((packed >> (8 * i)) & 0xFF) ^ 0x80) | 0x4B000000  # the bits of 2**23 + byte + 128
-                acc += (biased.to(tl.float32, bitcast=True) - 8388736.0) * x[None, :]
-        _store_int8(y_ptr, s_ptr, m, N, rn, acc)
+                if 8 * i <= 15:
+                    moved = packed << (15 - 8 * i)
+                else:
+                    moved = packed >> (8 * i - 15)
+                acc += ((moved & 0x007F8000) ^ ONE_SIGN).to(tl.float32, bitcast=True) * x[None, :]
+                x_sum += x
+        _store_int8(y_ptr, s_ptr, m, N, rn, 256.0 * acc - 384.0 * x_sum[None, :])
     else:
         w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -176,6 +184,9 @@ def _int4_gemv(
     _store_int4(y_ptr, m, N, rn, acc, acc_offset)
 
 
+ONE_SIGN_BITS = 0x3FC00000  # the float 1.0 and the sign bit of a byte at bits 15-22 (see _int8_gemv)
+
+
 def int8_launch(n: int, k: int) -> Launch:
     """The tile for an [n, k] int8 matrix: 8 rows of up to 2048 columns per program (read as int32 words), 4
     warps. The best single tile of ``scripts/quant_gemv.py --sweep`` on an H200 (BENCHMARKS.md, fifth session's
@@ -222,6 +233,7 @@ def int8_gemv(
         m,
         n,
         k,
+        ONE_SIGN_BITS,
         BLOCK_N=launch.block_n,
         BLOCK_K=launch.block_k,
         EVEN=even,
