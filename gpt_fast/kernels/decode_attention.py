@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from gpt_fast.model import Attention
-from gpt_fast.quant.kernels import check_kernel_choice
+from gpt_fast.quant.kernels import resolve_kernel_choice
 
 ATTENTION_KERNELS = ("auto", "triton", "torch")
 
@@ -32,12 +32,7 @@ def resolve_attention_kernel(kernel: str, device: torch.device) -> str:
     slower with it (217.5 against 240.5 tok/s, BENCHMARKS.md, sixth session): it is there to be chosen and
     measured. Choosing Triton (a CUDA GPU with Triton installed, not ROCm) registers its operator
     (:func:`register_triton_ops`), before anything is compiled."""
-    check_kernel_choice(kernel, ATTENTION_KERNELS, "attention kernel", device)
-    if kernel == "auto":
-        kernel = "torch"
-    if kernel == "triton":
-        register_triton_ops()
-    return kernel
+    return resolve_kernel_choice(kernel, ATTENTION_KERNELS, "attention kernel", device, "torch", register_triton_ops)
 
 
 @functools.cache

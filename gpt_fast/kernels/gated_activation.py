@@ -24,7 +24,7 @@ from torch import nn
 
 from gpt_fast.config import ModelConfig
 from gpt_fast.model import FeedForward
-from gpt_fast.quant.kernels import check_kernel_choice, triton_usable
+from gpt_fast.quant.kernels import resolve_kernel_choice, triton_usable
 
 ACTIVATION_KERNELS = ("auto", "triton", "torch")
 # ``auto`` takes the kernel for w2 matrices of at least this many weights (Llama-2-7B's has 45M, SmolLM2-135M's 0.9M;
@@ -39,13 +39,13 @@ def resolve_activation_kernel(
     :data:`LARGE_FFN` weights, else the PyTorch code; with ``aot_precompile`` the PyTorch code (a package that holds
     the kernel has not been run on a GPU yet). Choosing Triton registers its operator (:func:`register_triton_ops`),
     before anything is compiled."""
-    check_kernel_choice(kernel, ACTIVATION_KERNELS, "activation kernel", device)
-    if kernel == "auto":
-        large = config.dim * config.intermediate_size >= LARGE_FFN
-        kernel = "triton" if large and not aot_precompile and triton_usable(device) else "torch"
-    if kernel == "triton":
-        register_triton_ops()
-    return kernel
+    auto = "triton" if large_mlp(config) and not aot_precompile and triton_usable(device) else "torch"
+    return resolve_kernel_choice(kernel, ACTIVATION_KERNELS, "activation kernel", device, auto, register_triton_ops)
+
+
+def large_mlp(config: ModelConfig) -> bool:
+    """Whether the model's ``w2`` has at least :data:`LARGE_FFN` weights: where ``auto`` takes our decode kernels."""
+    return config.dim * config.intermediate_size >= LARGE_FFN
 
 
 @functools.cache

@@ -9,9 +9,9 @@
   against 241.1 with coordinate-descent tuning (whose builds spread more); Llama-3-8B shape 224.5 against 203.7.
 
 ``auto`` takes the kernel in the CUDA-graph compile modes (where PDL applies) on CUDA GPUs of compute capability 9
-or more with Triton, for models whose MLP has at least :data:`LARGE_FFN` weights, on one GPU, without
-``--aot_precompile``; elsewhere the model's code. The model calls the kernel only in compiled steps with one row of
-activations (batch 1, one position); prefills, batches and eager steps keep ``nn.Linear``.
+or more with Triton, for models with a large MLP (:func:`gpt_fast.kernels.gated_activation.large_mlp`), on one
+GPU, without ``--aot_precompile``; elsewhere the model's code. The model calls the kernel only in compiled steps
+with one row of activations (batch 1, one position); prefills, batches and eager steps keep ``nn.Linear``.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpt_fast.config import ModelConfig
-from gpt_fast.kernels.gated_activation import LARGE_FFN
+from gpt_fast.kernels.gated_activation import large_mlp
 from gpt_fast.model import Transformer
-from gpt_fast.quant.kernels import check_kernel_choice, triton_usable
+from gpt_fast.quant.kernels import resolve_kernel_choice, triton_usable
 
 LINEAR_KERNELS = ("auto", "triton", "torch")
 PDL_MODES = ("reduce-overhead", "max-autotune")  # the compile modes that run decode steps in CUDA graphs
@@ -42,13 +42,9 @@ def resolve_linear_kernel(
 ) -> str:
     """``auto``: see the module. Choosing Triton registers its operator (:func:`register_triton_ops`), before
     anything is compiled."""
-    check_kernel_choice(kernel, LINEAR_KERNELS, "linear kernel", device)
-    if kernel == "auto":
-        measured = single_gpu and not aot_precompile and _with_pdl(device, compile_mode)
-        kernel = "triton" if measured and config.dim * config.intermediate_size >= LARGE_FFN else "torch"
-    if kernel == "triton":
-        register_triton_ops()
-    return kernel
+    measured = large_mlp(config) and single_gpu and not aot_precompile and _with_pdl(device, compile_mode)
+    auto = "triton" if measured else "torch"
+    return resolve_kernel_choice(kernel, LINEAR_KERNELS, "linear kernel", device, auto, register_triton_ops)
 
 
 def _with_pdl(device: torch.device, compile_mode: str) -> bool:

@@ -19,7 +19,7 @@ from torch import nn
 
 from gpt_fast.config import ModelConfig, QuantConfig
 from gpt_fast.model import Transformer
-from gpt_fast.quant.kernels import check_kernel_choice
+from gpt_fast.quant.kernels import resolve_kernel_choice
 
 LAYERS_KERNELS = ("auto", "triton", "torch")
 TABLE_COLUMNS = 7  # the pointer table's, per layer: wqkv, wo, w13, w2, attention norm, MLP norm, kv cache
@@ -61,12 +61,7 @@ def check_layers_kernel(config: ModelConfig, quantization: QuantConfig | None, p
 def resolve_layers_kernel(kernel: str, device: torch.device) -> str:
     """``auto``: the model's code. Choosing Triton (a CUDA GPU with Triton, not ROCm) registers the operator
     (:func:`register_layers_op`) before anything is compiled."""
-    check_kernel_choice(kernel, LAYERS_KERNELS, "layers kernel", device)
-    if kernel == "auto":
-        kernel = "torch"
-    if kernel == "triton":
-        register_layers_op()
-    return kernel
+    return resolve_kernel_choice(kernel, LAYERS_KERNELS, "layers kernel", device, "torch", register_layers_op)
 
 
 def fill_pointer_table(model: Transformer) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -38,13 +39,20 @@ def triton_usable(device: torch.device) -> bool:
     return device.type == "cuda" and torch.version.hip is None and importlib.util.find_spec("triton") is not None
 
 
-def check_kernel_choice(kernel: str, choices: tuple[str, ...], what: str, device: torch.device) -> None:
-    """Refuse a ``kernel`` (the choice of a ``what``, e.g. "attention kernel") that is not one of ``choices``, or
-    that is ``triton`` where :func:`triton_usable` says no."""
+def resolve_kernel_choice(
+    kernel: str, choices: tuple[str, ...], what: str, device: torch.device, auto: str, register: Callable[[], None]
+) -> str:
+    """The kernel a ``what`` (e.g. "attention kernel") computes with: ``kernel``, or ``auto`` where it is ``auto``.
+    Refuses a ``kernel`` that is not one of ``choices``, or ``triton`` where :func:`triton_usable` says no; a
+    ``triton`` choice calls ``register`` (its operators' registration) before anything is compiled."""
     if kernel not in choices:
         raise ValueError(f"{what} {kernel!r} is not one of {', '.join(choices)}")
     if kernel == "triton" and not triton_usable(device):
         raise ValueError(f"the triton {what} needs a CUDA GPU with Triton installed, not {device}")
+    chosen = auto if kernel == "auto" else kernel
+    if chosen == "triton":
+        register()
+    return chosen
 
 
 def resolve_kernel(kernel: str, device: torch.device) -> str:
