@@ -301,7 +301,7 @@ def run_benchmark(
     write: Callable[[str], None] = print,
 ) -> list[Row]:
     shape = get_shape(shape_name)
-    attention = list(dict.fromkeys(resolve_attention_kernel(kernel, device) for kernel in attention_kernels))
+    attention = list(dict.fromkeys(resolve_attention_kernel(k, device, shape, mode) for k in attention_kernels))
     activation = list(dict.fromkeys(resolve_activation_kernel(k, device, shape) for k in activation_kernels))
     layers = list(dict.fromkeys(resolve_layers_kernel(kernel, device) for kernel in layers_kernels))
     linear = list(dict.fromkeys(resolve_linear_kernel(k, device, shape, mode) for k in linear_kernels))

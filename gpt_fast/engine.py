@@ -40,7 +40,12 @@ from gpt_fast.generate import (
     generate_stream,
     make_steps,
 )
-from gpt_fast.kernels.decode_attention import ATTENTION_KERNELS, resolve_attention_kernel, use_attention_kernel
+from gpt_fast.kernels.decode_attention import (
+    ATTENTION_KERNELS,
+    attention_pdl,
+    resolve_attention_kernel,
+    use_attention_kernel,
+)
 from gpt_fast.kernels.gated_activation import ACTIVATION_KERNELS, resolve_activation_kernel, use_activation_kernel
 from gpt_fast.kernels.invariant import INVARIANT_ROWS, check_invariant, use_invariant_kernels
 from gpt_fast.kernels.linear import LINEAR_KERNELS, resolve_linear_kernel, use_linear_kernel
@@ -257,24 +262,20 @@ class Engine:
         if options.tp > 1:
             self.device = device_of(self.device, self.ranks)
         self.dtype = resolve_dtype(options.dtype, self.device)
-        self.attention_kernel = resolve_attention_kernel(options.attention_kernel, self.device)  # before compiling
         self.layers_kernel = resolve_layers_kernel(options.layers_kernel, self.device)
         if self.layers_kernel == "triton":
             check_layers_kernel(model_config, self.quantization, programs_for(self.device))
         self.activation_kernel = "torch"  # batch-invariant steps: the same elementwise code for any number of rows
         self.linear_kernel = "torch"  # and their own linear layers
-        if not options.batch_invariant:
+        self.attention_kernel = "torch"  # and attention (Attention.rows_kernel)
+        if not options.batch_invariant:  # each resolved before compiling
+            step = (self.device, model_config, options.compile)
+            where = {"aot_precompile": options.aot_precompile, "single_gpu": options.tp == 1}
+            self.attention_kernel = resolve_attention_kernel(options.attention_kernel, *step, **where)
             self.activation_kernel = resolve_activation_kernel(
                 options.activation_kernel, self.device, model_config, options.aot_precompile
             )
-            self.linear_kernel = resolve_linear_kernel(
-                options.linear_kernel,
-                self.device,
-                model_config,
-                options.compile,
-                aot_precompile=options.aot_precompile,
-                single_gpu=options.tp == 1,
-            )
+            self.linear_kernel = resolve_linear_kernel(options.linear_kernel, *step, **where)
         self._tokenizer = checkpoint_tokenizer(checkpoint_dir, config) if config is not None else None
         self._state = state
         self._sharded = sharded  # the state is this rank's part already
@@ -381,7 +382,8 @@ class Engine:
             )
         if self._parallel is not None:
             self._parallel.connect(self._model, self.model_config)
-        use_attention_kernel(self._model, self.attention_kernel)
+        pdl = attention_pdl(self.attention_kernel, self.device, self.options.compile, self.options.aot_precompile)
+        use_attention_kernel(self._model, self.attention_kernel, pdl)
         use_activation_kernel(self._model, self.activation_kernel)
         use_layers_kernel(self._model, self.layers_kernel)
         use_linear_kernel(self._model, self.linear_kernel)

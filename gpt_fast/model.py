@@ -211,6 +211,9 @@ class FeedForward(nn.Module):
     # The hidden state of a compiled decode step as a kernel of its own (gpt_fast.kernels.gated_activation sets it:
     # it takes w13's output and the activation's name); None: the PyTorch code (gated).
     activation_kernel = None
+    # w13 and the activation of a compiled step of one row, as one kernel (gpt_fast.kernels.linear sets it: it takes
+    # the row, w13's weight and the activation's name); None: w13, then the above.
+    gated_kernel = None
 
     def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
@@ -220,6 +223,8 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(self.intermediate_size, config.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == x.shape[-1] and self.gated_kernel is not None and torch.compiler.is_compiling():
+            return self.w2(self.gated_kernel(x, self.w13.weight, self.activation))
         gate_up = self.w13(x)  # [B, T, 2I]
         if x.shape[1] == 1 and self.activation_kernel is not None and torch.compiler.is_compiling():
             return self.w2(self.activation_kernel(gate_up, self.activation))

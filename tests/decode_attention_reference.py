@@ -26,7 +26,7 @@ from gpt_fast.shapes import get_shape
 # positions: [p] shared by the rows, or [[p0], [p1], ...] each row's own; launch: (block_s, split_len, warps)
 CASES = [
     (1, 1, 4, 4, 128, 64, [0], 0, None, None, None),  # MHA, the first position
-    (1, 1, 4, 4, 128, 256, [255], 0, None, None, None),  # the last position, two splits
+    (1, 1, 4, 4, 128, 512, [511], 0, None, None, None),  # the last position, two splits of 256
     (1, 1, 4, 1, 64, 300, [299], 0, None, None, (16, 64, 4)),  # MQA, ragged splits
     (2, 2, 9, 3, 64, 256, [200], 0, None, None, None),  # SmolLM2's GQA (3 query heads per kv head), shared position
     (2, 3, 6, 2, 96, 300, [[5], [299]], 1, None, None, (8, 32, 2)),  # Phi-3's head_dim, rows at their own positions

@@ -14,32 +14,71 @@ import torch
 
 from gpt_fast.convert.random_init import random_weights
 from gpt_fast.engine import Engine, EngineOptions
-from gpt_fast.kernels.decode_attention import fused_decode_attention, resolve_attention_kernel, use_attention_kernel
+from gpt_fast.kernels.decode_attention import (
+    attention_pdl,
+    fused_decode_attention,
+    fused_decode_attention_pdl,
+    resolve_attention_kernel,
+    use_attention_kernel,
+)
 from gpt_fast.shapes import get_shape
 
 REFERENCE = Path(__file__).resolve().parent / "decode_attention_reference.py"
 
 
+TINY = get_shape("tiny")
+
+
 def test_kernel_choice_on_the_cpu():
     cpu = torch.device("cpu")
-    assert resolve_attention_kernel("auto", cpu) == "torch"
-    assert resolve_attention_kernel("torch", cpu) == "torch"
+    assert resolve_attention_kernel("auto", cpu, get_shape("llama-2-7b"), "reduce-overhead") == "torch"
+    assert resolve_attention_kernel("torch", cpu, TINY, "none") == "torch"
     with pytest.raises(ValueError, match="the triton attention kernel needs a CUDA GPU with Triton installed, not cpu"):
-        resolve_attention_kernel("triton", cpu)
+        resolve_attention_kernel("triton", cpu, TINY, "none")
     with pytest.raises(ValueError, match="attention kernel 'flash' is not one of auto, triton, torch"):
-        resolve_attention_kernel("flash", cpu)
+        resolve_attention_kernel("flash", cpu, TINY, "none")
 
 
 def test_a_rocm_build_keeps_the_pytorch_code(monkeypatch):
     """On ROCm (and on a CUDA build without Triton) the GPU runs the model's own attention code."""
-    gpu = torch.device("cuda")
+    gpu, shape = torch.device("cuda"), get_shape("llama-2-7b")
     monkeypatch.setattr(torch.version, "hip", "6.4.0")
-    assert resolve_attention_kernel("auto", gpu) == "torch"
+    assert resolve_attention_kernel("auto", gpu, shape, "reduce-overhead") == "torch"
     with pytest.raises(ValueError, match="the triton attention kernel needs a CUDA GPU"):
-        resolve_attention_kernel("triton", gpu)
+        resolve_attention_kernel("triton", gpu, shape, "reduce-overhead")
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    assert resolve_attention_kernel("auto", gpu) == "torch"
+    assert resolve_attention_kernel("auto", gpu, shape, "reduce-overhead") == "torch"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+@pytest.mark.parametrize(
+    ("shape", "mode", "capability", "aot", "single_gpu", "expected", "pdl"),
+    [
+        ("llama-2-7b", "reduce-overhead", 9, False, True, "triton", True),  # MHA, where the GEMV is ours
+        ("llama-2-7b", "max-autotune", 9, False, True, "triton", True),
+        ("llama-3-8b", "reduce-overhead", 9, False, True, "torch", True),  # GQA: slower with the kernel
+        ("llama-2-7b", "default", 9, False, True, "torch", False),  # no CUDA graphs: no PDL
+        ("llama-2-7b", "reduce-overhead", 8, False, True, "torch", False),  # no PDL before compute capability 9
+        ("llama-2-7b", "reduce-overhead", 9, True, True, "torch", False),  # --aot_precompile: the triton_op
+        ("llama-2-7b", "reduce-overhead", 9, False, False, "torch", True),  # --tp: not measured
+        ("smollm2-135m", "reduce-overhead", 9, False, True, "torch", True),  # a small model: not measured
+    ],
+)
+def test_auto_takes_the_kernel_where_it_was_measured_faster(
+    monkeypatch, shape, mode, capability, aot, single_gpu, expected, pdl
+):
+    """``pdl``: whether the kernel, when chosen, is the operator launched with PDL."""
+    from gpt_fast.kernels import decode_attention, linear
+
+    gpu = torch.device("cuda")
+    monkeypatch.setattr(linear, "triton_usable", lambda device: True)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (capability, 0))
+    monkeypatch.setattr(decode_attention, "register_triton_ops", lambda: None)
+    kernel = resolve_attention_kernel("auto", gpu, get_shape(shape), mode, aot_precompile=aot, single_gpu=single_gpu)
+    assert kernel == expected
+    assert attention_pdl("triton", gpu, mode, aot) == pdl
 
 
 def test_engine_options_check_the_attention_kernel():
@@ -61,6 +100,8 @@ def test_every_attention_layer_gets_the_kernel_and_its_window():
     assert [a.window for a in layers] == [shape.sliding_window, None, None]
     use_attention_kernel(engine.model, "triton")
     assert all(a.decode_kernel is fused_decode_attention for a in layers)
+    use_attention_kernel(engine.model, "triton", pdl=True)
+    assert all(a.decode_kernel is fused_decode_attention_pdl for a in layers)
     use_attention_kernel(engine.model, "torch")
     assert all(a.decode_kernel is None for a in layers)
 

@@ -41,11 +41,12 @@ def test_the_kernel_matches_the_pytorch_code(dtype, tolerance):
     assert cache <= 2**-7  # the new key rounded the same, up to an ulp where a fused multiply-add rounds once
 
 
-def test_the_registered_operator_in_the_models_decode_steps():
-    from gpt_fast.kernels.decode_attention import fused_decode_attention, register_triton_ops
+@pytest.mark.parametrize("operator", ["fused_decode_attention", "fused_decode_attention_pdl"])
+def test_the_registered_operators_in_the_models_decode_steps(operator):
+    from gpt_fast.kernels import decode_attention
 
-    register_triton_ops()
-    assert model_errors(fused_decode_attention, "cuda") < 1e-4
+    decode_attention.register_triton_ops()
+    assert model_errors(getattr(decode_attention, operator), "cuda") < 1e-4
 
 
 GREEDY = SamplingConfig(temperature=0)

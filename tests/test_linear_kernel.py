@@ -112,6 +112,20 @@ for dtype in (torch.float32, torch.bfloat16):
         assert got.dtype == dtype and got.shape == (1, n)
         key = str(dtype)
         worst[key] = max(worst.get(key, 0.0), ((got.double() - exact).norm() / exact.norm()).item())
+from gpt_fast.kernels.triton_linear import gated_gemv
+from gpt_fast.model import gated
+for dtype in (torch.float32, torch.bfloat16):
+    for activation in ("silu", "gelu_tanh"):
+        for hidden, k in ((64, 256), (37, 200), (5, 2048)):
+            g = torch.Generator().manual_seed(hidden * k)
+            w = (torch.randn(2 * hidden, k, generator=g) / k**0.5).to(dtype)
+            x = torch.randn(1, k, generator=g).to(dtype)
+            gate_up = (x.double() @ w.double().T).to(dtype)
+            exact = gated(gate_up[:, :hidden], gate_up[:, hidden:], activation).double()
+            got = gated_gemv(x, w, activation)
+            assert got.dtype == dtype and got.shape == (1, hidden)
+            key = f"gated {dtype}"
+            worst[key] = max(worst.get(key, 0.0), ((got.double() - exact).norm() / exact.norm()).item())
 print(json.dumps(worst))
 """
 
@@ -121,12 +135,16 @@ print(json.dumps(worst))
 @old_numpy
 def test_the_kernel_in_the_interpreter_matches_a_float64_product():
     """Even and ragged tiles, one step of columns and several, with and without a bias: float32 to 1e-6, bfloat16
-    to the rounding of its output (the interpreter has no PDL: the kernel's constant compiles it out)."""
+    to the rounding of its output (the interpreter has no PDL: the kernel's constant compiles it out). The gated
+    kernel against the model's activation of the float64 product rounded as w13's output is: float32 to 1e-6,
+    bfloat16 to 3e-2, about an ulp in each of its four roundings (gate, up, the activation, the product), which the
+    interpreter makes by truncation where a GPU rounds to nearest (tests/test_linear_kernel_gpu.py: 1e-2)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     result = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     worst = json.loads(result.stdout)
     assert worst["torch.float32"] < 1e-6 and worst["torch.bfloat16"] < 5e-3, worst
+    assert worst["gated torch.float32"] < 1e-6 and worst["gated torch.bfloat16"] < 3e-2, worst
 
 
 COMPILED = """
@@ -147,10 +165,12 @@ with torch.no_grad():
     register_triton_ops()
     use_linear_kernel(model, "triton")
     calls = []
-    kernel = triton_linear.linear_gemv
-    triton_linear.linear_gemv = lambda *args: calls.append(args[1].shape) or kernel(*args)
+    for name in ("linear_gemv", "gated_gemv"):
+        kernel = getattr(triton_linear, name)
+        spy = lambda *args, name=name, kernel=kernel: calls.append(name) or kernel(*args)
+        setattr(triton_linear, name, spy)
     got = torch.compile(model, backend="eager", fullgraph=True)(x, pos)
-print(len(calls), float((got - expected).abs().max()))
+print(calls.count("linear_gemv"), calls.count("gated_gemv"), float((got - expected).abs().max()))
 """
 
 
@@ -158,32 +178,40 @@ print(len(calls), float((got - expected).abs().max()))
 @needs_triton
 @old_numpy
 def test_a_compiled_one_token_step_calls_the_kernel_and_matches_the_model():
-    """The swapped model compiled (Dynamo, eager backend) on the CPU with the kernel in Triton's interpreter: the
-    one-token step equals the model's own within float32 rounding, and the operator was called."""
+    """The swapped model compiled (Dynamo, eager backend) on the CPU with the kernels in Triton's interpreter: the
+    one-token step equals the model's own within float32 rounding; each layer called the GEMV for wqkv, wo and w2,
+    and the gated GEMV for w13 and the activation."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     result = subprocess.run([sys.executable, "-c", COMPILED], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    calls, error = result.stdout.split()
-    assert int(calls) == 4 * TINY.n_layer and float(error) < 1e-5
+    plain, gated, error = result.stdout.split()
+    assert (int(plain), int(gated)) == (3 * TINY.n_layer, TINY.n_layer) and float(error) < 1e-5
 
 
 @needs_triton
-def test_the_kernel_compiles_for_an_h200_with_its_weights_loaded_before_the_wait():
+@pytest.mark.parametrize("name", ["_linear_gemv", "_gated_gemv"])
+def test_the_kernel_compiles_for_an_h200_with_its_weights_loaded_before_the_wait(name):
     """With PDL the first step's weights are loaded before ``griddepcontrol.wait``, and dependents are released
     only after it (the rule of :mod:`gpt_fast.kernels.triton_pdl`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from gpt_fast.kernels.triton_linear import BLOCK_K, BLOCK_N, WARPS, _linear_gemv
+    from gpt_fast.kernels import triton_linear
 
-    signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "K": "i32"}
-    constants = {"HAS_BIAS": False, "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K, "EVEN": True, "PDL": True}
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16"}
+    if name == "_linear_gemv":
+        signature = pointers | {"b_ptr": "*bf16", "N": "i32", "K": "i32"}
+        constants = {"HAS_BIAS": False, "BLOCK_N": triton_linear.BLOCK_N}
+    else:
+        signature = pointers | {"hidden": "i32", "K": "i32"}
+        constants = {"GELU": False, "HALF_N": triton_linear.BLOCK_N // 2}
+    constants |= {"BLOCK_K": triton_linear.BLOCK_K, "EVEN": True, "PDL": True}
     signature |= dict.fromkeys(constants, "constexpr")
     compiled = triton.compile(
-        ASTSource(_linear_gemv, signature, constexprs=constants),
+        ASTSource(getattr(triton_linear, name), signature, constexprs=constants),
         target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": WARPS, "launch_pdl": True},
+        options={"num_warps": triton_linear.WARPS, "launch_pdl": True},
     )
     lines = compiled.asm["ptx"].splitlines()
     wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)

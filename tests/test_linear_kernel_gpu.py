@@ -70,16 +70,36 @@ def tiny_state():
     return random_weights(get_shape("tiny"), torch.float32, seed=0, device=torch.device("cuda"))
 
 
-def greedy(state: dict, mode: str, kernel: str) -> list[int]:
+def greedy(state: dict, mode: str, kernel: str, attention: str = "torch") -> list[int]:
     """float32: see tests/test_quant_gpu.py's ``greedy``."""
     torch._dynamo.reset()
-    options = EngineOptions(compile=mode, device="cuda", dtype="float32", linear_kernel=kernel)
+    options = EngineOptions(
+        compile=mode, device="cuda", dtype="float32", linear_kernel=kernel, attention_kernel=attention
+    )
     engine = Engine.from_state(get_shape("tiny"), state, options)
     prompt = list(range(1, 20))
     engine.generate_ids(prompt, 24, SamplingConfig(temperature=0))  # warm-up: compiles, captures the graph
     return engine.generate_ids(prompt, 24, SamplingConfig(temperature=0), ignore_eos=True).tokens[0]
 
 
+@pytest.mark.parametrize("attention", ["torch", "triton"])
 @pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
-def test_decoding_with_the_kernel_gives_eagers_greedy_tokens(tiny_state, mode):
-    assert greedy(tiny_state, mode, "triton") == greedy(tiny_state, "none", "torch")
+def test_decoding_with_the_kernel_gives_eagers_greedy_tokens(tiny_state, mode, attention):
+    """With the fused attention too, both launched with PDL on GPUs of compute capability 9+."""
+    assert greedy(tiny_state, mode, "triton", attention) == greedy(tiny_state, "none", "torch")
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("hidden", "k"), [(11008, 4096), (1536, 576), (1000, 300)])
+def test_the_gated_kernel_matches_w13_then_the_activation(activation, dtype, hidden, k):
+    """Against the model's code (:func:`gpt_fast.model.gated`) on the float64 product rounded to ``dtype``."""
+    from gpt_fast.kernels.triton_linear import gated_gemv
+    from gpt_fast.model import gated
+
+    torch.manual_seed(hidden + k)
+    w = torch.randn(2 * hidden, k, device="cuda", dtype=dtype) / k**0.5
+    x = torch.randn(1, k, device="cuda", dtype=dtype)
+    gate_up = (x.double() @ w.double().T).to(dtype)
+    exact = gated(gate_up[:, :hidden], gate_up[:, hidden:], activation).double()
+    assert relative_error(gated_gemv(x, w, activation), exact) < (1e-6 if dtype == torch.float32 else 1e-2)

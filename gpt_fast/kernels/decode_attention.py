@@ -20,31 +20,55 @@ import functools
 import torch
 from torch import nn
 
+from gpt_fast.config import ModelConfig
+from gpt_fast.kernels.linear import pdl_kernels_measured, steps_with_pdl
 from gpt_fast.model import Attention
 from gpt_fast.quant.kernels import resolve_kernel_choice
 
 ATTENTION_KERNELS = ("auto", "triton", "torch")
 
 
-def resolve_attention_kernel(kernel: str, device: torch.device) -> str:
-    """``auto``: the PyTorch code, everywhere. On an H200 the fused kernel is faster than inductor's attention
-    kernels alone for MHA (1.3× on the Llama-2-7B shape) but slower for GQA (0.5×), and the whole 7B decode step is
-    slower with it (217.5 against 240.5 tok/s, BENCHMARKS.md, sixth session): it is there to be chosen and
-    measured. Choosing Triton (a CUDA GPU with Triton installed, not ROCm) registers its operator
+def resolve_attention_kernel(
+    kernel: str,
+    device: torch.device,
+    config: ModelConfig,
+    compile_mode: str,
+    *,
+    aot_precompile: bool = False,
+    single_gpu: bool = True,
+) -> str:
+    """``auto``: the fused kernel for multi-head attention (a kv head per query head) where our GEMV is also taken
+    (:func:`gpt_fast.kernels.linear.pdl_kernels_measured`), and so launched with PDL (:func:`attention_pdl`);
+    elsewhere the PyTorch code. On an H200, with our GEMVs, heuristic tuning, one machine (BENCHMARKS.md,
+    twenty-first session): Llama-2-7B 271.1 tok/s with it against 258.9 without; for GQA it is slower (Llama-3-8B
+    217.8 against 234.5), as it was without PDL (sixth session: 1.3× inductor's attention kernels alone for MHA,
+    0.5× for GQA). Choosing Triton (a CUDA GPU with Triton installed, not ROCm) registers its operators
     (:func:`register_triton_ops`), before anything is compiled."""
-    return resolve_kernel_choice(kernel, ATTENTION_KERNELS, "attention kernel", device, "torch", register_triton_ops)
+    measured = config.n_head == config.n_local_heads and pdl_kernels_measured(
+        config, device, compile_mode, aot_precompile=aot_precompile, single_gpu=single_gpu
+    )
+    auto = "triton" if measured else "torch"
+    return resolve_kernel_choice(kernel, ATTENTION_KERNELS, "attention kernel", device, auto, register_triton_ops)
+
+
+def attention_pdl(kernel: str, device: torch.device, compile_mode: str, aot_precompile: bool = False) -> bool:
+    """Whether the kernel ``kernel`` (a name :func:`resolve_attention_kernel` returned) is the fused one launched
+    with PDL (``gpt_fast::decode_attention_pdl``, an opaque ``custom_op`` that launches its kernels itself): in
+    decode steps in CUDA graphs on GPUs that launch with PDL (:func:`gpt_fast.kernels.linear.steps_with_pdl`), but
+    not with ``--aot_precompile``, whose package holds the kernels of a ``triton_op`` but cannot hold a Python
+    operator's. Elsewhere the fused kernel is ``gpt_fast::decode_attention``, which inductor launches without PDL."""
+    return kernel == "triton" and not aot_precompile and steps_with_pdl(device, compile_mode)
 
 
 @functools.cache
 def register_triton_ops() -> None:
-    """Register the kernel as the operator ``torch.ops.gpt_fast.decode_attention``, eagerly: ``torch.compile``
-    cannot trace a registration (see :func:`gpt_fast.quant.kernels.register_triton_ops`). Nothing happens at
-    import."""
+    """Register the kernel as the operators ``torch.ops.gpt_fast.decode_attention`` and ``decode_attention_pdl``,
+    eagerly: ``torch.compile`` cannot trace a registration (see :func:`gpt_fast.quant.kernels.register_triton_ops`).
+    Nothing happens at import."""
     from torch.library import triton_op, wrap_triton
 
     from gpt_fast.kernels import triton_decode_attention
 
-    @triton_op("gpt_fast::decode_attention", mutates_args=("kv",))
     def decode_attention(
         q: torch.Tensor,
         k: torch.Tensor,
@@ -62,16 +86,33 @@ def register_triton_ops() -> None:
             q, k, v, cos, sin, kv, input_pos, first_row, scale, softcap, window, wrap=wrap_triton
         )
 
+    def decode_attention_pdl(*args: object) -> torch.Tensor:
+        return triton_decode_attention.decode_attention(*args, pdl=True)
+
+    triton_op("gpt_fast::decode_attention", decode_attention, mutates_args=("kv",))
+    schema = torch.library.infer_schema(decode_attention, mutates_args=("kv",))  # the same arguments
+    pdl = torch.library.custom_op(
+        "gpt_fast::decode_attention_pdl", decode_attention_pdl, mutates_args=("kv",), schema=schema
+    )
+    pdl.register_fake(lambda q, *_args: q.new_empty(q.shape))
+
 
 def fused_decode_attention(*args: object) -> torch.Tensor:
     """What :class:`gpt_fast.model.Attention` calls as its ``decode_kernel``: the operator, with the arguments of
-    :func:`gpt_fast.kernels.triton_decode_attention.decode_attention` (but ``launch`` and ``wrap``)."""
+    :func:`gpt_fast.kernels.triton_decode_attention.decode_attention` (but ``launch``, ``wrap`` and ``pdl``)."""
     return torch.ops.gpt_fast.decode_attention(*args)
 
 
-def use_attention_kernel(model: nn.Module, kernel: str) -> None:
+def fused_decode_attention_pdl(*args: object) -> torch.Tensor:
+    """:func:`fused_decode_attention` launched with PDL (:mod:`gpt_fast.kernels.triton_pdl`)."""
+    return torch.ops.gpt_fast.decode_attention_pdl(*args)
+
+
+def use_attention_kernel(model: nn.Module, kernel: str, pdl: bool = False) -> None:
     """Give every attention layer of ``model`` the decode kernel ``kernel`` (a name :func:`resolve_attention_kernel`
-    returned): ``triton``, the fused kernel; ``torch``, none (the model's PyTorch code)."""
+    returned): ``triton``, the fused kernel (launched with PDL with ``pdl``: see :func:`attention_pdl`); ``torch``,
+    none (the model's PyTorch code)."""
+    fused = fused_decode_attention_pdl if pdl else fused_decode_attention
     for module in model.modules():
         if isinstance(module, Attention):
-            module.decode_kernel = fused_decode_attention if kernel == "triton" else None
+            module.decode_kernel = fused if kernel == "triton" else None

@@ -12,7 +12,8 @@
   their code.
 
 The model calls the kernel only in compiled decode steps (one position per row); eager steps and prefills keep the
-PyTorch code.
+PyTorch code. Where ``--linear_kernel`` is ``triton``, a step of one row computes the hidden state inside ``w13``'s
+GEMV instead (:func:`gpt_fast.kernels.linear.gated_gemv`).
 """
 
 from __future__ import annotations

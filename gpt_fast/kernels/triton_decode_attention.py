@@ -31,12 +31,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-SPLIT_KEYS = 128  # positions per program, at least: a cache of S positions has ceil(S / 128) splits
+from gpt_fast.kernels.triton_pdl import NO_PDL, pdl_launch, wait_for_inputs
+
+SPLIT_STEPS = 4  # loop steps per program in a decode step: a cache of S positions has ceil(S / (4 x step)) splits
+SPLIT_KEYS = 128  # batch-invariant steps: positions per program, at most (:func:`rows_launch`)
 TILE_ELEMENTS = 4096  # query heads x positions x half a head per loop step: 32 float32 registers per thread
 COMBINE_CHUNK = 8  # splits combined per loop step (:func:`_combine_splits`)
 FULL_KV_HEADS = 32  # batch-invariant attention: kv heads for which splits of SPLIT_KEYS positions suffice
@@ -53,11 +57,13 @@ class Launch:
 
 def decode_launch(group: int, head_dim: int) -> Launch:
     """The tile for ``group`` query heads per kv head of ``head_dim``: as many positions per step as keep the
-    [group, positions, head_dim / 2] products at :data:`TILE_ELEMENTS` (8 to 64), splits of :data:`SPLIT_KEYS`
-    positions, 4 warps. Not tuned: ``scripts/decode_attention_bench.py`` times the alternatives."""
+    [group, positions, head_dim / 2] products at :data:`TILE_ELEMENTS` (8 to 64), :data:`SPLIT_STEPS` steps per
+    split, 4 warps. On an H200, in the whole decode step (BENCHMARKS.md, twenty-first session): Llama-2-7B (64
+    positions per step) 271.1 tok/s with splits of 256 positions, 266.5 with 128; Llama-3-8B (16 per step) 217.8
+    with 64, 203.5 with 128, 198.5 with 256. ``scripts/decode_attention_bench.py`` times the kernel alone."""
     tile = triton.next_power_of_2(group) * triton.next_power_of_2(head_dim // 2)
     block_s = max(8, min(64, TILE_ELEMENTS // tile))
-    return Launch(block_s, max(block_s, SPLIT_KEYS), 4)
+    return Launch(block_s, SPLIT_STEPS * block_s, 4)
 
 
 def rows_launch(group: int, head_dim: int, n_kv: int) -> Launch:
@@ -224,11 +230,13 @@ def _decode_attention_split(
     SOFTCAP: tl.constexpr,
     WINDOW: tl.constexpr,
     FROM_CACHE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (query row b * H_KV + kv head, split): the GROUP query heads of one kv head over the split's
     positions. A query row is one position of one of the cache's rows, ``T`` positions per cache row. Without
     ``FROM_CACHE`` (one position per row) the step's own key and value come in registers and are written here;
     with it every key up to the query's position is read from the cache, where :func:`_write_rotated` put them."""
+    wait_for_inputs(PDL)
     b = tl.program_id(0) // H_KV
     h = tl.program_id(0) % H_KV
     split = tl.program_id(1)
@@ -305,6 +313,7 @@ def _combine_splits(
     CHUNK: tl.constexpr,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (row, query head): the splits' partial results, rescaled to their common maximum, summed,
     normalized. Splits that saw no position carry -inf and weigh 0; the split holding the query's own position
@@ -316,6 +325,7 @@ def _combine_splits(
     not specialized, so every cache length runs the same compiled code; splits past the query's position add exact
     zeros. (A reduction over all splits at once, padded to a power of two, changed its order and where the compiler
     fused a multiply into an add with the padded size, i.e. with the cache's length: sixteenth session.)"""
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     d = tl.arange(0, HALF_PAD)
     d_in = d < HALF
@@ -379,8 +389,10 @@ def _attend(
     launch: Launch | None,
     wrap: Wrap,
     from_cache: bool,
+    pdl: dict[str, Any],
 ) -> torch.Tensor:
-    """Launch the attention kernel (and the combination of its splits) over ``rows``; returns [R, H, D]."""
+    """Launch the attention kernel (and the combination of its splits) over ``rows``, with the launch keywords
+    ``pdl`` (:func:`gpt_fast.kernels.triton_pdl.pdl_launch`); returns [R, H, D]."""
     n_rows, n_head, head_dim = rows.q.shape
     _, _, n_kv, max_len, _ = kv.shape
     assert rows.q.stride(-1) == rows.k.stride(-1) == rows.v.stride(-1) == 1 and kv.is_contiguous()
@@ -429,6 +441,7 @@ def _attend(
         WINDOW=window is not None,
         FROM_CACHE=from_cache,
         num_warps=launch.warps,
+        **pdl,
     )
     if splits > 1:
         wrap(_combine_splits)[(n_rows * n_head,)](
@@ -439,6 +452,7 @@ def _attend(
             HALF=half,
             HALF_PAD=triton.next_power_of_2(half),
             num_warps=launch.warps,
+            **pdl,
         )
     return out
 
@@ -457,6 +471,7 @@ def decode_attention(
     window: int | None,
     launch: Launch | None = None,
     wrap: Wrap = _unwrapped,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Attention of one query position per row, the step's key and value written into the cache first.
 
@@ -464,12 +479,15 @@ def decode_attention(
     ``cos``/``sin`` [1, D/2] (shared) or [B, 1, D/2] (each row's); ``kv`` the cache [2, R, H_kv, S, D], whose rows
     ``first_row`` to ``first_row + B - 1`` are these rows (written in place at the position); ``input_pos`` [1]
     (shared) or [B, 1]. Scores are scaled by ``scale``, soft-capped by ``softcap`` when given, and only the last
-    ``window`` positions are seen when given. Returns [B, 1, H, D] in ``q``'s dtype."""
+    ``window`` positions are seen when given. ``pdl``: the kernels are launched with programmatic dependent launch
+    where the GPU has it, each waiting for its inputs before it reads any (:mod:`gpt_fast.kernels.triton_pdl`).
+    Returns [B, 1, H, D] in ``q``'s dtype."""
     half = q.shape[-1] // 2
     rows = _Rows(
         q[:, 0], k[:, 0], v[:, 0], cos.reshape(-1, half), sin.reshape(-1, half), input_pos.reshape(-1, 1), first_row, 1
     )
-    return _attend(rows, kv, scale, softcap, window, launch, wrap, from_cache=False)[:, None]
+    launch_pdl = pdl_launch(q.device) if pdl else NO_PDL
+    return _attend(rows, kv, scale, softcap, window, launch, wrap, from_cache=False, pdl=launch_pdl)[:, None]
 
 
 def rows_attention(
@@ -522,5 +540,5 @@ def rows_attention(
         HALF=half,
         HALF_PAD=triton.next_power_of_2(half),
     )
-    out = _attend(rows, kv, scale, softcap, window, launch, wrap, from_cache=True)
+    out = _attend(rows, kv, scale, softcap, window, launch, wrap, from_cache=True, pdl=NO_PDL)
     return out.view(bsz, seqlen, n_head, head_dim)

@@ -30,13 +30,19 @@ def _gated_activation(gate_up_ptr, out_ptr, hidden, GELU: tl.constexpr, BLOCK: t
     inside = units < hidden
     gate = tl.load(gate_up_ptr + row * 2 * hidden + units, inside).to(tl.float32)
     up = tl.load(gate_up_ptr + row * 2 * hidden + hidden + units, inside).to(tl.float32)
+    tl.store(out_ptr + row * hidden + units, gated(gate, up, out_ptr.dtype.element_ty, GELU), inside)
+
+
+@triton.jit
+def gated(gate, up, dtype, GELU: tl.constexpr) -> tl.tensor:
+    """``act(gate) * up`` in ``dtype`` from ``gate`` and ``up`` in float32 (values of ``dtype``)."""
     if GELU:  # x (1 + tanh(z)) / 2 = x sigmoid(2z), z = sqrt(2 / pi) (x + 0.044715 x^3): no cancellation for x < 0
         inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
         act = gate / (1.0 + tl.exp(-2.0 * inner))
     else:
         act = gate / (1.0 + tl.exp(-gate))
-    act = act.to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * hidden + units, (act * up).to(out_ptr.dtype.element_ty), inside)
+    act = act.to(dtype).to(tl.float32)
+    return (act * up).to(dtype)
 
 
 def _unwrapped(kernel: Callable[..., None]) -> Callable[..., None]:

@@ -7,6 +7,10 @@ the loads start while the kernel before it drains. The tile, 4 channels × 1024 
 of seven in a chain of a Llama-2-7B layer's four GEMVs each after a small kernel, in a CUDA graph on an H200:
 102 µs per layer (3961 GB/s) against 117 µs for cuBLAS (BENCHMARKS.md, twentieth session).
 
+A gated MLP's ``w13`` (gate rows, then up rows) has a kernel of its own, :func:`gated_gemv`: each program owns
+``BLOCK_N / 2`` hidden units, reads their gate and up rows (the same tile, so the same loads as the plain GEMV)
+and writes ``act(gate) * up`` itself, so that the activation is no kernel of its own.
+
 Imported only where Triton is (:mod:`gpt_fast.kernels.linear` decides); the launcher runs on CUDA tensors, and in
 Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors for the tests.
 """
@@ -17,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gpt_fast.kernels.triton_gated_activation import ACTIVATIONS, gated
 from gpt_fast.kernels.triton_pdl import pdl_launch, wait_for_inputs
 
 BLOCK_N = 4  # output channels per program
@@ -75,6 +80,41 @@ def _linear_gemv(
     tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
+@triton.jit
+def _gated_gemv(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    hidden,
+    K,
+    GELU: tl.constexpr,
+    HALF_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """``y`` [hidden] = act(gate) * up, where gate, up = ``w`` [2 * hidden, K] @ ``x`` [K], each rounded to ``y``'s
+    dtype first (as the model's ``w13`` output is)."""
+    rn = tl.program_id(0) * HALF_N + tl.arange(0, HALF_N)
+    gate_rows = w_ptr + rn.to(tl.int64)[:, None] * K
+    up_rows = w_ptr + (rn + hidden).to(tl.int64)[:, None] * K
+    kk = tl.arange(0, BLOCK_K)
+    wg = _weights(gate_rows, rn, kk, hidden, K, EVEN)  # before the wait, as in _linear_gemv
+    wu = _weights(up_rows, rn, kk, hidden, K, EVEN)
+    wait_for_inputs(PDL)
+    x = _activations(x_ptr, kk, K, EVEN)[None, :]
+    acc_gate, acc_up = wg * x, wu * x
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        x = _activations(x_ptr, kk, K, EVEN)[None, :]
+        acc_gate += _weights(gate_rows, rn, kk, hidden, K, EVEN) * x
+        acc_up += _weights(up_rows, rn, kk, hidden, K, EVEN) * x
+    dtype = y_ptr.dtype.element_ty
+    gate = tl.sum(acc_gate, axis=1).to(dtype).to(tl.float32)
+    up = tl.sum(acc_up, axis=1).to(dtype).to(tl.float32)
+    tl.store(y_ptr + rn, gated(gate, up, dtype, GELU), mask=rn < hidden)
+
+
 def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` [1, K] @ ``weight`` [N, K].T (+ ``bias`` [N]) -> [1, N] in ``x``'s dtype."""
     assert x.shape[0] == 1 and x.is_contiguous() and weight.is_contiguous()
@@ -92,6 +132,30 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         BLOCK_N=BLOCK_N,
         BLOCK_K=block_k,
         EVEN=n % BLOCK_N == 0 and k % block_k == 0,
+        num_warps=WARPS,
+        **pdl_launch(x.device),
+    )
+    return y
+
+
+def gated_gemv(x: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
+    """A gated MLP's hidden state ``act(gate) * up`` [1, hidden] for ``x`` [1, K] and ``weight`` [2 * hidden, K]
+    (gate rows, then up rows), in ``x``'s dtype; ``activation``: ``silu`` or ``gelu_tanh``."""
+    assert x.shape[0] == 1 and x.is_contiguous() and weight.is_contiguous() and activation in ACTIVATIONS
+    n, k = weight.shape
+    hidden, half_n = n // 2, BLOCK_N // 2
+    block_k = min(BLOCK_K, triton.next_power_of_2(k))
+    y = torch.empty((1, hidden), dtype=x.dtype, device=x.device)
+    _gated_gemv[(triton.cdiv(hidden, half_n),)](
+        x,
+        weight,
+        y,
+        hidden,
+        k,
+        GELU=activation == "gelu_tanh",
+        HALF_N=half_n,
+        BLOCK_K=block_k,
+        EVEN=hidden % half_n == 0 and k % block_k == 0,
         num_warps=WARPS,
         **pdl_launch(x.device),
     )

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 PDL_CAPABILITY = 9  # griddepcontrol is an sm_90 instruction
+NO_PDL: dict[str, Any] = {"PDL": False}  # the launch keywords of a kernel launched without PDL
 
 
 def pdl_usable(device: torch.device) -> bool:
@@ -38,7 +39,7 @@ def pdl_launch(device: torch.device) -> dict[str, Any]:
     """A Triton launch's keyword arguments for a kernel taking the constant ``PDL``: with PDL where usable."""
     if pdl_usable(device):
         return {"PDL": True, "launch_pdl": True}
-    return {"PDL": False}
+    return NO_PDL
 
 
 @triton.jit
