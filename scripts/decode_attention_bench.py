@@ -25,7 +25,7 @@ import torch
 from gpt_fast.fileio import write_text_atomic
 from gpt_fast.generate import compile_options
 from gpt_fast.kernels import triton_decode_attention
-from gpt_fast.kernels.decode_attention import fused_decode_attention, resolve_attention_kernel
+from gpt_fast.kernels.decode_attention import fused_decode_attention, register_triton_ops, resolve_attention_kernel
 from gpt_fast.model import apply_rope, attend_one_query, rope_tables
 from gpt_fast.settings import apply_torch_settings
 from gpt_fast.shapes import get_shape
@@ -109,7 +109,7 @@ def main() -> None:
     shapes = dict.fromkeys(case[0] for case in CASES)
     auto = {name: resolve_attention_kernel("auto", gpu, get_shape(name), "reduce-overhead") for name in shapes}
     print(json.dumps({"attention_kernel_auto": auto}))
-    resolve_attention_kernel("triton", gpu, get_shape(CASES[0][0]), "none")  # registers the operator
+    register_triton_ops()
     rows = []
     for case in CASES:
         inputs, caches = case_inputs(*case)
