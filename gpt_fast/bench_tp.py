@@ -36,6 +36,7 @@ from gpt_fast.shapes import SHAPES, get_shape
 
 FIT_SHARE = 0.8  # a rank's weights may take at most this share of its GPU's memory
 RUN_TIMEOUT_S = 480  # one world size's run, start to end
+KERNEL_OPTIONS = ("linear_kernel", "attention_kernel", "kernel_tuning")  # passed on to EngineOptions as they are
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,8 @@ def measure_rank(args: argparse.Namespace, ranks: Ranks) -> Result | None:
     reason = part_fits(shard, args.shape, dtype, device)
     if reason is not None:
         return Result(args.shape, ranks.world_size, skipped=reason)
-    options = EngineOptions(compile=args.mode, device=args.device, dtype=args.dtype, tp=ranks.world_size)
+    kernels = {name: getattr(args, name) for name in KERNEL_OPTIONS}
+    options = EngineOptions(compile=args.mode, device=args.device, dtype=args.dtype, tp=ranks.world_size, **kernels)
     engine = Engine.from_state(
         get_shape(args.shape), random_shard(shard, args.shape, dtype, device), options, sharded=True
     )
@@ -147,6 +149,7 @@ def run_world_size(args: argparse.Namespace, world_size: int, folder: Path) -> R
     passed += ["--prompt_tokens", str(args.prompt_tokens), "--new_tokens", str(args.new_tokens)]
     passed += ["--repeats", str(args.repeats), "--trace_dir", args.trace_dir or str(folder)]
     passed += [] if args.profile else ["--no_profile"]
+    passed += [item for name in KERNEL_OPTIONS for item in (f"--{name}", getattr(args, name))]
     code = run_ranks(world_size, ["gpt_fast.bench_tp", "--worker", "--result", str(result), *passed], args.timeout)
     if code or not result.is_file():
         return Result(args.shape, world_size, skipped=f"failed (torchrun exit status {code}): see its output above")
@@ -201,6 +204,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--no_profile", dest="profile", action="store_false", help="No profiled generation (no collectives' time)."
     )
+    defaults = EngineOptions()
+    for name in KERNEL_OPTIONS:
+        parser.add_argument(f"--{name}", default=getattr(defaults, name), help="As gpt-fast generate's option.")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -212,6 +218,7 @@ def main(argv: list[str] | None = None, write: Callable[[str], None] = print) ->
         worker(args)
         return []
     sizes = parse_world_sizes(args.tp)
+    EngineOptions(compile=args.mode, dtype=args.dtype, **{name: getattr(args, name) for name in KERNEL_OPTIONS})
     for size in sizes:
         check_tensor_parallel(get_shape(args.shape), None, size)
     if args.trace_dir is not None:
@@ -225,9 +232,10 @@ def main(argv: list[str] | None = None, write: Callable[[str], None] = print) ->
                 continue
             results.append(run_world_size(args, size, Path(folder)))
             write(f"measured: {results[-1]}")
+    kernels = ", ".join(f"{name} {getattr(args, name)}" for name in KERNEL_OPTIONS)
     write(
-        f"{args.shape}, {args.device}, torch {torch.__version__}, {args.dtype}, {args.mode}; batch 1, prompt "
-        f"{args.prompt_tokens} tokens, {args.new_tokens} new, median of {args.repeats}"
+        f"{args.shape}, {args.device}, torch {torch.__version__}, {args.dtype}, {args.mode}, {kernels}; batch 1, "
+        f"prompt {args.prompt_tokens} tokens, {args.new_tokens} new, median of {args.repeats}"
     )
     write(table(results))
     return results

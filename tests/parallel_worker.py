@@ -4,7 +4,8 @@ JSON file of instructions; rank 0 writes what the ranks produced to ``out``:
 - ``checkpoints``: for each checkpoint folder, the greedy tokens of ``prompt`` and the logits of ``window`` (one
   forward pass), and a sampled generation (every rank must draw the same tokens);
 - ``shape`` (GPU): a random model of a named shape, the same on every rank, split over the ranks and, on rank 0,
-  also whole on one GPU: how far the split model's greedy tokens and logits are from the whole model's;
+  also whole on one GPU: how far the split model's greedy tokens and logits are from the whole model's (both with
+  the kernel choices ``kernels``, if given);
 - ``fail_rank``: that rank raises once the weights are loaded, while the others generate.
 """
 
@@ -58,7 +59,8 @@ def run_shape(spec: dict) -> dict | None:
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     shape = get_shape(spec["shape"])
     state = random_weights(shape, torch.bfloat16, seed=0, device="cuda")
-    options = EngineOptions(compile=spec["compile"], device="cuda", dtype="bfloat16", tp=spec["tp"])
+    kernels = spec.get("kernels", {})  # EngineOptions' kernel choices, for the split and the whole bf16 model
+    options = EngineOptions(compile=spec["compile"], device="cuda", dtype="bfloat16", tp=spec["tp"], **kernels)
     split = Engine.from_state(shape, state, options)
     tokens = split.generate_ids(spec["prompt"], spec["new_tokens"], GREEDY).tokens[0]
     ids = spec["prompt"] + tokens
@@ -66,7 +68,8 @@ def run_shape(spec: dict) -> dict | None:
     if split.rank != 0:
         return None
     local = f"cuda:{os.environ['LOCAL_RANK']}"
-    whole = Engine.from_state(shape, state, EngineOptions(compile=spec["compile"], device=local, dtype="bfloat16"))
+    options = EngineOptions(compile=spec["compile"], device=local, dtype="bfloat16", **kernels)
+    whole = Engine.from_state(shape, state, options)
     whole_tokens = whole.generate_ids(spec["prompt"], spec["new_tokens"], GREEDY).tokens[0]
     whole_logits = logits_of(whole, ids)
     del whole

@@ -30,6 +30,11 @@ def test_a_shape_that_does_not_split_is_refused_before_any_run():
         main(["--shape", "llama-2-7b", "--tp", "1,3", "--device", "cpu"])
 
 
+def test_a_kernel_option_is_checked_before_any_run():
+    with pytest.raises(ValueError, match="--linear_kernel 'cuda' is not one of auto, triton, torch"):
+        main(["--shape", "tiny", "--tp", "1,2", "--device", "cpu", "--linear_kernel", "cuda"])
+
+
 @pytest.mark.slow
 def test_one_invocation_measures_every_world_size(capsys, tmp_path):
     traces = tmp_path / "not" / "made"

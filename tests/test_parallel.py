@@ -20,6 +20,7 @@ from gpt_fast.config import QuantConfig
 from gpt_fast.convert.random_init import make_random_checkpoint, random_weights
 from gpt_fast.engine import Engine, EngineOptions
 from gpt_fast.parallel import Shard, check_tensor_parallel, device_of
+from gpt_fast.quant.kernels import triton_usable
 from gpt_fast.quant.layout import quantize_state
 from gpt_fast.quant.quantize import quantize_checkpoint
 from gpt_fast.quant.schemes import dequantize_int4, dequantize_int8
@@ -209,15 +210,21 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [2, 4], ids=["world2", "world4"])
-@pytest.mark.parametrize("compile_mode", ["none", "reduce-overhead"])
-def test_llama_2_7b_split_over_the_gpus_decodes_as_one_gpu(compile_mode, world, tmp_path):
+@pytest.mark.parametrize(
+    "compile_mode, kernel", [("none", "torch"), ("reduce-overhead", "torch"), ("reduce-overhead", "triton")]
+)
+def test_llama_2_7b_split_over_the_gpus_decodes_as_one_gpu(compile_mode, kernel, world, tmp_path):
     """bf16, against the whole model in float32: the split model's logits no further from it (mean absolute
     difference) than twice the whole bf16 model's, and each of its greedy tokens the float32 model's best or within
     bf16 rounding of it (a near-tie may break the other way). The split model rounds each rank's partial sums to
-    bf16 before the all-reduce: a few roundings more per layer than the whole model, of the same size."""
+    bf16 before the all-reduce: a few roundings more per layer than the whole model, of the same size. ``kernel``:
+    the linear layers' and attention's decode kernels (ours in Triton, or PyTorch's code), for both models."""
     if GPUS < world:
         pytest.skip(f"needs {world} CUDA or ROCm GPUs, {GPUS} here")
-    check_split_shape(tmp_path, "llama-2-7b", world, compile_mode, timeout=480)
+    if kernel == "triton" and not triton_usable(torch.device("cuda")):
+        pytest.skip("our decode kernels need Triton on a CUDA GPU")
+    kernels = {"linear_kernel": kernel, "attention_kernel": kernel}
+    check_split_shape(tmp_path, "llama-2-7b", world, compile_mode, timeout=480, kernels=kernels)
 
 
 @pytest.mark.gpu
@@ -230,8 +237,10 @@ def test_the_ranks_leave_after_decoding_in_cuda_graphs(tmp_path):
     check_split_shape(tmp_path, "tiny", 2, "reduce-overhead", timeout=240)
 
 
-def check_split_shape(tmp_path: Path, shape: str, world: int, compile_mode: str, timeout: float) -> None:
-    spec = worker_spec(tmp_path, shape=shape, tp=world, compile=compile_mode, new_tokens=32)
+def check_split_shape(
+    tmp_path: Path, shape: str, world: int, compile_mode: str, timeout: float, kernels: dict | None = None
+) -> None:
+    spec = worker_spec(tmp_path, shape=shape, tp=world, compile=compile_mode, new_tokens=32, kernels=kernels or {})
     done = torchrun(world, str(WORKER), str(spec), timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "out.json").read_text())
