@@ -33,6 +33,7 @@ from gpt_fast.launch import run_ranks
 from gpt_fast.parallel import Ranks, Shard, check_tensor_parallel, env_ranks
 from gpt_fast.settings import apply_torch_settings
 from gpt_fast.shapes import SHAPES, get_shape
+from gpt_fast.trace_summary import summarize_trace  # at import: a missing dependency stops the launch, not the ranks
 
 FIT_SHARE = 0.8  # a rank's weights may take at most this share of its GPU's memory
 RUN_TIMEOUT_S = 480  # one world size's run, start to end
@@ -124,8 +125,6 @@ def measure_rank(args: argparse.Namespace, ranks: Ranks) -> Result | None:
 
 def profile_collectives(engine: Engine, run: Callable[[], object], folder: Path) -> tuple[float, float]:
     """One generation recorded by the profiler: its collectives' GPU time (µs) and kernels per decoded token."""
-    from gpt_fast.trace_summary import summarize_trace
-
     trace = folder / f"trace_tp{engine.world_size}.json"
     with engine.profiled(trace):
         run()
