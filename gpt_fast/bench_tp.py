@@ -87,7 +87,7 @@ def measure_rank(args: argparse.Namespace, ranks: Ranks) -> Result | None:
     reason = part_fits(shard, args.shape, dtype, device)
     if reason is not None:
         return Result(args.shape, ranks.world_size, skipped=reason)
-    kernels = {name: getattr(args, name) for name in KERNEL_OPTIONS}
+    kernels = kernel_options(args)
     options = EngineOptions(compile=args.mode, device=args.device, dtype=args.dtype, tp=ranks.world_size, **kernels)
     engine = Engine.from_state(
         get_shape(args.shape), random_shard(shard, args.shape, dtype, device), options, sharded=True
@@ -123,6 +123,11 @@ def measure_rank(args: argparse.Namespace, ranks: Ranks) -> Result | None:
     )
 
 
+def kernel_options(args: argparse.Namespace) -> dict[str, str]:
+    """The kernel choices given on the command line, as :class:`EngineOptions` fields."""
+    return {name: getattr(args, name) for name in KERNEL_OPTIONS}
+
+
 def profile_collectives(engine: Engine, run: Callable[[], object], folder: Path) -> tuple[float, float]:
     """One generation recorded by the profiler: its collectives' GPU time (µs) and kernels per decoded token."""
     trace = folder / f"trace_tp{engine.world_size}.json"
@@ -148,7 +153,7 @@ def run_world_size(args: argparse.Namespace, world_size: int, folder: Path) -> R
     passed += ["--prompt_tokens", str(args.prompt_tokens), "--new_tokens", str(args.new_tokens)]
     passed += ["--repeats", str(args.repeats), "--trace_dir", args.trace_dir or str(folder)]
     passed += [] if args.profile else ["--no_profile"]
-    passed += [item for name in KERNEL_OPTIONS for item in (f"--{name}", getattr(args, name))]
+    passed += [item for name, value in kernel_options(args).items() for item in (f"--{name}", value)]
     code = run_ranks(world_size, ["gpt_fast.bench_tp", "--worker", "--result", str(result), *passed], args.timeout)
     if code or not result.is_file():
         return Result(args.shape, world_size, skipped=f"failed (torchrun exit status {code}): see its output above")
@@ -217,7 +222,7 @@ def main(argv: list[str] | None = None, write: Callable[[str], None] = print) ->
         worker(args)
         return []
     sizes = parse_world_sizes(args.tp)
-    EngineOptions(compile=args.mode, dtype=args.dtype, **{name: getattr(args, name) for name in KERNEL_OPTIONS})
+    EngineOptions(compile=args.mode, dtype=args.dtype, **kernel_options(args))  # refuses a bad choice before any run
     for size in sizes:
         check_tensor_parallel(get_shape(args.shape), None, size)
     if args.trace_dir is not None:
@@ -231,7 +236,7 @@ def main(argv: list[str] | None = None, write: Callable[[str], None] = print) ->
                 continue
             results.append(run_world_size(args, size, Path(folder)))
             write(f"measured: {results[-1]}")
-    kernels = ", ".join(f"{name} {getattr(args, name)}" for name in KERNEL_OPTIONS)
+    kernels = ", ".join(f"{name} {value}" for name, value in kernel_options(args).items())
     write(
         f"{args.shape}, {args.device}, torch {torch.__version__}, {args.dtype}, {args.mode}, {kernels}; batch 1, "
         f"prompt {args.prompt_tokens} tokens, {args.new_tokens} new, median of {args.repeats}"
