@@ -382,8 +382,8 @@ def release_memory(device: torch.device) -> None:
 def quantized_runners(
     subject: Subject, schemes: Sequence[QuantConfig], write: Callable[[str], None]
 ) -> dict[str, Builder]:
-    """The rows of ``--quantize``: ours per scheme (int4 on a CUDA GPU: with PyTorch's tinygemm, the automatic
-    choice, and with our Triton kernel), upstream's int8, torchao's where importable."""
+    """The rows of ``--quantize``: ours per scheme (int4 on a CUDA GPU: with our Triton kernel, the automatic
+    choice, and with PyTorch's tinygemm), upstream's int8, torchao's where importable."""
     runners: dict[str, Builder] = {}
     torchao = importlib.util.find_spec("torchao") is not None
     if schemes and not torchao:
@@ -391,8 +391,8 @@ def quantized_runners(
     for scheme in schemes:
         runners[f"gpt-fast {subject.mode} {scheme.name}"] = functools.partial(ours_runners, subject, scheme)
         if scheme.mode == "int4" and triton_usable(subject.device):
-            runners[f"gpt-fast {subject.mode} {scheme.name} triton"] = functools.partial(
-                ours_runners, subject, scheme, "triton"
+            runners[f"gpt-fast {subject.mode} {scheme.name} tinygemm"] = functools.partial(
+                ours_runners, subject, scheme, "aten"
             )
         if scheme.mode == "int8":
             runners[f"upstream-style {scheme.name} (dequant + F.linear, inductor)"] = functools.partial(

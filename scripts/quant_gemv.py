@@ -51,7 +51,9 @@ def launches(scheme: str, sweep: bool, n: int, k: int) -> list[triton_gemv.Launc
     if scheme == "int8":
         grid = itertools.product((1, 2, 4, 8), (512, 1024, 2048), (4, 8), (False, True))
     else:
-        grid = itertools.product((1, 2, 4, 8, 16), (2 * GROUP, 4 * GROUP, 8 * GROUP), (1, 2, 4))
+        grid = itertools.product(
+            (1, 2, 4, 8, 16), (2 * GROUP, 4 * GROUP, 8 * GROUP), (1, 2, 4), (False,), (False, True)
+        )
     return [triton_gemv.Launch(*config) for config in grid]
 
 
@@ -60,7 +62,8 @@ def variants(scheme: str, sweep: bool, n: int, k: int) -> dict[str, Fn]:
     if scheme == "bf16":
         return {"bf16 cublas": lambda x, w: F.linear(x, w[0])}
     for launch in launches(scheme, sweep, n, k):
-        name = "triton " + ("chosen" if launch is None else f"n{launch.block_n} k{launch.block_k} w{launch.warps}")
+        kind = "triton-half2" if launch is not None and launch.half2 else "triton"
+        name = kind + " " + ("chosen" if launch is None else f"n{launch.block_n} k{launch.block_k} w{launch.warps}")
         name += " words" if launch is not None and launch.words else ""
         if scheme == "int8":
             out[name] = lambda x, w, launch=launch: triton_gemv.int8_gemv(x, w[0], w[1], launch)

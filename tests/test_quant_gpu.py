@@ -42,8 +42,49 @@ def test_triton_kernels_match_a_float64_product(dtype, rows, n, k):
     assert ((got - expected).norm() / expected.norm()).item() < 1e-2
     q, s, z = quantize_int4(weight, 64, dtype)
     expected = x.double() @ dequantize_int4(q, s, z, 64).double().T
-    got = triton_gemv.int4_gemv(x, group_interleave(q, 64), s, z, 64).double()
-    assert ((got - expected).norm() / expected.norm()).item() < 1e-2
+    for launch in [None, triton_gemv.Launch(8, 8 * 64, 1, half2=True), triton_gemv.Launch(1, 2 * 64, 2, half2=True)]:
+        got = triton_gemv.int4_gemv(x, group_interleave(q, 64), s, z, 64, launch).double()
+        assert ((got - expected).norm() / expected.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("size", [1e-3, 1.0, 6e4])
+def test_int4_float16_pairs_hold_small_and_large_activations(size):
+    """The packed path sums in float16 (``half2``): activations of every size up to float16's largest (65504),
+    all of one magnitude at the top, must not overflow its partial sums nor lose precision when small, against a
+    float64 product and the float32 path."""
+    from gpt_fast.quant import triton_gemv
+
+    torch.manual_seed(7)
+    weight = torch.randn(512, 4096, device="cuda")
+    x = torch.randn(1, 4096, device="cuda")
+    x = ((x.sign() if size > 1e4 else x) * size).bfloat16()
+    q, s, z = quantize_int4(weight, 128, torch.bfloat16)
+    words = group_interleave(q, 128)
+    expected = x.double() @ dequantize_int4(q, s, z, 128).double().T
+    errors = []
+    for launch in [triton_gemv.Launch(8, 1024, 1, half2=True), triton_gemv.Launch(8, 1024, 1)]:
+        got = triton_gemv.int4_gemv(x, words, s, z, 128, launch).double()
+        errors.append(((got - expected).norm() / expected.norm()).item())
+    packed, plain = errors
+    assert packed < 2 * plain + 1e-3
+
+
+@pytest.mark.parametrize("n", [4096, 22016])
+def test_int4_operator_compiles_into_a_cuda_graph_step(n):
+    """The operator for bf16 activations (the float16-pairs kernel, whose PTX inductor copies into the code it
+    generates) gives, compiled in a CUDA-graph mode, exactly what it gives called directly."""
+    from gpt_fast.quant.kernels import int4_triton_linear, register_triton_ops
+
+    register_triton_ops()
+    torch._dynamo.reset()
+    torch.manual_seed(n)
+    q, s, z = quantize_int4(torch.randn(n, 4096, device="cuda"), 128, torch.bfloat16)
+    words = group_interleave(q, 128)
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    step = torch.compile(lambda rows: int4_triton_linear(rows, words, s, z, 128) * 2, mode="reduce-overhead")
+    for _ in range(3):  # warm-up, recording, replay
+        got = step(x).clone()
+    assert torch.equal(got, int4_triton_linear(x, words, s, z, 128) * 2)
 
 
 def greedy(state, quant, mode):
@@ -78,7 +119,7 @@ def test_every_compile_mode_gives_the_eager_tokens(quantized, eager_tokens, mode
 @pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize("n, k, group", [(4096, 4096, 128), (1536, 576, 64), (96, 256, 32)])
 def test_tinygemm_int4_matches_a_float64_product(rows, n, k, group):
-    """The int4 layer repacked for PyTorch's CUDA tinygemm kernel (``auto`` and ``aten`` on CUDA, bf16)."""
+    """The int4 layer repacked for PyTorch's CUDA tinygemm kernel (``aten`` on CUDA, bf16)."""
     from gpt_fast.quant.linear import Int4Linear
 
     torch.manual_seed(n + k + rows)
@@ -86,7 +127,7 @@ def test_tinygemm_int4_matches_a_float64_product(rows, n, k, group):
     q, s, z = quantize_int4(weight, group, torch.bfloat16)
     layer = Int4Linear(k, n, QuantConfig("int4", group), bias=False)
     layer.load_state_dict({"weight": q, "scales": s, "zeros": z}, assign=True)
-    layer.prepare("triton", auto=True)
+    layer.prepare("aten")
     assert layer.kernel == "aten"
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     expected = x.double() @ dequantize_int4(q, s, z, group).double().T

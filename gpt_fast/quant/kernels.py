@@ -7,13 +7,15 @@ measured 25 to 50 times slower than dequantize-then-``F.linear`` on the CPU for 
 
 - ``triton``: our Triton kernels (:mod:`gpt_fast.quant.triton_gemv`), on CUDA GPUs. Wrapped as
   ``torch.library.triton_op`` so that ``torch.compile`` places them in its own generated code (and CUDA graphs
-  capture them). int8's choice on CUDA, compiled or not: in a compiled 7B step it was measured faster than
+  capture them). The choice on CUDA, compiled or not. int8: in a compiled 7B step it was measured faster than
   inductor's own dequantizing GEMV (which folds the RMSNorm into its prologue), and the same in every build, where
-  inductor's varies with its coordinate-descent tuning (BENCHMARKS.md, eighteenth session).
+  inductor's varies with its coordinate-descent tuning (BENCHMARKS.md, eighteenth session). int4: with 16-bit
+  activations its products are summed in float16 pairs, which made it faster than tinygemm on every Llama-2-7B
+  matrix but ``w2`` (level) and the 7B step 3 % faster (twenty-third session).
 - ``aten``: PyTorch's own weight-only kernels, ``torch.ops.aten._weight_int8pack_mm``, and for int4
   ``_weight_int4pack_mm_for_cpu`` or CUDA's tinygemm ``_weight_int4pack_mm`` (on a copy of the weights repacked
   once at load, :mod:`gpt_fast.quant.linear`). The CPU's choice: they read the weights as they are, where
-  ``dequant`` makes a float copy of them per call; on CUDA, int4's choice where tinygemm takes the shape.
+  ``dequant`` makes a float copy of them per call.
 - ``dequant``: plain PyTorch, dequantize then ``F.linear``: runs everywhere (ROCm included, where our kernels are
   not used) and in every compile mode; inductor fuses it into a dequantizing matrix-vector kernel for one row.
   For int8 it is upstream gpt-fast's ``WeightOnlyInt8Linear`` formula, ``F.linear(x, w.to(x.dtype)) * scales``.

@@ -45,9 +45,8 @@ class QuantizedLinear(nn.Module):
         self.bias = _frozen((out_features,), torch.float32) if bias else None
         self.kernel = "dequant"
 
-    def prepare(self, kernel: str, *, auto: bool = False) -> None:
-        """Compute with ``kernel`` as :func:`gpt_fast.quant.kernels.resolve_kernel` resolved it (``auto``: whether
-        it was chosen automatically, for layers whose choice then depends on the weights)."""
+    def prepare(self, kernel: str) -> None:
+        """Compute with ``kernel`` as :func:`gpt_fast.quant.kernels.resolve_kernel` resolved it."""
         self.kernel = kernel
 
     def biased(self, y: torch.Tensor) -> torch.Tensor:
@@ -68,16 +67,13 @@ class Int4Linear(QuantizedLinear):
         super().__init__(in_features, out_features, quant, bias)
         self.group_size = quant.group_size
 
-    def prepare(self, kernel: str, *, auto: bool = False) -> None:
-        """``aten``, and ``auto`` on a CUDA GPU, repack a copy of the weights for PyTorch's own int4 kernel of the
-        device, used for few rows: on the CPU ``_weight_int4pack_mm_for_cpu``; on CUDA (bf16 only) tinygemm,
-        ``_weight_int4pack_mm``. ``triton`` repacks a copy for our Triton kernel
-        (:func:`gpt_fast.quant.kernels.group_interleave`). Where PyTorch's kernel does not take the shape or
-        dtype, ``aten`` means ``dequant`` and ``auto`` keeps ``kernel``."""
-        device = self.weight.device.type
-        repack = {"cpu": self._repack_cpu, "cuda": self._repack_cuda}.get(device)
-        wanted = kernel == "aten" or (auto and device == "cuda" and torch.version.hip is None)
-        if wanted and repack is not None and repack():
+    def prepare(self, kernel: str) -> None:
+        """``aten`` repacks a copy of the weights for PyTorch's own int4 kernel of the device, used for few rows:
+        on the CPU ``_weight_int4pack_mm_for_cpu``; on CUDA (bf16 only) tinygemm, ``_weight_int4pack_mm``; where
+        that kernel does not take the shape or dtype, ``aten`` means ``dequant``. ``triton`` repacks a copy for our
+        Triton kernel (:func:`gpt_fast.quant.kernels.group_interleave`)."""
+        repack = {"cpu": self._repack_cpu, "cuda": self._repack_cuda}.get(self.weight.device.type)
+        if kernel == "aten" and repack is not None and repack():
             self.kernel = "aten"
         else:
             self.kernel = "dequant" if kernel == "aten" else kernel
@@ -142,4 +138,4 @@ def prepare_quantized(model: nn.Module, device: torch.device, kernel: str = "aut
     resolved = resolve_kernel(kernel, device)
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
-            module.prepare(resolved, auto=kernel == "auto")
+            module.prepare(resolved)

@@ -9,8 +9,10 @@ that read one block of weights run side by side, and all but the first find it i
 int4: the weights are repacked once (:func:`gpt_fast.quant.kernels.group_interleave`) so that each 32-bit word
 holds 8 columns of one group that meet contiguous activations; each step covers ``GROUPS`` whole groups as a
 [BLOCK_N, GROUPS, words] tile. The scale multiplies the group's partial sums and the zero point only the sum of
-the group's activations, so that each weight costs a shift, a logical operation and a float multiply-add (see
-:func:`_int4_gemv`).
+the group's activations. With float32 activations each weight costs a shift, a logical operation and a float
+multiply-add; with 16-bit ones (``half2``) two nibbles become float16 at once and each word's eight products are
+summed in float16 pairs by inline PTX, about half the instructions per weight (see :func:`_int4_gemv`). The PTX is
+NVIDIA's: ROCm builds do not use these kernels (:func:`gpt_fast.quant.kernels.triton_usable`).
 
 int8: the weights are read as bytes converted by the hardware, or (``AS_WORDS``) as 32-bit words whose bytes
 become floats in the mantissa of 1.0 as int4's nibbles do (a shift and a logical operation per weight), which spares
@@ -39,6 +41,7 @@ class Launch:
     block_k: int
     warps: int
     words: bool = False  # int8: weights read as 32-bit words (where K is a multiple of 8)
+    half2: bool = False  # int4: products summed in float16 pairs (where x is 16-bit)
 
 
 @triton.jit
@@ -56,6 +59,12 @@ def _load(pointers, mask, EVEN: tl.constexpr):
     else:
         value = tl.load(pointers, mask=mask, other=0)
     return value
+
+
+@triton.jit
+def _activations(x_row, col, K, EVEN: tl.constexpr):
+    """The activations of row ``x_row`` at columns ``col`` (zeros past ``K``), in float32."""
+    return _load(x_row + col, col < K, EVEN).to(tl.float32)
 
 
 @triton.jit
@@ -131,6 +140,80 @@ def _int8_gemv(
         _store_int8(y_ptr, s_ptr, m, N, rn, acc)
 
 
+# Four pairs of nibbles of a 32-bit word (0 and 4, 1 and 5, 2 and 6, 3 and 7 in the halves of a register) become
+# float16 pairs 1024 + q (the low nibble of each byte) or 1024 + 16 q (the high one) by one logical operation,
+# then exactly (q - 8) / 64 by one packed multiply-add, and meet the matching pairs of activations ($2 to $5) in a
+# chain of packed multiply-adds; the two halves of the sum end as one float32. Per word: a shift, four logical
+# operations, eight packed multiply-adds, two conversions and an addition, where the float32 path takes a shift,
+# a logical operation and a multiply-add per nibble. The scale 1/64 keeps every partial sum of an activation
+# below 65504 up to |x| = 65504, where float16 itself ends, and every product of |x| >= 4e-3 a normal number.
+_NIBBLE_DOT_PTX = tl.constexpr(
+    " ".join(  # one line: inductor copies it into the Python it generates for a compiled step
+        [
+            "{",
+            ".reg .b32 s, t0, t1, t2, t3, low_scale, low_offset, high_scale, high_offset, acc;",
+            ".reg .b16 lo, hi;",
+            ".reg .f32 flo, fhi;",
+            "mov.b32 low_scale, 0x24002400;",
+            "mov.b32 low_offset, 0xCC08CC08;",
+            "mov.b32 high_scale, 0x14001400;",
+            "mov.b32 high_offset, 0xBC80BC80;",
+            "shr.b32 s, $1, 8;",
+            "lop3.b32 t0, $1, 0x000F000F, 0x64006400, 0xEA;",
+            "lop3.b32 t1, $1, 0x00F000F0, 0x64006400, 0xEA;",
+            "lop3.b32 t2, s, 0x000F000F, 0x64006400, 0xEA;",
+            "lop3.b32 t3, s, 0x00F000F0, 0x64006400, 0xEA;",
+            "fma.rn.f16x2 t0, t0, low_scale, low_offset;",
+            "fma.rn.f16x2 t1, t1, high_scale, high_offset;",
+            "fma.rn.f16x2 t2, t2, low_scale, low_offset;",
+            "fma.rn.f16x2 t3, t3, high_scale, high_offset;",
+            "mul.rn.f16x2 acc, t0, $2;",
+            "fma.rn.f16x2 acc, t1, $3, acc;",
+            "fma.rn.f16x2 acc, t2, $4, acc;",
+            "fma.rn.f16x2 acc, t3, $5, acc;",
+            "mov.b32 {lo, hi}, acc;",
+            "cvt.f32.f16 flo, lo;",
+            "cvt.f32.f16 fhi, hi;",
+            "add.f32 $0, flo, fhi;",
+            "}",
+        ]
+    )
+)
+HALF2_SCALE = tl.constexpr(64.0)  # the packed path's nibbles are (q - 8) / 64
+
+
+@triton.jit
+def _half2(low, high):
+    """float32 ``low`` and ``high`` as the halves of one float16 pair (a 32-bit integer)."""
+    return tl.inline_asm_elementwise(
+        "cvt.rn.f16x2.f32 $0, $1, $2;", "=r,r,r", [high, low], dtype=tl.int32, is_pure=True, pack=1
+    )
+
+
+@triton.jit
+def _nibble_dot(packed, x0, x1, x2, x3, x4, x5, x6, x7, ASM: tl.constexpr):
+    """``sum_i (q_i - 8) / 64 * x_i`` [BLOCK_N, GROUPS, WORDS] over the nibbles ``q_i`` of each word of ``packed``
+    and the activations ``x_i`` [GROUPS, WORDS] they meet, in float16 pairs (:data:`_NIBBLE_DOT_PTX`); without
+    ``ASM`` (Triton's interpreter, which runs no PTX) the same float16 arithmetic one nibble at a time."""
+    if ASM:
+        pairs = [packed, _half2(x0, x4), _half2(x1, x5), _half2(x2, x6), _half2(x3, x7)]
+        out = tl.inline_asm_elementwise(_NIBBLE_DOT_PTX, "=r,r,r,r,r,r", pairs, dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        low = _nibble_term(packed, 0, x0) + _nibble_term(packed, 1, x1)
+        low = low + _nibble_term(packed, 2, x2) + _nibble_term(packed, 3, x3)
+        high = _nibble_term(packed, 4, x4) + _nibble_term(packed, 5, x5)
+        high = high + _nibble_term(packed, 6, x6) + _nibble_term(packed, 7, x7)
+        out = low.to(tl.float32) + high.to(tl.float32)
+    return out
+
+
+@triton.jit
+def _nibble_term(packed, i: tl.constexpr, x):
+    """(q_i - 8) / 64 * x in float16, for :func:`_nibble_dot` without PTX."""
+    q = ((packed >> (4 * i)) & 0xF) - 8
+    return (q.to(tl.float16) / 64.0) * x.to(tl.float16)[None, :, :]
+
+
 @triton.jit
 def _int4_gemv(
     x_ptr,
@@ -147,14 +230,21 @@ def _int4_gemv(
     GROUPS: tl.constexpr,
     GROUP: tl.constexpr,
     EVEN: tl.constexpr,
+    HALF2: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     """int4 weights in the words of :func:`gpt_fast.quant.kernels.group_interleave`: nibble ``i`` of a group's
     word ``j`` is the group's column ``i * GROUP / 8 + j``, so that the activations each nibble position meets
-    are contiguous (vector loads, shared by the ``BLOCK_N`` rows). A nibble becomes the float ``1 + q / 128`` by
-    moving it to bits 16-19 and setting the exponent bits of 1.0 (``ONE``, an argument: held in a register, the
-    mask and the exponent bits take one logical instruction, where two constants take two): a shift and a
-    logical operation per weight, no conversion and no subtraction. With ``w = (q - 8) s + zero`` per group,
-    the group's sum is ``128 s * sum(v x) + (zero - 136 s) * sum(x)``."""
+    are contiguous (vector loads, shared by the ``BLOCK_N`` rows). With ``w = (q - 8) s + zero`` per group, the
+    group's sum is ``s * sum((q - 8) x) + zero * sum(x)``.
+
+    float32 (not ``HALF2``): a nibble becomes the float ``1 + q / 128`` by moving it to bits 16-19 and setting the
+    exponent bits of 1.0 (``ONE``, an argument: held in a register, the mask and the exponent bits take one logical
+    instruction, where two constants take two): a shift and a logical operation per weight, no conversion and no
+    subtraction; the group's sum is then ``128 s * sum(v x) + (zero - 136 s) * sum(x)``.
+
+    ``HALF2``: each word's eight products are summed in float16 pairs (:func:`_nibble_dot`), about half the
+    instructions per weight, at float16's precision over eight terms before the float32 sum."""
     m, rn = _program_rows(M, BLOCK_N)
     x_row = x_ptr + m * K
     WORDS: tl.constexpr = GROUP // 8  # words per row and group
@@ -168,19 +258,35 @@ def _int4_gemv(
         word = g[:, None] * WORDS + rj[None, :]  # [GROUPS, WORDS]: index within the row
         packed = _load(w_rows + word[None, :, :], (rn[:, None, None] < N) & (g < NG)[None, :, None], EVEN)
         scales, zeros = _group_scales(s_ptr, z_ptr, rn, g, N, NG, EVEN)
-        partial = tl.zeros((BLOCK_N, GROUPS, WORDS), dtype=tl.float32)
-        x_sum = tl.zeros((GROUPS, WORDS), dtype=tl.float32)
-        for i in tl.static_range(8):
-            col = g[:, None] * GROUP + i * WORDS + rj[None, :]  # [GROUPS, WORDS]
-            x = _load(x_row + col, col < K, EVEN).to(tl.float32)
-            if 4 * i <= 16:
-                moved = packed << (16 - 4 * i)
-            else:
-                moved = packed >> (4 * i - 16)
-            partial += ((moved & 0x000F0000) | ONE).to(tl.float32, bitcast=True) * x[None, :, :]
-            x_sum += x
-        acc += partial * (128.0 * scales)[:, :, None]
-        acc_offset += (zeros - (128.0 + 8.0) * scales) * tl.sum(x_sum, axis=1)[None, :]
+        col = g[:, None] * GROUP + rj[None, :]  # [GROUPS, WORDS]: the columns nibble 0 meets
+        if HALF2:
+            x0 = _activations(x_row, col, K, EVEN)
+            x1 = _activations(x_row, col + WORDS, K, EVEN)
+            x2 = _activations(x_row, col + 2 * WORDS, K, EVEN)
+            x3 = _activations(x_row, col + 3 * WORDS, K, EVEN)
+            x4 = _activations(x_row, col + 4 * WORDS, K, EVEN)
+            x5 = _activations(x_row, col + 5 * WORDS, K, EVEN)
+            x6 = _activations(x_row, col + 6 * WORDS, K, EVEN)
+            x7 = _activations(x_row, col + 7 * WORDS, K, EVEN)
+            partial = _nibble_dot(packed, x0, x1, x2, x3, x4, x5, x6, x7, ASM)
+            acc += partial * scales[:, :, None]
+            x_sum = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
+            acc_offset += zeros * tl.sum(x_sum, axis=1)[None, :]
+        else:
+            partial = tl.zeros((BLOCK_N, GROUPS, WORDS), dtype=tl.float32)
+            x_sum = tl.zeros((GROUPS, WORDS), dtype=tl.float32)
+            for i in tl.static_range(8):
+                x = _activations(x_row, col + i * WORDS, K, EVEN)
+                if 4 * i <= 16:
+                    moved = packed << (16 - 4 * i)
+                else:
+                    moved = packed >> (4 * i - 16)
+                partial += ((moved & 0x000F0000) | ONE).to(tl.float32, bitcast=True) * x[None, :, :]
+                x_sum += x
+            acc += partial * (128.0 * scales)[:, :, None]
+            acc_offset += (zeros - (128.0 + 8.0) * scales) * tl.sum(x_sum, axis=1)[None, :]
+    if HALF2:
+        acc = acc * HALF2_SCALE
     _store_int4(y_ptr, m, N, rn, acc, acc_offset)
 
 
@@ -244,14 +350,24 @@ def int8_gemv(
 
 
 ONE_BITS = 0x3F800000  # the float 1.0 (see _int4_gemv)
-WIDE_ROWS = 8192  # int4 matrices of at least this many rows take taller tiles (int4_launch)
+WIDE_ROWS = 8192  # float32 int4 matrices of at least this many rows take taller tiles (int4_launch)
+HALF2_WIDE_ROWS = 16384  # 16-bit int4 matrices of at least this many rows take shorter steps (int4_launch)
 
 
-def int4_launch(n: int, group_size: int) -> Launch:
-    """The tile for an int4 matrix of n rows: 8 groups per step and one warp; 8 rows per program for a wide matrix,
-    1 for a narrower one (more programs to keep the GPU's memory busy). The best summed times over the
-    Llama-2-7B, Llama-3-8B and SmolLM2 matrices in ``scripts/quant_gemv.py --sweep`` on an H200, those of at
-    least 8192 rows and those of fewer apart (BENCHMARKS.md, twelfth session)."""
+def int4_launch(n: int, group_size: int, half2: bool = True) -> Launch:
+    """The tile for an int4 matrix of n rows, from ``scripts/quant_gemv.py --sweep`` on an H200 (BENCHMARKS.md):
+
+    - ``half2`` (16-bit activations; products summed in float16 pairs): 16 rows, 2 groups per step and one warp for
+      the widest matrices (Llama-2-7B's ``w13`` and output head), otherwise 8 rows, 8 groups and 4 warps (the best
+      single tile over a Llama-2-7B layer's four matrices; twenty-third session);
+    - float32 activations: 8 groups per step and one warp; 8 rows per program for a wide matrix, 1 for a narrower
+      one (the best summed times of each set; twelfth session)."""
+    if half2:
+        return (
+            Launch(16, 2 * group_size, 1, half2=True)
+            if n >= HALF2_WIDE_ROWS
+            else Launch(8, 8 * group_size, 4, half2=True)
+        )
     return Launch(8 if n >= WIDE_ROWS else 1, 8 * group_size, 1)
 
 
@@ -268,7 +384,7 @@ def int4_gemv(
     [M, N]; ``words`` from :func:`gpt_fast.quant.kernels.group_interleave`."""
     m, k = x.shape
     n, n_groups = scales.shape
-    launch = launch or int4_launch(n, group_size)
+    launch = launch or int4_launch(n, group_size, half2=x.dtype != torch.float32)
     y, grid, even, _ = _prelude(x, n, launch)
     wrap(_int4_gemv)[grid](
         x,
@@ -285,6 +401,8 @@ def int4_gemv(
         GROUPS=launch.block_k // group_size,
         GROUP=group_size,
         EVEN=even,
+        HALF2=launch.half2 and x.dtype != torch.float32,
+        ASM=x.is_cuda,
         num_warps=launch.warps,
     )
     return y
