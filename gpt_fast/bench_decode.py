@@ -327,7 +327,7 @@ def run_benchmark(
         for lay in layers
         for lin in linear
     }
-    runners |= quantized_runners(subject, quantize, write)
+    runners |= quantized_runners(subject, quantize, write, linear)
     if peers:
         try:
             import transformers
@@ -380,16 +380,19 @@ def release_memory(device: torch.device) -> None:
 
 
 def quantized_runners(
-    subject: Subject, schemes: Sequence[QuantConfig], write: Callable[[str], None]
+    subject: Subject, schemes: Sequence[QuantConfig], write: Callable[[str], None], linear: Sequence[str] = ("auto",)
 ) -> dict[str, Builder]:
     """The rows of ``--quantize``: ours per scheme (int4 on a CUDA GPU: with our Triton kernel, the automatic
-    choice, and with PyTorch's tinygemm), upstream's int8, torchao's where importable."""
+    choice, and with PyTorch's tinygemm), upstream's int8, torchao's where importable. Ours once per ``linear``
+    kernel where there are several (``triton`` launches our quantized kernels with PDL in CUDA-graph steps)."""
     runners: dict[str, Builder] = {}
     torchao = importlib.util.find_spec("torchao") is not None
     if schemes and not torchao:
         write("torchao is not importable: its rows skipped")
     for scheme in schemes:
-        runners[f"gpt-fast {subject.mode} {scheme.name}"] = functools.partial(ours_runners, subject, scheme)
+        for lin in linear:
+            name = f"gpt-fast {subject.mode} {scheme.name}" + (f" linear-{lin}" if len(linear) > 1 else "")
+            runners[name] = functools.partial(ours_runners, subject, scheme, linear=lin)
         if scheme.mode == "int4" and triton_usable(subject.device):
             runners[f"gpt-fast {subject.mode} {scheme.name} tinygemm"] = functools.partial(
                 ours_runners, subject, scheme, "aten"
@@ -467,7 +470,8 @@ def main(argv: list[str] | None = None) -> None:
         "--linear_kernels",
         default="auto",
         help="Our rows' unquantized linear layers in one-row decode steps, comma-separated: auto, triton (our GEMV "
-        "with programmatic dependent launch), torch (cuBLAS or inductor).",
+        "with programmatic dependent launch; our quantized kernels launched with it too), torch (cuBLAS or "
+        "inductor).",
     )
     parser.add_argument(
         "--regional_compile", action="store_true", help="Our rows compile one layer and reuse it for every layer."

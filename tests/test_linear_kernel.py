@@ -97,6 +97,25 @@ def test_the_torch_kernel_keeps_the_models_linears():
     assert not any(isinstance(m, DecodeLinear) for m in model.modules())
 
 
+def test_quantized_layers_with_the_triton_kernel_launch_it_with_pdl():
+    """``triton`` also asks the decoder layers' quantized layers that compute with our Triton kernel for its PDL
+    operator (their other kernels have none); the output head keeps its own launch."""
+    from gpt_fast.config import QuantConfig
+    from gpt_fast.quant.linear import QuantizedLinear, quantize_linears
+
+    with torch.device("meta"):
+        model = Transformer(TINY)
+    quantize_linears(model, TINY, QuantConfig("int4", 32, output=True))
+    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    for module in quantized:
+        module.kernel = "triton"
+    model.layers[0].attention.wo.kernel = "aten"
+    use_linear_kernel(model, "triton")
+    assert model.output.pdl is False and model.layers[0].attention.wo.pdl is False
+    assert sum(m.pdl for m in quantized) == 4 * TINY.n_layer - 1
+    assert not model.output.launch_pdl()  # eager calls never take it
+
+
 INTERPRETED = """
 import json, torch
 from gpt_fast.kernels.triton_linear import linear_gemv

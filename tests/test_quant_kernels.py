@@ -171,3 +171,43 @@ def test_triton_kernels_in_the_interpreter():
     worst, worst_half2 = map(float, result.stdout.split())
     assert worst < 1e-5
     assert worst_half2 < 2e-3
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+@pytest.mark.parametrize("name", ["_int8_gemv", "_int4_gemv"])
+def test_the_kernels_compile_for_an_h200_with_their_first_weights_loaded_before_the_wait(name):
+    """Launched with PDL (the ``_pdl`` operators), the first step's weights are loaded before
+    ``griddepcontrol.wait``, and dependents are released only after it (the rule of
+    :mod:`gpt_fast.kernels.triton_pdl`); the int4 kernel's float16-pairs PTX assembles for ``sm_90``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from gpt_fast.quant import triton_gemv
+
+    signature = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32"}
+    signature |= {"K": "i32"}
+    if name == "_int8_gemv":
+        signature |= {"ONE_SIGN": "i32"}
+        constants = {"BLOCK_N": 8, "BLOCK_K": 2048, "EVEN": True, "AS_WORDS": True, "PDL": True}
+        warps = 4
+    else:
+        signature = signature | {"z_ptr": "*bf16", "NG": "i32", "ONE": "i32"}
+        launch = triton_gemv.int4_launch(4096, 128)
+        constants = {"BLOCK_N": launch.block_n, "GROUPS": launch.block_k // 128, "GROUP": 128, "EVEN": True}
+        constants |= {"HALF2": True, "ASM": True, "PDL": True}
+        warps = launch.warps
+    kernel = getattr(triton_gemv, name)
+    order = [p for p in kernel.arg_names if p in signature or p in constants]
+    signature = {p: signature.get(p, "constexpr") for p in order}
+    compiled = triton.compile(
+        ASTSource(kernel, signature, constexprs=constants),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": warps, "launch_pdl": True},
+    )
+    lines = compiled.asm["ptx"].splitlines()
+    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+    release = next(i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line)
+    assert any("ld.global" in line for line in lines[:wait])
+    assert release > wait
+    assert "cubin" in compiled.asm

@@ -30,6 +30,7 @@ from gpt_fast.config import ModelConfig
 from gpt_fast.kernels.gated_activation import large_mlp
 from gpt_fast.model import FeedForward, Transformer
 from gpt_fast.quant.kernels import resolve_kernel_choice, triton_usable
+from gpt_fast.quant.linear import QuantizedLinear
 
 LINEAR_KERNELS = ("auto", "triton", "torch")
 PDL_MODES = ("reduce-overhead", "max-autotune")  # the compile modes that run decode steps in CUDA graphs
@@ -122,9 +123,12 @@ def swap_linears(root: nn.Module, cls: type[nn.Linear]) -> None:
 def use_linear_kernel(model: Transformer, kernel: str) -> None:
     """Give the linear layers of ``model``'s decoder layers the kernel ``kernel`` (a name
     :func:`resolve_linear_kernel` returned): ``triton``, :class:`DecodeLinear`, and to each gated MLP whose ``w13``
-    it is, :func:`gated_gemv`; ``torch``, none (``nn.Linear``). Quantized layers and the output head keep theirs."""
+    it is, :func:`gated_gemv`, and to quantized layers computing with their ``triton`` kernel, its operator
+    launched with PDL in compiled steps; ``torch``, none (``nn.Linear``). The output head keeps its own."""
     if kernel == "triton":
         swap_linears(model.layers, DecodeLinear)
         for module in model.layers.modules():
             if isinstance(module, FeedForward) and isinstance(module.w13, DecodeLinear):
                 module.gated_kernel = gated_gemv
+            if isinstance(module, QuantizedLinear):
+                module.pdl = module.kernel == "triton"

@@ -73,12 +73,19 @@ def resolve_kernel(kernel: str, device: torch.device) -> str:
 
 @functools.cache
 def register_triton_ops() -> None:
-    """Register the Triton kernels as the operators ``torch.ops.gpt_fast.int8_gemv`` and ``int4_gemv``.
+    """Register the Triton kernels as the operators ``torch.ops.gpt_fast.int8_gemv`` and ``int4_gemv``, and as
+    ``int8_gemv_pdl`` and ``int4_gemv_pdl``, launched with programmatic dependent launch
+    (:mod:`gpt_fast.kernels.triton_pdl`).
+
+    The first two are ``triton_op``: inductor places their kernels in its own generated code, and launches them
+    without PDL. The ``_pdl`` ones are opaque ``custom_op`` that launch their kernels themselves, for the decode
+    steps captured in CUDA graphs (:func:`gpt_fast.kernels.linear.use_linear_kernel` asks for them), where
+    launching from Python costs nothing per step.
 
     Called when a layer is given the ``triton`` kernel, eagerly, before any compilation: ``torch.compile`` cannot
     trace a registration (it graph-breaks on it, and a CUDA-graph mode then fails), so the forward pass only
     calls the registered operators. Nothing happens at import."""
-    from torch.library import triton_op, wrap_triton
+    from torch.library import custom_op, triton_op, wrap_triton
 
     from gpt_fast.quant import triton_gemv
 
@@ -92,13 +99,37 @@ def register_triton_ops() -> None:
     ) -> torch.Tensor:
         return triton_gemv.int4_gemv(x, words, scales, zeros, group_size, wrap=wrap_triton)
 
+    @custom_op("gpt_fast::int8_gemv_pdl", mutates_args=())
+    def int8_gemv_pdl(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return triton_gemv.int8_gemv(x, weight, scales, pdl=True)
 
-def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, kernel: str) -> torch.Tensor:
-    """``x`` [..., K] times the int8 ``weight`` [N, K] with per-channel ``scales`` [N] (in ``x``'s dtype)."""
+    @int8_gemv_pdl.register_fake
+    def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((x.shape[0], weight.shape[0]))
+
+    @custom_op("gpt_fast::int4_gemv_pdl", mutates_args=())
+    def int4_gemv_pdl(
+        x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+    ) -> torch.Tensor:
+        return triton_gemv.int4_gemv(x, words, scales, zeros, group_size, pdl=True)
+
+    @int4_gemv_pdl.register_fake
+    def _(
+        x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+    ) -> torch.Tensor:
+        return x.new_empty((x.shape[0], scales.shape[0]))
+
+
+def int8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, kernel: str, pdl: bool = False
+) -> torch.Tensor:
+    """``x`` [..., K] times the int8 ``weight`` [N, K] with per-channel ``scales`` [N] (in ``x``'s dtype);
+    ``pdl``: the ``triton`` kernel's operator launched with PDL (see :func:`register_triton_ops`)."""
     rows = x.reshape(-1, x.shape[-1])
     few = rows.shape[0] <= FEW_ROWS
     if kernel == "triton" and few:
-        out = torch.ops.gpt_fast.int8_gemv(rows.contiguous(), weight, scales)
+        gemv = torch.ops.gpt_fast.int8_gemv_pdl if pdl else torch.ops.gpt_fast.int8_gemv
+        out = gemv(rows.contiguous(), weight, scales)
     elif kernel == "aten" and few:
         out = torch.ops.aten._weight_int8pack_mm(rows, weight, scales)
     else:
@@ -141,11 +172,17 @@ def group_interleave(weight: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def int4_triton_linear(
-    rows: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+    rows: torch.Tensor,
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """``rows`` [M, K] (few) times a weight repacked for our Triton kernel (:func:`group_interleave`, see
-    :class:`gpt_fast.quant.linear.Int4Linear`)."""
-    return torch.ops.gpt_fast.int4_gemv(rows.contiguous(), words, scales, zeros, group_size)
+    :class:`gpt_fast.quant.linear.Int4Linear`); ``pdl`` as for :func:`int8_linear`."""
+    gemv = torch.ops.gpt_fast.int4_gemv_pdl if pdl else torch.ops.gpt_fast.int4_gemv
+    return gemv(rows.contiguous(), words, scales, zeros, group_size)
 
 
 def int4_aten_linear(

@@ -44,6 +44,7 @@ class QuantizedLinear(nn.Module):
             setattr(self, name, _frozen(shape, dtype))
         self.bias = _frozen((out_features,), torch.float32) if bias else None
         self.kernel = "dequant"
+        self.pdl = False  # compiled steps launch the triton kernel with PDL (set by use_linear_kernel)
 
     def prepare(self, kernel: str) -> None:
         """Compute with ``kernel`` as :func:`gpt_fast.quant.kernels.resolve_kernel` resolved it."""
@@ -52,12 +53,17 @@ class QuantizedLinear(nn.Module):
     def biased(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.bias is None else y + self.bias
 
+    def launch_pdl(self) -> bool:
+        """Whether this call's ``triton`` kernel is launched with PDL: asked for, and in a compiled step (eager
+        steps and prefills are not captured in CUDA graphs, where launching from Python would cost time)."""
+        return self.pdl and torch.compiler.is_compiling()
+
 
 class Int8Linear(QuantizedLinear):
     """``y = x @ (weight * scales[:, None]).T``: int8 weights [out, in], one scale per output channel."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.biased(int8_linear(x, self.weight, self.scales, self.kernel))
+        return self.biased(int8_linear(x, self.weight, self.scales, self.kernel, self.launch_pdl()))
 
 
 class Int4Linear(QuantizedLinear):
@@ -113,7 +119,7 @@ class Int4Linear(QuantizedLinear):
         if self.kernel == "aten" and few:
             out = int4_aten_linear(rows, self.packed, self.scales_and_zeros, self.group_size)
         elif self.kernel == "triton" and few:
-            out = int4_triton_linear(rows, self.words, self.scales, self.zeros, self.group_size)
+            out = int4_triton_linear(rows, self.words, self.scales, self.zeros, self.group_size, self.launch_pdl())
         else:
             out = int4_linear(rows, self.weight, self.scales, self.zeros, self.group_size)
         return self.biased(out.reshape(*x.shape[:-1], out.shape[-1]))

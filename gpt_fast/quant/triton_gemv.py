@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gpt_fast.kernels.triton_pdl import NO_PDL, pdl_launch, wait_for_inputs
+
 
 @dataclass(frozen=True)
 class Launch:
@@ -59,6 +61,19 @@ def _load(pointers, mask, EVEN: tl.constexpr):
     else:
         value = tl.load(pointers, mask=mask, other=0)
     return value
+
+
+@triton.jit
+def _int8_words(w_rows, rn, word, N, kw, EVEN: tl.constexpr):
+    """The int8 weights of channels ``rn`` [BLOCK_N] as 32-bit words ``word`` [WORDS] (zeros outside)."""
+    return _load(w_rows + word[None, :], (rn[:, None] < N) & (word[None, :] < kw), EVEN)
+
+
+@triton.jit
+def _int4_words(w_rows, rn, g, rj, N, NG, WORDS: tl.constexpr, EVEN: tl.constexpr):
+    """The int4 words [BLOCK_N, GROUPS, WORDS] of channels ``rn``, groups ``g`` (zeros outside)."""
+    word = g[:, None] * WORDS + rj[None, :]  # [GROUPS, WORDS]: index within the row
+    return _load(w_rows + word[None, :, :], (rn[:, None, None] < N) & (g < NG)[None, :, None], EVEN)
 
 
 @triton.jit
@@ -103,12 +118,14 @@ def _int8_gemv(
     BLOCK_K: tl.constexpr,
     EVEN: tl.constexpr,
     AS_WORDS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """int8 weights read a byte at a time and converted to float32 by the hardware, or (``AS_WORDS``, the weights
     given as int32) as 32-bit words of 4, each byte ``q`` becoming the float ``1 + (q + 128) / 256`` as in the int4
     kernel: moved to bits 15-22, its sign bit flipped and the exponent bits of 1.0 set by one logical operation
     with ``ONE_SIGN`` (an argument, held in a register), a shift and that operation per weight, no conversion and no
-    subtraction. The row's sum is then ``256 * sum(v x) - 384 * sum(x)``."""
+    subtraction. The row's sum is then ``256 * sum(v x) - 384 * sum(x)``. Each step's words are loaded a step
+    ahead, the first before the wait for the activations (``PDL``, :mod:`gpt_fast.kernels.triton_pdl`)."""
     m, rn = _program_rows(M, BLOCK_N)
     x_row = x_ptr + m * K
     if AS_WORDS:
@@ -117,9 +134,11 @@ def _int8_gemv(
         w_rows = w_ptr + rn.to(tl.int64)[:, None] * kw
         acc = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
         x_sum = tl.zeros((WORDS,), dtype=tl.float32)
+        packed = _int8_words(w_rows, rn, tl.arange(0, WORDS), N, kw, EVEN)
+        wait_for_inputs(PDL)
         for w0 in range(0, kw, WORDS):
             word = w0 + tl.arange(0, WORDS)
-            packed = _load(w_rows + word[None, :], (rn[:, None] < N) & (word[None, :] < kw), EVEN)
+            upcoming = _int8_words(w_rows, rn, word + WORDS, N, kw, False)  # past the last step: masked
             for i in tl.static_range(4):
                 x = _load(x_row + 4 * word + i, word < kw, EVEN).to(tl.float32)
                 if 8 * i <= 15:
@@ -128,8 +147,10 @@ def _int8_gemv(
                     moved = packed >> (8 * i - 15)
                 acc += ((moved & 0x007F8000) ^ ONE_SIGN).to(tl.float32, bitcast=True) * x[None, :]
                 x_sum += x
+            packed = upcoming
         _store_int8(y_ptr, s_ptr, m, N, rn, 256.0 * acc - 384.0 * x_sum[None, :])
     else:
+        wait_for_inputs(PDL)
         w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -232,6 +253,7 @@ def _int4_gemv(
     EVEN: tl.constexpr,
     HALF2: tl.constexpr,
     ASM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """int4 weights in the words of :func:`gpt_fast.quant.kernels.group_interleave`: nibble ``i`` of a group's
     word ``j`` is the group's column ``i * GROUP / 8 + j``, so that the activations each nibble position meets
@@ -244,7 +266,9 @@ def _int4_gemv(
     subtraction; the group's sum is then ``128 s * sum(v x) + (zero - 136 s) * sum(x)``.
 
     ``HALF2``: each word's eight products are summed in float16 pairs (:func:`_nibble_dot`), about half the
-    instructions per weight, at float16's precision over eight terms before the float32 sum."""
+    instructions per weight, at float16's precision over eight terms before the float32 sum. Each step's words are
+    loaded a step ahead, the first before the wait for the activations (``PDL``,
+    :mod:`gpt_fast.kernels.triton_pdl`)."""
     m, rn = _program_rows(M, BLOCK_N)
     x_row = x_ptr + m * K
     WORDS: tl.constexpr = GROUP // 8  # words per row and group
@@ -253,10 +277,15 @@ def _int4_gemv(
     w_rows = w_ptr + rn.to(tl.int64)[:, None, None] * (NG * WORDS)
     acc = tl.zeros((BLOCK_N, GROUPS, WORDS), dtype=tl.float32)
     acc_offset = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
+    if HALF2:
+        packed = _int4_words(w_rows, rn, rg, rj, N, NG, WORDS, EVEN)
+    wait_for_inputs(PDL)
     for g0 in range(0, NG, GROUPS):
         g = g0 + rg
-        word = g[:, None] * WORDS + rj[None, :]  # [GROUPS, WORDS]: index within the row
-        packed = _load(w_rows + word[None, :, :], (rn[:, None, None] < N) & (g < NG)[None, :, None], EVEN)
+        if HALF2:
+            upcoming = _int4_words(w_rows, rn, g + GROUPS, rj, N, NG, WORDS, False)  # past the last step: masked
+        else:
+            packed = _int4_words(w_rows, rn, g, rj, N, NG, WORDS, EVEN)
         scales, zeros = _group_scales(s_ptr, z_ptr, rn, g, N, NG, EVEN)
         col = g[:, None] * GROUP + rj[None, :]  # [GROUPS, WORDS]: the columns nibble 0 meets
         if HALF2:
@@ -272,6 +301,7 @@ def _int4_gemv(
             acc += partial * scales[:, :, None]
             x_sum = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
             acc_offset += zeros * tl.sum(x_sum, axis=1)[None, :]
+            packed = upcoming
         else:
             partial = tl.zeros((BLOCK_N, GROUPS, WORDS), dtype=tl.float32)
             x_sum = tl.zeros((GROUPS, WORDS), dtype=tl.float32)
@@ -325,8 +355,10 @@ def int8_gemv(
     scales: torch.Tensor,
     launch: Launch | None = None,
     wrap: Wrap = _unwrapped,
+    pdl: bool = False,
 ) -> torch.Tensor:
-    """``x`` [M, K] @ (``weight`` [N, K] int8 × ``scales`` [N]).T -> [M, N] in ``x``'s dtype."""
+    """``x`` [M, K] @ (``weight`` [N, K] int8 × ``scales`` [N]).T -> [M, N] in ``x``'s dtype; ``pdl``: launched
+    with programmatic dependent launch where the GPU has it."""
     m, k = x.shape
     n = weight.shape[0]
     launch = launch or int8_launch(n, k)
@@ -345,6 +377,7 @@ def int8_gemv(
         EVEN=even,
         AS_WORDS=words,
         num_warps=launch.warps,
+        **(pdl_launch(x.device) if pdl else NO_PDL),
     )
     return y
 
@@ -379,9 +412,10 @@ def int4_gemv(
     group_size: int,
     launch: Launch | None = None,
     wrap: Wrap = _unwrapped,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """``x`` [M, K] @ dequantized(``words`` [N, G * group_size / 8] int32, ``scales``/``zeros`` [N, G]).T ->
-    [M, N]; ``words`` from :func:`gpt_fast.quant.kernels.group_interleave`."""
+    [M, N]; ``words`` from :func:`gpt_fast.quant.kernels.group_interleave`; ``pdl`` as for :func:`int8_gemv`."""
     m, k = x.shape
     n, n_groups = scales.shape
     launch = launch or int4_launch(n, group_size, half2=x.dtype != torch.float32)
@@ -404,5 +438,6 @@ def int4_gemv(
         HALF2=launch.half2 and x.dtype != torch.float32,
         ASM=x.is_cuda,
         num_warps=launch.warps,
+        **(pdl_launch(x.device) if pdl else NO_PDL),
     )
     return y
