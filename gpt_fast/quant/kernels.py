@@ -10,8 +10,8 @@ measured 25 to 50 times slower than dequantize-then-``F.linear`` on the CPU for 
   capture them). The choice on CUDA, compiled or not. int8: in a compiled 7B step it was measured faster than
   inductor's own dequantizing GEMV (which folds the RMSNorm into its prologue), and the same in every build, where
   inductor's varies with its coordinate-descent tuning (BENCHMARKS.md, eighteenth session). int4: with 16-bit
-  activations its products are summed in float16 pairs, which made it faster than tinygemm on every Llama-2-7B
-  matrix but ``w2`` (level) and the 7B step 3 % faster (twenty-third session).
+  activations its products are summed in float16 pairs, which made it faster than tinygemm on the wide Llama-2-7B
+  matrices (level on ``wo`` and ``w2``) and the 7B step 3 % faster, 9 % with PDL (twenty-third session).
 - ``aten``: PyTorch's own weight-only kernels, ``torch.ops.aten._weight_int8pack_mm``, and for int4
   ``_weight_int4pack_mm_for_cpu`` or CUDA's tinygemm ``_weight_int4pack_mm`` (on a copy of the weights repacked
   once at load, :mod:`gpt_fast.quant.linear`). The CPU's choice: they read the weights as they are, where

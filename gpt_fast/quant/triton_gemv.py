@@ -70,6 +70,20 @@ def _int8_words(w_rows, rn, word, N, kw, EVEN: tl.constexpr):
 
 
 @triton.jit
+def _int8_word_step(packed, x_row, word, kw, ONE_SIGN, acc, x_sum, EVEN: tl.constexpr):
+    """One step of :func:`_int8_gemv` over the words ``packed`` [BLOCK_N, WORDS]: the new ``acc`` and ``x_sum``."""
+    for i in tl.static_range(4):
+        x = _load(x_row + 4 * word + i, word < kw, EVEN).to(tl.float32)
+        if 8 * i <= 15:
+            moved = packed << (15 - 8 * i)
+        else:
+            moved = packed >> (8 * i - 15)
+        acc += ((moved & 0x007F8000) ^ ONE_SIGN).to(tl.float32, bitcast=True) * x[None, :]
+        x_sum += x
+    return acc, x_sum
+
+
+@triton.jit
 def _int4_words(w_rows, rn, g, rj, N, NG, WORDS: tl.constexpr, EVEN: tl.constexpr):
     """The int4 words [BLOCK_N, GROUPS, WORDS] of channels ``rn``, groups ``g`` (zeros outside)."""
     word = g[:, None] * WORDS + rj[None, :]  # [GROUPS, WORDS]: index within the row
@@ -124,8 +138,8 @@ def _int8_gemv(
     given as int32) as 32-bit words of 4, each byte ``q`` becoming the float ``1 + (q + 128) / 256`` as in the int4
     kernel: moved to bits 15-22, its sign bit flipped and the exponent bits of 1.0 set by one logical operation
     with ``ONE_SIGN`` (an argument, held in a register), a shift and that operation per weight, no conversion and no
-    subtraction. The row's sum is then ``256 * sum(v x) - 384 * sum(x)``. Each step's words are loaded a step
-    ahead, the first before the wait for the activations (``PDL``, :mod:`gpt_fast.kernels.triton_pdl`)."""
+    subtraction. The row's sum is then ``256 * sum(v x) - 384 * sum(x)``. The first step's words are loaded before
+    the wait for the activations (``PDL``, :mod:`gpt_fast.kernels.triton_pdl`)."""
     m, rn = _program_rows(M, BLOCK_N)
     x_row = x_ptr + m * K
     if AS_WORDS:
@@ -134,20 +148,14 @@ def _int8_gemv(
         w_rows = w_ptr + rn.to(tl.int64)[:, None] * kw
         acc = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
         x_sum = tl.zeros((WORDS,), dtype=tl.float32)
-        packed = _int8_words(w_rows, rn, tl.arange(0, WORDS), N, kw, EVEN)
+        word = tl.arange(0, WORDS)
+        packed = _int8_words(w_rows, rn, word, N, kw, EVEN)
         wait_for_inputs(PDL)
-        for w0 in range(0, kw, WORDS):
+        acc, x_sum = _int8_word_step(packed, x_row, word, kw, ONE_SIGN, acc, x_sum, EVEN)
+        for w0 in range(WORDS, kw, WORDS):
             word = w0 + tl.arange(0, WORDS)
-            upcoming = _int8_words(w_rows, rn, word + WORDS, N, kw, False)  # past the last step: masked
-            for i in tl.static_range(4):
-                x = _load(x_row + 4 * word + i, word < kw, EVEN).to(tl.float32)
-                if 8 * i <= 15:
-                    moved = packed << (15 - 8 * i)
-                else:
-                    moved = packed >> (8 * i - 15)
-                acc += ((moved & 0x007F8000) ^ ONE_SIGN).to(tl.float32, bitcast=True) * x[None, :]
-                x_sum += x
-            packed = upcoming
+            packed = _int8_words(w_rows, rn, word, N, kw, EVEN)
+            acc, x_sum = _int8_word_step(packed, x_row, word, kw, ONE_SIGN, acc, x_sum, EVEN)
         _store_int8(y_ptr, s_ptr, m, N, rn, 256.0 * acc - 384.0 * x_sum[None, :])
     else:
         wait_for_inputs(PDL)
@@ -236,6 +244,59 @@ def _nibble_term(packed, i: tl.constexpr, x):
 
 
 @triton.jit
+def _int4_step(
+    packed,
+    x_row,
+    s_ptr,
+    z_ptr,
+    rn,
+    g,
+    rj,
+    N,
+    K,
+    NG,
+    ONE,
+    acc,
+    acc_offset,
+    GROUP: tl.constexpr,
+    EVEN: tl.constexpr,
+    HALF2: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """One step of :func:`_int4_gemv` over the words ``packed`` [BLOCK_N, GROUPS, WORDS] of groups ``g``: the new
+    ``acc`` and ``acc_offset``."""
+    WORDS: tl.constexpr = GROUP // 8
+    scales, zeros = _group_scales(s_ptr, z_ptr, rn, g, N, NG, EVEN)
+    col = g[:, None] * GROUP + rj[None, :]  # [GROUPS, WORDS]: the columns nibble 0 meets
+    if HALF2:
+        x0 = _activations(x_row, col, K, EVEN)
+        x1 = _activations(x_row, col + WORDS, K, EVEN)
+        x2 = _activations(x_row, col + 2 * WORDS, K, EVEN)
+        x3 = _activations(x_row, col + 3 * WORDS, K, EVEN)
+        x4 = _activations(x_row, col + 4 * WORDS, K, EVEN)
+        x5 = _activations(x_row, col + 5 * WORDS, K, EVEN)
+        x6 = _activations(x_row, col + 6 * WORDS, K, EVEN)
+        x7 = _activations(x_row, col + 7 * WORDS, K, EVEN)
+        acc += _nibble_dot(packed, x0, x1, x2, x3, x4, x5, x6, x7, ASM) * scales[:, :, None]
+        x_sum = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
+        acc_offset += zeros * tl.sum(x_sum, axis=1)[None, :]
+    else:
+        partial = tl.zeros(packed.shape, dtype=tl.float32)
+        x_sum = tl.zeros(col.shape, dtype=tl.float32)
+        for i in tl.static_range(8):
+            x = _activations(x_row, col + i * WORDS, K, EVEN)
+            if 4 * i <= 16:
+                moved = packed << (16 - 4 * i)
+            else:
+                moved = packed >> (4 * i - 16)
+            partial += ((moved & 0x000F0000) | ONE).to(tl.float32, bitcast=True) * x[None, :, :]
+            x_sum += x
+        acc += partial * (128.0 * scales)[:, :, None]
+        acc_offset += (zeros - (128.0 + 8.0) * scales) * tl.sum(x_sum, axis=1)[None, :]
+    return acc, acc_offset
+
+
+@triton.jit
 def _int4_gemv(
     x_ptr,
     w_ptr,
@@ -266,8 +327,9 @@ def _int4_gemv(
     subtraction; the group's sum is then ``128 s * sum(v x) + (zero - 136 s) * sum(x)``.
 
     ``HALF2``: each word's eight products are summed in float16 pairs (:func:`_nibble_dot`), about half the
-    instructions per weight, at float16's precision over eight terms before the float32 sum. Each step's words are
-    loaded a step ahead, the first before the wait for the activations (``PDL``,
+    instructions per weight, at float16's precision over eight terms before the float32 sum.
+
+    Either way the first step's words are loaded before the wait for the activations (``PDL``,
     :mod:`gpt_fast.kernels.triton_pdl`)."""
     m, rn = _program_rows(M, BLOCK_N)
     x_row = x_ptr + m * K
@@ -277,44 +339,17 @@ def _int4_gemv(
     w_rows = w_ptr + rn.to(tl.int64)[:, None, None] * (NG * WORDS)
     acc = tl.zeros((BLOCK_N, GROUPS, WORDS), dtype=tl.float32)
     acc_offset = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
-    if HALF2:
-        packed = _int4_words(w_rows, rn, rg, rj, N, NG, WORDS, EVEN)
+    packed = _int4_words(w_rows, rn, rg, rj, N, NG, WORDS, EVEN)
     wait_for_inputs(PDL)
-    for g0 in range(0, NG, GROUPS):
+    acc, acc_offset = _int4_step(
+        packed, x_row, s_ptr, z_ptr, rn, rg, rj, N, K, NG, ONE, acc, acc_offset, GROUP, EVEN, HALF2, ASM
+    )
+    for g0 in range(GROUPS, NG, GROUPS):
         g = g0 + rg
-        if HALF2:
-            upcoming = _int4_words(w_rows, rn, g + GROUPS, rj, N, NG, WORDS, False)  # past the last step: masked
-        else:
-            packed = _int4_words(w_rows, rn, g, rj, N, NG, WORDS, EVEN)
-        scales, zeros = _group_scales(s_ptr, z_ptr, rn, g, N, NG, EVEN)
-        col = g[:, None] * GROUP + rj[None, :]  # [GROUPS, WORDS]: the columns nibble 0 meets
-        if HALF2:
-            x0 = _activations(x_row, col, K, EVEN)
-            x1 = _activations(x_row, col + WORDS, K, EVEN)
-            x2 = _activations(x_row, col + 2 * WORDS, K, EVEN)
-            x3 = _activations(x_row, col + 3 * WORDS, K, EVEN)
-            x4 = _activations(x_row, col + 4 * WORDS, K, EVEN)
-            x5 = _activations(x_row, col + 5 * WORDS, K, EVEN)
-            x6 = _activations(x_row, col + 6 * WORDS, K, EVEN)
-            x7 = _activations(x_row, col + 7 * WORDS, K, EVEN)
-            partial = _nibble_dot(packed, x0, x1, x2, x3, x4, x5, x6, x7, ASM)
-            acc += partial * scales[:, :, None]
-            x_sum = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
-            acc_offset += zeros * tl.sum(x_sum, axis=1)[None, :]
-            packed = upcoming
-        else:
-            partial = tl.zeros((BLOCK_N, GROUPS, WORDS), dtype=tl.float32)
-            x_sum = tl.zeros((GROUPS, WORDS), dtype=tl.float32)
-            for i in tl.static_range(8):
-                x = _activations(x_row, col + i * WORDS, K, EVEN)
-                if 4 * i <= 16:
-                    moved = packed << (16 - 4 * i)
-                else:
-                    moved = packed >> (4 * i - 16)
-                partial += ((moved & 0x000F0000) | ONE).to(tl.float32, bitcast=True) * x[None, :, :]
-                x_sum += x
-            acc += partial * (128.0 * scales)[:, :, None]
-            acc_offset += (zeros - (128.0 + 8.0) * scales) * tl.sum(x_sum, axis=1)[None, :]
+        packed = _int4_words(w_rows, rn, g, rj, N, NG, WORDS, EVEN)
+        acc, acc_offset = _int4_step(
+            packed, x_row, s_ptr, z_ptr, rn, g, rj, N, K, NG, ONE, acc, acc_offset, GROUP, EVEN, HALF2, ASM
+        )
     if HALF2:
         acc = acc * HALF2_SCALE
     _store_int4(y_ptr, m, N, rn, acc, acc_offset)
