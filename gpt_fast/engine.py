@@ -62,6 +62,7 @@ from gpt_fast.paths import CHECKPOINTS_DIR
 from gpt_fast.precompile import PrecompiledStep
 from gpt_fast.profiling import record_trace
 from gpt_fast.quant.kernels import KERNELS
+from gpt_fast.quant.linear import launch_with_pdl
 from gpt_fast.sampling import SamplingConfig
 from gpt_fast.scoring import token_log_likelihoods
 from gpt_fast.slots import SlotSteps, make_slot_steps
@@ -387,6 +388,7 @@ class Engine:
         use_activation_kernel(self._model, self.activation_kernel)
         use_layers_kernel(self._model, self.layers_kernel)
         use_linear_kernel(self._model, self.linear_kernel)
+        launch_with_pdl(self._model.layers, self.linear_kernel == "triton")
         if self.options.batch_invariant:
             use_invariant_kernels(self._model, self.device)
         self._model.regional_compile = self.options.regional_compile

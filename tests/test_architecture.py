@@ -50,7 +50,11 @@ QUANT_LAYERS = [
 
 @pytest.mark.parametrize("module", QUANT_LAYERS)
 def test_the_quantized_layers_import_only_the_model_and_each_other(module):
-    assert MODULES[module] <= {"config", "model", "cache", "quant", *QUANT_LAYERS}
+    assert MODULES[module] <= {"config", "model", "cache", "quant", "triton_pdl", *QUANT_LAYERS}
+
+
+def test_the_launch_helpers_shared_by_quant_and_kernels_import_nothing_of_ours():
+    assert MODULES["triton_pdl"] == set()
 
 
 def test_tensor_parallelism_imports_only_the_model_and_its_quantized_layers():
@@ -67,7 +71,7 @@ KERNELS = sorted(m for m in MODULES if m.startswith("kernels."))
 
 @pytest.mark.parametrize("module", KERNELS)
 def test_the_kernels_import_only_the_model_and_each_other(module):
-    assert MODULES[module] <= {"config", "model", "cache", "quant.kernels", "kernels", *KERNELS}
+    assert MODULES[module] <= {"config", "model", "cache", "quant.kernels", "kernels", "triton_pdl", *KERNELS}
 
 
 @pytest.mark.parametrize("module", ["engine", "batching", "slots"])

@@ -54,7 +54,7 @@ def test_auto_is_the_model_code_on_the_cpu_and_triton_is_refused_there():
 def test_auto_takes_the_kernel_where_it_was_measured_faster(
     monkeypatch, shape, mode, capability, aot, single_gpu, expected
 ):
-    from gpt_fast.kernels import triton_pdl
+    from gpt_fast import triton_pdl
 
     gpu = torch.device("cuda")
     monkeypatch.setattr(linear, "triton_usable", lambda device: True)
@@ -95,25 +95,6 @@ def test_the_torch_kernel_keeps_the_models_linears():
     model = Transformer(TINY)
     use_linear_kernel(model, "torch")
     assert not any(isinstance(m, DecodeLinear) for m in model.modules())
-
-
-def test_quantized_layers_with_the_triton_kernel_launch_it_with_pdl():
-    """``triton`` also asks the decoder layers' quantized layers that compute with our Triton kernel for its PDL
-    operator (their other kernels have none); the output head keeps its own launch."""
-    from gpt_fast.config import QuantConfig
-    from gpt_fast.quant.linear import QuantizedLinear, quantize_linears
-
-    with torch.device("meta"):
-        model = Transformer(TINY)
-    quantize_linears(model, TINY, QuantConfig("int4", 32, output=True))
-    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    for module in quantized:
-        module.kernel = "triton"
-    model.layers[0].attention.wo.kernel = "aten"
-    use_linear_kernel(model, "triton")
-    assert model.output.pdl is False and model.layers[0].attention.wo.pdl is False
-    assert sum(m.pdl for m in quantized) == 4 * TINY.n_layer - 1
-    assert not model.output.launch_pdl()  # eager calls never take it
 
 
 INTERPRETED = """
@@ -211,7 +192,7 @@ def test_a_compiled_one_token_step_calls_the_kernel_and_matches_the_model():
 @pytest.mark.parametrize("name", ["_linear_gemv", "_gated_gemv"])
 def test_the_kernel_compiles_for_an_h200_with_its_weights_loaded_before_the_wait(name):
     """With PDL the first step's weights are loaded before ``griddepcontrol.wait``, and dependents are released
-    only after it (the rule of :mod:`gpt_fast.kernels.triton_pdl`)."""
+    only after it (the rule of :mod:`gpt_fast.triton_pdl`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource

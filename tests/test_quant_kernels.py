@@ -178,7 +178,7 @@ def test_triton_kernels_in_the_interpreter():
 def test_the_kernels_compile_for_an_h200_with_their_first_weights_loaded_before_the_wait(name):
     """Launched with PDL (the ``_pdl`` operators), the first step's weights are loaded before
     ``griddepcontrol.wait``, and dependents are released only after it (the rule of
-    :mod:`gpt_fast.kernels.triton_pdl`); the int4 kernel's float16-pairs PTX assembles for ``sm_90``."""
+    :mod:`gpt_fast.triton_pdl`); the int4 kernel's float16-pairs PTX assembles for ``sm_90``."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -211,3 +211,26 @@ def test_the_kernels_compile_for_an_h200_with_their_first_weights_loaded_before_
     assert any("ld.global" in line for line in lines[:wait])
     assert release > wait
     assert "cubin" in compiled.asm
+
+
+def test_only_layers_computing_with_the_triton_kernel_launch_it_with_pdl():
+    """``launch_with_pdl`` (the engine's call where our GEMVs are launched with PDL) reaches the quantized layers
+    under the root it is given that compute with the ``triton`` kernel; eager calls never take the PDL operator."""
+    from gpt_fast.model import Transformer
+    from gpt_fast.quant.linear import QuantizedLinear, launch_with_pdl, quantize_linears
+    from gpt_fast.shapes import get_shape
+
+    shape = get_shape("tiny")
+    with torch.device("meta"):
+        model = Transformer(shape)
+    quantize_linears(model, shape, QuantConfig("int4", 32, output=True))
+    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    for module in quantized:
+        module.kernel = "triton"
+    model.layers[0].attention.wo.kernel = "aten"
+    launch_with_pdl(model.layers, True)
+    assert model.output.pdl is False and model.layers[0].attention.wo.pdl is False
+    assert sum(m.pdl for m in quantized) == 4 * shape.n_layer - 1
+    assert not model.layers[1].attention.wo.launch_pdl()  # not compiling
+    launch_with_pdl(model.layers, False)
+    assert not any(m.pdl for m in quantized)

@@ -104,7 +104,7 @@ def fused_decode_attention(*args: object) -> torch.Tensor:
 
 
 def fused_decode_attention_pdl(*args: object) -> torch.Tensor:
-    """:func:`fused_decode_attention` launched with PDL (:mod:`gpt_fast.kernels.triton_pdl`)."""
+    """:func:`fused_decode_attention` launched with PDL (:mod:`gpt_fast.triton_pdl`)."""
     return torch.ops.gpt_fast.decode_attention_pdl(*args)
 
 

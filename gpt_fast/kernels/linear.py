@@ -30,7 +30,6 @@ from gpt_fast.config import ModelConfig
 from gpt_fast.kernels.gated_activation import large_mlp
 from gpt_fast.model import FeedForward, Transformer
 from gpt_fast.quant.kernels import resolve_kernel_choice, triton_usable
-from gpt_fast.quant.linear import QuantizedLinear
 
 LINEAR_KERNELS = ("auto", "triton", "torch")
 PDL_MODES = ("reduce-overhead", "max-autotune")  # the compile modes that run decode steps in CUDA graphs
@@ -65,7 +64,7 @@ def steps_with_pdl(device: torch.device, compile_mode: str) -> bool:
     """Whether decode steps run in CUDA graphs on a GPU whose kernels launch with PDL."""
     if compile_mode not in PDL_MODES or not triton_usable(device):
         return False
-    from gpt_fast.kernels.triton_pdl import pdl_usable
+    from gpt_fast.triton_pdl import pdl_usable
 
     return pdl_usable(device)
 
@@ -123,12 +122,10 @@ def swap_linears(root: nn.Module, cls: type[nn.Linear]) -> None:
 def use_linear_kernel(model: Transformer, kernel: str) -> None:
     """Give the linear layers of ``model``'s decoder layers the kernel ``kernel`` (a name
     :func:`resolve_linear_kernel` returned): ``triton``, :class:`DecodeLinear`, and to each gated MLP whose ``w13``
-    it is, :func:`gated_gemv`, and to quantized layers computing with their ``triton`` kernel, its operator
-    launched with PDL in compiled steps; ``torch``, none (``nn.Linear``). The output head keeps its own."""
+    it is, :func:`gated_gemv`; ``torch``, none (``nn.Linear``). Quantized layers and the output head keep theirs
+    (:func:`gpt_fast.quant.linear.launch_with_pdl` gives the quantized ones PDL where this kernel is ``triton``)."""
     if kernel == "triton":
         swap_linears(model.layers, DecodeLinear)
         for module in model.layers.modules():
             if isinstance(module, FeedForward) and isinstance(module.w13, DecodeLinear):
                 module.gated_kernel = gated_gemv
-            if isinstance(module, QuantizedLinear):
-                module.pdl = module.kernel == "triton"

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpt_fast.kernels.triton_pdl import NO_PDL, pdl_launch, wait_for_inputs
+from gpt_fast.triton_pdl import NO_PDL, pdl_launch, wait_for_inputs
 
 SPLIT_STEPS = 4  # loop steps per program in a decode step: a cache of S positions has ceil(S / (4 x step)) splits
 SPLIT_KEYS = 128  # batch-invariant steps: positions per program, at most (:func:`rows_launch`)
@@ -392,7 +392,7 @@ def _attend(
     pdl: dict[str, Any],
 ) -> torch.Tensor:
     """Launch the attention kernel (and the combination of its splits) over ``rows``, with the launch keywords
-    ``pdl`` (:func:`gpt_fast.kernels.triton_pdl.pdl_launch`); returns [R, H, D]."""
+    ``pdl`` (:func:`gpt_fast.triton_pdl.pdl_launch`); returns [R, H, D]."""
     n_rows, n_head, head_dim = rows.q.shape
     _, _, n_kv, max_len, _ = kv.shape
     assert rows.q.stride(-1) == rows.k.stride(-1) == rows.v.stride(-1) == 1 and kv.is_contiguous()
@@ -480,7 +480,7 @@ def decode_attention(
     ``first_row`` to ``first_row + B - 1`` are these rows (written in place at the position); ``input_pos`` [1]
     (shared) or [B, 1]. Scores are scaled by ``scale``, soft-capped by ``softcap`` when given, and only the last
     ``window`` positions are seen when given. ``pdl``: the kernels are launched with programmatic dependent launch
-    where the GPU has it, each waiting for its inputs before it reads any (:mod:`gpt_fast.kernels.triton_pdl`).
+    where the GPU has it, each waiting for its inputs before it reads any (:mod:`gpt_fast.triton_pdl`).
     Returns [B, 1, H, D] in ``q``'s dtype."""
     half = q.shape[-1] // 2
     rows = _Rows(

@@ -2,7 +2,7 @@
 
 Each program owns ``BLOCK_N`` output channels and walks the input dimension in steps of ``BLOCK_K`` columns,
 keeping a float32 partial product per loaded weight and reducing once at the end. The first step's weights are
-loaded before the kernel waits for its activations (:mod:`gpt_fast.kernels.triton_pdl`), so that in a CUDA graph
+loaded before the kernel waits for its activations (:mod:`gpt_fast.triton_pdl`), so that in a CUDA graph
 the loads start while the kernel before it drains. The tile, 4 channels × 1024 columns × 4 warps, was the fastest
 of seven in a chain of a Llama-2-7B layer's four GEMVs each after a small kernel, in a CUDA graph on an H200:
 102 µs per layer (3961 GB/s) against 117 µs for cuBLAS (BENCHMARKS.md, twentieth session).
@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from gpt_fast.kernels.triton_gated_activation import ACTIVATIONS, gated
-from gpt_fast.kernels.triton_pdl import pdl_launch, wait_for_inputs
+from gpt_fast.triton_pdl import pdl_launch, wait_for_inputs
 
 BLOCK_N = 4  # output channels per program
 BLOCK_K = 1024  # input columns per step (fewer for a narrower matrix)

@@ -75,7 +75,7 @@ def resolve_kernel(kernel: str, device: torch.device) -> str:
 def register_triton_ops() -> None:
     """Register the Triton kernels as the operators ``torch.ops.gpt_fast.int8_gemv`` and ``int4_gemv``, and as
     ``int8_gemv_pdl`` and ``int4_gemv_pdl``, launched with programmatic dependent launch
-    (:mod:`gpt_fast.kernels.triton_pdl`).
+    (:mod:`gpt_fast.triton_pdl`).
 
     The first two are ``triton_op``: inductor places their kernels in its own generated code, and launches them
     without PDL. The ``_pdl`` ones are opaque ``custom_op`` that launch their kernels themselves, for the decode

@@ -44,7 +44,7 @@ class QuantizedLinear(nn.Module):
             setattr(self, name, _frozen(shape, dtype))
         self.bias = _frozen((out_features,), torch.float32) if bias else None
         self.kernel = "dequant"
-        self.pdl = False  # compiled steps launch the triton kernel with PDL (set by use_linear_kernel)
+        self.pdl = False  # compiled steps launch the triton kernel with PDL (launch_with_pdl)
 
     def prepare(self, kernel: str) -> None:
         """Compute with ``kernel`` as :func:`gpt_fast.quant.kernels.resolve_kernel` resolved it."""
@@ -145,3 +145,13 @@ def prepare_quantized(model: nn.Module, device: torch.device, kernel: str = "aut
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
             module.prepare(resolved)
+
+
+def launch_with_pdl(root: nn.Module, pdl: bool) -> None:
+    """Whether the quantized layers inside ``root`` that compute with our Triton kernel launch it with PDL in
+    compiled steps (:func:`gpt_fast.quant.kernels.register_triton_ops`): the engine asks for it in a model's
+    decoder layers where its unquantized GEMVs are ours (``linear_kernel`` ``triton``: CUDA-graph steps on a GPU
+    that launches with PDL), measured faster there (BENCHMARKS.md, twenty-third session)."""
+    for module in root.modules():
+        if isinstance(module, QuantizedLinear):
+            module.pdl = pdl and module.kernel == "triton"

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpt_fast.kernels.triton_pdl import NO_PDL, pdl_launch, wait_for_inputs
+from gpt_fast.triton_pdl import NO_PDL, pdl_launch, wait_for_inputs
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,7 @@ def _int8_gemv(
     kernel: moved to bits 15-22, its sign bit flipped and the exponent bits of 1.0 set by one logical operation
     with ``ONE_SIGN`` (an argument, held in a register), a shift and that operation per weight, no conversion and no
     subtraction. The row's sum is then ``256 * sum(v x) - 384 * sum(x)``. The first step's words are loaded before
-    the wait for the activations (``PDL``, :mod:`gpt_fast.kernels.triton_pdl`)."""
+    the wait for the activations (``PDL``, :mod:`gpt_fast.triton_pdl`)."""
     m, rn = _program_rows(M, BLOCK_N)
     x_row = x_ptr + m * K
     if AS_WORDS:
@@ -330,7 +330,7 @@ def _int4_gemv(
     instructions per weight, at float16's precision over eight terms before the float32 sum.
 
     Either way the first step's words are loaded before the wait for the activations (``PDL``,
-    :mod:`gpt_fast.kernels.triton_pdl`)."""
+    :mod:`gpt_fast.triton_pdl`)."""
     m, rn = _program_rows(M, BLOCK_N)
     x_row = x_ptr + m * K
     WORDS: tl.constexpr = GROUP // 8  # words per row and group

@@ -1,4 +1,6 @@
-"""Programmatic dependent launch (PDL) for our own matrix-vector Triton kernels.
+"""Programmatic dependent launch (PDL) for our own Triton kernels: the decode step's GEMVs and attention
+(:mod:`gpt_fast.kernels`) and the quantized GEMVs (:mod:`gpt_fast.quant.triton_gemv`), which is why it sits beside
+both rather than in either.
 
 In a CUDA graph, a kernel launched with PDL is scheduled while the kernel before it drains, and waits
 (``griddepcontrol.wait``) only where it needs that kernel's results. A decode step's GEMV needs the previous kernel's
