@@ -240,7 +240,7 @@ def _nibble_dot(packed, x0, x1, x2, x3, x4, x5, x6, x7, ASM: tl.constexpr):
 def _nibble_term(packed, i: tl.constexpr, x):
     """(q_i - 8) / 64 * x in float16, for :func:`_nibble_dot` without PTX."""
     q = ((packed >> (4 * i)) & 0xF) - 8
-    return (q.to(tl.float16) / 64.0) * x.to(tl.float16)[None, :, :]
+    return (q.to(tl.float16) / HALF2_SCALE) * x.to(tl.float16)[None, :, :]
 
 
 @triton.jit
