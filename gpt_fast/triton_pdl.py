@@ -37,9 +37,10 @@ def pdl_usable(device: torch.device) -> bool:
     )
 
 
-def pdl_launch(device: torch.device) -> dict[str, Any]:
-    """A Triton launch's keyword arguments for a kernel taking the constant ``PDL``: with PDL where usable."""
-    if pdl_usable(device):
+def pdl_launch(device: torch.device, wanted: bool = True) -> dict[str, Any]:
+    """A Triton launch's keyword arguments for a kernel taking the constant ``PDL``: with PDL where ``wanted`` and
+    usable."""
+    if wanted and pdl_usable(device):
         return {"PDL": True, "launch_pdl": True}
     return NO_PDL
 

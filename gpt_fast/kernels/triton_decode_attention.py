@@ -486,7 +486,7 @@ def decode_attention(
     rows = _Rows(
         q[:, 0], k[:, 0], v[:, 0], cos.reshape(-1, half), sin.reshape(-1, half), input_pos.reshape(-1, 1), first_row, 1
     )
-    launch_pdl = pdl_launch(q.device) if pdl else NO_PDL
+    launch_pdl = pdl_launch(q.device, pdl)
     return _attend(rows, kv, scale, softcap, window, launch, wrap, from_cache=False, pdl=launch_pdl)[:, None]
 
 

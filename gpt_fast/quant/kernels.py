@@ -79,7 +79,7 @@ def register_triton_ops() -> None:
 
     The first two are ``triton_op``: inductor places their kernels in its own generated code, and launches them
     without PDL. The ``_pdl`` ones are opaque ``custom_op`` that launch their kernels themselves, for the decode
-    steps captured in CUDA graphs (:func:`gpt_fast.kernels.linear.use_linear_kernel` asks for them), where
+    steps captured in CUDA graphs (:func:`gpt_fast.quant.linear.launch_with_pdl` asks for them), where
     launching from Python costs nothing per step.
 
     Called when a layer is given the ``triton`` kernel, eagerly, before any compilation: ``torch.compile`` cannot

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpt_fast.triton_pdl import NO_PDL, pdl_launch, wait_for_inputs
+from gpt_fast.triton_pdl import pdl_launch, wait_for_inputs
 
 
 @dataclass(frozen=True)
@@ -412,7 +412,7 @@ def int8_gemv(
         EVEN=even,
         AS_WORDS=words,
         num_warps=launch.warps,
-        **(pdl_launch(x.device) if pdl else NO_PDL),
+        **pdl_launch(x.device, pdl),
     )
     return y
 
@@ -453,7 +453,8 @@ def int4_gemv(
     [M, N]; ``words`` from :func:`gpt_fast.quant.kernels.group_interleave`; ``pdl`` as for :func:`int8_gemv`."""
     m, k = x.shape
     n, n_groups = scales.shape
-    launch = launch or int4_launch(n, group_size, half2=x.dtype != torch.float32)
+    half2 = x.dtype != torch.float32  # 16-bit activations: float16 pairs where the tile asks for them
+    launch = launch or int4_launch(n, group_size, half2)
     y, grid, even, _ = _prelude(x, n, launch)
     wrap(_int4_gemv)[grid](
         x,
@@ -470,9 +471,9 @@ def int4_gemv(
         GROUPS=launch.block_k // group_size,
         GROUP=group_size,
         EVEN=even,
-        HALF2=launch.half2 and x.dtype != torch.float32,
+        HALF2=launch.half2 and half2,
         ASM=x.is_cuda,
         num_warps=launch.warps,
-        **(pdl_launch(x.device) if pdl else NO_PDL),
+        **pdl_launch(x.device, pdl),
     )
     return y
