@@ -50,10 +50,8 @@ def launches(scheme: str, sweep: bool, n: int, k: int) -> list[triton_gemv.Launc
         return [None]
     if scheme == "int8":
         grid = itertools.product((1, 2, 4, 8), (512, 1024, 2048), (4, 8), (False, True))
-    else:
-        grid = itertools.product(
-            (1, 2, 4, 8, 16), (2 * GROUP, 4 * GROUP, 8 * GROUP), (1, 2, 4), (False,), (False, True)
-        )
+    else:  # rows, columns per step (whole groups), warps, -, float16 pairs
+        grid = itertools.product((4, 8, 16), (1024, 2048, 4096), (1, 2, 4), (False,), (False, True))
     return [triton_gemv.Launch(*config) for config in grid]
 
 

@@ -47,13 +47,18 @@ def test_triton_kernels_match_a_float64_product(dtype, rows, n, k):
     for launch in [None, triton_gemv.Launch(8, 8 * 64, 1, half2=True), triton_gemv.Launch(1, 2 * 64, 2, half2=True)]:
         got = triton_gemv.int4_gemv(x, group_interleave(q, 64), s, z, 64, launch).double()
         assert ((got - expected).norm() / expected.norm()).item() < 1e-2
+    for group in (32, 256):
+        q, s, z = quantize_int4(weight, group, dtype)
+        expected = x.double() @ dequantize_int4(q, s, z, group).double().T
+        got = triton_gemv.int4_gemv(x, group_interleave(q, group), s, z, group).double()
+        assert ((got - expected).norm() / expected.norm()).item() < 1e-2
 
 
-@pytest.mark.parametrize("size", [1e-3, 1.0, 6e4])
+@pytest.mark.parametrize("size", [1e-3, 1.0, 3e4])
 def test_int4_float16_pairs_hold_small_and_large_activations(size):
-    """The packed path sums in float16 (``half2``): activations of every size up to float16's largest (65504),
-    all of one magnitude at the top, must not overflow its partial sums nor lose precision when small, against a
-    float64 product and the float32 path."""
+    """The packed path sums two words' sixteen products in float16 (``half2``): activations of every size up to
+    half float16's largest (32752), all of one magnitude at the top, must not overflow its partial sums nor lose
+    precision when small, against a float64 product and the float32 path."""
     from gpt_fast.quant import triton_gemv
 
     torch.manual_seed(7)

@@ -73,8 +73,9 @@ def test_int4_dequantize_in_pytorch_matches_the_scheme():
 
 @pytest.mark.parametrize("cols, group_size", [(256, 64), (200, 32), (576, 128)])
 def test_group_interleave_puts_each_column_where_the_triton_kernel_reads_it(cols, group_size):
-    """Column c of group g = c // group_size sits in word g * group_size / 8 + (c % group_size) % (group_size / 8)
-    of its row, nibble (c % group_size) // (group_size / 8); a shorter last group is padded with zeros."""
+    """Column c of group g = c // group_size, at r = c % group_size within it, sits in word g * group_size / 8 +
+    (r // 2) % (group_size / 8) of its row, nibble (r // 2) // (group_size / 8) + 4 (r % 2): each pair of nibbles k
+    and k + 4 holds two adjacent columns; a shorter last group is padded with zeros."""
     torch.manual_seed(cols)
     q, _, _ = quantize_int4(torch.randn(3, cols), group_size, torch.float32)
     words = group_interleave(q, group_size)
@@ -83,7 +84,8 @@ def test_group_interleave_puts_each_column_where_the_triton_kernel_reads_it(cols
     assert words.dtype == torch.int32 and words.shape == (3, groups * per_group)
     nibbles = torch.stack([(words >> (4 * i)) & 0xF for i in range(8)], dim=-1)  # [3, words, 8]
     col = torch.arange(groups * group_size)
-    read = nibbles[:, (col // group_size) * per_group + col % per_group, (col % group_size) // per_group]
+    r = col % group_size
+    read = nibbles[:, (col // group_size) * per_group + (r // 2) % per_group, (r // 2) // per_group + 4 * (r % 2)]
     levels = unpack_int4(q)
     assert torch.equal(read[:, :cols], levels.to(read.dtype))
     assert not read[:, cols:].any()
@@ -126,7 +128,8 @@ from gpt_fast.quant import triton_gemv
 from gpt_fast.quant.kernels import group_interleave
 from gpt_fast.quant.schemes import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 torch.manual_seed(0)
-worst = worst_half2 = 0.0
+worst = 0.0
+worst_half2 = {torch.float16: 0.0, torch.bfloat16: 0.0}
 for rows, n, k in [(1, 64, 256), (3, 37, 200), (2, 16, 1024)]:
     w, x = torch.randn(n, k), torch.randn(rows, k)
     q, s = quantize_int8(w, torch.float32)
@@ -141,13 +144,14 @@ for rows, n, k in [(1, 64, 256), (3, 37, 200), (2, 16, 1024)]:
         for launch in [None, triton_gemv.Launch(4, 2 * group, 2), triton_gemv.Launch(2, group, 1)]:
             got = triton_gemv.int4_gemv(x, words, s, z, group, launch).double()
             worst = max(worst, ((got - exact).norm() / exact.norm()).item())
-        q, s, z = quantize_int4(w, group, torch.float16)
-        half = x.half()
-        exact = half.double() @ dequantize_int4(q, s, z, group).double().T
-        for launch in [None, triton_gemv.Launch(4, 2 * group, 2, half2=True)]:
-            got = triton_gemv.int4_gemv(half, group_interleave(q, group), s, z, group, launch).double()
-            worst_half2 = max(worst_half2, ((got - exact).norm() / exact.norm()).item())
-print(worst, worst_half2)
+        for dtype in (torch.float16, torch.bfloat16):
+            q, s, z = quantize_int4(w, group, dtype)
+            half = x.to(dtype)
+            exact = half.double() @ dequantize_int4(q, s, z, group).double().T
+            for launch in [None, triton_gemv.Launch(4, 2 * group, 2, half2=True)]:
+                got = triton_gemv.int4_gemv(half, group_interleave(q, group), s, z, group, launch).double()
+                worst_half2[dtype] = max(worst_half2[dtype], ((got - exact).norm() / exact.norm()).item())
+print(worst, worst_half2[torch.float16], worst_half2[torch.bfloat16])
 """
 
 
@@ -161,16 +165,40 @@ def test_triton_kernels_in_the_interpreter():
     """The int8 kernel (bytes and 32-bit words) and the int4 kernel, ragged shapes included, run by Triton's
     interpreter on CPU tensors (TRITON_INTERPRET is read when the kernels are defined: a process of its own).
     int4 with 16-bit activations sums in float16 pairs: the interpreter runs no PTX, so it checks that path's
-    layout and scaling through the same float16 arithmetic written in Triton (the PTX has GPU tests), within
-    float16's rounding of the output."""
+    layout and scaling through the same float16 arithmetic written in Triton (the PTX has GPU tests), for float16
+    and bfloat16 activations, within the rounding of the output."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(TRITON_CHECK)], capture_output=True, text=True, env=env, timeout=600
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    worst, worst_half2 = map(float, result.stdout.split())
+    worst, worst_float16, worst_bfloat16 = map(float, result.stdout.split())
     assert worst < 1e-5
-    assert worst_half2 < 2e-3
+    assert worst_float16 < 2e-3
+    assert worst_bfloat16 < 6e-3  # the interpreter rounds float32 to bfloat16 toward zero: up to 2 ** -8
+
+
+def compile_for_h200(name: str, dtype: str, constants: dict, warps: int):
+    """Our kernel ``name`` compiled on the CPU for an H200 (``sm_90``), launched with PDL, as its launcher would
+    specialize it for aligned tensors and dimensions divisible by 16."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from gpt_fast.quant import triton_gemv
+
+    kernel = getattr(triton_gemv, name)
+    pointers = {"x_ptr": dtype, "w_ptr": "i32", "s_ptr": dtype, "z_ptr": dtype, "y_ptr": dtype}
+    kinds = {p: "*" + pointers[p] if p in pointers else "i32" for p in kernel.arg_names}
+    signature = {p: "constexpr" if p in constants else kinds[p] for p in kernel.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.arg_names) if p not in constants | {"M": 0}}
+    return triton.compile(
+        ASTSource(
+            kernel, signature, constexprs={(kernel.arg_names.index(p),): v for p, v in constants.items()}, attrs=aligned
+        ),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": warps, "launch_pdl": True},
+    )
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
@@ -179,38 +207,37 @@ def test_the_kernels_compile_for_an_h200_with_their_first_weights_loaded_before_
     """Launched with PDL (the ``_pdl`` operators), the first step's weights are loaded before
     ``griddepcontrol.wait``, and dependents are released only after it (the rule of
     :mod:`gpt_fast.triton_pdl`); the int4 kernel's float16-pairs PTX assembles for ``sm_90``."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from gpt_fast.quant import triton_gemv
 
-    signature = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32"}
-    signature |= {"K": "i32"}
     if name == "_int8_gemv":
-        signature |= {"ONE_SIGN": "i32"}
         constants = {"BLOCK_N": 8, "BLOCK_K": 2048, "EVEN": True, "AS_WORDS": True, "PDL": True}
         warps = 4
     else:
-        signature = signature | {"z_ptr": "*bf16", "NG": "i32", "ONE": "i32"}
         launch = triton_gemv.int4_launch(4096, 128)
         constants = {"BLOCK_N": launch.block_n, "GROUPS": launch.block_k // 128, "GROUP": 128, "EVEN": True}
-        constants |= {"HALF2": True, "ASM": True, "PDL": True}
+        constants |= {"HALF2": True, "BF16": True, "ASM": True, "PDL": True}
         warps = launch.warps
-    kernel = getattr(triton_gemv, name)
-    order = [p for p in kernel.arg_names if p in signature or p in constants]
-    signature = {p: signature.get(p, "constexpr") for p in order}
-    compiled = triton.compile(
-        ASTSource(kernel, signature, constexprs=constants),
-        target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": warps, "launch_pdl": True},
-    )
+    compiled = compile_for_h200(name, "bf16", constants, warps)
     lines = compiled.asm["ptx"].splitlines()
     wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
     release = next(i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line)
     assert any("ld.global" in line for line in lines[:wait])
     assert release > wait
     assert "cubin" in compiled.asm
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+@pytest.mark.parametrize("dtype, half2", [("fp32", False), ("bf16", False), ("fp16", True), ("bf16", True)])
+@pytest.mark.parametrize("group, even", [(32, False), (256, True)])
+def test_the_int4_kernel_compiles_for_an_h200_in_each_path(dtype, half2, group, even):
+    """Each path of the int4 kernel (float32 arithmetic, float16 pairs from float16 or bfloat16 activations;
+    masked or not) compiles to a cubin for ``sm_90``: the interpreter runs what the compiler may refuse."""
+    from gpt_fast.quant import triton_gemv
+
+    launch = triton_gemv.int4_launch(22016, group, half2)
+    constants = {"BLOCK_N": launch.block_n, "GROUPS": launch.block_k // group, "GROUP": group, "EVEN": even}
+    constants |= {"HALF2": half2, "BF16": dtype == "bf16", "ASM": True, "PDL": True}
+    assert "cubin" in compile_for_h200("_int4_gemv", dtype, constants, launch.warps).asm
 
 
 def test_only_layers_computing_with_the_triton_kernel_launch_it_with_pdl():

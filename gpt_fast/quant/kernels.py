@@ -161,12 +161,13 @@ def int4_linear(
 def group_interleave(weight: torch.Tensor, group_size: int) -> torch.Tensor:
     """The int4 ``weight`` [N, K/2] (uint8, two columns per byte) as the 32-bit words [N, G * group_size / 8]
     that :func:`gpt_fast.quant.triton_gemv.int4_gemv` reads (G whole groups; a shorter last group padded): word
-    ``j`` of group ``g`` holds, in its nibble ``i`` (bits 4i to 4i+3), column ``g * group_size + i * group_size /
-    8 + j``."""
+    ``j`` of group ``g`` holds, in its nibble ``k`` (bits 4k to 4k+3, k < 4), column ``g * group_size + 2 (k *
+    group_size / 8 + j)``, and in nibble ``k + 4`` the column after it."""
     n, k = weight.shape[0], 2 * weight.shape[1]
     groups = -(-k // group_size)
     levels = F.pad(unpack_int4(weight), (0, groups * group_size - k))  # [N, G * group_size]
-    nibbles = levels.reshape(n, groups, 8, group_size // 8).transpose(2, 3)  # [N, G, words, 8]
+    pairs = levels.reshape(n, groups, 4, group_size // 8, 2)  # [N, G, k, words, column of the pair]
+    nibbles = pairs.permute(0, 1, 3, 4, 2)  # [N, G, words, 8]: nibble 4 * (column of the pair) + k
     words = pack_int4(nibbles.reshape(-1, 8))  # [N * G * words, 4]: each word's bytes, lowest first
     return words.contiguous().view(torch.int32).reshape(n, -1)
 

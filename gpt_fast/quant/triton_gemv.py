@@ -7,10 +7,11 @@ conversions and fused multiply-adds only. Programs are numbered row-fastest: the
 that read one block of weights run side by side, and all but the first find it in L2.
 
 int4: the weights are repacked once (:func:`gpt_fast.quant.kernels.group_interleave`) so that each 32-bit word
-holds 8 columns of one group that meet contiguous activations; each step covers ``GROUPS`` whole groups as a
-[BLOCK_N, GROUPS, words] tile. The scale multiplies the group's partial sums and the zero point only the sum of
-the group's activations. With float32 activations each weight costs a shift, a logical operation and a float
-multiply-add; with 16-bit ones (``half2``) two nibbles become float16 at once and each word's eight products are
+holds 8 columns of one group, in pairs that meet 32-bit pairs of 16-bit activations, and are read two words at a
+time (64 bits); each step covers ``GROUPS`` whole groups as a [GROUPS, BLOCK_N, word pairs] tile, each thread
+holding its word pairs for all the tile's channels. The scale multiplies each word pair's partial sum and the zero
+point the sum of its activations. With float32 activations each weight costs a shift, a logical operation and a
+float multiply-add; with 16-bit ones (``half2``) two nibbles become float16 at once and two words' products are
 summed in float16 pairs by inline PTX, about half the instructions per weight (see :func:`_int4_gemv`). The PTX is
 NVIDIA's: ROCm builds do not use these kernels (:func:`gpt_fast.quant.kernels.triton_usable`).
 
@@ -84,38 +85,10 @@ def _int8_word_step(packed, x_row, word, kw, ONE_SIGN, acc, x_sum, EVEN: tl.cons
 
 
 @triton.jit
-def _int4_words(w_rows, rn, g, rj, N, NG, WORDS: tl.constexpr, EVEN: tl.constexpr):
-    """The int4 words [BLOCK_N, GROUPS, WORDS] of channels ``rn``, groups ``g`` (zeros outside)."""
-    word = g[:, None] * WORDS + rj[None, :]  # [GROUPS, WORDS]: index within the row
-    return _load(w_rows + word[None, :, :], (rn[:, None, None] < N) & (g < NG)[None, :, None], EVEN)
-
-
-@triton.jit
-def _activations(x_row, col, K, EVEN: tl.constexpr):
-    """The activations of row ``x_row`` at columns ``col`` (zeros past ``K``), in float32."""
-    return _load(x_row + col, col < K, EVEN).to(tl.float32)
-
-
-@triton.jit
-def _group_scales(s_ptr, z_ptr, rn, g, N, NG, EVEN: tl.constexpr):
-    """The scales and zeros [BLOCK_N, GROUPS] of channels ``rn``, groups ``g``, in float32."""
-    at = rn[:, None] * NG + g[None, :]
-    inside = (rn[:, None] < N) & (g[None, :] < NG)
-    return _load(s_ptr + at, inside, EVEN).to(tl.float32), _load(z_ptr + at, inside, EVEN).to(tl.float32)
-
-
-@triton.jit
 def _store_int8(y_ptr, s_ptr, m, N, rn, acc):
     """Reduce the per-weight partial products [BLOCK_N, ...] of int8 rows, scale, store."""
     scales = tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
     tl.store(y_ptr + m * N + rn, (tl.sum(acc, axis=1) * scales).to(y_ptr.dtype.element_ty), mask=rn < N)
-
-
-@triton.jit
-def _store_int4(y_ptr, m, N, rn, acc, acc_offset):
-    """Reduce the scaled partial products [BLOCK_N, GROUPS, ...] and the offsets' terms [BLOCK_N, GROUPS], store."""
-    y = tl.sum(tl.sum(acc, axis=2), axis=1) + tl.sum(acc_offset, axis=1)
-    tl.store(y_ptr + m * N + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
 @triton.jit
@@ -169,41 +142,78 @@ def _int8_gemv(
         _store_int8(y_ptr, s_ptr, m, N, rn, acc)
 
 
-# Four pairs of nibbles of a 32-bit word (0 and 4, 1 and 5, 2 and 6, 3 and 7 in the halves of a register) become
-# float16 pairs 1024 + q (the low nibble of each byte) or 1024 + 16 q (the high one) by one logical operation,
-# then exactly (q - 8) / 64 by one packed multiply-add, and meet the matching pairs of activations ($2 to $5) in a
-# chain of packed multiply-adds; the two halves of the sum end as one float32. Per word: a shift, four logical
-# operations, eight packed multiply-adds, two conversions and an addition, where the float32 path takes a shift,
-# a logical operation and a multiply-add per nibble. The scale 1/64 keeps every partial sum of an activation
-# below 65504 up to |x| = 65504, where float16 itself ends, and every product of |x| >= 4e-3 a normal number.
-_NIBBLE_DOT_PTX = tl.constexpr(
+def _word_terms(word: str, pairs: list[str], first: bool) -> list[str]:
+    """PTX for one word of :data:`_WORD_PAIR_PTX`: its four nibble pairs become float16 pairs ``1024 + q`` (a
+    byte's low nibble) or ``1024 + 16 q`` (its high one) by one logical operation each, then exactly ``(q - 8) /
+    64`` by one packed multiply-add, then meet the word's activation ``pairs`` in the running float16-pair sum
+    ``h``."""
+    start = f"mul.rn.f16x2 h, t0, {pairs[0]};" if first else f"fma.rn.f16x2 h, t0, {pairs[0]}, h;"
+    return [
+        f"shr.b32 s, {word}, 8;",
+        f"lop3.b32 t0, {word}, 0x000F000F, 0x64006400, 0xEA;",
+        f"lop3.b32 t1, {word}, 0x00F000F0, 0x64006400, 0xEA;",
+        "lop3.b32 t2, s, 0x000F000F, 0x64006400, 0xEA;",
+        "lop3.b32 t3, s, 0x00F000F0, 0x64006400, 0xEA;",
+        "fma.rn.f16x2 t0, t0, low_scale, low_offset;",
+        "fma.rn.f16x2 t1, t1, high_scale, high_offset;",
+        "fma.rn.f16x2 t2, t2, low_scale, low_offset;",
+        "fma.rn.f16x2 t3, t3, high_scale, high_offset;",
+        start,
+        f"fma.rn.f16x2 h, t1, {pairs[1]}, h;",
+        f"fma.rn.f16x2 h, t2, {pairs[2]}, h;",
+        f"fma.rn.f16x2 h, t3, {pairs[3]}, h;",
+    ]
+
+
+# Two words (a 64-bit $2) against their activation pairs ($3-$6: the k-th pair of both words, as float16 pairs),
+# summed in float16 pairs; the sum ends as one float32 that adds, times the scale ($7), to the accumulator ($1),
+# with the zero point ($8) times the words' activation sum ($9). Per word: a shift, four logical operations and
+# eight packed multiply-adds, where the float32 path takes a shift, a logical operation and a multiply-add per
+# nibble. The scale 1/64 keeps the sixteen products' partial sums below 65504 up to |x| = 32752 (each at most |x| /
+# 8), and every product of |x| >= 4e-3 a normal number.
+_WORD_PAIR_PTX = tl.constexpr(
     " ".join(  # one line: inductor copies it into the Python it generates for a compiled step
         [
             "{",
-            ".reg .b32 s, t0, t1, t2, t3, low_scale, low_offset, high_scale, high_offset, acc;",
+            ".reg .b32 w0, w1, a0, b0, a1, b1, a2, b2, a3, b3;",
+            ".reg .b32 s, t0, t1, t2, t3, low_scale, low_offset, high_scale, high_offset, h;",
             ".reg .b16 lo, hi;",
-            ".reg .f32 flo, fhi;",
+            ".reg .f32 flo, fhi, d;",
+            "mov.b64 {w0, w1}, $2;",
+            "mov.b64 {a0, b0}, $3;",
+            "mov.b64 {a1, b1}, $4;",
+            "mov.b64 {a2, b2}, $5;",
+            "mov.b64 {a3, b3}, $6;",
             "mov.b32 low_scale, 0x24002400;",
             "mov.b32 low_offset, 0xCC08CC08;",
             "mov.b32 high_scale, 0x14001400;",
             "mov.b32 high_offset, 0xBC80BC80;",
-            "shr.b32 s, $1, 8;",
-            "lop3.b32 t0, $1, 0x000F000F, 0x64006400, 0xEA;",
-            "lop3.b32 t1, $1, 0x00F000F0, 0x64006400, 0xEA;",
-            "lop3.b32 t2, s, 0x000F000F, 0x64006400, 0xEA;",
-            "lop3.b32 t3, s, 0x00F000F0, 0x64006400, 0xEA;",
-            "fma.rn.f16x2 t0, t0, low_scale, low_offset;",
-            "fma.rn.f16x2 t1, t1, high_scale, high_offset;",
-            "fma.rn.f16x2 t2, t2, low_scale, low_offset;",
-            "fma.rn.f16x2 t3, t3, high_scale, high_offset;",
-            "mul.rn.f16x2 acc, t0, $2;",
-            "fma.rn.f16x2 acc, t1, $3, acc;",
-            "fma.rn.f16x2 acc, t2, $4, acc;",
-            "fma.rn.f16x2 acc, t3, $5, acc;",
-            "mov.b32 {lo, hi}, acc;",
+            *_word_terms("w0", ["a0", "a1", "a2", "a3"], True),
+            *_word_terms("w1", ["b0", "b1", "b2", "b3"], False),
+            "mov.b32 {lo, hi}, h;",
             "cvt.f32.f16 flo, lo;",
             "cvt.f32.f16 fhi, hi;",
-            "add.f32 $0, flo, fhi;",
+            "add.f32 d, flo, fhi;",
+            "fma.rn.f32 d, d, $7, $1;",
+            "fma.rn.f32 $0, $9, $8, d;",
+            "}",
+        ]
+    )
+)
+# Two bfloat16 pairs as two float16 pairs: each half moved to the top of a float32 (exact), each pair rounded at once.
+_BF16_PAIRS_PTX = tl.constexpr(
+    " ".join(
+        [
+            "{",
+            ".reg .b32 a, b, lo, hi, ra, rb;",
+            "mov.b64 {a, b}, $1;",
+            "shl.b32 lo, a, 16;",
+            "and.b32 hi, a, 0xFFFF0000;",
+            "cvt.rn.f16x2.f32 ra, hi, lo;",
+            "shl.b32 lo, b, 16;",
+            "and.b32 hi, b, 0xFFFF0000;",
+            "cvt.rn.f16x2.f32 rb, hi, lo;",
+            "mov.b64 $0, {ra, rb};",
             "}",
         ]
     )
@@ -212,35 +222,135 @@ HALF2_SCALE = tl.constexpr(64.0)  # the packed path's nibbles are (q - 8) / 64
 
 
 @triton.jit
-def _half2(low, high):
-    """float32 ``low`` and ``high`` as the halves of one float16 pair (a 32-bit integer)."""
-    return tl.inline_asm_elementwise(
-        "cvt.rn.f16x2.f32 $0, $1, $2;", "=r,r,r", [high, low], dtype=tl.int32, is_pure=True, pack=1
+def _split(v):
+    """64-bit ``v`` as its low and high 32-bit halves."""
+    return v.to(tl.int32), (v >> 32).to(tl.int32)
+
+
+@triton.jit
+def _activation(quad, i: tl.constexpr, BF16: tl.constexpr):
+    """The ``i``-th 16-bit activation of the 64-bit ``quad``, in float32."""
+    kind: tl.constexpr = tl.bfloat16 if BF16 else tl.float16
+    return (quad >> (16 * i)).to(tl.int16).to(kind, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _quad_sum(quad, BF16: tl.constexpr):
+    """The sum of the four 16-bit activations of each 64-bit ``quad``, in float32."""
+    return (_activation(quad, 0, BF16) + _activation(quad, 1, BF16)) + (
+        _activation(quad, 2, BF16) + _activation(quad, 3, BF16)
     )
 
 
 @triton.jit
-def _nibble_dot(packed, x0, x1, x2, x3, x4, x5, x6, x7, ASM: tl.constexpr):
-    """``sum_i (q_i - 8) / 64 * x_i`` [BLOCK_N, GROUPS, WORDS] over the nibbles ``q_i`` of each word of ``packed``
-    and the activations ``x_i`` [GROUPS, WORDS] they meet, in float16 pairs (:data:`_NIBBLE_DOT_PTX`); without
-    ``ASM`` (Triton's interpreter, which runs no PTX) the same float16 arithmetic one nibble at a time."""
-    if ASM:
-        pairs = [packed, _half2(x0, x4), _half2(x1, x5), _half2(x2, x6), _half2(x3, x7)]
-        out = tl.inline_asm_elementwise(_NIBBLE_DOT_PTX, "=r,r,r,r,r,r", pairs, dtype=tl.float32, is_pure=True, pack=1)
+def _float16_bits(quad, i: tl.constexpr):
+    """The ``i``-th bfloat16 activation of ``quad`` rounded to float16, as the low 16 bits of a 64-bit integer."""
+    return _activation(quad, i, True).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int64) & 0xFFFF
+
+
+@triton.jit
+def _float16_quad(quad, BF16: tl.constexpr, ASM: tl.constexpr):
+    """Four 16-bit activations (two pairs in 64 bits) as float16 (bfloat16 rounded; float16 as they are)."""
+    if BF16 and ASM:
+        out = tl.inline_asm_elementwise(_BF16_PAIRS_PTX, "=l,l", [quad], dtype=tl.int64, is_pure=True, pack=1)
+    elif BF16:
+        out = _float16_bits(quad, 0) | (_float16_bits(quad, 1) << 16)
+        out = out | (_float16_bits(quad, 2) << 32) | (_float16_bits(quad, 3) << 48)
     else:
-        low = _nibble_term(packed, 0, x0) + _nibble_term(packed, 1, x1)
-        low = low + _nibble_term(packed, 2, x2) + _nibble_term(packed, 3, x3)
-        high = _nibble_term(packed, 4, x4) + _nibble_term(packed, 5, x5)
-        high = high + _nibble_term(packed, 6, x6) + _nibble_term(packed, 7, x7)
-        out = low.to(tl.float32) + high.to(tl.float32)
+        out = quad
     return out
 
 
 @triton.jit
-def _nibble_term(packed, i: tl.constexpr, x):
-    """(q_i - 8) / 64 * x in float16, for :func:`_nibble_dot` without PTX."""
-    q = ((packed >> (4 * i)) & 0xF) - 8
-    return (q.to(tl.float16) / HALF2_SCALE) * x.to(tl.float16)[None, :, :]
+def _pair_products(word, k: tl.constexpr, pair):
+    """Nibbles ``k`` and ``k + 4`` of each 32-bit ``word`` as (q - 8) / 64 times their float16 activation
+    ``pair``, summed, in float16 (Triton's interpreter: the arithmetic of :data:`_WORD_PAIR_PTX`)."""
+    low = pair.to(tl.int16).to(tl.float16, bitcast=True)
+    high = (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    q_low = ((word >> (4 * k)) & 0xF) - 8
+    q_high = ((word >> (4 * k + 16)) & 0xF) - 8
+    return (q_low.to(tl.float16) / HALF2_SCALE) * low + (q_high.to(tl.float16) / HALF2_SCALE) * high
+
+
+@triton.jit
+def _word_dot(word, p0, p1, p2, p3):
+    """``sum_k`` of :func:`_pair_products` over a word's four activation pairs, in float16."""
+    return (_pair_products(word, 0, p0) + _pair_products(word, 1, p1)) + (
+        _pair_products(word, 2, p2) + _pair_products(word, 3, p3)
+    )
+
+
+@triton.jit
+def _half2_step(
+    packed,
+    x_quads,
+    col,
+    K,
+    scales,
+    zeros,
+    acc,
+    HALF: tl.constexpr,
+    EVEN: tl.constexpr,
+    BF16: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """One step of :func:`_int4_gemv` in float16 pairs: the word pairs ``packed`` [G, BLOCK_N, HALF] against the
+    activations at ``x_quads`` [G, 1, HALF] (64 bits each: pair k of both words at ``+ k * HALF``, its first column
+    ``col + 4 k HALF``); the new ``acc``."""
+    q0 = _load(x_quads, col < K, EVEN)
+    q1 = _load(x_quads + HALF, col + 4 * HALF < K, EVEN)
+    q2 = _load(x_quads + 2 * HALF, col + 8 * HALF < K, EVEN)
+    q3 = _load(x_quads + 3 * HALF, col + 12 * HALF < K, EVEN)
+    x_sum = (_quad_sum(q0, BF16) + _quad_sum(q1, BF16)) + (_quad_sum(q2, BF16) + _quad_sum(q3, BF16))
+    h0 = _float16_quad(q0, BF16, ASM)
+    h1 = _float16_quad(q1, BF16, ASM)
+    h2 = _float16_quad(q2, BF16, ASM)
+    h3 = _float16_quad(q3, BF16, ASM)
+    scaled = scales * HALF2_SCALE
+    if ASM:
+        terms = [acc, packed, h0, h1, h2, h3, scaled, zeros, x_sum]
+        acc = tl.inline_asm_elementwise(
+            _WORD_PAIR_PTX, "=r,r,l,l,l,l,l,r,r,r", terms, dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:  # Triton's interpreter runs no PTX: the same float16 arithmetic
+        w0, w1 = _split(packed)
+        a0, b0 = _split(h0)
+        a1, b1 = _split(h1)
+        a2, b2 = _split(h2)
+        a3, b3 = _split(h3)
+        dot = _word_dot(w0, a0, a1, a2, a3) + _word_dot(w1, b0, b1, b2, b3)
+        acc += dot.to(tl.float32) * scaled + x_sum * zeros
+    return acc
+
+
+@triton.jit
+def _word_terms_f32(word, x_cols, col, K, ONE, WORDS: tl.constexpr, EVEN: tl.constexpr):
+    """float32 path: ``sum_n (1 + q_n / 128) x_n`` over the nibbles of each 32-bit ``word`` and the sum of the
+    activations they meet (nibble ``n`` at ``x_cols + 2 (n % 4) WORDS + n // 4``)."""
+    partial = tl.zeros(word.shape, dtype=tl.float32)
+    x_sum = tl.zeros(col.shape, dtype=tl.float32)
+    for n in tl.static_range(8):
+        offset = 2 * (n % 4) * WORDS + n // 4
+        x = _load(x_cols + offset, col + offset < K, EVEN).to(tl.float32)
+        if 4 * n <= 16:
+            moved = word << (16 - 4 * n)
+        else:
+            moved = word >> (4 * n - 16)
+        partial += ((moved & 0x000F0000) | ONE).to(tl.float32, bitcast=True) * x
+        x_sum += x
+    return partial, x_sum
+
+
+@triton.jit
+def _float_step(packed, x_cols, col, K, ONE, scales, zeros, acc, WORDS: tl.constexpr, EVEN: tl.constexpr):
+    """One step of :func:`_int4_gemv` in float32 over the word pairs ``packed`` (the first word's nibble 0 meets
+    column ``col`` at ``x_cols``, the second's two columns on); the new ``acc``."""
+    low, high = _split(packed)
+    partial, x_sum = _word_terms_f32(low, x_cols, col, K, ONE, WORDS, EVEN)
+    partial_high, x_sum_high = _word_terms_f32(high, x_cols + 2, col + 2, K, ONE, WORDS, EVEN)
+    partial += partial_high
+    x_sum += x_sum_high
+    return acc + partial * (128.0 * scales) + (zeros - (128.0 + 8.0) * scales) * x_sum
 
 
 @triton.jit
@@ -249,51 +359,34 @@ def _int4_step(
     x_row,
     s_ptr,
     z_ptr,
-    rn,
+    rows,
     g,
-    rj,
+    re,
     N,
     K,
     NG,
     ONE,
     acc,
-    acc_offset,
     GROUP: tl.constexpr,
     EVEN: tl.constexpr,
     HALF2: tl.constexpr,
+    BF16: tl.constexpr,
     ASM: tl.constexpr,
 ):
-    """One step of :func:`_int4_gemv` over the words ``packed`` [BLOCK_N, GROUPS, WORDS] of groups ``g``: the new
-    ``acc`` and ``acc_offset``."""
-    WORDS: tl.constexpr = GROUP // 8
-    scales, zeros = _group_scales(s_ptr, z_ptr, rn, g, N, NG, EVEN)
-    col = g[:, None] * GROUP + rj[None, :]  # [GROUPS, WORDS]: the columns nibble 0 meets
+    """One step of :func:`_int4_gemv` over the word pairs ``packed`` [G, BLOCK_N, HALF] of groups ``g`` [G, 1, 1]
+    and channels ``rows`` [1, BLOCK_N, 1]: the new ``acc``."""
+    HALF: tl.constexpr = GROUP // 16  # word pairs per row and group
+    at = rows * NG + g  # [G, BLOCK_N, 1]
+    inside = (rows < N) & (g < NG)
+    scales = _load(s_ptr + at, inside, EVEN).to(tl.float32)
+    zeros = _load(z_ptr + at, inside, EVEN).to(tl.float32)
+    col = g * GROUP + 4 * re  # [G, 1, HALF]: the column of each pair's first word's nibble 0
     if HALF2:
-        x0 = _activations(x_row, col, K, EVEN)
-        x1 = _activations(x_row, col + WORDS, K, EVEN)
-        x2 = _activations(x_row, col + 2 * WORDS, K, EVEN)
-        x3 = _activations(x_row, col + 3 * WORDS, K, EVEN)
-        x4 = _activations(x_row, col + 4 * WORDS, K, EVEN)
-        x5 = _activations(x_row, col + 5 * WORDS, K, EVEN)
-        x6 = _activations(x_row, col + 6 * WORDS, K, EVEN)
-        x7 = _activations(x_row, col + 7 * WORDS, K, EVEN)
-        acc += _nibble_dot(packed, x0, x1, x2, x3, x4, x5, x6, x7, ASM) * scales[:, :, None]
-        x_sum = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
-        acc_offset += zeros * tl.sum(x_sum, axis=1)[None, :]
+        x_quads = x_row.to(tl.pointer_type(tl.int64)) + g * (GROUP // 4) + re
+        acc = _half2_step(packed, x_quads, col, K, scales, zeros, acc, HALF, EVEN, BF16, ASM)
     else:
-        partial = tl.zeros(packed.shape, dtype=tl.float32)
-        x_sum = tl.zeros(col.shape, dtype=tl.float32)
-        for i in tl.static_range(8):
-            x = _activations(x_row, col + i * WORDS, K, EVEN)
-            if 4 * i <= 16:
-                moved = packed << (16 - 4 * i)
-            else:
-                moved = packed >> (4 * i - 16)
-            partial += ((moved & 0x000F0000) | ONE).to(tl.float32, bitcast=True) * x[None, :, :]
-            x_sum += x
-        acc += partial * (128.0 * scales)[:, :, None]
-        acc_offset += (zeros - (128.0 + 8.0) * scales) * tl.sum(x_sum, axis=1)[None, :]
-    return acc, acc_offset
+        acc = _float_step(packed, x_row + col, col, K, ONE, scales, zeros, acc, 2 * HALF, EVEN)
+    return acc
 
 
 @triton.jit
@@ -313,46 +406,43 @@ def _int4_gemv(
     GROUP: tl.constexpr,
     EVEN: tl.constexpr,
     HALF2: tl.constexpr,
+    BF16: tl.constexpr,
     ASM: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """int4 weights in the words of :func:`gpt_fast.quant.kernels.group_interleave`: nibble ``i`` of a group's
-    word ``j`` is the group's column ``i * GROUP / 8 + j``, so that the activations each nibble position meets
-    are contiguous (vector loads, shared by the ``BLOCK_N`` rows). With ``w = (q - 8) s + zero`` per group, the
-    group's sum is ``s * sum((q - 8) x) + zero * sum(x)``.
+    """int4 weights in the words of :func:`gpt_fast.quant.kernels.group_interleave`, read two at a time as 64-bit
+    elements: word ``j`` of a group holds in nibbles ``k`` and ``k + 4`` its columns ``2 (k WORDS + j)`` and the
+    one after, so that each pair of nibbles meets one 32-bit pair of 16-bit activations, and the pairs that a
+    nibble position of consecutive words meets are contiguous (vector loads). With ``w = (q - 8) s + zero`` per
+    group, a word's sum is ``s * sum((q - 8) x) + zero * sum(x)``. A step's tile is [GROUPS, BLOCK_N, word pairs]:
+    the activations, loaded [GROUPS, 1, word pairs], are converted once for all the rows a thread holds; the
+    partial sums, one per word pair, are reduced once at the end.
 
-    float32 (not ``HALF2``): a nibble becomes the float ``1 + q / 128`` by moving it to bits 16-19 and setting the
-    exponent bits of 1.0 (``ONE``, an argument: held in a register, the mask and the exponent bits take one logical
-    instruction, where two constants take two): a shift and a logical operation per weight, no conversion and no
-    subtraction; the group's sum is then ``128 s * sum(v x) + (zero - 136 s) * sum(x)``.
+    ``HALF2`` (16-bit activations): products summed in float16 pairs, two words at a time
+    (:data:`_WORD_PAIR_PTX`), about half the instructions per weight of float32, at float16's precision over 16
+    terms before the float32 sum. Otherwise float32: a nibble becomes the float ``1 + q / 128`` by moving it to
+    bits 16-19 and setting the exponent bits of 1.0 (``ONE``, an argument: held in a register, the mask and the
+    exponent bits take one logical instruction, where two constants take two); the sum is then ``128 s * sum(v x)
+    + (zero - 136 s) * sum(x)``.
 
-    ``HALF2``: each word's eight products are summed in float16 pairs (:func:`_nibble_dot`), about half the
-    instructions per weight, at float16's precision over eight terms before the float32 sum.
-
-    Either way the first step's words are loaded before the wait for the activations (``PDL``,
-    :mod:`gpt_fast.triton_pdl`)."""
+    The first step's words are loaded before the wait for the activations (``PDL``, :mod:`gpt_fast.triton_pdl`)."""
     m, rn = _program_rows(M, BLOCK_N)
+    HALF: tl.constexpr = GROUP // 16  # word pairs per row and group
+    rg = tl.arange(0, GROUPS)[:, None, None]
+    rows = rn[None, :, None]
+    re = tl.arange(0, HALF)[None, None, :]
+    w_tile = w_ptr.to(tl.pointer_type(tl.int64)) + rows.to(tl.int64) * (NG * HALF) + rg * HALF + re
     x_row = x_ptr + m * K
-    WORDS: tl.constexpr = GROUP // 8  # words per row and group
-    rg = tl.arange(0, GROUPS)
-    rj = tl.arange(0, WORDS)
-    w_rows = w_ptr + rn.to(tl.int64)[:, None, None] * (NG * WORDS)
-    acc = tl.zeros((BLOCK_N, GROUPS, WORDS), dtype=tl.float32)
-    acc_offset = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
-    packed = _int4_words(w_rows, rn, rg, rj, N, NG, WORDS, EVEN)
+    acc = tl.zeros((GROUPS, BLOCK_N, HALF), dtype=tl.float32)
+    packed = _load(w_tile, (rg < NG) & (rows < N), EVEN)  # [GROUPS, BLOCK_N, HALF]
     wait_for_inputs(PDL)
-    acc, acc_offset = _int4_step(
-        packed, x_row, s_ptr, z_ptr, rn, rg, rj, N, K, NG, ONE, acc, acc_offset, GROUP, EVEN, HALF2, ASM
-    )
+    acc = _int4_step(packed, x_row, s_ptr, z_ptr, rows, rg, re, N, K, NG, ONE, acc, GROUP, EVEN, HALF2, BF16, ASM)
     for g0 in range(GROUPS, NG, GROUPS):
         g = g0 + rg
-        packed = _int4_words(w_rows, rn, g, rj, N, NG, WORDS, EVEN)
-        acc, acc_offset = _int4_step(
-            packed, x_row, s_ptr, z_ptr, rn, g, rj, N, K, NG, ONE, acc, acc_offset, GROUP, EVEN, HALF2, ASM
-        )
-    if HALF2:
-        acc = acc * HALF2_SCALE
-    _store_int4(y_ptr, m, N, rn, acc, acc_offset)
+        packed = _load(w_tile + g0 * HALF, (g < NG) & (rows < N), EVEN)
+        acc = _int4_step(packed, x_row, s_ptr, z_ptr, rows, g, re, N, K, NG, ONE, acc, GROUP, EVEN, HALF2, BF16, ASM)
+    y = tl.sum(tl.sum(acc, axis=2), axis=0)
+    tl.store(y_ptr + m * N + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
 ONE_SIGN_BITS = 0x3FC00000  # the float 1.0 and the sign bit of a byte at bits 15-22 (see _int8_gemv)
@@ -418,25 +508,19 @@ def int8_gemv(
 
 
 ONE_BITS = 0x3F800000  # the float 1.0 (see _int4_gemv)
-WIDE_ROWS = 8192  # float32 int4 matrices of at least this many rows take taller tiles (int4_launch)
-HALF2_WIDE_ROWS = 16384  # 16-bit int4 matrices of at least this many rows take shorter steps (int4_launch)
+WIDE_ROWS = 8192  # int4 matrices of at least this many rows take 2 warps per program, narrower ones 4 (int4_launch)
+STEP_COLUMNS_PER_WARP = 1024  # int4: each warp's share of a step's columns (int4_launch)
 
 
 def int4_launch(n: int, group_size: int, half2: bool = True) -> Launch:
-    """The tile for an int4 matrix of n rows, from ``scripts/quant_gemv.py --sweep`` on an H200 (BENCHMARKS.md):
-
-    - ``half2`` (16-bit activations; products summed in float16 pairs): 16 rows, 2 groups per step and one warp for
-      the widest matrices (Llama-2-7B's ``w13`` and output head), otherwise 8 rows, 8 groups and 4 warps (the best
-      single tile over a Llama-2-7B layer's four matrices; twenty-third session);
-    - float32 activations: 8 groups per step and one warp; 8 rows per program for a wide matrix, 1 for a narrower
-      one (the best summed times of each set; twelfth session)."""
-    if half2:
-        return (
-            Launch(16, 2 * group_size, 1, half2=True)
-            if n >= HALF2_WIDE_ROWS
-            else Launch(8, 8 * group_size, 4, half2=True)
-        )
-    return Launch(8 if n >= WIDE_ROWS else 1, 8 * group_size, 1)
+    """The tile for an int4 matrix of n rows: 8 rows per program; 2 warps for a matrix of at least
+    :data:`WIDE_ROWS` rows, else 4 (more programs' worth of warps for a narrow one); 1024 columns per step for
+    each warp, so that a step's activations fill every thread as the weights do and both keep one layout. From a
+    sweep on an H200 with bf16 activations and groups of 128 (BENCHMARKS.md, twenty-fourth session): 43.4 us for a
+    Llama-2-7B layer's four matrices, against 57.1 for the kernel before. float32 activations (``half2`` False)
+    take the same tiles, unswept."""
+    warps = 2 if n >= WIDE_ROWS else 4
+    return Launch(8, STEP_COLUMNS_PER_WARP * warps, warps, half2=half2)
 
 
 def int4_gemv(
@@ -453,7 +537,7 @@ def int4_gemv(
     [M, N]; ``words`` from :func:`gpt_fast.quant.kernels.group_interleave`; ``pdl`` as for :func:`int8_gemv`."""
     m, k = x.shape
     n, n_groups = scales.shape
-    half2 = x.dtype != torch.float32  # 16-bit activations: float16 pairs where the tile asks for them
+    half2 = x.dtype != torch.float32 and k % 4 == 0  # 16-bit activations, read four at a time: float16 pairs
     launch = launch or int4_launch(n, group_size, half2)
     y, grid, even, _ = _prelude(x, n, launch)
     wrap(_int4_gemv)[grid](
@@ -472,6 +556,7 @@ def int4_gemv(
         GROUP=group_size,
         EVEN=even,
         HALF2=launch.half2 and half2,
+        BF16=x.dtype == torch.bfloat16,
         ASM=x.is_cuda,
         num_warps=launch.warps,
         **pdl_launch(x.device, pdl),
