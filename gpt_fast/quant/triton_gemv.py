@@ -513,14 +513,19 @@ STEP_COLUMNS_PER_WARP = 1024  # int4: each warp's share of a step's columns (int
 
 
 def int4_launch(n: int, group_size: int, half2: bool = True) -> Launch:
-    """The tile for an int4 matrix of n rows: 8 rows per program; 2 warps for a matrix of at least
-    :data:`WIDE_ROWS` rows, else 4 (more programs' worth of warps for a narrow one); 1024 columns per step for
-    each warp, so that a step's activations fill every thread as the weights do and both keep one layout. From a
-    sweep on an H200 with bf16 activations and groups of 128 (BENCHMARKS.md, twenty-fourth session): 43.4 us for a
-    Llama-2-7B layer's four matrices, against 57.1 for the kernel before. float32 activations (``half2`` False)
-    take the same tiles, unswept."""
+    """The tile for an int4 matrix of n rows, from ``scripts/quant_gemv.py --sweep`` on an H200 with groups of 128
+    (BENCHMARKS.md, twenty-fourth session):
+
+    - ``half2`` (16-bit activations): 8 rows per program; 2 warps for a matrix of at least :data:`WIDE_ROWS` rows,
+      else 4 (more programs' worth of warps for a narrow one); 1024 columns per step for each warp, so that a
+      step's activations fill every thread as the weights do and both keep one layout. 43.4 us for a Llama-2-7B
+      layer's four matrices, against 57.1 for the kernel before;
+    - float32 activations: 8 rows, 1024 columns per step, one warp (103 us for the same layer: the activations,
+      read one column at a time, do not keep the weights' layout; 69.7 before)."""
+    if not half2:
+        return Launch(8, STEP_COLUMNS_PER_WARP, 1)
     warps = 2 if n >= WIDE_ROWS else 4
-    return Launch(8, STEP_COLUMNS_PER_WARP * warps, warps, half2=half2)
+    return Launch(8, STEP_COLUMNS_PER_WARP * warps, warps, half2=True)
 
 
 def int4_gemv(
