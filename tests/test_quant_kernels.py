@@ -14,6 +14,7 @@ import torch
 from gpt_fast.config import QuantConfig
 from gpt_fast.quant.kernels import (
     FEW_ROWS,
+    group_deinterleave,
     group_interleave,
     int4_dequantize,
     int4_linear,
@@ -89,6 +90,29 @@ def test_group_interleave_puts_each_column_where_the_triton_kernel_reads_it(cols
     levels = unpack_int4(q)
     assert torch.equal(read[:, :cols], levels.to(read.dtype))
     assert not read[:, cols:].any()
+
+
+@pytest.mark.parametrize("cols, group_size", [(256, 64), (200, 32), (576, 128)])
+def test_group_deinterleave_gives_back_the_levels(cols, group_size):
+    torch.manual_seed(cols)
+    q, _, _ = quantize_int4(torch.randn(5, cols), group_size, torch.float32)
+    assert torch.equal(group_deinterleave(group_interleave(q, group_size), group_size, cols), unpack_int4(q))
+
+
+def test_a_layer_prepared_for_the_triton_kernel_keeps_one_copy_and_prefills_from_it():
+    """``triton`` repacks the weights into ``words``, which replace ``weight`` (counted among the parameters, as the
+    bytes a token reads); more rows than the Triton kernel takes (a prefill) dequantize ``words``: the product
+    of the checkpoint's own weights."""
+    torch.manual_seed(0)
+    layer = Int4Linear(200, 48, QuantConfig("int4", 32), bias=False)
+    q, scales, zeros = quantize_int4(torch.randn(48, 200), 32, torch.float32)
+    layer.load_state_dict({"weight": q, "scales": scales, "zeros": zeros}, assign=True)
+    layer.prepare("triton")
+    assert layer.weight is None
+    assert [name for name, _ in layer.named_parameters()] == ["scales", "zeros", "words"]
+    x = torch.randn(2, 20, 200)
+    expected = x @ dequantize_int4(q, scales, zeros, 32).T
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_cpu_int4_kernel_needs_rows_in_sixteens():

@@ -139,8 +139,14 @@ def int8_linear(
 
 def int4_dequantize(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
     """The [N, K] matrix in ``scales``' dtype, written in plain PyTorch for inductor to fuse."""
+    return _dequantize_levels(unpack_int4(weight), scales, zeros, group_size)
+
+
+def _dequantize_levels(
+    levels: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """The levels [N, K] (uint8) with ``scales`` and ``zeros`` [N, groups] as the [N, K] matrix."""
     out_features, n_groups = scales.shape
-    levels = torch.stack([weight & 0xF, weight >> 4], dim=-1).reshape(out_features, -1)  # [N, K]
     cols = levels.shape[1]
     pad = n_groups * group_size - cols
     if pad:  # the shorter last group, padded for the reshape below
@@ -170,6 +176,22 @@ def group_interleave(weight: torch.Tensor, group_size: int) -> torch.Tensor:
     nibbles = pairs.permute(0, 1, 3, 4, 2)  # [N, G, words, 8]: nibble 4 * (column of the pair) + k
     words = pack_int4(nibbles.reshape(-1, 8))  # [N * G * words, 4]: each word's bytes, lowest first
     return words.contiguous().view(torch.int32).reshape(n, -1)
+
+
+def group_deinterleave(words: torch.Tensor, group_size: int, cols: int) -> torch.Tensor:
+    """The levels [N, cols] (uint8) that :func:`group_interleave` put into ``words``."""
+    nibbles = unpack_int4(words.view(torch.uint8))  # [N, G * group_size]: word w's nibble i at 8 w + i
+    pairs = nibbles.reshape(words.shape[0], -1, group_size // 8, 2, 4)  # [N, G, words, column of the pair, k]
+    return pairs.permute(0, 1, 4, 2, 3).reshape(words.shape[0], -1)[:, :cols]
+
+
+def int4_words_linear(
+    rows: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """``rows`` [M, K] (many) times the weight repacked for our Triton kernel, dequantized (the prefill of a layer
+    that keeps only that copy, :class:`gpt_fast.quant.linear.Int4Linear`)."""
+    levels = group_deinterleave(words, group_size, rows.shape[-1])
+    return F.linear(rows, _dequantize_levels(levels, scales, zeros, group_size).to(rows.dtype))
 
 
 def int4_triton_linear(

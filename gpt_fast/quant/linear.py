@@ -20,6 +20,7 @@ from gpt_fast.quant.kernels import (
     int4_aten_linear,
     int4_linear,
     int4_triton_linear,
+    int4_words_linear,
     int8_linear,
     resolve_kernel,
 )
@@ -76,15 +77,17 @@ class Int4Linear(QuantizedLinear):
     def prepare(self, kernel: str) -> None:
         """``aten`` repacks a copy of the weights for PyTorch's own int4 kernel of the device, used for few rows:
         on the CPU ``_weight_int4pack_mm_for_cpu``; on CUDA (bf16 only) tinygemm, ``_weight_int4pack_mm``; where
-        that kernel does not take the shape or dtype, ``aten`` means ``dequant``. ``triton`` repacks a copy for our
-        Triton kernel (:func:`gpt_fast.quant.kernels.group_interleave`)."""
+        that kernel does not take the shape or dtype, ``aten`` means ``dequant``. ``triton`` repacks the weights for
+        our Triton kernel (:func:`gpt_fast.quant.kernels.group_interleave`) into ``words``, which replaces
+        ``weight`` (prefills dequantize ``words``): one copy of the weights in memory."""
         repack = {"cpu": self._repack_cpu, "cuda": self._repack_cuda}.get(self.weight.device.type)
         if kernel == "aten" and repack is not None and repack():
             self.kernel = "aten"
         else:
             self.kernel = "dequant" if kernel == "aten" else kernel
         if self.kernel == "triton":
-            self.register_buffer("words", group_interleave(self.weight, self.group_size), persistent=False)
+            self.words = nn.Parameter(group_interleave(self.weight, self.group_size), requires_grad=False)
+            self.weight = None
 
     def _repack_cpu(self) -> bool:
         """Scales and zeros as one [groups, out, 2] tensor; columns padded to whole groups."""
@@ -120,6 +123,8 @@ class Int4Linear(QuantizedLinear):
             out = int4_aten_linear(rows, self.packed, self.scales_and_zeros, self.group_size)
         elif self.kernel == "triton" and few:
             out = int4_triton_linear(rows, self.words, self.scales, self.zeros, self.group_size, self.launch_pdl())
+        elif self.kernel == "triton":
+            out = int4_words_linear(rows, self.words, self.scales, self.zeros, self.group_size)
         else:
             out = int4_linear(rows, self.weight, self.scales, self.zeros, self.group_size)
         return self.biased(out.reshape(*x.shape[:-1], out.shape[-1]))
