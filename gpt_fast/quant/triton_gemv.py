@@ -229,7 +229,7 @@ def _split(v):
 
 @triton.jit
 def _activation(quad, i: tl.constexpr, BF16: tl.constexpr):
-    """The ``i``-th 16-bit activation of the 64-bit ``quad``, in float32."""
+    """The ``i``-th 16-bit activation of ``quad`` (64 bits, or a 32-bit pair), in float32."""
     kind: tl.constexpr = tl.bfloat16 if BF16 else tl.float16
     return (quad >> (16 * i)).to(tl.int16).to(kind, bitcast=True).to(tl.float32)
 
@@ -265,8 +265,8 @@ def _float16_quad(quad, BF16: tl.constexpr, ASM: tl.constexpr):
 def _pair_products(word, k: tl.constexpr, pair):
     """Nibbles ``k`` and ``k + 4`` of each 32-bit ``word`` as (q - 8) / 64 times their float16 activation
     ``pair``, summed, in float16 (Triton's interpreter: the arithmetic of :data:`_WORD_PAIR_PTX`)."""
-    low = pair.to(tl.int16).to(tl.float16, bitcast=True)
-    high = (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    low = _activation(pair, 0, False).to(tl.float16)
+    high = _activation(pair, 1, False).to(tl.float16)
     q_low = ((word >> (4 * k)) & 0xF) - 8
     q_high = ((word >> (4 * k + 16)) & 0xF) - 8
     return (q_low.to(tl.float16) / HALF2_SCALE) * low + (q_high.to(tl.float16) / HALF2_SCALE) * high
