@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from gpt_fast.fileio import write_text_atomic
 from gpt_fast.model import weight_shapes
 from gpt_fast.quant import triton_gemv
-from gpt_fast.quant.kernels import group_interleave, int4_dequantize
+from gpt_fast.quant.kernels import group_interleave, int4_dequantize, int8_interleave
 from gpt_fast.quant.schemes import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 from gpt_fast.settings import apply_torch_settings
 from gpt_fast.shapes import get_shape
@@ -48,10 +48,11 @@ Fn = Callable[[torch.Tensor, tuple[torch.Tensor, ...]], torch.Tensor]
 def launches(scheme: str, sweep: bool, n: int, k: int) -> list[triton_gemv.Launch | None]:
     if not sweep:
         return [None]
-    if scheme == "int8":
-        grid = itertools.product((1, 2, 4, 8), (512, 1024, 2048), (4, 8), (False, True))
-    else:  # rows, columns per step (whole groups), warps, -, float16 pairs
-        grid = itertools.product((4, 8, 16), (1024, 2048, 4096), (1, 2, 4), (False,), (False, True))
+    if scheme == "int8":  # interleaved words: rows, 512 or 1024 columns per warp per step, warps
+        tiles = itertools.product((4, 8, 16), (512, 1024), (1, 2, 4))
+        return [triton_gemv.Launch(rows, columns * warps, warps) for rows, columns, warps in tiles]
+    # int4: rows, columns per step (whole groups), warps, -, float16 pairs
+    grid = itertools.product((4, 8, 16), (1024, 2048, 4096), (1, 2, 4), (False,), (False, True))
     return [triton_gemv.Launch(*config) for config in grid]
 
 
@@ -60,13 +61,14 @@ def variants(scheme: str, sweep: bool, n: int, k: int) -> dict[str, Fn]:
     if scheme == "bf16":
         return {"bf16 cublas": lambda x, w: F.linear(x, w[0])}
     for launch in launches(scheme, sweep, n, k):
-        kind = "triton-half2" if launch is not None and launch.half2 else "triton"
+        kind = {"int8": "triton-interleaved", "int4": "triton-half2" if launch and launch.half2 else "triton"}[scheme]
         name = kind + " " + ("chosen" if launch is None else f"n{launch.block_n} k{launch.block_k} w{launch.warps}")
-        name += " words" if launch is not None and launch.words else ""
-        if scheme == "int8":
-            out[name] = lambda x, w, launch=launch: triton_gemv.int8_gemv(x, w[0], w[1], launch)
+        if scheme == "int8":  # the words of int8_interleave
+            out[name] = lambda x, w, launch=launch: triton_gemv.int8_gemv(x, w[2], w[1], launch)
         else:
             out[name] = lambda x, w, launch=launch: triton_gemv.int4_gemv(x, w[3], w[1], w[2], GROUP, launch)
+    if scheme == "int8":  # the matrix as it is (float32 models, other widths)
+        out["triton-matrix chosen"] = lambda x, w: triton_gemv.int8_gemv(x, w[0], w[1])
     torch._dynamo.reset()
     if scheme == "int8":
         out["aten _weight_int8pack_mm"] = lambda x, w: torch.ops.aten._weight_int8pack_mm(x, w[0], w[1])
@@ -78,13 +80,13 @@ def variants(scheme: str, sweep: bool, n: int, k: int) -> dict[str, Fn]:
 
 
 def quantized(scheme: str, weight: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """The tensors of ``weight`` in ``scheme`` (int4: also our Triton kernel's words and tinygemm's layout) and the
+    """The tensors of ``weight`` in ``scheme`` (also our Triton kernel's words; int4: tinygemm's layout) and the
     float64 matrix they mean."""
     if scheme == "bf16":
         return (weight,), weight.double()
     if scheme == "int8":
         q, s = quantize_int8(weight, torch.bfloat16)
-        return (q, s), dequantize_int8(q, s).double()
+        return (q, s, int8_interleave(q)), dequantize_int8(q, s).double()
     q, s, z = quantize_int4(weight, GROUP, torch.bfloat16)
     tensors: tuple[torch.Tensor, ...] = (q, s, z, group_interleave(q, GROUP))
     try:  # tinygemm: even columns in the high nibble, [K / group, N, 2] scales and zeros
@@ -112,7 +114,8 @@ def main() -> None:
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         for scheme in args.schemes.split(","):
             first, reference = quantized(scheme, torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
-            nbytes = sum(t.numel() * t.element_size() for t in first[:3])
+            stored = first[:2] if scheme == "int8" else first[:3]  # the checkpoint's tensors, not repacked copies
+            nbytes = sum(t.numel() * t.element_size() for t in stored)
             count = max(2, -(-ROTATION_BYTES // nbytes))
             copies = [first] + [
                 quantized(scheme, torch.randn_like(reference, dtype=torch.bfloat16))[0] for _ in range(count - 1)

@@ -14,7 +14,7 @@ from gpt_fast.config import QuantConfig
 from gpt_fast.convert.random_init import random_weights
 from gpt_fast.engine import Engine, EngineOptions
 from gpt_fast.generate import COMPILE_MODES
-from gpt_fast.quant.kernels import group_interleave, triton_usable
+from gpt_fast.quant.kernels import INT8_BLOCK, group_interleave, int8_interleave, triton_usable
 from gpt_fast.quant.layout import quantize_state
 from gpt_fast.quant.schemes import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 from gpt_fast.sampling import SamplingConfig
@@ -40,8 +40,9 @@ def test_triton_kernels_match_a_float64_product(dtype, rows, n, k):
     x = torch.randn(rows, k, device="cuda", dtype=dtype)
     q, s = quantize_int8(weight, dtype)
     expected = x.double() @ dequantize_int8(q, s).double().T
-    got = triton_gemv.int8_gemv(x, q, s).double()
-    assert ((got - expected).norm() / expected.norm()).item() < 1e-2
+    for matrix in [q, int8_interleave(q)] if k % INT8_BLOCK == 0 and dtype != torch.float32 else [q]:
+        got = triton_gemv.int8_gemv(x, matrix, s).double()
+        assert ((got - expected).norm() / expected.norm()).item() < 1e-2
     q, s, z = quantize_int4(weight, 64, dtype)
     expected = x.double() @ dequantize_int4(q, s, z, 64).double().T
     for launch in [None, triton_gemv.Launch(8, 8 * 64, 1, half2=True), triton_gemv.Launch(1, 2 * 64, 2, half2=True)]:
@@ -55,23 +56,29 @@ def test_triton_kernels_match_a_float64_product(dtype, rows, n, k):
 
 
 @pytest.mark.parametrize("size", [1e-3, 1.0, 3e4])
-def test_int4_float16_pairs_hold_small_and_large_activations(size):
-    """The packed path sums two words' sixteen products in float16 (``half2``): activations of every size up to
-    half float16's largest (32752), all of one magnitude at the top, must not overflow its partial sums nor lose
-    precision when small, against a float64 product and the float32 path."""
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_float16_pairs_hold_small_and_large_activations(scheme, size):
+    """The float16-pairs paths sum products in float16 (int4: two words' sixteen; interleaved int8: eight, four per
+    half): activations of every size up to half float16's largest (32752), all of one magnitude at the top, must
+    not overflow their partial sums nor lose precision when small, against a float64 product and the float32
+    path (int8: the matrix as it is)."""
     from gpt_fast.quant import triton_gemv
 
     torch.manual_seed(7)
     weight = torch.randn(512, 4096, device="cuda")
     x = torch.randn(1, 4096, device="cuda")
     x = ((x.sign() if size > 1e4 else x) * size).bfloat16()
-    q, s, z = quantize_int4(weight, 128, torch.bfloat16)
-    words = group_interleave(q, 128)
-    expected = x.double() @ dequantize_int4(q, s, z, 128).double().T
-    errors = []
-    for launch in [triton_gemv.Launch(8, 1024, 1, half2=True), triton_gemv.Launch(8, 1024, 1)]:
-        got = triton_gemv.int4_gemv(x, words, s, z, 128, launch).double()
-        errors.append(((got - expected).norm() / expected.norm()).item())
+    if scheme == "int8":
+        q, s = quantize_int8(weight, torch.bfloat16)
+        expected = x.double() @ dequantize_int8(q, s).double().T
+        products = [triton_gemv.int8_gemv(x, int8_interleave(q), s), triton_gemv.int8_gemv(x, q, s)]
+    else:
+        q, s, z = quantize_int4(weight, 128, torch.bfloat16)
+        words = group_interleave(q, 128)
+        expected = x.double() @ dequantize_int4(q, s, z, 128).double().T
+        launches = [triton_gemv.Launch(8, 1024, 1, half2=True), triton_gemv.Launch(8, 1024, 1)]
+        products = [triton_gemv.int4_gemv(x, words, s, z, 128, launch) for launch in launches]
+    errors = [((got.double() - expected).norm() / expected.norm()).item() for got in products]
     packed, plain = errors
     assert packed < 2 * plain + 1e-3
 
@@ -80,8 +87,8 @@ def test_int4_float16_pairs_hold_small_and_large_activations(size):
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("n", [4096, 22016])
 def test_operators_compile_into_a_cuda_graph_step(n, scheme, pdl):
-    """The operators for bf16 activations (int4: the float16-pairs kernel, whose PTX inductor copies into the code
-    it generates; ``pdl``: the opaque operators launched with PDL, reading what a kernel of inductor's just wrote)
+    """The operators for bf16 activations (the float16-pairs kernels, whose PTX inductor copies into the code it
+    generates; ``pdl``: the opaque operators launched with PDL, reading what a kernel of inductor's just wrote)
     give, compiled in a CUDA-graph mode, what they give called directly (within rounding: inductor's sigmoid is its
     own)."""
     from gpt_fast.quant.kernels import int4_triton_linear, int8_linear, register_triton_ops
@@ -92,7 +99,7 @@ def test_operators_compile_into_a_cuda_graph_step(n, scheme, pdl):
     weight = torch.randn(n, 4096, device="cuda")
     if scheme == "int8":
         q, s = quantize_int8(weight, torch.bfloat16)
-        product = functools.partial(int8_linear, weight=q, scales=s, kernel="triton", pdl=pdl)
+        product = functools.partial(int8_linear, weight=int8_interleave(q), scales=s, kernel="triton", pdl=pdl)
     else:
         q, s, z = quantize_int4(weight, 128, torch.bfloat16)
         words = group_interleave(q, 128)

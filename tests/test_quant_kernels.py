@@ -18,10 +18,11 @@ from gpt_fast.quant.kernels import (
     group_interleave,
     int4_dequantize,
     int4_linear,
+    int8_interleave,
     int8_linear,
     resolve_kernel,
 )
-from gpt_fast.quant.linear import Int4Linear
+from gpt_fast.quant.linear import Int4Linear, Int8Linear
 from gpt_fast.quant.schemes import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8, unpack_int4
 
 # Relative error ||ours - exact|| / ||exact|| allowed against the float64 product: float32 arithmetic lands near
@@ -115,6 +116,40 @@ def test_a_layer_prepared_for_the_triton_kernel_keeps_one_copy_and_prefills_from
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_int8_interleave_puts_each_column_where_the_triton_kernel_reads_it():
+    """Column c of block b = c // 64, at r = c % 64 within it, sits in word 16 b + 2 ((r % 32) // 4) + r // 32 of
+    its row, byte r % 4, as q + 128 (a prefill undoes it: see the layer's test below)."""
+    torch.manual_seed(1)
+    q, _ = quantize_int8(torch.randn(3, 192), torch.float32)
+    words = int8_interleave(q)
+    assert words.dtype == torch.int32 and words.shape == (3, 48)
+    col = torch.arange(192)
+    r = col % 64
+    read = words.view(torch.uint8).reshape(3, 48, 4)[:, 16 * (col // 64) + 2 * ((r % 32) // 4) + r // 32, r % 4]
+    assert torch.equal(read.to(torch.int16) - 128, q.to(torch.int16))
+
+
+@pytest.mark.parametrize("kernel", ["triton", "aten", "dequant"])
+def test_an_int8_layer_prepared_for_the_triton_kernel_keeps_one_copy_and_prefills_from_it(kernel):
+    """In a 16-bit model whose inputs are a multiple of 64, ``triton`` repacks the weights into ``words``, which
+    replace ``weight`` (counted among the parameters, as the bytes a token reads); a prefill undoes the
+    interleave: the product of the checkpoint's own weights. Other widths, float32 models and the other kernels
+    keep ``weight``."""
+    torch.manual_seed(0)
+    for cols, dtype in [(192, torch.bfloat16), (200, torch.bfloat16), (192, torch.float32)]:
+        repacked = kernel == "triton" and cols % 64 == 0 and dtype != torch.float32
+        layer = Int8Linear(cols, 40, QuantConfig("int8"), bias=False)
+        q, scales = quantize_int8(torch.randn(40, cols), dtype)
+        layer.load_state_dict({"weight": q, "scales": scales}, assign=True)
+        layer.prepare(kernel)
+        assert (layer.weight is None) == repacked
+        names = ["scales", "words"] if repacked else ["weight", "scales"]
+        assert [name for name, _ in layer.named_parameters()] == names
+        x = torch.randn(2, FEW_ROWS + 4, cols, dtype=dtype)
+        expected = x.double() @ dequantize_int8(q, scales).double().T
+        assert relative_error(layer(x), expected) < TOLERANCE[dtype]
+
+
 def test_cpu_int4_kernel_needs_rows_in_sixteens():
     """torch's CPU int4 kernel takes 16 output rows at a time; another shape keeps the plain PyTorch path."""
     layer = Int4Linear(64, 24, QuantConfig("int4", 32), bias=False)
@@ -149,18 +184,25 @@ def test_a_rocm_build_falls_back_to_plain_pytorch(monkeypatch):
 TRITON_CHECK = """
 import torch
 from gpt_fast.quant import triton_gemv
-from gpt_fast.quant.kernels import group_interleave
+from gpt_fast.quant.kernels import INT8_BLOCK, group_interleave, int8_interleave
 from gpt_fast.quant.schemes import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 torch.manual_seed(0)
 worst = 0.0
 worst_half2 = {torch.float16: 0.0, torch.bfloat16: 0.0}
-for rows, n, k in [(1, 64, 256), (3, 37, 200), (2, 16, 1024)]:
+for rows, n, k in [(1, 64, 256), (3, 37, 200), (2, 16, 1024), (3, 37, 192)]:
     w, x = torch.randn(n, k), torch.randn(rows, k)
     q, s = quantize_int8(w, torch.float32)
     exact = x.double() @ dequantize_int8(q, s).double().T
     for launch in [None, triton_gemv.Launch(4, 128, 4), triton_gemv.Launch(1, 256, 2, words=True)]:
         got = triton_gemv.int8_gemv(x, q, s, launch).double()
         worst = max(worst, ((got - exact).norm() / exact.norm()).item())
+    for dtype in (torch.float16, torch.bfloat16) if k % INT8_BLOCK == 0 else ():
+        q16, s16 = quantize_int8(w, dtype)
+        half = x.to(dtype)
+        exact16 = half.double() @ dequantize_int8(q16, s16).double().T
+        for launch in [None, triton_gemv.Launch(2, 128, 2), triton_gemv.Launch(8, 64, 1)]:
+            got = triton_gemv.int8_gemv(half, int8_interleave(q16), s16, launch).double()
+            worst_half2[dtype] = max(worst_half2[dtype], ((got - exact16).norm() / exact16.norm()).item())
     for group in (32, 128):
         q, s, z = quantize_int4(w, group, torch.float32)
         exact = x.double() @ dequantize_int4(q, s, z, group).double().T
@@ -186,11 +228,12 @@ print(worst, worst_half2[torch.float16], worst_half2[torch.bfloat16])
     reason="Triton 3.6's interpreter takes int() of 1-element arrays, an error since numpy 2.4",
 )
 def test_triton_kernels_in_the_interpreter():
-    """The int8 kernel (bytes and 32-bit words) and the int4 kernel, ragged shapes included, run by Triton's
-    interpreter on CPU tensors (TRITON_INTERPRET is read when the kernels are defined: a process of its own).
-    int4 with 16-bit activations sums in float16 pairs: the interpreter runs no PTX, so it checks that path's
-    layout and scaling through the same float16 arithmetic written in Triton (the PTX has GPU tests), for float16
-    and bfloat16 activations, within the rounding of the output."""
+    """The int8 kernels (the matrix as bytes and as 32-bit words; the words of ``int8_interleave``) and the int4
+    kernel, ragged shapes included, run by Triton's interpreter on CPU tensors (TRITON_INTERPRET is read when the
+    kernels are defined: a process of its own). With 16-bit activations interleaved int8 and int4 sum in float16
+    pairs: the interpreter runs no PTX, so it checks those paths' layout and scaling through the same float16
+    arithmetic written in Triton (the PTX has GPU tests), for float16 and bfloat16 activations, within the
+    rounding of the output."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(TRITON_CHECK)], capture_output=True, text=True, env=env, timeout=600
@@ -226,16 +269,21 @@ def compile_for_h200(name: str, dtype: str, constants: dict, warps: int):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-@pytest.mark.parametrize("name", ["_int8_gemv", "_int4_gemv"])
+@pytest.mark.parametrize("name", ["_int8_gemv", "_int8_interleaved_gemv", "_int4_gemv"])
 def test_the_kernels_compile_for_an_h200_with_their_first_weights_loaded_before_the_wait(name):
     """Launched with PDL (the ``_pdl`` operators), the first step's weights are loaded before
     ``griddepcontrol.wait``, and dependents are released only after it (the rule of
-    :mod:`gpt_fast.triton_pdl`); the int4 kernel's float16-pairs PTX assembles for ``sm_90``."""
+    :mod:`gpt_fast.triton_pdl`); the float16-pairs PTX of interleaved int8 and of int4 assembles for ``sm_90``."""
     from gpt_fast.quant import triton_gemv
 
     if name == "_int8_gemv":
         constants = {"BLOCK_N": 8, "BLOCK_K": 2048, "EVEN": True, "AS_WORDS": True, "PDL": True}
         warps = 4
+    elif name == "_int8_interleaved_gemv":
+        launch = triton_gemv.int8_launch(4096, 4096, interleaved=True)
+        constants = {"BLOCK_N": launch.block_n, "BLOCKS": launch.block_k // 64, "EVEN": True}
+        constants |= {"BF16": True, "ASM": True, "PDL": True}
+        warps = launch.warps
     else:
         launch = triton_gemv.int4_launch(4096, 128)
         constants = {"BLOCK_N": launch.block_n, "GROUPS": launch.block_k // 128, "GROUP": 128, "EVEN": True}
@@ -262,6 +310,20 @@ def test_the_int4_kernel_compiles_for_an_h200_in_each_path(dtype, half2, group, 
     constants = {"BLOCK_N": launch.block_n, "GROUPS": launch.block_k // group, "GROUP": group, "EVEN": even}
     constants |= {"HALF2": half2, "BF16": dtype == "bf16", "ASM": True, "PDL": True}
     assert "cubin" in compile_for_h200("_int4_gemv", dtype, constants, launch.warps).asm
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("n, k", [(4096, 4096), (4096, 11008)])
+def test_the_int8_interleaved_kernel_compiles_for_an_h200_in_each_path(dtype, n, k):
+    """The int8 kernel of interleaved words, from float16 or bfloat16 activations, masked where the tile does not
+    divide the columns or not, compiles to a cubin for ``sm_90``."""
+    from gpt_fast.quant import triton_gemv
+
+    launch = triton_gemv.int8_launch(n, k, interleaved=True)
+    constants = {"BLOCK_N": launch.block_n, "BLOCKS": launch.block_k // 64, "EVEN": k % launch.block_k == 0}
+    constants |= {"BF16": dtype == "bf16", "ASM": True, "PDL": True}
+    assert "cubin" in compile_for_h200("_int8_interleaved_gemv", dtype, constants, launch.warps).asm
 
 
 def test_only_layers_computing_with_the_triton_kernel_launch_it_with_pdl():

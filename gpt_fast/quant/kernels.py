@@ -9,9 +9,10 @@ measured 25 to 50 times slower than dequantize-then-``F.linear`` on the CPU for 
   ``torch.library.triton_op`` so that ``torch.compile`` places them in its own generated code (and CUDA graphs
   capture them). The choice on CUDA, compiled or not. int8: in a compiled 7B step it was measured faster than
   inductor's own dequantizing GEMV (which folds the RMSNorm into its prologue), and the same in every build, where
-  inductor's varies with its coordinate-descent tuning (BENCHMARKS.md, eighteenth session). int4: with 16-bit
-  activations its products are summed in float16 pairs, which made it faster than tinygemm on the wide Llama-2-7B
-  matrices (level on ``wo`` and ``w2``) and the 7B step 3 % faster, 9 % with PDL (twenty-third session).
+  inductor's varies with its coordinate-descent tuning (BENCHMARKS.md, eighteenth session); in 16-bit models its
+  weights are repacked (:func:`int8_interleave`) and summed in float16 pairs, 3 % faster again (twenty-fifth
+  session). int4: with 16-bit activations its products are summed in float16 pairs, which made it faster than
+  tinygemm on the wide Llama-2-7B matrices and the 7B step 3 % faster, 9 % with PDL (twenty-third session).
 - ``aten``: PyTorch's own weight-only kernels, ``torch.ops.aten._weight_int8pack_mm``, and for int4
   ``_weight_int4pack_mm_for_cpu`` or CUDA's tinygemm ``_weight_int4pack_mm`` (on a copy of the weights repacked
   once at load, :mod:`gpt_fast.quant.linear`). The CPU's choice: they read the weights as they are, where
@@ -123,8 +124,9 @@ def register_triton_ops() -> None:
 def int8_linear(
     x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, kernel: str, pdl: bool = False
 ) -> torch.Tensor:
-    """``x`` [..., K] times the int8 ``weight`` [N, K] with per-channel ``scales`` [N] (in ``x``'s dtype);
-    ``pdl``: the ``triton`` kernel's operator launched with PDL (see :func:`register_triton_ops`)."""
+    """``x`` [..., K] times the int8 ``weight`` [N, K] (or, for the ``triton`` kernel, its words [N, K / 4] from
+    :func:`int8_interleave`) with per-channel ``scales`` [N] (in ``x``'s dtype); ``pdl``: the ``triton`` kernel's
+    operator launched with PDL (see :func:`register_triton_ops`)."""
     rows = x.reshape(-1, x.shape[-1])
     few = rows.shape[0] <= FEW_ROWS
     if kernel == "triton" and few:
@@ -132,9 +134,33 @@ def int8_linear(
         out = gemv(rows.contiguous(), weight, scales)
     elif kernel == "aten" and few:
         out = torch.ops.aten._weight_int8pack_mm(rows, weight, scales)
+    elif weight.dtype == torch.int32:
+        out = F.linear(rows, _interleaved_levels(weight).to(x.dtype) - 128) * scales
     else:
         out = F.linear(rows, weight.to(x.dtype)) * scales
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+INT8_BLOCK = 64  # columns of a block of int8_interleave: 8 elements of two words
+
+
+def int8_interleave(weight: torch.Tensor) -> torch.Tensor:
+    """The int8 ``weight`` [N, K] (K a multiple of :data:`INT8_BLOCK`) as the 32-bit words [N, K / 4] that
+    :func:`gpt_fast.quant.triton_gemv.int8_gemv` reads two at a time: in each block of 64 columns, words ``2 e``
+    and ``2 e + 1`` hold columns ``4 e`` to ``4 e + 3`` and ``32 + 4 e`` to ``32 + 4 e + 3``, lowest byte first,
+    each byte ``q + 128`` (unsigned)."""
+    n = weight.shape[0]
+    offset = weight.view(torch.uint8) ^ 0x80  # [N, K]: q + 128
+    halves = offset.reshape(n, -1, 2, INT8_BLOCK // 8, 4)  # [N, blocks, half, element, byte]
+    return halves.transpose(2, 3).contiguous().view(torch.int32).reshape(n, -1)
+
+
+def _interleaved_levels(words: torch.Tensor) -> torch.Tensor:
+    """The bytes ``q + 128`` [N, K] (uint8) that :func:`int8_interleave` put into ``words``, in column order: a
+    view and a permutation, which inductor fuses into the conversion that follows."""
+    n = words.shape[0]
+    elements = words.view(torch.uint8).reshape(n, -1, INT8_BLOCK // 8, 2, 4)  # [N, blocks, element, half, byte]
+    return elements.transpose(2, 3).reshape(n, -1)
 
 
 def int4_dequantize(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:

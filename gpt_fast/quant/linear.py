@@ -16,11 +16,13 @@ from torch import nn
 from gpt_fast.config import ModelConfig, QuantConfig
 from gpt_fast.quant.kernels import (
     FEW_ROWS,
+    INT8_BLOCK,
     group_interleave,
     int4_aten_linear,
     int4_linear,
     int4_triton_linear,
     int4_words_linear,
+    int8_interleave,
     int8_linear,
     resolve_kernel,
 )
@@ -63,8 +65,20 @@ class QuantizedLinear(nn.Module):
 class Int8Linear(QuantizedLinear):
     """``y = x @ (weight * scales[:, None]).T``: int8 weights [out, in], one scale per output channel."""
 
+    def prepare(self, kernel: str) -> None:
+        """``triton``, for a 16-bit model (its scales' dtype) whose inputs are a multiple of 64: the weights
+        repacked for our float16-pairs kernel (:func:`gpt_fast.quant.kernels.int8_interleave`) into ``words``,
+        which replaces ``weight`` (prefills undo the interleave): one copy of the weights in memory. Otherwise
+        ``weight`` stays, read as it is."""
+        self.kernel = kernel
+        sixteen_bits = self.scales.dtype in (torch.float16, torch.bfloat16)
+        if kernel == "triton" and sixteen_bits and self.weight.shape[1] % INT8_BLOCK == 0:
+            self.words = nn.Parameter(int8_interleave(self.weight), requires_grad=False)
+            self.weight = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.biased(int8_linear(x, self.weight, self.scales, self.kernel, self.launch_pdl()))
+        weight = self.words if self.weight is None else self.weight
+        return self.biased(int8_linear(x, weight, self.scales, self.kernel, self.launch_pdl()))
 
 
 class Int4Linear(QuantizedLinear):

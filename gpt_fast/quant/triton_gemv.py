@@ -15,10 +15,16 @@ float multiply-add; with 16-bit ones (``half2``) two nibbles become float16 at o
 summed in float16 pairs by inline PTX, about half the instructions per weight (see :func:`_int4_gemv`). The PTX is
 NVIDIA's: ROCm builds do not use these kernels (:func:`gpt_fast.quant.kernels.triton_usable`).
 
-int8: the weights are read as bytes converted by the hardware, or (``AS_WORDS``) as 32-bit words whose bytes
-become floats in the mantissa of 1.0 as int4's nibbles do (a shift and a logical operation per weight), which spares
-the integer-to-float conversions (a quarter of the float multiply-add rate on recent NVIDIA GPUs) and a
-subtraction. Which is faster, and which tile, is for ``scripts/quant_gemv.py --sweep`` to say on the GPU at hand.
+int8 with 16-bit activations: the weights are repacked once (:func:`gpt_fast.quant.kernels.int8_interleave`, where
+the columns are a multiple of 64) into 64-bit elements of two words, each byte offset to ``q + 128``, so that a
+word's four columns meet one 64-bit quad of activations and the quads that consecutive elements meet are contiguous
+(a tile laid out as int4's). A byte permute makes two bytes one float16 pair (``1024 + q + 128``, exact), one packed
+multiply-add makes it exactly ``q / 256``, a second meets the activations (:data:`_BYTE_PAIRS_PTX`): two
+instructions per weight. Otherwise (float32 activations, other widths) the matrix is read as it is: as bytes
+converted by the hardware, or (``AS_WORDS``) as 32-bit words whose bytes become floats in the mantissa of 1.0 as
+int4's nibbles do (a shift and a logical operation per weight), which spares the integer-to-float conversions (a
+quarter of the float multiply-add rate on recent NVIDIA GPUs) and a subtraction. Which tile is for
+``scripts/quant_gemv.py --sweep`` to say on the GPU at hand.
 
 Imported only where Triton is (:mod:`gpt_fast.quant.kernels` decides); the launchers run on CUDA tensors, and
 in Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors for the tests.
@@ -43,8 +49,8 @@ class Launch:
     block_n: int
     block_k: int
     warps: int
-    words: bool = False  # int8: weights read as 32-bit words (where K is a multiple of 8)
-    half2: bool = False  # int4: products summed in float16 pairs (where x is 16-bit)
+    words: bool = False  # int8 as it is: the matrix read as 32-bit words (where K is a multiple of 8)
+    half2: bool = False  # int4: products summed in float16 pairs (where x is 16-bit; interleaved int8 always)
 
 
 @triton.jit
@@ -262,14 +268,19 @@ def _float16_quad(quad, BF16: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _pair_products(word, k: tl.constexpr, pair):
-    """Nibbles ``k`` and ``k + 4`` of each 32-bit ``word`` as (q - 8) / 64 times their float16 activation
-    ``pair``, summed, in float16 (Triton's interpreter: the arithmetic of :data:`_WORD_PAIR_PTX`)."""
+def _scaled_pair(q_low, q_high, pair, SCALE: tl.constexpr):
+    """``q_low / SCALE`` and ``q_high / SCALE`` times their float16 activation ``pair``, summed, in float16: the
+    arithmetic of the float16-pairs PTX, for Triton's interpreter (which runs no PTX)."""
     low = _activation(pair, 0, False).to(tl.float16)
     high = _activation(pair, 1, False).to(tl.float16)
-    q_low = ((word >> (4 * k)) & 0xF) - 8
-    q_high = ((word >> (4 * k + 16)) & 0xF) - 8
-    return (q_low.to(tl.float16) / HALF2_SCALE) * low + (q_high.to(tl.float16) / HALF2_SCALE) * high
+    return (q_low.to(tl.float16) / SCALE) * low + (q_high.to(tl.float16) / SCALE) * high
+
+
+@triton.jit
+def _pair_products(word, k: tl.constexpr, pair):
+    """Nibbles ``k`` and ``k + 4`` of each 32-bit ``word`` as (q - 8) / 64 times their float16 activation
+    ``pair``, summed, in float16 (:data:`_WORD_PAIR_PTX`'s arithmetic)."""
+    return _scaled_pair(((word >> (4 * k)) & 0xF) - 8, ((word >> (4 * k + 16)) & 0xF) - 8, pair, HALF2_SCALE)
 
 
 @triton.jit
@@ -445,14 +456,137 @@ def _int4_gemv(
     tl.store(y_ptr + m * N + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
+# One 64-bit element of int8_interleave ($2: two words of four bytes q + 128) against its activations as float16
+# pairs ($3: the first word's two pairs, $4: the second's), summed in float16 pairs; the sum ends as one float32
+# added to the accumulator ($1). Per word: two byte permutes (two bytes and 0x64 each: the float16 pair 1024 + q +
+# 128, exact), two packed multiply-adds to exactly q / 256, two with the activations. Each half of the pair sums
+# four products of at most |x| / 2: below 65504 up to |x| = 32752, as int4's.
+_BYTE_PAIRS_PTX = tl.constexpr(
+    " ".join(  # one line: inductor copies it into the Python it generates for a compiled step
+        [
+            "{",
+            ".reg .b32 w0, w1, a0, a1, b0, b1, t0, t1, t2, t3, magic, scale, offset, h;",
+            ".reg .b16 lo, hi;",
+            ".reg .f32 flo, fhi;",
+            "mov.b64 {w0, w1}, $2;",
+            "mov.b64 {a0, a1}, $3;",
+            "mov.b64 {b0, b1}, $4;",
+            "mov.b32 magic, 0x64646464;",
+            "mov.b32 scale, 0x1C001C00;",
+            "mov.b32 offset, 0xC480C480;",
+            "prmt.b32 t0, w0, magic, 0x4140;",
+            "prmt.b32 t1, w0, magic, 0x4342;",
+            "prmt.b32 t2, w1, magic, 0x4140;",
+            "prmt.b32 t3, w1, magic, 0x4342;",
+            "fma.rn.f16x2 t0, t0, scale, offset;",
+            "fma.rn.f16x2 t1, t1, scale, offset;",
+            "fma.rn.f16x2 t2, t2, scale, offset;",
+            "fma.rn.f16x2 t3, t3, scale, offset;",
+            "mul.rn.f16x2 h, t0, a0;",
+            "fma.rn.f16x2 h, t1, a1, h;",
+            "fma.rn.f16x2 h, t2, b0, h;",
+            "fma.rn.f16x2 h, t3, b1, h;",
+            "mov.b32 {lo, hi}, h;",
+            "cvt.f32.f16 flo, lo;",
+            "cvt.f32.f16 fhi, hi;",
+            "add.f32 flo, flo, fhi;",
+            "add.f32 $0, $1, flo;",
+            "}",
+        ]
+    )
+)
+INT8_SCALE = tl.constexpr(256.0)  # the words' products are (q / 256) x
+
+
+@triton.jit
+def _byte_products(word, j: tl.constexpr, pair):
+    """Bytes ``2 j`` and ``2 j + 1`` (``q + 128``) of each 32-bit ``word`` as q / 256 times their float16
+    activation ``pair``, summed, in float16 (:data:`_BYTE_PAIRS_PTX`'s arithmetic)."""
+    return _scaled_pair(((word >> (16 * j)) & 0xFF) - 128, ((word >> (16 * j + 8)) & 0xFF) - 128, pair, INT8_SCALE)
+
+
+@triton.jit
+def _interleaved_step(packed, x_row, b, re, NB, acc, EVEN: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr):
+    """One step of :func:`_int8_interleaved_gemv` over the elements ``packed`` [B, BLOCK_N, 8] of blocks ``b`` [B,
+    1, 1]: the new ``acc`` (sums of ``(q / 256) x``)."""
+    x_quads = x_row.to(tl.pointer_type(tl.int64)) + b * 16 + re  # [B, 1, 8]: each element's first word's quad
+    low = _float16_quad(_load(x_quads, b < NB, EVEN), BF16, ASM)
+    high = _float16_quad(_load(x_quads + 8, b < NB, EVEN), BF16, ASM)  # and its second word's
+    if ASM:
+        acc = tl.inline_asm_elementwise(
+            _BYTE_PAIRS_PTX, "=r,r,l,l,l", [acc, packed, low, high], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:  # Triton's interpreter runs no PTX: the same float16 arithmetic
+        w0, w1 = _split(packed)
+        a0, a1 = _split(low)
+        b0, b1 = _split(high)
+        dot = (_byte_products(w0, 0, a0) + _byte_products(w0, 1, a1)) + (
+            _byte_products(w1, 0, b0) + _byte_products(w1, 1, b1)
+        )
+        acc += dot.to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _int8_interleaved_gemv(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    BLOCK_N: tl.constexpr,
+    BLOCKS: tl.constexpr,
+    EVEN: tl.constexpr,
+    BF16: tl.constexpr,
+    ASM: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """16-bit activations against int8 weights in the words of :func:`gpt_fast.quant.kernels.int8_interleave`,
+    read two at a time as 64-bit elements: element ``e`` of a block of 64 columns holds the block's columns ``4 e``
+    to ``4 e + 3`` in its first word and ``32 + 4 e`` to ``32 + 4 e + 3`` in its second, each byte ``q + 128``.
+    A step's tile is [BLOCKS, BLOCK_N, 8 elements], as int4's [groups, rows, word pairs]: the activations, loaded
+    [BLOCKS, 1, 8] as 64-bit quads, are converted to float16 once for all the rows a thread holds; the products
+    are summed in float16 pairs (:data:`_BYTE_PAIRS_PTX`), one partial sum per element, reduced once at the end and
+    scaled by the row's scale.
+
+    The first step's words are loaded before the wait for the activations (``PDL``, :mod:`gpt_fast.triton_pdl`)."""
+    m, rn = _program_rows(M, BLOCK_N)
+    NB = K // 64
+    rb = tl.arange(0, BLOCKS)[:, None, None]
+    rows = rn[None, :, None]
+    re = tl.arange(0, 8)[None, None, :]
+    w_tile = w_ptr.to(tl.pointer_type(tl.int64)) + rows.to(tl.int64) * (NB * 8) + rb * 8 + re
+    x_row = x_ptr + m * K
+    acc = tl.zeros((BLOCKS, BLOCK_N, 8), dtype=tl.float32)
+    packed = _load(w_tile, (rb < NB) & (rows < N), EVEN)  # [BLOCKS, BLOCK_N, 8]
+    wait_for_inputs(PDL)
+    acc = _interleaved_step(packed, x_row, rb, re, NB, acc, EVEN, BF16, ASM)
+    for b0 in range(BLOCKS, NB, BLOCKS):
+        b = b0 + rb
+        packed = _load(w_tile + b0 * 8, (b < NB) & (rows < N), EVEN)
+        acc = _interleaved_step(packed, x_row, b, re, NB, acc, EVEN, BF16, ASM)
+    _store_int8(y_ptr, s_ptr, m, N, rn, tl.sum(acc, axis=0) * INT8_SCALE)
+
+
 ONE_SIGN_BITS = 0x3FC00000  # the float 1.0 and the sign bit of a byte at bits 15-22 (see _int8_gemv)
 
 
-def int8_launch(n: int, k: int) -> Launch:
-    """The tile for an [n, k] int8 matrix: 8 rows of up to 2048 columns per program (read as int32 words), 4
-    warps. The best single tile of ``scripts/quant_gemv.py --sweep`` on an H200 (BENCHMARKS.md, fifth session's
-    raw sweep): 70.4 us for a Llama-2-7B layer's four GEMVs against 94.2 us for the tile used before (2 rows of
-    1024 columns), and within 10 % of each matrix's own best tile."""
+def int8_launch(n: int, k: int, interleaved: bool = False) -> Launch:
+    """The tile for an [n, k] int8 matrix:
+
+    - as it is: 8 rows of up to 2048 columns per program (read as int32 words), 4 warps; the best single tile of
+      ``scripts/quant_gemv.py --sweep`` on an H200 (BENCHMARKS.md, fifth session's raw sweep): 70.4 us for a
+      Llama-2-7B layer's four GEMVs against 94.2 us for the tile used before (2 rows of 1024 columns), and within
+      10 % of each matrix's own best tile;
+    - ``interleaved`` (:func:`gpt_fast.quant.kernels.int8_interleave`, 16-bit activations): 4 rows of 2048
+      columns per step, 4 warps (each thread reading 16 bytes of each row per step), the best single tile of the
+      twenty-fifth session's sweep: 62.5 us for a Llama-2-7B layer against 65.0 for the matrix as it is, 56.1
+      against 61.2 for Llama-3-8B's three largest, within 8 % of each matrix's own best tile but for the 7B
+      ``w2`` (17.1 us, against 14.7 with 4096 columns per step)."""
+    if interleaved:
+        return Launch(4, 2048, 4)
     return Launch(8, min(2048, triton.next_power_of_2(k)), 4, words=True)
 
 
@@ -482,28 +616,44 @@ def int8_gemv(
     wrap: Wrap = _unwrapped,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """``x`` [M, K] @ (``weight`` [N, K] int8 × ``scales`` [N]).T -> [M, N] in ``x``'s dtype; ``pdl``: launched
-    with programmatic dependent launch where the GPU has it."""
+    """``x`` [M, K] @ (int8 matrix × ``scales`` [N]).T -> [M, N] in ``x``'s dtype, ``weight`` the matrix [N, K]
+    (int8), or for 16-bit ``x`` its words [N, K / 4] (int32, from :func:`gpt_fast.quant.kernels.int8_interleave`);
+    ``pdl``: launched with programmatic dependent launch where the GPU has it."""
     m, k = x.shape
     n = weight.shape[0]
-    launch = launch or int8_launch(n, k)
+    interleaved = weight.dtype == torch.int32
+    assert not interleaved or x.dtype != torch.float32, "interleaved int8 words take 16-bit activations"
+    launch = launch or int8_launch(n, k, interleaved)
     y, grid, even, words = _prelude(x, n, launch)
-    wrap(_int8_gemv)[grid](
-        x,
-        weight.view(torch.int32) if words else weight,
-        scales,
-        y,
-        m,
-        n,
-        k,
-        ONE_SIGN_BITS,
-        BLOCK_N=launch.block_n,
-        BLOCK_K=launch.block_k,
-        EVEN=even,
-        AS_WORDS=words,
-        num_warps=launch.warps,
-        **pdl_launch(x.device, pdl),
-    )
+    common = {"BLOCK_N": launch.block_n, "EVEN": even, "num_warps": launch.warps, **pdl_launch(x.device, pdl)}
+    if interleaved:
+        wrap(_int8_interleaved_gemv)[grid](
+            x,
+            weight,
+            scales,
+            y,
+            m,
+            n,
+            k,
+            BLOCKS=launch.block_k // 64,
+            BF16=x.dtype == torch.bfloat16,
+            ASM=x.is_cuda,
+            **common,
+        )
+    else:
+        wrap(_int8_gemv)[grid](
+            x,
+            weight.view(torch.int32) if words else weight,
+            scales,
+            y,
+            m,
+            n,
+            k,
+            ONE_SIGN_BITS,
+            BLOCK_K=launch.block_k,
+            AS_WORDS=words,
+            **common,
+        )
     return y
 
 
