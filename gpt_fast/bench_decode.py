@@ -44,6 +44,7 @@ from gpt_fast.engine import (
 from gpt_fast.generate import COORDINATE_DESCENT, HEURISTIC, KERNEL_TUNINGS
 from gpt_fast.quant.kernels import triton_usable
 from gpt_fast.quant.layout import quantize_state, stored_size
+from gpt_fast.quant.linear import QuantizedLinear
 from gpt_fast.sampling import SamplingConfig
 from gpt_fast.settings import apply_torch_settings
 from gpt_fast.shapes import SHAPES, get_shape
@@ -178,6 +179,7 @@ def ours_runners(
         for prefill in (False, mode != "none")
     ]
     bytes_per_token = engines[0].weight_bytes_per_token
+    share_repacked_weights([engine.model for engine in engines])
     for engine in engines if rework is not None else ():
         rework(engine)
 
@@ -188,6 +190,18 @@ def ours_runners(
         return run
 
     return (runner(engines[0]), runner(engines[1])), bytes_per_token
+
+
+def share_repacked_weights(models: Sequence[torch.nn.Module]) -> None:
+    """Give the quantized layers of every model after the first the first one's repacked weights. A row's engines
+    (one decodes, one times the compiled prefill) are built from one shared state, but each quantized layer
+    repacks its own copy for its kernel at load (``words``: int4, and int8 in 16-bit models, on a CUDA GPU), so
+    the row would hold, and its memory column count, the weights twice where one engine holds them once."""
+    first = dict(models[0].named_modules())
+    for model in models[1:]:
+        for name, module in model.named_modules():
+            if isinstance(module, QuantizedLinear) and getattr(module, "words", None) is not None:
+                module.words = first[name].words
 
 
 def torchao_rework(scheme: QuantConfig) -> Callable[[Engine], None]:

@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from gpt_fast.bench_decode import hf_runners, parse_schemes, run_benchmark, scheme_bytes_per_token
+from gpt_fast.bench_decode import (
+    hf_runners,
+    parse_schemes,
+    run_benchmark,
+    scheme_bytes_per_token,
+    share_repacked_weights,
+)
 from gpt_fast.config import QuantConfig
 from gpt_fast.convert.hf_config import hf_config_dict
 from gpt_fast.convert.layout import split_tensors
@@ -83,6 +89,27 @@ def test_quantized_rows_on_the_same_weights():
     assert rows[3].bytes_per_token == scheme_bytes_per_token(shape, schemes[1], torch.float32)
     assert rows[3].bytes_per_token < rows[1].bytes_per_token < rows[0].bytes_per_token / 2
     assert len(lines[-1].splitlines()) == 2 + len(rows)
+
+
+def test_a_rows_engines_share_their_repacked_weights():
+    """Layers repacked at load (here int8 for the triton kernel, bf16) each make their own ``words``; the second
+    engine's layers then take the first one's, so that a row holds one copy of the weights."""
+    from torch import nn
+
+    from gpt_fast.quant.linear import Int8Linear
+    from gpt_fast.quant.schemes import quantize_int8
+
+    q, scales = quantize_int8(torch.randn(8, 64), torch.bfloat16)
+    models = []
+    for _ in range(2):
+        layer = Int8Linear(64, 8, QuantConfig("int8"), bias=False)
+        layer.load_state_dict({"weight": q, "scales": scales}, assign=True)
+        layer.prepare("triton")
+        models.append(nn.Sequential(nn.Identity(), layer))
+    assert models[1][1].words is not models[0][1].words
+    share_repacked_weights(models)
+    assert models[1][1].words is models[0][1].words
+    assert [name for name, _ in models[1].named_parameters()] == ["1.scales", "1.words"]
 
 
 def test_schemes_are_checked():
