@@ -141,6 +141,33 @@ def test_every_compile_mode_gives_the_eager_tokens(quantized, eager_tokens, mode
     assert greedy(*quantized, mode) == eager_tokens
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_repacked_layers_prefill_compiled_matches_a_float64_product(scheme):
+    """A bf16 layer repacked for our Triton kernel (its checkpoint layout dropped) computes a prefill's rows from
+    the repacked words, compiled as ``--compile_prefill`` compiles it."""
+    from gpt_fast.quant.linear import Int4Linear, Int8Linear
+
+    torch.manual_seed(3)
+    weight = torch.randn(1024, 4096, device="cuda")
+    if scheme == "int8":
+        layer = Int8Linear(4096, 1024, QuantConfig("int8"), bias=False)
+        q, s = quantize_int8(weight, torch.bfloat16)
+        layer.load_state_dict({"weight": q, "scales": s}, assign=True)
+        matrix = dequantize_int8(q, s)
+    else:
+        layer = Int4Linear(4096, 1024, QuantConfig("int4", 128), bias=False)
+        q, s, z = quantize_int4(weight, 128, torch.bfloat16)
+        layer.load_state_dict({"weight": q, "scales": s, "zeros": z}, assign=True)
+        matrix = dequantize_int4(q, s, z, 128)
+    layer.prepare("triton")
+    assert layer.weight is None
+    x = torch.randn(2, 40, 4096, device="cuda", dtype=torch.bfloat16)
+    expected = x.double() @ matrix.double().T
+    torch._dynamo.reset()
+    got = torch.compile(layer)(x).double()
+    assert ((got - expected).norm() / expected.norm()).item() < 1e-2
+
+
 @pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize("n, k, group", [(4096, 4096, 128), (1536, 576, 64), (96, 256, 32)])
 def test_tinygemm_int4_matches_a_float64_product(rows, n, k, group):

@@ -134,8 +134,8 @@ def int8_linear(
         out = gemv(rows.contiguous(), weight, scales)
     elif kernel == "aten" and few:
         out = torch.ops.aten._weight_int8pack_mm(rows, weight, scales)
-    elif weight.dtype == torch.int32:
-        out = F.linear(rows, _interleaved_levels(weight).to(x.dtype) - 128) * scales
+    elif weight.dtype == torch.int32:  # the words' bytes are the columns in interleaved order: so are the rows'
+        out = F.linear(_interleave_columns(rows), weight.view(torch.uint8).to(x.dtype) - 128) * scales
     else:
         out = F.linear(rows, weight.to(x.dtype)) * scales
     return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -144,23 +144,22 @@ def int8_linear(
 INT8_BLOCK = 64  # columns of a block of int8_interleave: 8 elements of two words
 
 
+def _interleave_columns(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [..., K] (K a multiple of :data:`INT8_BLOCK`) with its columns in :func:`int8_interleave`'s order: in
+    each block of 64, ``4 e`` to ``4 e + 3`` then ``32 + 4 e`` to ``32 + 4 e + 3``, for e = 0 to 7."""
+    halves = t.reshape(*t.shape[:-1], -1, 2, INT8_BLOCK // 8, 4)  # [..., blocks, half, element, column]
+    return halves.transpose(-3, -2).reshape(t.shape)
+
+
 def int8_interleave(weight: torch.Tensor) -> torch.Tensor:
     """The int8 ``weight`` [N, K] (K a multiple of :data:`INT8_BLOCK`) as the 32-bit words [N, K / 4] that
     :func:`gpt_fast.quant.triton_gemv.int8_gemv` reads two at a time: in each block of 64 columns, words ``2 e``
     and ``2 e + 1`` hold columns ``4 e`` to ``4 e + 3`` and ``32 + 4 e`` to ``32 + 4 e + 3``, lowest byte first,
-    each byte ``q + 128`` (unsigned)."""
-    n = weight.shape[0]
+    each byte ``q + 128`` (unsigned). A prefill multiplies these bytes as they lie by its rows' columns put in
+    the same order (:func:`_interleave_columns`, a few megabytes where undoing the interleave reads every
+    weight)."""
     offset = weight.view(torch.uint8) ^ 0x80  # [N, K]: q + 128
-    halves = offset.reshape(n, -1, 2, INT8_BLOCK // 8, 4)  # [N, blocks, half, element, byte]
-    return halves.transpose(2, 3).contiguous().view(torch.int32).reshape(n, -1)
-
-
-def _interleaved_levels(words: torch.Tensor) -> torch.Tensor:
-    """The bytes ``q + 128`` [N, K] (uint8) that :func:`int8_interleave` put into ``words``, in column order: a
-    view and a permutation, which inductor fuses into the conversion that follows."""
-    n = words.shape[0]
-    elements = words.view(torch.uint8).reshape(n, -1, INT8_BLOCK // 8, 2, 4)  # [N, blocks, element, half, byte]
-    return elements.transpose(2, 3).reshape(n, -1)
+    return _interleave_columns(offset).contiguous().view(torch.int32)
 
 
 def int4_dequantize(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -68,7 +68,7 @@ class Int8Linear(QuantizedLinear):
     def prepare(self, kernel: str) -> None:
         """``triton``, for a 16-bit model (its scales' dtype) whose inputs are a multiple of 64: the weights
         repacked for our float16-pairs kernel (:func:`gpt_fast.quant.kernels.int8_interleave`) into ``words``,
-        which replaces ``weight`` (prefills undo the interleave): one copy of the weights in memory. Otherwise
+        which replaces ``weight`` (prefills read it too): one copy of the weights in memory. Otherwise
         ``weight`` stays, read as it is."""
         self.kernel = kernel
         sixteen_bits = self.scales.dtype in (torch.float16, torch.bfloat16)
