@@ -118,7 +118,7 @@ def test_a_layer_prepared_for_the_triton_kernel_keeps_one_copy_and_prefills_from
 
 def test_int8_interleave_puts_each_column_where_the_triton_kernel_reads_it():
     """Column c of block b = c // 64, at r = c % 64 within it, sits in word 16 b + 2 ((r % 32) // 4) + r // 32 of
-    its row, byte r % 4, as q + 128 (a prefill undoes it: see the layer's test below)."""
+    its row, byte r % 4, as q + 128 (a prefill reads it so: see the layer's test below)."""
     torch.manual_seed(1)
     q, _ = quantize_int8(torch.randn(3, 192), torch.float32)
     words = int8_interleave(q)
@@ -132,9 +132,9 @@ def test_int8_interleave_puts_each_column_where_the_triton_kernel_reads_it():
 @pytest.mark.parametrize("kernel", ["triton", "aten", "dequant"])
 def test_an_int8_layer_prepared_for_the_triton_kernel_keeps_one_copy_and_prefills_from_it(kernel):
     """In a 16-bit model whose inputs are a multiple of 64, ``triton`` repacks the weights into ``words``, which
-    replace ``weight`` (counted among the parameters, as the bytes a token reads); a prefill undoes the
-    interleave: the product of the checkpoint's own weights. Other widths, float32 models and the other kernels
-    keep ``weight``."""
+    replace ``weight`` (counted among the parameters, as the bytes a token reads); a prefill multiplies them by
+    its rows' columns put in their order: the product of the checkpoint's own weights. Other widths, float32
+    models and the other kernels keep ``weight``."""
     torch.manual_seed(0)
     for cols, dtype in [(192, torch.bfloat16), (200, torch.bfloat16), (192, torch.float32)]:
         repacked = kernel == "triton" and cols % 64 == 0 and dtype != torch.float32

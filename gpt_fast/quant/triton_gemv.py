@@ -50,7 +50,7 @@ class Launch:
     block_k: int
     warps: int
     words: bool = False  # int8 as it is: the matrix read as 32-bit words (where K is a multiple of 8)
-    half2: bool = False  # int4: products summed in float16 pairs (where x is 16-bit; interleaved int8 always)
+    half2: bool = False  # int4: products summed in float16 pairs (where x is 16-bit)
 
 
 @triton.jit
@@ -582,9 +582,9 @@ def int8_launch(n: int, k: int, interleaved: bool = False) -> Launch:
       10 % of each matrix's own best tile;
     - ``interleaved`` (:func:`gpt_fast.quant.kernels.int8_interleave`, 16-bit activations): 4 rows of 2048
       columns per step, 4 warps (each thread reading 16 bytes of each row per step), the best single tile of the
-      twenty-fifth session's sweep: 62.5 us for a Llama-2-7B layer against 65.0 for the matrix as it is, 56.1
-      against 61.2 for Llama-3-8B's three largest, within 8 % of each matrix's own best tile but for the 7B
-      ``w2`` (17.1 us, against 14.7 with 4096 columns per step)."""
+      twenty-fifth session's sweep: in one run, 62.5 us for a Llama-2-7B layer against 64.7 for the matrix as it
+      is, 57.2 against 60.4 for Llama-3-8B's three largest; within 8 % of each matrix's own best tile but for the
+      7B ``w2`` (17.1 us in the sweep, against 14.7 with 4096 columns per step)."""
     if interleaved:
         return Launch(4, 2048, 4)
     return Launch(8, min(2048, triton.next_power_of_2(k)), 4, words=True)
