@@ -29,6 +29,12 @@ pytestmark = [
 SCHEMES = [QuantConfig("int8"), QuantConfig("int4", 128), QuantConfig("int4", 32, output=True)]
 
 
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """||got - expected|| / ||expected||, in float64."""
+    expected = expected.double()
+    return ((got.double() - expected).norm() / expected.norm()).item()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 3, 16])
 @pytest.mark.parametrize("n, k", [(4096, 4096), (1000, 576), (96, 200)])
@@ -42,17 +48,17 @@ def test_triton_kernels_match_a_float64_product(dtype, rows, n, k):
     expected = x.double() @ dequantize_int8(q, s).double().T
     for matrix in [q, int8_interleave(q)] if k % INT8_BLOCK == 0 and dtype != torch.float32 else [q]:
         got = triton_gemv.int8_gemv(x, matrix, s).double()
-        assert ((got - expected).norm() / expected.norm()).item() < 1e-2
+        assert relative_error(got, expected) < 1e-2
     q, s, z = quantize_int4(weight, 64, dtype)
     expected = x.double() @ dequantize_int4(q, s, z, 64).double().T
     for launch in [None, triton_gemv.Launch(8, 8 * 64, 1, half2=True), triton_gemv.Launch(1, 2 * 64, 2, half2=True)]:
         got = triton_gemv.int4_gemv(x, group_interleave(q, 64), s, z, 64, launch).double()
-        assert ((got - expected).norm() / expected.norm()).item() < 1e-2
+        assert relative_error(got, expected) < 1e-2
     for group in (32, 256):
         q, s, z = quantize_int4(weight, group, dtype)
         expected = x.double() @ dequantize_int4(q, s, z, group).double().T
         got = triton_gemv.int4_gemv(x, group_interleave(q, group), s, z, group).double()
-        assert ((got - expected).norm() / expected.norm()).item() < 1e-2
+        assert relative_error(got, expected) < 1e-2
 
 
 @pytest.mark.parametrize("size", [1e-3, 1.0, 3e4])
@@ -78,7 +84,7 @@ def test_float16_pairs_hold_small_and_large_activations(scheme, size):
         expected = x.double() @ dequantize_int4(q, s, z, 128).double().T
         launches = [triton_gemv.Launch(8, 1024, 1, half2=True), triton_gemv.Launch(8, 1024, 1)]
         products = [triton_gemv.int4_gemv(x, words, s, z, 128, launch) for launch in launches]
-    errors = [((got.double() - expected).norm() / expected.norm()).item() for got in products]
+    errors = [relative_error(got, expected) for got in products]
     packed, plain = errors
     assert packed < 2 * plain + 1e-3
 
@@ -109,7 +115,7 @@ def test_operators_compile_into_a_cuda_graph_step(n, scheme, pdl):
     for _ in range(3):  # warm-up, recording, replay
         got = step(x).clone()
     expected = product(torch.sigmoid(x)) * 2
-    assert ((got.double() - expected.double()).norm() / expected.double().norm()).item() < 1e-2
+    assert relative_error(got, expected) < 1e-2
 
 
 def greedy(state, quant, mode):
@@ -165,7 +171,7 @@ def test_a_repacked_layers_prefill_compiled_matches_a_float64_product(scheme):
     expected = x.double() @ matrix.double().T
     torch._dynamo.reset()
     got = torch.compile(layer)(x).double()
-    assert ((got - expected).norm() / expected.norm()).item() < 1e-2
+    assert relative_error(got, expected) < 1e-2
 
 
 @pytest.mark.parametrize("rows", [1, 5])
@@ -184,4 +190,4 @@ def test_tinygemm_int4_matches_a_float64_product(rows, n, k, group):
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     expected = x.double() @ dequantize_int4(q, s, z, group).double().T
     got = layer(x).double()
-    assert ((got - expected).norm() / expected.norm()).item() < 1e-2
+    assert relative_error(got, expected) < 1e-2

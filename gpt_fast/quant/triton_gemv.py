@@ -148,6 +148,16 @@ def _int8_gemv(
         _store_int8(y_ptr, s_ptr, m, N, rn, acc)
 
 
+def _ptx(*lines: str) -> tl.constexpr:
+    """One PTX block of ``lines`` for ``tl.inline_asm_elementwise``, on one line: inductor copies it into the
+    Python it generates for a compiled step."""
+    return tl.constexpr(" ".join(["{", *lines, "}"]))
+
+
+# The float16 pair ``h`` as two float32 halves, ``flo`` and ``fhi``: how both float16-pairs blocks end.
+_PAIR_TO_FLOAT32 = ["mov.b32 {lo, hi}, h;", "cvt.f32.f16 flo, lo;", "cvt.f32.f16 fhi, hi;"]
+
+
 def _word_terms(word: str, pairs: list[str], first: bool) -> list[str]:
     """PTX for one word of :data:`_WORD_PAIR_PTX`: its four nibble pairs become float16 pairs ``1024 + q`` (a
     byte's low nibble) or ``1024 + 16 q`` (its high one) by one logical operation each, then exactly ``(q - 8) /
@@ -177,52 +187,38 @@ def _word_terms(word: str, pairs: list[str], first: bool) -> list[str]:
 # eight packed multiply-adds, where the float32 path takes a shift, a logical operation and a multiply-add per
 # nibble. The scale 1/64 keeps the sixteen products' partial sums below 65504 up to |x| = 32752 (each at most |x| /
 # 8), and every product of |x| >= 4e-3 a normal number.
-_WORD_PAIR_PTX = tl.constexpr(
-    " ".join(  # one line: inductor copies it into the Python it generates for a compiled step
-        [
-            "{",
-            ".reg .b32 w0, w1, a0, b0, a1, b1, a2, b2, a3, b3;",
-            ".reg .b32 s, t0, t1, t2, t3, low_scale, low_offset, high_scale, high_offset, h;",
-            ".reg .b16 lo, hi;",
-            ".reg .f32 flo, fhi, d;",
-            "mov.b64 {w0, w1}, $2;",
-            "mov.b64 {a0, b0}, $3;",
-            "mov.b64 {a1, b1}, $4;",
-            "mov.b64 {a2, b2}, $5;",
-            "mov.b64 {a3, b3}, $6;",
-            "mov.b32 low_scale, 0x24002400;",
-            "mov.b32 low_offset, 0xCC08CC08;",
-            "mov.b32 high_scale, 0x14001400;",
-            "mov.b32 high_offset, 0xBC80BC80;",
-            *_word_terms("w0", ["a0", "a1", "a2", "a3"], True),
-            *_word_terms("w1", ["b0", "b1", "b2", "b3"], False),
-            "mov.b32 {lo, hi}, h;",
-            "cvt.f32.f16 flo, lo;",
-            "cvt.f32.f16 fhi, hi;",
-            "add.f32 d, flo, fhi;",
-            "fma.rn.f32 d, d, $7, $1;",
-            "fma.rn.f32 $0, $9, $8, d;",
-            "}",
-        ]
-    )
+_WORD_PAIR_PTX = _ptx(
+    ".reg .b32 w0, w1, a0, b0, a1, b1, a2, b2, a3, b3;",
+    ".reg .b32 s, t0, t1, t2, t3, low_scale, low_offset, high_scale, high_offset, h;",
+    ".reg .b16 lo, hi;",
+    ".reg .f32 flo, fhi, d;",
+    "mov.b64 {w0, w1}, $2;",
+    "mov.b64 {a0, b0}, $3;",
+    "mov.b64 {a1, b1}, $4;",
+    "mov.b64 {a2, b2}, $5;",
+    "mov.b64 {a3, b3}, $6;",
+    "mov.b32 low_scale, 0x24002400;",
+    "mov.b32 low_offset, 0xCC08CC08;",
+    "mov.b32 high_scale, 0x14001400;",
+    "mov.b32 high_offset, 0xBC80BC80;",
+    *_word_terms("w0", ["a0", "a1", "a2", "a3"], True),
+    *_word_terms("w1", ["b0", "b1", "b2", "b3"], False),
+    *_PAIR_TO_FLOAT32,
+    "add.f32 d, flo, fhi;",
+    "fma.rn.f32 d, d, $7, $1;",
+    "fma.rn.f32 $0, $9, $8, d;",
 )
 # Two bfloat16 pairs as two float16 pairs: each half moved to the top of a float32 (exact), each pair rounded at once.
-_BF16_PAIRS_PTX = tl.constexpr(
-    " ".join(
-        [
-            "{",
-            ".reg .b32 a, b, lo, hi, ra, rb;",
-            "mov.b64 {a, b}, $1;",
-            "shl.b32 lo, a, 16;",
-            "and.b32 hi, a, 0xFFFF0000;",
-            "cvt.rn.f16x2.f32 ra, hi, lo;",
-            "shl.b32 lo, b, 16;",
-            "and.b32 hi, b, 0xFFFF0000;",
-            "cvt.rn.f16x2.f32 rb, hi, lo;",
-            "mov.b64 $0, {ra, rb};",
-            "}",
-        ]
-    )
+_BF16_PAIRS_PTX = _ptx(
+    ".reg .b32 a, b, lo, hi, ra, rb;",
+    "mov.b64 {a, b}, $1;",
+    "shl.b32 lo, a, 16;",
+    "and.b32 hi, a, 0xFFFF0000;",
+    "cvt.rn.f16x2.f32 ra, hi, lo;",
+    "shl.b32 lo, b, 16;",
+    "and.b32 hi, b, 0xFFFF0000;",
+    "cvt.rn.f16x2.f32 rb, hi, lo;",
+    "mov.b64 $0, {ra, rb};",
 )
 HALF2_SCALE = tl.constexpr(64.0)  # the packed path's nibbles are (q - 8) / 64
 
@@ -461,39 +457,31 @@ def _int4_gemv(
 # added to the accumulator ($1). Per word: two byte permutes (two bytes and 0x64 each: the float16 pair 1024 + q +
 # 128, exact), two packed multiply-adds to exactly q / 256, two with the activations. Each half of the pair sums
 # four products of at most |x| / 2: below 65504 up to |x| = 32752, as int4's.
-_BYTE_PAIRS_PTX = tl.constexpr(
-    " ".join(  # one line: inductor copies it into the Python it generates for a compiled step
-        [
-            "{",
-            ".reg .b32 w0, w1, a0, a1, b0, b1, t0, t1, t2, t3, magic, scale, offset, h;",
-            ".reg .b16 lo, hi;",
-            ".reg .f32 flo, fhi;",
-            "mov.b64 {w0, w1}, $2;",
-            "mov.b64 {a0, a1}, $3;",
-            "mov.b64 {b0, b1}, $4;",
-            "mov.b32 magic, 0x64646464;",
-            "mov.b32 scale, 0x1C001C00;",
-            "mov.b32 offset, 0xC480C480;",
-            "prmt.b32 t0, w0, magic, 0x4140;",
-            "prmt.b32 t1, w0, magic, 0x4342;",
-            "prmt.b32 t2, w1, magic, 0x4140;",
-            "prmt.b32 t3, w1, magic, 0x4342;",
-            "fma.rn.f16x2 t0, t0, scale, offset;",
-            "fma.rn.f16x2 t1, t1, scale, offset;",
-            "fma.rn.f16x2 t2, t2, scale, offset;",
-            "fma.rn.f16x2 t3, t3, scale, offset;",
-            "mul.rn.f16x2 h, t0, a0;",
-            "fma.rn.f16x2 h, t1, a1, h;",
-            "fma.rn.f16x2 h, t2, b0, h;",
-            "fma.rn.f16x2 h, t3, b1, h;",
-            "mov.b32 {lo, hi}, h;",
-            "cvt.f32.f16 flo, lo;",
-            "cvt.f32.f16 fhi, hi;",
-            "add.f32 flo, flo, fhi;",
-            "add.f32 $0, $1, flo;",
-            "}",
-        ]
-    )
+_BYTE_PAIRS_PTX = _ptx(
+    ".reg .b32 w0, w1, a0, a1, b0, b1, t0, t1, t2, t3, magic, scale, offset, h;",
+    ".reg .b16 lo, hi;",
+    ".reg .f32 flo, fhi;",
+    "mov.b64 {w0, w1}, $2;",
+    "mov.b64 {a0, a1}, $3;",
+    "mov.b64 {b0, b1}, $4;",
+    "mov.b32 magic, 0x64646464;",
+    "mov.b32 scale, 0x1C001C00;",
+    "mov.b32 offset, 0xC480C480;",
+    "prmt.b32 t0, w0, magic, 0x4140;",
+    "prmt.b32 t1, w0, magic, 0x4342;",
+    "prmt.b32 t2, w1, magic, 0x4140;",
+    "prmt.b32 t3, w1, magic, 0x4342;",
+    "fma.rn.f16x2 t0, t0, scale, offset;",
+    "fma.rn.f16x2 t1, t1, scale, offset;",
+    "fma.rn.f16x2 t2, t2, scale, offset;",
+    "fma.rn.f16x2 t3, t3, scale, offset;",
+    "mul.rn.f16x2 h, t0, a0;",
+    "fma.rn.f16x2 h, t1, a1, h;",
+    "fma.rn.f16x2 h, t2, b0, h;",
+    "fma.rn.f16x2 h, t3, b1, h;",
+    *_PAIR_TO_FLOAT32,
+    "add.f32 flo, flo, fhi;",
+    "add.f32 $0, $1, flo;",
 )
 INT8_SCALE = tl.constexpr(256.0)  # the words' products are (q / 256) x
 
