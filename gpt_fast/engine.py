@@ -288,6 +288,7 @@ class Engine:
             options.kernel_tuning,
             options.aot_precompile,
             exact=options.batch_invariant,
+            graph_prefill=options.tp == 1,  # no GPU run has captured a prefill's collectives yet
         )
         self._slot_steps: SlotSteps | None = None  # made on first use of a batcher
         self._model: Transformer | None = None

@@ -41,6 +41,19 @@ def prefill(model: Transformer, idx: torch.Tensor, sampling: SamplingConfig) -> 
     state.input_pos.fill_(length)
 
 
+def prefill_padded(model: Transformer, idx: torch.Tensor, length: torch.Tensor, sampling: SamplingConfig) -> None:
+    """:func:`prefill` of a prompt padded at its end: ``idx`` [B, P] holds the prompt in its first ``length`` [1]
+    positions (a device tensor, so that one CUDA graph serves every prompt padded to P). The padding's keys and
+    values land in the cache after the prompt, where each decode step overwrites its own position's before
+    attending to it (attention is causal), and its tokens where the decode steps write theirs."""
+    state, padded = model.decode_state, idx.shape[1]
+    input_pos = torch.arange(padded, device=idx.device)
+    logits = model(idx, input_pos, from_start=True, last_index=length - 1)  # [B, 1, V]
+    state.tokens[:, :padded] = idx
+    state.tokens.index_copy_(1, length, sample(logits[:, -1], sampling)[:, None])
+    state.input_pos.copy_(length)
+
+
 def decode_one_token(model: Transformer, sampling: SamplingConfig) -> None:
     """One decode step, entirely on the device: the token at ``input_pos`` goes in, the next one is written
     after it, and ``input_pos`` advances."""
@@ -50,6 +63,80 @@ def decode_one_token(model: Transformer, sampling: SamplingConfig) -> None:
     logits = model(cur, state.input_pos, last_only=False, first_row=0, from_start=False)  # [B, 1, V]
     state.tokens.index_copy_(1, state.input_pos + 1, sample(logits[:, -1], sampling)[:, None])
     state.input_pos.add_(1)
+
+
+PREFILL_GRAPH_MULTIPLE = 64  # a prompt is padded to a multiple of this many tokens, so that few graphs serve all
+PREFILL_GRAPH_TOKENS = 256  # longer prompts prefill eagerly: their kernels take longer to run than to launch
+PREFILL_GRAPHS = 8  # at most this many graphs per GraphedPrefill, never destroyed (see GraphedPrefill)
+
+
+@dataclass(frozen=True)
+class PrefillGraph:
+    """One captured :func:`prefill_padded` and its fixed-address inputs."""
+
+    graph: torch.cuda.CUDAGraph
+    idx: torch.Tensor  # [B, P]: the prompt, then whatever tokens an earlier prompt left (valid ids, never read)
+    length: torch.Tensor  # [1]
+
+    def replay(self, idx: torch.Tensor) -> None:
+        self.idx[:, : idx.shape[1]].copy_(idx)
+        self.length.fill_(idx.shape[1])
+        self.graph.replay()
+
+
+PrefillKey = tuple[torch.nn.Module, int, int, SamplingConfig]  # decode state (its caches), rows, padded length
+
+
+class GraphedPrefill:
+    """The eager prefill of prompts up to :data:`PREFILL_GRAPH_TOKENS` tokens on a CUDA GPU, replayed from a CUDA
+    graph per (caches, rows, padded length, sampling settings); other prompts and devices, and every key after the
+    first :data:`PREFILL_GRAPHS`, take :func:`prefill`.
+
+    Why: an eager prefill launches about 1300 kernels one by one from Python, about 25 ms on an H200 whatever the
+    model (Llama-2-7B and SmolLM2-135M shapes alike), while the GPU work of a short prompt takes 3.5 ms on the 7B
+    and far less on the small model. The first prefill of each key runs eagerly (it is the warm-up capture needs)
+    and then captures. A graph is kept for as long as this object lives, even once the model has allocated new
+    caches (its key then never matches again): on torch 2.11 destroying a captured graph released cuBLAS workspace
+    that graphs captured later still used, and their replays read freed memory (an illegal memory access on an H200,
+    BENCHMARKS.md, twenty-sixth session). The graphs share one memory pool, so they hold about one prefill's
+    temporaries, not one each.
+    """
+
+    def __init__(self) -> None:
+        self.graphs: dict[PrefillKey, PrefillGraph] = {}
+        self.pool: tuple[int, int] | None = None  # one memory pool: the graphs never run at the same time
+
+    def __call__(self, model: Transformer, idx: torch.Tensor, sampling: SamplingConfig) -> None:
+        rows, length = idx.shape
+        padded = -(-length // PREFILL_GRAPH_MULTIPLE) * PREFILL_GRAPH_MULTIPLE
+        key = (model.decode_state, rows, padded, sampling)  # the state object: new caches never match old graphs
+        if key in self.graphs:
+            self.graphs[key].replay(idx)
+        elif (
+            idx.device.type != "cuda"
+            or padded > min(PREFILL_GRAPH_TOKENS, model.max_seq_length)
+            or len(self.graphs) >= PREFILL_GRAPHS
+        ):
+            prefill(model, idx, sampling)
+        else:
+            self.graphs[key] = self.capture(model, idx, padded, sampling)
+
+    def capture(self, model: Transformer, idx: torch.Tensor, padded: int, sampling: SamplingConfig) -> PrefillGraph:
+        """Prefill ``idx`` eagerly on a side stream (capture needs a warm-up run), then capture the same call."""
+        static_idx = torch.zeros((idx.shape[0], padded), dtype=idx.dtype, device=idx.device)
+        static_idx[:, : idx.shape[1]] = idx
+        length = torch.full((1,), idx.shape[1], dtype=torch.long, device=idx.device)
+        side = torch.cuda.Stream(idx.device)
+        side.wait_stream(torch.cuda.current_stream(idx.device))
+        with torch.cuda.stream(side):
+            prefill_padded(model, static_idx, length, sampling)
+        torch.cuda.current_stream(idx.device).wait_stream(side)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            prefill_padded(model, static_idx, length, sampling)
+        return PrefillGraph(graph, static_idx, length)
 
 
 @dataclass(frozen=True)
@@ -68,11 +155,13 @@ def make_steps(
     aot_precompile: bool = False,
     *,
     exact: bool = False,
+    graph_prefill: bool = True,
 ) -> Steps:
     """Wrap the step functions for a compile mode (``none`` = eager). The decode step has fixed shapes, so it is
-    compiled whole (``fullgraph=True``); ``reduce-overhead`` and ``max-autotune`` also capture it as a CUDA graph.
-    With ``aot_precompile`` it is compiled ahead of time and kept on disk (:mod:`gpt_fast.precompile`); with
-    ``exact``, with eager rounding (:func:`compile_options`)."""
+    compiled whole (``fullgraph=True``); ``reduce-overhead`` and ``max-autotune`` also capture it as a CUDA graph,
+    and, with ``graph_prefill`` and without ``compile_prefill``, the eager prefill of short prompts
+    (:class:`GraphedPrefill`). With ``aot_precompile`` the decode step is compiled ahead of time and kept on disk
+    (:mod:`gpt_fast.precompile`); with ``exact``, with eager rounding (:func:`compile_options`)."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile mode {mode!r} is not one of {', '.join(COMPILE_MODES)}")
     if mode == "none":
@@ -82,7 +171,10 @@ def make_steps(
         decode: Callable[..., None] = PrecompiledStep(decode_one_token, options)
     else:
         decode = torch.compile(decode_one_token, options=options, fullgraph=True)
-    return Steps(compiled_prefill(tuning) if compile_prefill else prefill, decode, mode)
+    if compile_prefill:
+        return Steps(compiled_prefill(tuning), decode, mode)
+    graphs = graph_prefill and bool(options.get("triton.cudagraphs"))
+    return Steps(GraphedPrefill() if graphs else prefill, decode, mode)
 
 
 def tuning_options(tuning: str) -> dict[str, Any]:

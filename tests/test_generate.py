@@ -2,7 +2,16 @@ import pytest
 import torch
 
 from gpt_fast.config import ModelConfig
-from gpt_fast.generate import CompileCacheUse, cache_length, compile_options, generate, make_steps
+from gpt_fast.generate import (
+    CompileCacheUse,
+    GraphedPrefill,
+    cache_length,
+    compile_options,
+    generate,
+    make_steps,
+    prefill,
+    prefill_padded,
+)
 from gpt_fast.model import Transformer
 from gpt_fast.sampling import SamplingConfig
 
@@ -81,6 +90,54 @@ def test_compiled_prefill_samples_with_top_k_and_top_p(model):
     ):
         result = generate(model, prompt, max_new_tokens=4, sampling=sampling, steps=steps)
         assert len(result.tokens[0]) == 4 and all(0 <= t < 128 for t in result.tokens[0])
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("rows", [1, 2])
+def test_padded_prefill_equals_the_prefill_on_the_prompt(model, rows):
+    """What a padded prefill leaves for the decode steps: the prompt's keys and values, its first token, the
+    position; the padding's entries lie beyond it, where decode steps write before they read."""
+    prompt = torch.tensor([PROMPT] * rows)
+    model.setup_caches(rows, 128)
+    prefill(model, prompt, GREEDY)
+    expected = [layer.attention.kv_cache.kv.clone() for layer in model.layers]
+    tokens, position = model.decode_state.tokens.clone(), model.decode_state.input_pos.clone()
+    padded = torch.cat((prompt, torch.randint(0, 128, (rows, 64 - len(PROMPT)))), dim=1)
+    prefill_padded(model, padded, torch.tensor([len(PROMPT)]), GREEDY)
+    length = len(PROMPT)
+    for layer, before in zip(model.layers, expected, strict=True):
+        torch.testing.assert_close(layer.attention.kv_cache.kv[:, :, :, :length], before[:, :, :, :length])
+    assert torch.equal(model.decode_state.tokens[:, : length + 1], tokens[:, : length + 1])
+    assert torch.equal(model.decode_state.input_pos, position)
+
+
+def test_padded_prefill_then_decoding_gives_the_eager_tokens(model):
+    """Decoding after a padded prefill overwrites the padding's cache entries before any query sees them."""
+
+    def padded_prefill(model, idx, sampling):
+        padding = torch.full((idx.shape[0], 64 - idx.shape[1]), 7)
+        prefill_padded(model, torch.cat((idx, padding), dim=1), torch.tensor([idx.shape[1]]), sampling)
+
+    steps = make_steps("none")
+    padded_steps = type(steps)(padded_prefill, steps.decode, steps.mode)
+    result = generate(model, PROMPT, max_new_tokens=30, sampling=GREEDY, steps=padded_steps)
+    assert result.tokens == greedy(model).tokens
+
+
+def test_prefill_graphs_only_in_the_cuda_graph_modes():
+    assert isinstance(make_steps("reduce-overhead").prefill, GraphedPrefill)
+    assert isinstance(make_steps("max-autotune").prefill, GraphedPrefill)
+    assert make_steps("default").prefill is prefill
+    assert make_steps("reduce-overhead", graph_prefill=False).prefill is prefill
+    assert not isinstance(make_steps("reduce-overhead", compile_prefill=True).prefill, GraphedPrefill)
+
+
+def test_graphed_prefill_prefills_eagerly_off_cuda(model):
+    graphed, eager = GraphedPrefill(), make_steps("none")
+    steps = type(eager)(graphed, eager.decode, eager.mode)
+    result = generate(model, PROMPT, max_new_tokens=10, sampling=GREEDY, steps=steps)
+    assert result.tokens == greedy(model, max_new_tokens=10).tokens
+    assert not graphed.graphs
 
 
 def test_stops_at_a_stop_token_and_keeps_it(model):

@@ -15,7 +15,9 @@ import torch
 from gpt_fast.convert.random_init import make_random_checkpoint
 from gpt_fast.drafters import DraftModel, PromptLookup, Replay
 from gpt_fast.engine import Engine, EngineOptions
-from gpt_fast.generate import COMPILE_MODES
+from gpt_fast.generate import COMPILE_MODES, make_steps
+from gpt_fast.generate import generate as generate_tokens
+from gpt_fast.model import Transformer
 from gpt_fast.sampling import SamplingConfig
 from gpt_fast.shapes import get_shape
 from gpt_fast.trace_summary import SCOPE_SPECULATIVE, summarize_trace
@@ -113,6 +115,39 @@ def test_default_mode_fuses_kernels(runs):
     eager, compiled = summarize_trace(runs["none"]["trace"]), summarize_trace(runs["default"]["trace"])
     assert compiled.graph_launches == 0
     assert compiled.kernel_launches_per_token < eager.kernel_launches_per_token / 2
+
+
+# --- short prompts' prefills in CUDA graphs ---------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def test_short_prefills_replay_from_cuda_graphs_with_eager_tokens():
+    """``reduce-overhead`` captures the eager prefill of a short prompt padded to 64 tokens (GraphedPrefill), replays
+    it for another prompt of that padded length, captures again for a longer one and for new caches (keeping the
+    old graphs, never replayed again): greedy tokens equal to eager's throughout (float32: no near-ties rounded
+    apart)."""
+    torch.manual_seed(0)
+    model = Transformer(get_shape("tiny"))
+    for parameter in model.parameters():
+        torch.nn.init.normal_(parameter, std=0.5)
+    model = model.to("cuda").eval()
+    eager, graphed = make_steps("none"), make_steps("reduce-overhead")
+
+    def tokens(prompt, new, steps, sampling=GREEDY):
+        return generate_tokens(model, list(prompt), max_new_tokens=new, sampling=sampling, steps=steps).tokens
+
+    captured = []
+    # (prompt, new tokens): caches of 64 positions (capture, replay), 128 (new caches: capture, replay), 256
+    requests = ((range(1, 21), 12), (range(3, 33), 12), (range(2, 72), 12), (range(5, 80), 12), (range(20), 200))
+    for prompt, new in requests:
+        assert tokens(prompt, new, graphed) == tokens(prompt, new, eager)
+        captured.append([(rows, padded) for _state, rows, padded, _sampling in graphed.prefill.graphs])
+    assert captured == [[(1, 64)], [(1, 64)], [(1, 64), (1, 128)], [(1, 64), (1, 128)], [(1, 64), (1, 128), (1, 64)]]
+    sampling, runs = SamplingConfig(temperature=1.0, top_k=20), []
+    for _ in range(3):  # capture, replay, replay: a seed gives the same samples on replay
+        torch.manual_seed(7)
+        runs.append(tokens(range(1, 21), 8, graphed, sampling))
+    assert runs[1] == runs[2] and all(0 <= t < model.config.vocab_size for t in runs[1][0])
 
 
 # --- speculative decoding -------------------------------------------------------------------------------------------

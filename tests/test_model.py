@@ -144,6 +144,17 @@ def test_last_only_returns_last_position():
 
 
 @torch.no_grad()
+def test_last_index_returns_that_position():
+    model = tiny_model(2)
+    tokens = torch.randint(0, 97, (2, 10))
+    model.setup_caches(2, 16)
+    full = model(tokens, torch.arange(10))
+    picked = model(tokens, torch.arange(10), last_index=torch.tensor([6]))
+    assert picked.shape == (2, 1, 97)
+    torch.testing.assert_close(picked[:, 0], full[:, 6])
+
+
+@torch.no_grad()
 def test_setup_caches_grows_for_a_longer_request():
     model = tiny_model(2)
     model.setup_caches(1, 8)
