@@ -65,7 +65,9 @@ def decode_one_token(model: Transformer, sampling: SamplingConfig) -> None:
     state.input_pos.add_(1)
 
 
-PREFILL_GRAPH_MULTIPLE = 64  # a prompt is padded to a multiple of this many tokens, so that few graphs serve all
+# A prompt is padded to a multiple of this many tokens, so that few graphs serve all; the caches' multiple, so that
+# a padded prompt fits the cache its request allocated.
+PREFILL_GRAPH_MULTIPLE = CACHE_LENGTH_MULTIPLE
 PREFILL_GRAPH_TOKENS = 256  # longer prompts prefill eagerly: their kernels take longer to run than to launch
 PREFILL_GRAPHS = 8  # at most this many graphs per GraphedPrefill, never destroyed (see GraphedPrefill)
 
@@ -108,7 +110,7 @@ class GraphedPrefill:
 
     def __call__(self, model: Transformer, idx: torch.Tensor, sampling: SamplingConfig) -> None:
         rows, length = idx.shape
-        padded = -(-length // PREFILL_GRAPH_MULTIPLE) * PREFILL_GRAPH_MULTIPLE
+        padded = round_up(length, PREFILL_GRAPH_MULTIPLE)
         key = (model.decode_state, rows, padded, sampling)  # the state object: new caches never match old graphs
         if key in self.graphs:
             self.graphs[key].replay(idx)
@@ -248,6 +250,11 @@ def compiled_prefill(tuning: str = COORDINATE_DESCENT) -> Callable[..., None]:
     return prefill_any_length
 
 
+def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is at least ``n``."""
+    return -(-n // multiple) * multiple
+
+
 def cache_length(prompt_length: int, max_new_tokens: int, block_size: int) -> int:
     """KV-cache length for a request, rounded up (but never beyond the model's context)."""
     needed = prompt_length + max_new_tokens
@@ -256,7 +263,7 @@ def cache_length(prompt_length: int, max_new_tokens: int, block_size: int) -> in
             f"prompt ({prompt_length} tokens) + max_new_tokens ({max_new_tokens}) = {needed} exceeds the model's "
             f"context of {block_size} tokens"
         )
-    return min(-(-needed // CACHE_LENGTH_MULTIPLE) * CACHE_LENGTH_MULTIPLE, block_size)
+    return min(round_up(needed, CACHE_LENGTH_MULTIPLE), block_size)
 
 
 class HostTokens:

@@ -53,6 +53,7 @@ from gpt_fast.generate import (
     StopTracker,
     cache_length,
     compile_options,
+    round_up,
 )
 from gpt_fast.metrics import SpeculativeMetrics
 from gpt_fast.model import Transformer
@@ -210,7 +211,7 @@ def speculative_cache_length(prompt_length: int, max_new_tokens: int, k: int, bl
     beyond the model's context: their tokens are dropped."""
     cache_length(prompt_length, max_new_tokens, block_size)
     needed = prompt_length + max_new_tokens + (MAX_ROUNDS_AHEAD + 1) * (k + 1)
-    return -(-needed // CACHE_LENGTH_MULTIPLE) * CACHE_LENGTH_MULTIPLE
+    return round_up(needed, CACHE_LENGTH_MULTIPLE)
 
 
 class RoundTimer:

@@ -5,6 +5,7 @@ from gpt_fast.config import ModelConfig
 from gpt_fast.generate import (
     CompileCacheUse,
     GraphedPrefill,
+    Steps,
     cache_length,
     compile_options,
     generate,
@@ -118,8 +119,8 @@ def test_padded_prefill_then_decoding_gives_the_eager_tokens(model):
         padding = torch.full((idx.shape[0], 64 - idx.shape[1]), 7)
         prefill_padded(model, torch.cat((idx, padding), dim=1), torch.tensor([idx.shape[1]]), sampling)
 
-    steps = make_steps("none")
-    padded_steps = type(steps)(padded_prefill, steps.decode, steps.mode)
+    eager = make_steps("none")
+    padded_steps = Steps(padded_prefill, eager.decode, eager.mode)
     result = generate(model, PROMPT, max_new_tokens=30, sampling=GREEDY, steps=padded_steps)
     assert result.tokens == greedy(model).tokens
 
@@ -134,7 +135,7 @@ def test_prefill_graphs_only_in_the_cuda_graph_modes():
 
 def test_graphed_prefill_prefills_eagerly_off_cuda(model):
     graphed, eager = GraphedPrefill(), make_steps("none")
-    steps = type(eager)(graphed, eager.decode, eager.mode)
+    steps = Steps(graphed, eager.decode, eager.mode)
     result = generate(model, PROMPT, max_new_tokens=10, sampling=GREEDY, steps=steps)
     assert result.tokens == greedy(model, max_new_tokens=10).tokens
     assert not graphed.graphs

@@ -24,6 +24,7 @@ from gpt_fast.trace_summary import SCOPE_SPECULATIVE, summarize_trace
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")]
 NEW_TOKENS = 40
+GREEDY = SamplingConfig(temperature=0)
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +153,6 @@ def test_short_prefills_replay_from_cuda_graphs_with_eager_tokens():
 
 # --- speculative decoding -------------------------------------------------------------------------------------------
 
-GREEDY = SamplingConfig(temperature=0)
 SPEC_K = 4
 
 
