@@ -172,9 +172,22 @@ class Attention(nn.Module):
         first_row: int = 0,
     ) -> torch.Tensor:
         """``mask`` None: the tokens are their sequence's first, so each attends causally to the new keys alone."""
+        return self.wo(self.attend(self.wqkv(x), cos, sin, mask, input_pos, first_row))
+
+    def attend(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        input_pos: torch.Tensor,
+        first_row: int = 0,
+    ) -> torch.Tensor:
+        """The attention of the projected queries, keys and values ``qkv`` [B, T, q_size + 2 * kv_size], before
+        ``wo``: [B, T, q_size]."""
         cfg = self.config
-        bsz, seqlen, _ = x.shape
-        q, k, v = self.wqkv(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        bsz, seqlen, _ = qkv.shape
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(bsz, seqlen, cfg.n_head, cfg.head_dim)
         k = k.view(bsz, seqlen, cfg.n_local_heads, cfg.head_dim)
         if self.q_norm is not None:
@@ -186,7 +199,7 @@ class Attention(nn.Module):
         if kernel is not None:
             scale = self.scale or cfg.head_dim**-0.5
             y = kernel(q, k, v, cos, sin, self.kv_cache.kv, input_pos, first_row, scale, self.softcap, self.window)
-            return self.wo(y.view(bsz, seqlen, cfg.q_size))
+            return y.view(bsz, seqlen, cfg.q_size)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
         keys, values = self.kv_cache.update(input_pos, k, v, first_row)  # [B, H_kv, S, D]
@@ -199,7 +212,7 @@ class Attention(nn.Module):
             y = attend_softcapped(q, keys, values, mask, self.scale or cfg.head_dim**-0.5, self.softcap)
         else:
             y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa, scale=self.scale)
-        return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, cfg.q_size))
+        return y.transpose(1, 2).reshape(bsz, seqlen, cfg.q_size)
 
 
 def gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
@@ -291,6 +304,11 @@ class MoEFeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
+    # A compiled step of one row through this layer as four products, each norm inside the product after it and
+    # each residual add inside the product before it (gpt_fast.kernels.linear sets it, for a layer it computes: see
+    # one_row); None: the code below.
+    row_kernels = None
+
     def __init__(self, config: ModelConfig, layer_type: str = "full_attention") -> None:
         super().__init__()
         self.layer_type = layer_type
@@ -312,6 +330,8 @@ class TransformerBlock(nn.Module):
         input_pos: torch.Tensor,
         first_row: int = 0,
     ) -> torch.Tensor:
+        if self.row_kernels is not None and x.numel() == x.shape[-1] and torch.compiler.is_compiling():
+            return self.one_row(x, cos, sin, mask, input_pos, first_row)
         attended = self.attention(self.attention_norm(x), cos, sin, mask, input_pos, first_row)
         if self.post_attention_norm is not None:
             attended = self.post_attention_norm(attended)
@@ -320,6 +340,23 @@ class TransformerBlock(nn.Module):
         if self.post_ffn_norm is not None:
             out = self.post_ffn_norm(out)
         return h + out
+
+    def one_row(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        input_pos: torch.Tensor,
+        first_row: int = 0,
+    ) -> torch.Tensor:
+        """:meth:`forward` of one row ``x`` [1, 1, D] through :attr:`row_kernels`, for a layer without post-norms
+        or experts whose norms have no offset: the same operations, rounded alike, in four kernels."""
+        kernels, attention, mlp = self.row_kernels, self.attention, self.feed_forward
+        qkv = kernels.normed_linear(x, self.attention_norm, attention.wqkv)
+        h = kernels.residual_linear(attention.attend(qkv, cos, sin, mask, input_pos, first_row), attention.wo, x)
+        hidden = kernels.normed_gated(h, self.ffn_norm, mlp.w13, mlp.activation)
+        return kernels.residual_linear(hidden, mlp.w2, h)
 
 
 @torch.compiler.nested_compile_region

@@ -91,6 +91,36 @@ def test_the_decoder_layers_linears_are_swapped_sharing_their_parameters():
     torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight, layer.bias), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(
+    ("changes", "fused"),
+    [
+        ({}, True),
+        ({"qk_norm": True}, True),  # q/k norms are inside the attention, between the products
+        ({"post_norms": True}, False),  # Gemma 2 and 3
+        ({"norm_offset": 1.0}, False),  # Gemma: the kernels' norm has no offset
+        ({"n_experts": 4, "n_active_experts": 2}, False),  # no gated MLP
+    ],
+)
+def test_a_layer_runs_one_row_through_the_fused_kernels_only_where_they_compute_it(changes, fused):
+    from gpt_fast.kernels.linear import FusedRow
+
+    model = Transformer(dataclasses.replace(TINY, **changes))
+    use_linear_kernel(model, "triton")
+    assert all(block.row_kernels is (FusedRow if fused else None) for block in model.layers)
+
+
+def test_a_row_parallel_product_keeps_the_layer_unfused():
+    """With tensor parallelism ``wo`` and ``w2`` are summed over the ranks after the product: a residual added
+    inside it would be summed too."""
+    from gpt_fast.parallel import AllReduced
+
+    model = Transformer(TINY)
+    for block in model.layers:
+        block.attention.wo = AllReduced(block.attention.wo, group=None)
+    use_linear_kernel(model, "triton")
+    assert all(block.row_kernels is None for block in model.layers)
+
+
 def test_the_torch_kernel_keeps_the_models_linears():
     model = Transformer(TINY)
     use_linear_kernel(model, "torch")
@@ -126,6 +156,31 @@ for dtype in (torch.float32, torch.bfloat16):
             assert got.dtype == dtype and got.shape == (1, hidden)
             key = f"gated {dtype}"
             worst[key] = max(worst.get(key, 0.0), ((got.double() - exact).norm() / exact.norm()).item())
+from gpt_fast.model import rms_norm
+for dtype in (torch.float32, torch.bfloat16):
+    for n, k in ((64, 256), (37, 200), (8, 3000)):
+        g = torch.Generator().manual_seed(n + k)
+        w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+        x = torch.randn(1, k, generator=g).to(dtype)
+        norm_weight = (1 + torch.randn(k, generator=g) / 10).to(dtype)
+        residual = torch.randn(1, n, generator=g).to(dtype)
+        normed = rms_norm(x, norm_weight, 1e-5, 0.0).double()
+        w13 = (torch.randn(2 * n, k, generator=g) / k**0.5).to(dtype)
+        gate_up = (normed @ w13.double().T).to(dtype)
+        pairs = {
+            "normed": (linear_gemv(x, w, norm_weight=norm_weight, eps=1e-5), normed @ w.double().T),
+            "plus residual": (
+                linear_gemv(x, w, residual=residual),
+                residual.double() + (x.double() @ w.double().T).to(dtype).double(),
+            ),
+            "gated normed": (
+                gated_gemv(x, w13, "silu", norm_weight, 1e-5),
+                gated(gate_up[:, :n], gate_up[:, n:], "silu").double(),
+            ),
+        }
+        for name, (got, exact) in pairs.items():
+            key = f"{name} {dtype}"
+            worst[key] = max(worst.get(key, 0.0), ((got.double() - exact).norm() / exact.norm()).item())
 print(json.dumps(worst))
 """
 
@@ -138,17 +193,22 @@ def test_the_kernel_in_the_interpreter_matches_a_float64_product():
     to the rounding of its output (the interpreter has no PDL: the kernel's constant compiles it out). The gated
     kernel against the model's activation of the float64 product rounded as w13's output is: float32 to 1e-6,
     bfloat16 to 3e-2, about an ulp in each of its four roundings (gate, up, the activation, the product), which the
-    interpreter makes by truncation where a GPU rounds to nearest (tests/test_linear_kernel_gpu.py: 1e-2)."""
+    interpreter makes by truncation where a GPU rounds to nearest (tests/test_linear_kernel_gpu.py: 1e-2). With a
+    norm inside (against the model's rms_norm, then the float64 product) or a residual added (to the product rounded
+    as the model's layer output is): float32 to 1e-6, bfloat16 to the truncations of the extra roundings."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     result = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     worst = json.loads(result.stdout)
     assert worst["torch.float32"] < 1e-6 and worst["torch.bfloat16"] < 5e-3, worst
     assert worst["gated torch.float32"] < 1e-6 and worst["gated torch.bfloat16"] < 3e-2, worst
+    for name, bfloat16 in (("normed", 2e-2), ("plus residual", 1e-2), ("gated normed", 4e-2)):
+        assert worst[f"{name} torch.float32"] < 1e-6 and worst[f"{name} torch.bfloat16"] < bfloat16, worst
 
 
 COMPILED = """
 import dataclasses
+import json
 import torch
 from gpt_fast.kernels import triton_linear
 from gpt_fast.kernels.linear import register_triton_ops, use_linear_kernel
@@ -167,10 +227,14 @@ with torch.no_grad():
     calls = []
     for name in ("linear_gemv", "gated_gemv"):
         kernel = getattr(triton_linear, name)
-        spy = lambda *args, name=name, kernel=kernel: calls.append(name) or kernel(*args)
+        def spy(*args, name=name, kernel=kernel):
+            normed = args[-2] is not None  # norm_weight
+            added = name == "linear_gemv" and args[3] is not None  # residual
+            calls.append(name + (" normed" if normed else "") + (" plus residual" if added else ""))
+            return kernel(*args)
         setattr(triton_linear, name, spy)
     got = torch.compile(model, backend="eager", fullgraph=True)(x, pos)
-print(calls.count("linear_gemv"), calls.count("gated_gemv"), float((got - expected).abs().max()))
+print(json.dumps({"calls": calls, "error": float((got - expected).abs().max())}))
 """
 
 
@@ -179,34 +243,36 @@ print(calls.count("linear_gemv"), calls.count("gated_gemv"), float((got - expect
 @old_numpy
 def test_a_compiled_one_token_step_calls_the_kernel_and_matches_the_model():
     """The swapped model compiled (Dynamo, eager backend) on the CPU with the kernels in Triton's interpreter: the
-    one-token step equals the model's own within float32 rounding; each layer called the GEMV for wqkv, wo and w2,
-    and the gated GEMV for w13 and the activation."""
+    one-token step equals the model's own within float32 rounding. Each layer made four products: wqkv of the
+    attention norm's output, wo plus the residual, w13 and the activation of the MLP norm's output, w2 plus the
+    residual: no norm or residual add outside them."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     result = subprocess.run([sys.executable, "-c", COMPILED], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    plain, gated, error = result.stdout.split()
-    assert (int(plain), int(gated)) == (3 * TINY.n_layer, TINY.n_layer) and float(error) < 1e-5
+    outcome = json.loads(result.stdout)
+    layer = ["linear_gemv normed", "linear_gemv plus residual", "gated_gemv normed", "linear_gemv plus residual"]
+    assert outcome["calls"] == layer * TINY.n_layer and outcome["error"] < 1e-5
 
 
 @needs_triton
 @pytest.mark.parametrize("name", ["_linear_gemv", "_gated_gemv"])
 def test_the_kernel_compiles_for_an_h200_with_its_weights_loaded_before_the_wait(name):
     """With PDL the first step's weights are loaded before ``griddepcontrol.wait``, and dependents are released
-    only after it (the rule of :mod:`gpt_fast.triton_pdl`)."""
+    only after it (the rule of :mod:`gpt_fast.triton_pdl`); with the norm inside and the residual added too."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from gpt_fast.kernels import triton_linear
 
-    pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16"}
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "g_ptr": "*bf16", "y_ptr": "*bf16"}
     if name == "_linear_gemv":
-        signature = pointers | {"b_ptr": "*bf16", "N": "i32", "K": "i32"}
-        constants = {"HAS_BIAS": False, "BLOCK_N": triton_linear.BLOCK_N}
+        signature = pointers | {"b_ptr": "*bf16", "r_ptr": "*bf16", "N": "i32", "K": "i32", "eps": "fp32"}
+        constants = {"HAS_BIAS": False, "RESIDUAL": True, "BLOCK_N": triton_linear.BLOCK_N}
     else:
-        signature = pointers | {"hidden": "i32", "K": "i32"}
+        signature = pointers | {"hidden": "i32", "K": "i32", "eps": "fp32"}
         constants = {"GELU": False, "HALF_N": triton_linear.BLOCK_N // 2}
-    constants |= {"BLOCK_K": triton_linear.BLOCK_K, "EVEN": True, "PDL": True}
+    constants |= {"NORM": True, "BLOCK_K": triton_linear.BLOCK_K, "ROW_K": 4096, "EVEN": True, "PDL": True}
     signature |= dict.fromkeys(constants, "constexpr")
     compiled = triton.compile(
         ASTSource(getattr(triton_linear, name), signature, constexprs=constants),

@@ -65,6 +65,29 @@ def test_a_chain_in_a_cuda_graph_matches_the_same_chain_without_one():
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_norm_and_the_residual_inside_the_kernels_match_the_models_layer(dtype):
+    """A Llama-2-7B layer's shapes: wqkv of the attention norm's output, wo plus the residual, w13 and the
+    activation of the MLP norm's output, each against the model's own operations on the float64 product."""
+    from gpt_fast.kernels.triton_linear import gated_gemv, linear_gemv
+    from gpt_fast.model import gated, rms_norm
+
+    torch.manual_seed(0)
+    x = torch.randn(1, 4096, device="cuda", dtype=dtype)
+    residual = torch.randn(1, 4096, device="cuda", dtype=dtype)
+    norm_weight = (1 + torch.randn(4096, device="cuda") / 10).to(dtype)
+    wqkv, wo, w13 = (torch.randn(n, 4096, device="cuda", dtype=dtype) / 64 for n in (12288, 4096, 22016))
+    normed = rms_norm(x, norm_weight, 1e-5, 0.0).double()
+    gate_up = (normed @ w13.double().T).to(dtype)
+    pairs = [
+        (linear_gemv(x, wqkv, norm_weight=norm_weight, eps=1e-5), normed @ wqkv.double().T),
+        (linear_gemv(x, wo, residual=residual), residual.double() + (x.double() @ wo.double().T).to(dtype).double()),
+        (gated_gemv(x, w13, "silu", norm_weight, 1e-5), gated(gate_up[:, :11008], gate_up[:, 11008:], "silu")),
+    ]
+    for got, exact in pairs:
+        assert relative_error(got, exact.double()) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
 @pytest.fixture(scope="module")
 def tiny_state():
     return random_weights(get_shape("tiny"), torch.float32, seed=0, device=torch.device("cuda"))

@@ -12,6 +12,11 @@ A gated MLP's ``w13`` and its activation are one kernel, ``gpt_fast::gated_gemv`
 :attr:`gpt_fast.model.FeedForward.gated_kernel`), so that the activation is no kernel of its own: on the same H200,
 7B shape 249.3 -> 258.9 tok/s (twenty-first session).
 
+In a layer :func:`fuses_row` takes, the norms and residual adds are no kernels of their own either
+(:class:`FusedRow`, set as :attr:`gpt_fast.model.TransformerBlock.row_kernels`): each norm is computed inside the GEMV
+after it, each residual add inside the GEMV before it. On an H200, 7B shape, 276.0 and 276.4 tok/s against 274.6 and
+274.5 (twenty-seventh session).
+
 ``auto`` takes the kernel in the CUDA-graph compile modes (where PDL applies) on CUDA GPUs of compute capability 9
 or more with Triton, for models with a large MLP (:func:`gpt_fast.kernels.gated_activation.large_mlp`), on one
 GPU, without ``--aot_precompile``; elsewhere the model's code. The model calls the kernel only in compiled steps
@@ -28,7 +33,7 @@ from torch import nn
 
 from gpt_fast.config import ModelConfig
 from gpt_fast.kernels.gated_activation import large_mlp
-from gpt_fast.model import FeedForward, Transformer
+from gpt_fast.model import FeedForward, RMSNorm, Transformer, TransformerBlock
 from gpt_fast.quant.kernels import resolve_kernel_choice, triton_usable
 
 LINEAR_KERNELS = ("auto", "triton", "torch")
@@ -76,19 +81,37 @@ def register_triton_ops() -> None:
     from gpt_fast.kernels import triton_linear
 
     @torch.library.custom_op("gpt_fast::linear_gemv", mutates_args=())
-    def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return triton_linear.linear_gemv(x, weight, bias)
+    def linear_gemv(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor | None,
+        eps: float,
+    ) -> torch.Tensor:
+        return triton_linear.linear_gemv(x, weight, bias, residual, norm_weight, eps)
 
     @linear_gemv.register_fake
-    def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor | None,
+        eps: float,
+    ) -> torch.Tensor:
         return x.new_empty((x.shape[0], weight.shape[0]))
 
     @torch.library.custom_op("gpt_fast::gated_gemv", mutates_args=())
-    def gated_gemv(x: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
-        return triton_linear.gated_gemv(x, weight, activation)
+    def gated_gemv(
+        x: torch.Tensor, weight: torch.Tensor, activation: str, norm_weight: torch.Tensor | None, eps: float
+    ) -> torch.Tensor:
+        return triton_linear.gated_gemv(x, weight, activation, norm_weight, eps)
 
     @gated_gemv.register_fake
-    def _(x: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
+    def _(
+        x: torch.Tensor, weight: torch.Tensor, activation: str, norm_weight: torch.Tensor | None, eps: float
+    ) -> torch.Tensor:
         return x.new_empty((x.shape[0], weight.shape[0] // 2))
 
 
@@ -97,16 +120,70 @@ class DecodeLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == x.shape[-1] and torch.compiler.is_compiling():  # one row: batch 1, one position
-            y = torch.ops.gpt_fast.linear_gemv(x.reshape(1, -1).contiguous(), self.weight, self.bias)
-            return y.view(*x.shape[:-1], self.out_features)
+            return FusedRow.linear(x, self)
         return F.linear(x, self.weight, self.bias)
 
 
 def gated_gemv(x: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
     """What :class:`gpt_fast.model.FeedForward` calls as its ``gated_kernel``: ``gpt_fast::gated_gemv`` on the row
     ``x`` [..., K] (one row) and ``w13``'s weight [2I, K]; returns the hidden state [..., I]."""
-    y = torch.ops.gpt_fast.gated_gemv(x.reshape(1, -1).contiguous(), weight, activation)
+    y = torch.ops.gpt_fast.gated_gemv(x.reshape(1, -1).contiguous(), weight, activation, None, 0.0)
     return y.view(*x.shape[:-1], weight.shape[0] // 2)
+
+
+class FusedRow:
+    """What :attr:`gpt_fast.model.TransformerBlock.row_kernels` calls: the layer's products of one row ``x``
+    [..., K] as ``gpt_fast::linear_gemv`` and ``gpt_fast::gated_gemv``, with the norm before a product and the
+    residual add after it inside the kernel, so that neither is a kernel of its own: on an H200, Llama-2-7B shape,
+    each norm was a kernel of about 2 µs between two GEMVs, during which no weights streamed (BENCHMARKS.md,
+    twenty-sixth and twenty-seventh sessions)."""
+
+    @staticmethod
+    def linear(
+        x: torch.Tensor,
+        linear: nn.Linear,
+        residual: torch.Tensor | None = None,
+        norm: RMSNorm | None = None,
+    ) -> torch.Tensor:
+        """``linear`` of ``x`` (normed by ``norm``), plus ``residual`` [..., N]: [..., N]."""
+        y = torch.ops.gpt_fast.linear_gemv(
+            x.reshape(1, -1).contiguous(),
+            linear.weight,
+            linear.bias,
+            None if residual is None else residual.reshape(1, -1).contiguous(),
+            None if norm is None else norm.weight,
+            0.0 if norm is None else norm.eps,
+        )
+        return y.view(*x.shape[:-1], linear.out_features)
+
+    @staticmethod
+    def normed_linear(x: torch.Tensor, norm: RMSNorm, linear: nn.Linear) -> torch.Tensor:
+        return FusedRow.linear(x, linear, norm=norm)
+
+    @staticmethod
+    def residual_linear(x: torch.Tensor, linear: nn.Linear, residual: torch.Tensor) -> torch.Tensor:
+        return FusedRow.linear(x, linear, residual=residual)
+
+    @staticmethod
+    def normed_gated(x: torch.Tensor, norm: RMSNorm, w13: nn.Linear, activation: str) -> torch.Tensor:
+        """The gated MLP's hidden state [..., I] of ``norm``(``x``)."""
+        row = x.reshape(1, -1).contiguous()
+        y = torch.ops.gpt_fast.gated_gemv(row, w13.weight, activation, norm.weight, norm.eps)
+        return y.view(*x.shape[:-1], w13.out_features // 2)
+
+
+def fuses_row(block: TransformerBlock) -> bool:
+    """Whether :meth:`gpt_fast.model.TransformerBlock.one_row` computes ``block``: four swapped products, a gated
+    MLP, no post-norms, norms without an offset and without a kernel of their own."""
+    attention, mlp = block.attention, block.feed_forward
+    products = (attention.wqkv, attention.wo, getattr(mlp, "w13", None), getattr(mlp, "w2", None))
+    norms = (block.attention_norm, block.ffn_norm)
+    return (
+        isinstance(mlp, FeedForward)
+        and block.post_attention_norm is None
+        and all(isinstance(p, DecodeLinear) for p in products)
+        and all(n.offset == 0 and n.kernel is None for n in norms)
+    )
 
 
 def swap_linears(root: nn.Module, cls: type[nn.Linear]) -> None:
@@ -121,11 +198,14 @@ def swap_linears(root: nn.Module, cls: type[nn.Linear]) -> None:
 
 def use_linear_kernel(model: Transformer, kernel: str) -> None:
     """Give the linear layers of ``model``'s decoder layers the kernel ``kernel`` (a name
-    :func:`resolve_linear_kernel` returned): ``triton``, :class:`DecodeLinear`, and to each gated MLP whose ``w13``
-    it is, :func:`gated_gemv`; ``torch``, none (``nn.Linear``). Quantized layers and the output head keep theirs
+    :func:`resolve_linear_kernel` returned): ``triton``, :class:`DecodeLinear`, to each gated MLP whose ``w13``
+    it is, :func:`gated_gemv`, and to each layer :func:`fuses_row` takes, :class:`FusedRow`; ``torch``, none
+    (``nn.Linear``). Quantized layers and the output head keep theirs
     (:func:`gpt_fast.quant.linear.launch_with_pdl` gives the quantized ones PDL where this kernel is ``triton``)."""
     if kernel == "triton":
         swap_linears(model.layers, DecodeLinear)
         for module in model.layers.modules():
             if isinstance(module, FeedForward) and isinstance(module.w13, DecodeLinear):
                 module.gated_kernel = gated_gemv
+        for block in model.layers:
+            block.row_kernels = FusedRow if fuses_row(block) else None
