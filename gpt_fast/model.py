@@ -351,7 +351,8 @@ class TransformerBlock(nn.Module):
         first_row: int = 0,
     ) -> torch.Tensor:
         """:meth:`forward` of one row ``x`` [1, 1, D] through :attr:`row_kernels`, for a layer without post-norms
-        or experts whose norms have no offset: the same operations, rounded alike, in four kernels."""
+        or experts whose norms have no offset: the same operations, rounded alike, in four products and the
+        attention."""
         kernels, attention, mlp = self.row_kernels, self.attention, self.feed_forward
         qkv = kernels.normed_linear(x, self.attention_norm, attention.wqkv)
         h = kernels.residual_linear(attention.attend(qkv, cos, sin, mask, input_pos, first_row), attention.wo, x)
