@@ -86,7 +86,8 @@ class PrefillGraph:
         self.graph.replay()
 
 
-PrefillKey = tuple[torch.nn.Module, int, int, SamplingConfig]  # decode state (its caches), rows, padded length
+# decode state (its caches), rows, padded length, sampling settings
+PrefillKey = tuple[torch.nn.Module, int, int, SamplingConfig]
 
 
 class GraphedPrefill:

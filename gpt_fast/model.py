@@ -354,10 +354,10 @@ class TransformerBlock(nn.Module):
         or experts whose norms have no offset: the same operations, rounded alike, in four products and the
         attention."""
         kernels, attention, mlp = self.row_kernels, self.attention, self.feed_forward
-        qkv = kernels.normed_linear(x, self.attention_norm, attention.wqkv)
-        h = kernels.residual_linear(attention.attend(qkv, cos, sin, mask, input_pos, first_row), attention.wo, x)
-        hidden = kernels.normed_gated(h, self.ffn_norm, mlp.w13, mlp.activation)
-        return kernels.residual_linear(hidden, mlp.w2, h)
+        qkv = kernels.linear(x, attention.wqkv, norm=self.attention_norm)
+        h = kernels.linear(attention.attend(qkv, cos, sin, mask, input_pos, first_row), attention.wo, residual=x)
+        hidden = kernels.gated(h, mlp.w13.weight, mlp.activation, norm=self.ffn_norm)
+        return kernels.linear(hidden, mlp.w2, residual=h)
 
 
 @torch.compiler.nested_compile_region

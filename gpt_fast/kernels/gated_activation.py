@@ -13,7 +13,7 @@
 
 The model calls the kernel only in compiled decode steps (one position per row); eager steps and prefills keep the
 PyTorch code. Where ``--linear_kernel`` is ``triton``, a step of one row computes the hidden state inside ``w13``'s
-GEMV instead (:func:`gpt_fast.kernels.linear.gated_gemv`).
+GEMV instead (:meth:`gpt_fast.kernels.linear.FusedRow.gated`).
 """
 
 from __future__ import annotations

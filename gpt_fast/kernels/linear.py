@@ -124,19 +124,13 @@ class DecodeLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def gated_gemv(x: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
-    """What :class:`gpt_fast.model.FeedForward` calls as its ``gated_kernel``: ``gpt_fast::gated_gemv`` on the row
-    ``x`` [..., K] (one row) and ``w13``'s weight [2I, K]; returns the hidden state [..., I]."""
-    y = torch.ops.gpt_fast.gated_gemv(x.reshape(1, -1).contiguous(), weight, activation, None, 0.0)
-    return y.view(*x.shape[:-1], weight.shape[0] // 2)
-
-
 class FusedRow:
-    """What :attr:`gpt_fast.model.TransformerBlock.row_kernels` calls: the layer's products of one row ``x``
-    [..., K] as ``gpt_fast::linear_gemv`` and ``gpt_fast::gated_gemv``, with the norm before a product and the
-    residual add after it inside the kernel, so that neither is a kernel of its own: on an H200, Llama-2-7B shape,
-    each norm was a kernel of about 2 µs between two GEMVs, during which no weights streamed (BENCHMARKS.md,
-    twenty-sixth and twenty-seventh sessions)."""
+    """The products of one row ``x`` [..., K] as ``gpt_fast::linear_gemv`` and ``gpt_fast::gated_gemv``: what
+    :class:`DecodeLinear` calls, :attr:`gpt_fast.model.FeedForward.gated_kernel` (:meth:`gated`, ``w13`` and the
+    activation in one kernel) and :attr:`gpt_fast.model.TransformerBlock.row_kernels` (with the norm before a
+    product and the residual add after it inside the kernel, so that neither is a kernel of its own: on an H200,
+    Llama-2-7B shape, each norm was a kernel of about 2 µs between two GEMVs, during which no weights streamed;
+    BENCHMARKS.md, twenty-sixth and twenty-seventh sessions)."""
 
     @staticmethod
     def linear(
@@ -151,39 +145,31 @@ class FusedRow:
             linear.weight,
             linear.bias,
             None if residual is None else residual.reshape(1, -1).contiguous(),
-            None if norm is None else norm.weight,
-            0.0 if norm is None else norm.eps,
+            *norm_operands(norm),
         )
         return y.view(*x.shape[:-1], linear.out_features)
 
     @staticmethod
-    def normed_linear(x: torch.Tensor, norm: RMSNorm, linear: nn.Linear) -> torch.Tensor:
-        return FusedRow.linear(x, linear, norm=norm)
+    def gated(x: torch.Tensor, weight: torch.Tensor, activation: str, norm: RMSNorm | None = None) -> torch.Tensor:
+        """A gated MLP's hidden state [..., I] of ``x`` (normed by ``norm``) and ``w13``'s weight [2I, K]."""
+        y = torch.ops.gpt_fast.gated_gemv(x.reshape(1, -1).contiguous(), weight, activation, *norm_operands(norm))
+        return y.view(*x.shape[:-1], weight.shape[0] // 2)
 
-    @staticmethod
-    def residual_linear(x: torch.Tensor, linear: nn.Linear, residual: torch.Tensor) -> torch.Tensor:
-        return FusedRow.linear(x, linear, residual=residual)
 
-    @staticmethod
-    def normed_gated(x: torch.Tensor, norm: RMSNorm, w13: nn.Linear, activation: str) -> torch.Tensor:
-        """The gated MLP's hidden state [..., I] of ``norm``(``x``)."""
-        row = x.reshape(1, -1).contiguous()
-        y = torch.ops.gpt_fast.gated_gemv(row, w13.weight, activation, norm.weight, norm.eps)
-        return y.view(*x.shape[:-1], w13.out_features // 2)
+def norm_operands(norm: RMSNorm | None) -> tuple[torch.Tensor | None, float]:
+    """The operators' ``norm_weight`` and ``eps`` for ``norm`` (None: no norm inside)."""
+    return (None, 0.0) if norm is None else (norm.weight, norm.eps)
 
 
 def fuses_row(block: TransformerBlock) -> bool:
-    """Whether :meth:`gpt_fast.model.TransformerBlock.one_row` computes ``block``: four swapped products, a gated
-    MLP, no post-norms, norms without an offset and without a kernel of their own."""
+    """Whether :meth:`gpt_fast.model.TransformerBlock.one_row` computes ``block``: a gated MLP, no post-norms, four
+    swapped products, norms without an offset and without a kernel of their own."""
     attention, mlp = block.attention, block.feed_forward
-    products = (attention.wqkv, attention.wo, getattr(mlp, "w13", None), getattr(mlp, "w2", None))
+    if not isinstance(mlp, FeedForward) or block.post_attention_norm is not None:
+        return False
+    products = (attention.wqkv, attention.wo, mlp.w13, mlp.w2)
     norms = (block.attention_norm, block.ffn_norm)
-    return (
-        isinstance(mlp, FeedForward)
-        and block.post_attention_norm is None
-        and all(isinstance(p, DecodeLinear) for p in products)
-        and all(n.offset == 0 and n.kernel is None for n in norms)
-    )
+    return all(isinstance(p, DecodeLinear) for p in products) and all(n.offset == 0 and n.kernel is None for n in norms)
 
 
 def swap_linears(root: nn.Module, cls: type[nn.Linear]) -> None:
@@ -199,13 +185,13 @@ def swap_linears(root: nn.Module, cls: type[nn.Linear]) -> None:
 def use_linear_kernel(model: Transformer, kernel: str) -> None:
     """Give the linear layers of ``model``'s decoder layers the kernel ``kernel`` (a name
     :func:`resolve_linear_kernel` returned): ``triton``, :class:`DecodeLinear`, to each gated MLP whose ``w13``
-    it is, :func:`gated_gemv`, and to each layer :func:`fuses_row` takes, :class:`FusedRow`; ``torch``, none
+    it is, :meth:`FusedRow.gated`, and to each layer :func:`fuses_row` takes, :class:`FusedRow`; ``torch``, none
     (``nn.Linear``). Quantized layers and the output head keep theirs
     (:func:`gpt_fast.quant.linear.launch_with_pdl` gives the quantized ones PDL where this kernel is ``triton``)."""
     if kernel == "triton":
         swap_linears(model.layers, DecodeLinear)
         for module in model.layers.modules():
             if isinstance(module, FeedForward) and isinstance(module.w13, DecodeLinear):
-                module.gated_kernel = gated_gemv
+                module.gated_kernel = FusedRow.gated
         for block in model.layers:
             block.row_kernels = FusedRow if fuses_row(block) else None
