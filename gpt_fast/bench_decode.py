@@ -318,7 +318,7 @@ def run_benchmark(
     attention = list(dict.fromkeys(resolve_attention_kernel(k, device, shape, mode) for k in attention_kernels))
     activation = list(dict.fromkeys(resolve_activation_kernel(k, device, shape) for k in activation_kernels))
     layers = list(dict.fromkeys(resolve_layers_kernel(kernel, device) for kernel in layers_kernels))
-    linear = list(dict.fromkeys(resolve_linear_kernel(k, device, shape, mode) for k in linear_kernels))
+    linear = list(dict.fromkeys(resolve_linear_kernel(k, device, mode) for k in linear_kernels))
     state = random_weights(shape, dtype, seed=0, device=device)
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, shape.vocab_size, (prompt_tokens,), generator=generator).tolist()

@@ -276,7 +276,7 @@ class Engine:
             self.activation_kernel = resolve_activation_kernel(
                 options.activation_kernel, self.device, model_config, options.aot_precompile
             )
-            self.linear_kernel = resolve_linear_kernel(options.linear_kernel, *step, **where)
+            self.linear_kernel = resolve_linear_kernel(options.linear_kernel, self.device, options.compile, **where)
         self._tokenizer = checkpoint_tokenizer(checkpoint_dir, config) if config is not None else None
         self._state = state
         self._sharded = sharded  # the state is this rank's part already

@@ -1,6 +1,7 @@
 """The choice of the decode attention kernel, and the fused Triton kernel in Triton's interpreter against the model's
 PyTorch code, where Triton is installed (tests/decode_attention_reference.py)."""
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -62,7 +63,8 @@ def test_a_rocm_build_keeps_the_pytorch_code(monkeypatch):
         ("llama-2-7b", "reduce-overhead", 8, False, True, "torch", False),  # no PDL before compute capability 9
         ("llama-2-7b", "reduce-overhead", 9, True, True, "torch", False),  # --aot_precompile: the triton_op
         ("llama-2-7b", "reduce-overhead", 9, False, False, "torch", True),  # --tp: not measured
-        ("smollm2-135m", "reduce-overhead", 9, False, True, "torch", True),  # a small model: not measured
+        ("smollm2-135m", "reduce-overhead", 9, False, True, "torch", True),  # a small GQA model
+        ("tiny-mha", "reduce-overhead", 9, False, True, "torch", True),  # a small MHA model: not measured
     ],
 )
 def test_auto_takes_the_kernel_where_it_was_measured_faster(
@@ -76,7 +78,8 @@ def test_auto_takes_the_kernel_where_it_was_measured_faster(
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (capability, 0))
     monkeypatch.setattr(decode_attention, "register_triton_ops", lambda: None)
-    kernel = resolve_attention_kernel("auto", gpu, get_shape(shape), mode, aot_precompile=aot, single_gpu=single_gpu)
+    config = dataclasses.replace(get_shape("tiny"), n_local_heads=4) if shape == "tiny-mha" else get_shape(shape)
+    kernel = resolve_attention_kernel("auto", gpu, config, mode, aot_precompile=aot, single_gpu=single_gpu)
     assert kernel == expected
     assert attention_pdl("triton", gpu, mode, aot) == pdl
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from gpt_fast.config import ModelConfig
+from gpt_fast.kernels.gated_activation import large_mlp
 from gpt_fast.kernels.linear import pdl_kernels_measured, steps_with_pdl
 from gpt_fast.model import Attention
 from gpt_fast.quant.kernels import resolve_kernel_choice
@@ -37,15 +38,18 @@ def resolve_attention_kernel(
     aot_precompile: bool = False,
     single_gpu: bool = True,
 ) -> str:
-    """``auto``: the fused kernel for multi-head attention (a kv head per query head) where our GEMV is also taken
-    (:func:`gpt_fast.kernels.linear.pdl_kernels_measured`), and so launched with PDL (:func:`attention_pdl`);
+    """``auto``: the fused kernel for multi-head attention (a kv head per query head) in models with a large MLP
+    (:func:`gpt_fast.kernels.gated_activation.large_mlp`; small ones were not measured with it) where our GEMV is
+    also taken (:func:`gpt_fast.kernels.linear.pdl_kernels_measured`), and so launched with PDL (:func:`attention_pdl`);
     elsewhere the PyTorch code. On an H200, with our GEMVs, heuristic tuning, one machine (BENCHMARKS.md,
     twenty-first session): Llama-2-7B 271.1 tok/s with it against 258.9 without; for GQA it is slower (Llama-3-8B
     217.8 against 234.5), as it was without PDL (sixth session: 1.3× inductor's attention kernels alone for MHA,
     0.5× for GQA). Choosing Triton (a CUDA GPU with Triton installed, not ROCm) registers its operators
     (:func:`register_triton_ops`), before anything is compiled."""
-    measured = config.n_head == config.n_local_heads and pdl_kernels_measured(
-        config, device, compile_mode, aot_precompile=aot_precompile, single_gpu=single_gpu
+    measured = (
+        config.n_head == config.n_local_heads
+        and large_mlp(config)
+        and pdl_kernels_measured(device, compile_mode, aot_precompile=aot_precompile, single_gpu=single_gpu)
     )
     auto = "triton" if measured else "torch"
     return resolve_kernel_choice(kernel, ATTENTION_KERNELS, "attention kernel", device, auto, register_triton_ops)
