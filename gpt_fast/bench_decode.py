@@ -40,6 +40,7 @@ from gpt_fast.engine import (
     resolve_attention_kernel,
     resolve_layers_kernel,
     resolve_linear_kernel,
+    resolve_sampling_kernel,
 )
 from gpt_fast.generate import COORDINATE_DESCENT, HEURISTIC, KERNEL_TUNINGS
 from gpt_fast.quant.kernels import triton_usable
@@ -151,13 +152,14 @@ def ours_runners(
     activation: str = "auto",
     layers: str = "auto",
     linear: str = "auto",
+    sampling: str = "auto",
 ) -> tuple[tuple[Run, Run], int]:
     """Decode as ``gpt-fast generate --compile MODE`` does (eager prefill); the first token of the long prompt
     as with ``--compile_prefill`` (one compiled prefill for every prompt length). The weights quantized with
     ``quant`` (their layers computing with ``kernel``), or changed by ``rework`` (torchao); the decode steps'
     attention computed by ``attention``, their layers by ``layers`` (see :mod:`gpt_fast.kernels.persistent`), their
-    unquantized linear layers by ``linear`` (see :mod:`gpt_fast.kernels.linear`); also
-    the weight bytes a decode step reads."""
+    unquantized linear layers by ``linear`` (see :mod:`gpt_fast.kernels.linear`), their top-k sampling by
+    ``sampling`` (see :mod:`gpt_fast.kernels.top_k`); also the weight bytes a decode step reads."""
     mode, device, dtype = subject.mode, subject.device, subject.dtype
     options = EngineOptions(
         compile=mode,
@@ -168,6 +170,7 @@ def ours_runners(
         activation_kernel=activation,
         layers_kernel=layers,
         linear_kernel=linear,
+        sampling_kernel=sampling,
         regional_compile=subject.regional_compile,
         kernel_tuning=subject.kernel_tuning,
     )
@@ -310,6 +313,7 @@ def run_benchmark(
     activation_kernels: Sequence[str] = ("auto",),
     layers_kernels: Sequence[str] = ("auto",),
     linear_kernels: Sequence[str] = ("auto",),
+    sampling_kernels: Sequence[str] = ("auto",),
     regional_compile: bool = False,
     kernel_tuning: str = COORDINATE_DESCENT,
     write: Callable[[str], None] = print,
@@ -319,6 +323,7 @@ def run_benchmark(
     activation = list(dict.fromkeys(resolve_activation_kernel(k, device, shape) for k in activation_kernels))
     layers = list(dict.fromkeys(resolve_layers_kernel(kernel, device) for kernel in layers_kernels))
     linear = list(dict.fromkeys(resolve_linear_kernel(k, device, mode) for k in linear_kernels))
+    sampling = list(dict.fromkeys(resolve_sampling_kernel(k, device) for k in sampling_kernels))
     state = random_weights(shape, dtype, seed=0, device=device)
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, shape.vocab_size, (prompt_tokens,), generator=generator).tolist()
@@ -333,13 +338,15 @@ def run_benchmark(
         + (f" attention-{att}" if len(attention) > 1 else "")
         + (f" activation-{act}" if len(activation) > 1 else "")
         + (f" layers-{lay}" if len(layers) > 1 else "")
-        + (f" linear-{lin}" if len(linear) > 1 else ""): functools.partial(
-            ours_runners, subject, attention=att, activation=act, layers=lay, linear=lin
+        + (f" linear-{lin}" if len(linear) > 1 else "")
+        + (f" sampling-{smp}" if len(sampling) > 1 else ""): functools.partial(
+            ours_runners, subject, attention=att, activation=act, layers=lay, linear=lin, sampling=smp
         )
         for att in attention
         for act in activation
         for lay in layers
         for lin in linear
+        for smp in sampling
     }
     runners |= quantized_runners(subject, quantize, write, linear)
     if peers:
@@ -368,7 +375,8 @@ def run_benchmark(
         f"{shape_name}, {device_name(device)}, torch {torch.__version__}, {dtype}; copy bandwidth {copy_gbps:.0f} "
         f"GB/s; prompt {prompt_tokens} tokens, {new_tokens} new, TTFT prompt {ttft_tokens}; our decode's attention "
         f"kernel: {', '.join(attention)}; activation kernel: {', '.join(activation)}; layers kernel: "
-        f"{', '.join(layers)}; linear kernel: {', '.join(linear)}; our compiled steps: {compiled_as}"
+        f"{', '.join(layers)}; linear kernel: {', '.join(linear)}; sampling kernel: {', '.join(sampling)}; "
+        f"our compiled steps: {compiled_as}"
         + (f"; each row built {builds} times, tok/s their median (range)" if builds > 1 else "")
     )
     write(table(rows, copy_gbps) if rows else "no row was measured")
@@ -488,6 +496,11 @@ def main(argv: list[str] | None = None) -> None:
         "inductor).",
     )
     parser.add_argument(
+        "--sampling_kernels",
+        default="auto",
+        help="Our unquantized rows' top-k sampling, comma-separated: auto, triton (two kernels), torch (torch.topk).",
+    )
+    parser.add_argument(
         "--regional_compile", action="store_true", help="Our rows compile one layer and reuse it for every layer."
     )
     parser.add_argument(
@@ -517,6 +530,7 @@ def main(argv: list[str] | None = None) -> None:
         activation_kernels=[name for name in args.activation_kernels.split(",") if name],
         layers_kernels=[name for name in args.layers_kernels.split(",") if name],
         linear_kernels=[name for name in args.linear_kernels.split(",") if name],
+        sampling_kernels=[name for name in args.sampling_kernels.split(",") if name],
         regional_compile=args.regional_compile,
         kernel_tuning=args.kernel_tuning,
     )

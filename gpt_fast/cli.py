@@ -17,7 +17,15 @@ import click
 from gpt_fast import __version__
 from gpt_fast.config import INT4_GROUP_SIZES, QUANT_MODES, QuantConfig
 from gpt_fast.device import DTYPE_CHOICES, DTYPES, parse_dtype
-from gpt_fast.engine import LAYERS_KERNELS, LINEAR_KERNELS, Engine, EngineOptions, launched_world_size, user_turn
+from gpt_fast.engine import (
+    LAYERS_KERNELS,
+    LINEAR_KERNELS,
+    SAMPLING_KERNELS,
+    Engine,
+    EngineOptions,
+    launched_world_size,
+    user_turn,
+)
 from gpt_fast.evaluate import DATASETS, EvalOptions
 from gpt_fast.fileio import STDOUT, regular_file
 from gpt_fast.generate import COMPILE_MODES, KERNEL_TUNINGS
@@ -119,8 +127,8 @@ def add_device_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """--compile, --compile_prefill, --regional_compile, --kernel_tuning, --layers_kernel, --linear_kernel, --device,
-    --dtype, handed to the command as ``engine_options``."""
+    """--compile, --compile_prefill, --regional_compile, --kernel_tuning, --layers_kernel, --linear_kernel,
+    --sampling_kernel, --device, --dtype, handed to the command as ``engine_options``."""
 
     @functools.wraps(func)
     def command(
@@ -131,6 +139,7 @@ def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
         kernel_tuning: str,
         layers_kernel: str,
         linear_kernel: str,
+        sampling_kernel: str,
         device: str | None,
         dtype: str,
         **kwargs: Any,
@@ -144,10 +153,19 @@ def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
             kernel_tuning=kernel_tuning,
             layers_kernel=layers_kernel,
             linear_kernel=linear_kernel,
+            sampling_kernel=sampling_kernel,
         )
         return func(*args, engine_options=options, **kwargs)
 
     decorated = add_device_options(command)
+    decorated = option(
+        "--sampling_kernel",
+        type=Choice(SAMPLING_KERNELS),
+        default=ENGINE.sampling_kernel,
+        show_default=True,
+        help="triton: top-k sampling (16-bit logits, no top-p) in two Triton kernels instead of torch.topk (CUDA "
+        "GPUs); torch: torch.topk; auto: torch.",
+    )(decorated)
     decorated = option(
         "--linear_kernel",
         type=Choice(LINEAR_KERNELS),

@@ -56,6 +56,7 @@ from gpt_fast.kernels.persistent import (
     resolve_layers_kernel,
     use_layers_kernel,
 )
+from gpt_fast.kernels.top_k import SAMPLING_KERNELS, resolve_sampling_kernel, use_sampling_kernel
 from gpt_fast.model import Transformer, weight_bytes_per_token
 from gpt_fast.parallel import TensorParallel, check_tensor_parallel, device_of, env_ranks, join
 from gpt_fast.paths import CHECKPOINTS_DIR
@@ -92,7 +93,8 @@ class EngineOptions:
     compiled decode steps (``auto``: see :func:`gpt_fast.kernels.gated_activation.resolve_activation_kernel`),
     the kernel of every layer of a compiled one-token step of one sequence (``layers_kernel``: see
     :mod:`gpt_fast.kernels.persistent`), the decoder layers' unquantized linear layers in such steps
-    (``linear_kernel``: see :mod:`gpt_fast.kernels.linear`),
+    (``linear_kernel``: see :mod:`gpt_fast.kernels.linear`), the decode steps' top-k sampling (``sampling_kernel``:
+    see :mod:`gpt_fast.kernels.top_k`),
     the ranks of tensor parallelism (``tp``: the model split over that many processes started by ``torchrun``,
     one GPU each; see :mod:`gpt_fast.parallel`), regional compilation (one layer compiled and reused for all: see
     :func:`gpt_fast.model.layer_region`), how inductor picks its kernels' configurations (``kernel_tuning``:
@@ -113,6 +115,7 @@ class EngineOptions:
     activation_kernel: str = "auto"
     layers_kernel: str = "auto"
     linear_kernel: str = "auto"
+    sampling_kernel: str = "auto"
     regional_compile: bool = False
     kernel_tuning: str = COORDINATE_DESCENT
     aot_precompile: bool = False
@@ -140,6 +143,9 @@ class EngineOptions:
             raise ValueError(f"--layers_kernel {self.layers_kernel!r} is not one of {', '.join(LAYERS_KERNELS)}")
         if self.linear_kernel not in LINEAR_KERNELS:
             raise ValueError(f"--linear_kernel {self.linear_kernel!r} is not one of {', '.join(LINEAR_KERNELS)}")
+        if self.sampling_kernel not in SAMPLING_KERNELS:
+            kernels = ", ".join(SAMPLING_KERNELS)
+            raise ValueError(f"--sampling_kernel {self.sampling_kernel!r} is not one of {kernels}")
         if self.layers_kernel == "triton" and (self.tp > 1 or self.speculative is not None):
             raise ValueError("--layers_kernel triton runs plain decoding on one GPU (no --tp, no speculation)")
         if self.kernel_tuning not in KERNEL_TUNINGS:
@@ -175,6 +181,7 @@ class EngineOptions:
             "speculative decoding": self.speculative is not None,
             "--layers_kernel triton": self.layers_kernel == "triton",
             "--linear_kernel triton": self.linear_kernel == "triton",
+            "--sampling_kernel triton": self.sampling_kernel == "triton",
         }
         for name, used in others.items():
             if used:
@@ -277,6 +284,7 @@ class Engine:
                 options.activation_kernel, self.device, model_config, options.aot_precompile
             )
             self.linear_kernel = resolve_linear_kernel(options.linear_kernel, self.device, options.compile, **where)
+        self.sampling_kernel = resolve_sampling_kernel(options.sampling_kernel, self.device, options.aot_precompile)
         self._tokenizer = checkpoint_tokenizer(checkpoint_dir, config) if config is not None else None
         self._state = state
         self._sharded = sharded  # the state is this rank's part already
@@ -390,6 +398,7 @@ class Engine:
         use_layers_kernel(self._model, self.layers_kernel)
         use_linear_kernel(self._model, self.linear_kernel)
         launch_with_pdl(self._model.layers, self.linear_kernel == "triton")
+        use_sampling_kernel(self._model, self.sampling_kernel)
         if self.options.batch_invariant:
             use_invariant_kernels(self._model, self.device)
         self._model.regional_compile = self.options.regional_compile

@@ -37,7 +37,7 @@ def prefill(model: Transformer, idx: torch.Tensor, sampling: SamplingConfig) -> 
     input_pos = torch.arange(length, device=idx.device)
     logits = model(idx, input_pos, last_only=True, from_start=True)  # [B, 1, V]
     state.tokens[:, :length] = idx
-    state.tokens[:, length] = sample(logits[:, -1], sampling)
+    state.tokens[:, length] = sample(logits[:, -1], sampling, model.top_k_sampler)
     state.input_pos.fill_(length)
 
 
@@ -50,7 +50,7 @@ def prefill_padded(model: Transformer, idx: torch.Tensor, length: torch.Tensor, 
     input_pos = torch.arange(padded, device=idx.device)
     logits = model(idx, input_pos, from_start=True, last_index=length - 1)  # [B, 1, V]
     state.tokens[:, :padded] = idx
-    state.tokens.index_copy_(1, length, sample(logits[:, -1], sampling)[:, None])
+    state.tokens.index_copy_(1, length, sample(logits[:, -1], sampling, model.top_k_sampler)[:, None])
     state.input_pos.copy_(length)
 
 
@@ -61,7 +61,7 @@ def decode_one_token(model: Transformer, sampling: SamplingConfig) -> None:
     cur = state.tokens.index_select(1, state.input_pos)  # [B, 1]
     # the keywords are spelled out: torch 2.11 cannot load an ahead-of-time package that guards a default argument
     logits = model(cur, state.input_pos, last_only=False, first_row=0, from_start=False)  # [B, 1, V]
-    state.tokens.index_copy_(1, state.input_pos + 1, sample(logits[:, -1], sampling)[:, None])
+    state.tokens.index_copy_(1, state.input_pos + 1, sample(logits[:, -1], sampling, model.top_k_sampler)[:, None])
     state.input_pos.add_(1)
 
 

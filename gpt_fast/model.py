@@ -378,6 +378,9 @@ class Transformer(nn.Module):
     # (gpt_fast.kernels.persistent sets both); None: the layers' code, nothing.
     layers_kernel = None
     caches_ready = None
+    # What the decode steps (gpt_fast.generate) hand to gpt_fast.sampling.sample for top-k sampling, a
+    # gpt_fast.sampling.TopKSampler (gpt_fast.kernels.top_k sets it); None: torch.topk. The model never calls it.
+    top_k_sampler = None
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -92,13 +93,30 @@ def candidates(logits: torch.Tensor, config: SamplingConfig) -> tuple[torch.Tens
     return logits, index
 
 
-def sample(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
-    """Next token ids [B] (int64) from the last position's logits [B, V]."""
+# A kernel for top-k sampling: (logits [B, V], noise [B, V] float32 Exp(1) draws, k, temperature) -> token ids
+# int64 [B], a sample from the softmax of logits / temperature over the k largest (gpt_fast.kernels.top_k).
+TopKSampler = Callable[[torch.Tensor, torch.Tensor, int, float], torch.Tensor]
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)  # the logits a TopKSampler takes
+
+
+def sample(logits: torch.Tensor, config: SamplingConfig, top_k_sampler: TopKSampler | None = None) -> torch.Tensor:
+    """Next token ids [B] (int64) from the last position's logits [B, V]; with ``top_k_sampler``, top-k sampling
+    of 16-bit logits without top-p goes through it (the same distribution; other settings ignore it)."""
     if config.greedy:
         return logits.argmax(dim=-1)
+    if top_k_sampler is not None and kernel_samples(logits, config):
+        noise = torch.empty_like(logits, dtype=torch.float32).exponential_(1)  # [B, V]
+        return top_k_sampler(logits, noise, config.top_k, config.temperature)
     scores, index = candidates(logits, config)
     choice = sample_weights(torch.softmax(scores, dim=-1))  # [B]
     return choice if index is None else index.gather(-1, choice[:, None]).squeeze(-1)
+
+
+def kernel_samples(logits: torch.Tensor, config: SamplingConfig) -> bool:
+    """Whether a :data:`TopKSampler` takes ``logits`` [B, V] under ``config`` (not greedy): 16-bit logits, top-k
+    below the vocabulary size, no top-p."""
+    top_k = config.top_k
+    return logits.dtype in KERNEL_DTYPES and top_k is not None and top_k < logits.shape[-1] and not config.nucleus
 
 
 MASK32 = 0xFFFFFFFF

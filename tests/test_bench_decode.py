@@ -185,7 +185,7 @@ def test_every_registered_shape_converts_back_from_its_hf_config():
 
 
 def test_the_decode_kernels_are_named_and_checked():
-    """On the CPU ``auto`` is the PyTorch code for all four: one row, the kernels named in the header; Triton is
+    """On the CPU ``auto`` is the PyTorch code for all five: one row, the kernels named in the header; Triton is
     refused."""
     lines = []
     rows = tiny_benchmark(
@@ -196,11 +196,12 @@ def test_the_decode_kernels_are_named_and_checked():
         attention_kernels=["auto", "torch"],
         activation_kernels=["auto"],
         linear_kernels=["auto", "torch"],
+        sampling_kernels=["auto", "torch"],
     )
     assert [r.name for r in rows] == ["gpt-fast none"]
     assert lines[-2].endswith(
         "our decode's attention kernel: torch; activation kernel: torch; layers kernel: torch; linear kernel: torch; "
-        "our compiled steps: the whole step compiled, kernels tuned by coordinate descent"
+        "sampling kernel: torch; our compiled steps: the whole step compiled, kernels tuned by coordinate descent"
     )
     with pytest.raises(ValueError, match="the triton attention kernel needs a CUDA GPU"):
         tiny_benchmark(lines, peers=False, attention_kernels=["triton"])
@@ -210,6 +211,8 @@ def test_the_decode_kernels_are_named_and_checked():
         tiny_benchmark(lines, peers=False, layers_kernels=["triton"])
     with pytest.raises(ValueError, match="the triton linear kernel needs a CUDA GPU"):
         tiny_benchmark(lines, peers=False, linear_kernels=["triton"])
+    with pytest.raises(ValueError, match="the triton sampling kernel needs a CUDA GPU"):
+        tiny_benchmark(lines, peers=False, sampling_kernels=["triton"])
 
 
 def test_regional_compile_is_named_in_the_rows_and_the_summary():

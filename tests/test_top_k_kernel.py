@@ -1,0 +1,95 @@
+"""The decode steps' top-k sampling kernel (gpt_fast/kernels/top_k.py, triton_top_k.py): which kernel is chosen
+and refused, when :func:`gpt_fast.sampling.sample` hands the logits to it, and the kernels in Triton's interpreter
+against the PyTorch reference of their semantics (tests/top_k_reference.py)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gpt_fast.engine import Engine, EngineOptions
+from gpt_fast.kernels.top_k import resolve_sampling_kernel
+from gpt_fast.sampling import SamplingConfig, sample
+from gpt_fast.shapes import get_shape
+from tests.top_k_reference import reference
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+old_numpy = pytest.mark.skipif(
+    tuple(int(p) for p in np.__version__.split(".")[:2]) >= (2, 4),
+    reason="Triton 3.6's interpreter takes int() of 1-element arrays, an error since numpy 2.4",
+)
+
+
+def test_auto_is_torch_and_triton_needs_a_cuda_gpu():
+    cpu = torch.device("cpu")
+    assert resolve_sampling_kernel("auto", cpu) == "torch"
+    assert resolve_sampling_kernel("torch", cpu) == "torch"
+    with pytest.raises(ValueError, match="the triton sampling kernel needs a CUDA GPU with Triton installed"):
+        resolve_sampling_kernel("triton", cpu)
+    with pytest.raises(ValueError, match="--aot_precompile does not combine with --sampling_kernel triton"):
+        resolve_sampling_kernel("triton", torch.device("cuda"), aot_precompile=True)
+
+
+def test_the_engine_options_check_the_sampling_kernel():
+    with pytest.raises(ValueError, match="--sampling_kernel 'radix' is not one of auto, triton, torch"):
+        EngineOptions(sampling_kernel="radix")
+    with pytest.raises(ValueError, match="--aot_precompile does not combine with --sampling_kernel triton"):
+        EngineOptions(compile="reduce-overhead", aot_precompile=True, sampling_kernel="triton")
+    with pytest.raises(ValueError, match="the triton sampling kernel needs a CUDA GPU"):
+        Engine.from_state(get_shape("tiny"), {}, EngineOptions(device="cpu", sampling_kernel="triton"))
+
+
+class ReferenceSampler:
+    """A top-k sampler computing the reference's tokens, recording its calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, float]] = []
+
+    def __call__(self, logits: torch.Tensor, noise: torch.Tensor, top_k: int, temperature: float) -> torch.Tensor:
+        assert noise.shape == logits.shape and noise.dtype == torch.float32 and bool((noise > 0).all())
+        self.calls.append((top_k, temperature))
+        return torch.tensor(reference(logits, noise, top_k, temperature))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sample_hands_16_bit_top_k_logits_to_the_sampler(dtype):
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(0)).to(dtype)
+    sampler = ReferenceSampler()
+    tokens = sample(logits, SamplingConfig(temperature=0.7, top_k=20), sampler)
+    assert sampler.calls == [(20, 0.7)] and tokens.shape == (3,)
+    kth = torch.topk(logits.float(), 20).values[:, -1]  # [3]
+    assert bool((logits.float().gather(1, tokens[:, None]).squeeze(1) >= kth).all())
+
+
+@pytest.mark.parametrize(
+    ("dtype", "config"),
+    [
+        (torch.float32, SamplingConfig(0.7, top_k=20)),  # 32-bit logits
+        (torch.bfloat16, SamplingConfig(0.7, top_k=20, top_p=0.9)),  # top-p
+        (torch.bfloat16, SamplingConfig(0.7, top_k=None)),  # the whole vocabulary
+        (torch.bfloat16, SamplingConfig(0.7, top_k=500)),  # k = V
+        (torch.bfloat16, SamplingConfig(temperature=0)),  # greedy
+    ],
+)
+def test_sample_keeps_the_pytorch_code_for_what_the_kernels_do_not_take(dtype, config):
+    sampler = ReferenceSampler()
+    tokens = sample(torch.randn(2, 500).to(dtype), config, sampler)
+    assert sampler.calls == [] and tokens.shape == (2,)
+
+
+@needs_triton
+@old_numpy
+def test_the_kernels_in_the_interpreter_draw_the_references_tokens():
+    """Every case of tests/top_k_reference.py, ties at the k-th largest among them (their lowest ids taken, counted
+    across programs' chunks), bfloat16 and float16, several rows."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    script = Path(__file__).with_name("top_k_reference.py")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout) == []
