@@ -173,7 +173,7 @@ def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
         show_default=True,
         help="triton: the decoder layers' unquantized linear layers in compiled one-token steps of one sequence are "
         "our GEMV, launched so that its weight loads overlap the kernel before it (CUDA GPUs); torch: cuBLAS or "
-        "inductor's; auto: triton in the CUDA-graph modes on GPUs of compute capability 9+ (one GPU).",
+        "inductor's; auto: triton in the CUDA-graph modes on GPUs of compute capability 9+.",
     )(decorated)
     decorated = option(
         "--layers_kernel",

@@ -278,7 +278,7 @@ class Engine:
         self.attention_kernel = "torch"  # and attention (Attention.rows_kernel)
         if not options.batch_invariant:  # each resolved before compiling
             step = (self.device, model_config, options.compile)
-            where = {"aot_precompile": options.aot_precompile, "single_gpu": options.tp == 1}
+            where = {"aot_precompile": options.aot_precompile}
             self.attention_kernel = resolve_attention_kernel(options.attention_kernel, *step, **where)
             self.activation_kernel = resolve_activation_kernel(
                 options.activation_kernel, self.device, model_config, options.aot_precompile
@@ -390,8 +390,6 @@ class Engine:
                 self.options.quant_kernel,
                 shard,
             )
-        if self._parallel is not None:
-            self._parallel.connect(self._model, self.model_config)
         pdl = attention_pdl(self.attention_kernel, self.device, self.options.compile, self.options.aot_precompile)
         use_attention_kernel(self._model, self.attention_kernel, pdl)
         use_activation_kernel(self._model, self.activation_kernel)
@@ -399,6 +397,8 @@ class Engine:
         use_linear_kernel(self._model, self.linear_kernel)
         launch_with_pdl(self._model.layers, self.linear_kernel == "triton")
         use_sampling_kernel(self._model, self.sampling_kernel)
+        if self._parallel is not None:
+            self._parallel.connect(self._model, self.model_config)
         if self.options.batch_invariant:
             use_invariant_kernels(self._model, self.device)
         self._model.regional_compile = self.options.regional_compile

@@ -57,8 +57,8 @@ def test_the_launch_helpers_shared_by_quant_and_kernels_import_nothing_of_ours()
     assert MODULES["triton_pdl"] == set()
 
 
-def test_tensor_parallelism_imports_only_the_model_and_its_quantized_layers():
-    assert MODULES["parallel"] <= {"config", "model", "quant.layout", "quant.linear"}
+def test_tensor_parallelism_imports_only_the_model_its_quantized_layers_and_its_fused_products():
+    assert MODULES["parallel"] <= {"config", "model", "quant.layout", "quant.linear", "kernels.linear"}
 
 
 def test_the_model_does_not_know_torch_distributed():

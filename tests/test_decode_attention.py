@@ -54,22 +54,19 @@ def test_a_rocm_build_keeps_the_pytorch_code(monkeypatch):
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 @pytest.mark.parametrize(
-    ("shape", "mode", "capability", "aot", "single_gpu", "expected", "pdl"),
+    ("shape", "mode", "capability", "aot", "expected", "pdl"),
     [
-        ("llama-2-7b", "reduce-overhead", 9, False, True, "triton", True),  # MHA, where the GEMV is ours
-        ("llama-2-7b", "max-autotune", 9, False, True, "triton", True),
-        ("llama-3-8b", "reduce-overhead", 9, False, True, "torch", True),  # GQA: slower with the kernel
-        ("llama-2-7b", "default", 9, False, True, "torch", False),  # no CUDA graphs: no PDL
-        ("llama-2-7b", "reduce-overhead", 8, False, True, "torch", False),  # no PDL before compute capability 9
-        ("llama-2-7b", "reduce-overhead", 9, True, True, "torch", False),  # --aot_precompile: the triton_op
-        ("llama-2-7b", "reduce-overhead", 9, False, False, "torch", True),  # --tp: not measured
-        ("smollm2-135m", "reduce-overhead", 9, False, True, "torch", True),  # a small GQA model
-        ("tiny-mha", "reduce-overhead", 9, False, True, "torch", True),  # a small MHA model: not measured
+        ("llama-2-7b", "reduce-overhead", 9, False, "triton", True),  # MHA, where the GEMV is ours
+        ("llama-2-7b", "max-autotune", 9, False, "triton", True),
+        ("llama-3-8b", "reduce-overhead", 9, False, "torch", True),  # GQA: slower with the kernel
+        ("llama-2-7b", "default", 9, False, "torch", False),  # no CUDA graphs: no PDL
+        ("llama-2-7b", "reduce-overhead", 8, False, "torch", False),  # no PDL before compute capability 9
+        ("llama-2-7b", "reduce-overhead", 9, True, "torch", False),  # --aot_precompile: the triton_op
+        ("smollm2-135m", "reduce-overhead", 9, False, "torch", True),  # a small GQA model
+        ("tiny-mha", "reduce-overhead", 9, False, "torch", True),  # a small MHA model: not measured
     ],
 )
-def test_auto_takes_the_kernel_where_it_was_measured_faster(
-    monkeypatch, shape, mode, capability, aot, single_gpu, expected, pdl
-):
+def test_auto_takes_the_kernel_where_it_was_measured_faster(monkeypatch, shape, mode, capability, aot, expected, pdl):
     """``pdl``: whether the kernel, when chosen, is the operator launched with PDL."""
     from gpt_fast.kernels import decode_attention, linear
 
@@ -79,7 +76,7 @@ def test_auto_takes_the_kernel_where_it_was_measured_faster(
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (capability, 0))
     monkeypatch.setattr(decode_attention, "register_triton_ops", lambda: None)
     config = dataclasses.replace(get_shape("tiny"), n_local_heads=4) if shape == "tiny-mha" else get_shape(shape)
-    kernel = resolve_attention_kernel("auto", gpu, config, mode, aot_precompile=aot, single_gpu=single_gpu)
+    kernel = resolve_attention_kernel("auto", gpu, config, mode, aot_precompile=aot)
     assert kernel == expected
     assert attention_pdl("triton", gpu, mode, aot) == pdl
 

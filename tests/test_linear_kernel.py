@@ -40,17 +40,16 @@ def test_auto_is_the_model_code_on_the_cpu_and_triton_is_refused_there():
 
 @needs_triton
 @pytest.mark.parametrize(
-    ("mode", "capability", "aot", "single_gpu", "expected"),
+    ("mode", "capability", "aot", "expected"),
     [
-        ("reduce-overhead", 9, False, True, "triton"),
-        ("max-autotune", 10, False, True, "triton"),
-        ("default", 9, False, True, "torch"),  # no CUDA graphs: no PDL
-        ("reduce-overhead", 8, False, True, "torch"),  # no PDL before compute capability 9
-        ("reduce-overhead", 9, True, True, "torch"),  # --aot_precompile
-        ("reduce-overhead", 9, False, False, "torch"),  # --tp: not measured
+        ("reduce-overhead", 9, False, "triton"),
+        ("max-autotune", 10, False, "triton"),
+        ("default", 9, False, "torch"),  # no CUDA graphs: no PDL
+        ("reduce-overhead", 8, False, "torch"),  # no PDL before compute capability 9
+        ("reduce-overhead", 9, True, "torch"),  # --aot_precompile
     ],
 )
-def test_auto_takes_the_kernel_where_it_was_measured_faster(monkeypatch, mode, capability, aot, single_gpu, expected):
+def test_auto_takes_the_kernel_where_it_was_measured_faster(monkeypatch, mode, capability, aot, expected):
     from gpt_fast import triton_pdl
 
     gpu = torch.device("cuda")
@@ -58,7 +57,7 @@ def test_auto_takes_the_kernel_where_it_was_measured_faster(monkeypatch, mode, c
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (capability, 0))
     assert triton_pdl.pdl_usable(gpu) == (capability >= 9)
-    kernel = resolve_linear_kernel("auto", gpu, mode, aot_precompile=aot, single_gpu=single_gpu)
+    kernel = resolve_linear_kernel("auto", gpu, mode, aot_precompile=aot)
     assert kernel == expected
 
 
@@ -113,7 +112,7 @@ def test_a_row_parallel_product_keeps_the_layer_unfused():
 
     model = Transformer(TINY)
     for block in model.layers:
-        block.attention.wo = AllReduced(block.attention.wo, group=None)
+        block.attention.wo = AllReduced(block.attention.wo, "group", first=True)
     use_linear_kernel(model, "triton")
     assert all(block.row_kernels is None for block in model.layers)
 

@@ -19,7 +19,9 @@ from gpt_fast.cli import main
 from gpt_fast.config import QuantConfig
 from gpt_fast.convert.random_init import make_random_checkpoint, random_weights
 from gpt_fast.engine import Engine, EngineOptions
-from gpt_fast.parallel import Shard, check_tensor_parallel, device_of
+from gpt_fast.kernels.linear import use_linear_kernel
+from gpt_fast.model import Transformer
+from gpt_fast.parallel import ParallelRow, Ranks, Shard, TensorParallel, check_tensor_parallel, device_of
 from gpt_fast.quant.kernels import triton_usable
 from gpt_fast.quant.layout import quantize_state
 from gpt_fast.quant.quantize import quantize_checkpoint
@@ -246,6 +248,21 @@ def check_split_shape(
     result = json.loads((tmp_path / "out.json").read_text())
     assert result["split_error"] <= 2 * result["whole_error"], result
     assert max(result["argmax_shortfall"]) <= 0.05 * result["logit_scale"], result
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_layer_of_our_kernels_sums_its_partial_products_with_the_residual_added_by_the_first_rank(rank):
+    """Connected after its kernels are chosen, a layer that runs one row through our fused kernels runs it through
+    :class:`ParallelRow`: ``wo`` and ``w2`` are all-reduced, and only rank 0 adds the residual into its partial
+    product (the sum holds it once). Its numbers: the GPU test of the 7B shape split with our kernels."""
+    model = Transformer(TINY)
+    use_linear_kernel(model, "triton")
+    group = type("Group", (), {"group_name": "tp"})()
+    TensorParallel(Ranks(rank, 2, rank), group).connect(model, TINY)
+    for block in model.layers:
+        assert block.row_kernels is ParallelRow
+        for product in (block.attention.wo, block.feed_forward.w2):
+            assert product.group_name == "tp" and product.first == (rank == 0)
 
 
 def test_several_prompts_and_a_gpu_index_are_refused_with_tp():

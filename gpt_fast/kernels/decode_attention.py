@@ -36,7 +36,6 @@ def resolve_attention_kernel(
     compile_mode: str,
     *,
     aot_precompile: bool = False,
-    single_gpu: bool = True,
 ) -> str:
     """``auto``: the fused kernel for multi-head attention (a kv head per query head) in models with a large MLP
     (:func:`gpt_fast.kernels.gated_activation.large_mlp`; small ones were not measured with it) where our GEMV is
@@ -49,7 +48,7 @@ def resolve_attention_kernel(
     measured = (
         config.n_head == config.n_local_heads
         and large_mlp(config)
-        and pdl_kernels_measured(device, compile_mode, aot_precompile=aot_precompile, single_gpu=single_gpu)
+        and pdl_kernels_measured(device, compile_mode, aot_precompile=aot_precompile)
     )
     auto = "triton" if measured else "torch"
     return resolve_kernel_choice(kernel, ATTENTION_KERNELS, "attention kernel", device, auto, register_triton_ops)

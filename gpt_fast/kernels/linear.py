@@ -18,7 +18,8 @@ after it, each residual add inside the GEMV before it. On an H200, 7B shape, 276
 274.5 (twenty-seventh session).
 
 ``auto`` takes the kernel in the CUDA-graph compile modes (where PDL applies) on CUDA GPUs of compute capability 9
-or more with Triton, on one GPU, without ``--aot_precompile``; elsewhere the model's code. Small models take it too
+or more with Triton, without ``--aot_precompile``, on one GPU or split over several (each rank's shards;
+:class:`gpt_fast.parallel.ParallelRow`); elsewhere the model's code. Small models take it too
 since the norms moved inside it: SmolLM2-135M shape 1572-1624 tok/s against 1235-1332, int8 1392 against 1077, int4
 1214 against 894 (twenty-eighth session). The model calls the kernel only in compiled steps with one row of
 activations (batch 1, one position); prefills, batches and eager steps keep ``nn.Linear``.
@@ -45,20 +46,21 @@ def resolve_linear_kernel(
     compile_mode: str,
     *,
     aot_precompile: bool = False,
-    single_gpu: bool = True,
 ) -> str:
     """``auto``: see the module. Choosing Triton registers its operator (:func:`register_triton_ops`), before
     anything is compiled."""
-    measured = pdl_kernels_measured(device, compile_mode, aot_precompile=aot_precompile, single_gpu=single_gpu)
+    measured = pdl_kernels_measured(device, compile_mode, aot_precompile=aot_precompile)
     auto = "triton" if measured else "torch"
     return resolve_kernel_choice(kernel, LINEAR_KERNELS, "linear kernel", device, auto, register_triton_ops)
 
 
-def pdl_kernels_measured(device: torch.device, compile_mode: str, *, aot_precompile: bool, single_gpu: bool) -> bool:
+def pdl_kernels_measured(device: torch.device, compile_mode: str, *, aot_precompile: bool) -> bool:
     """Where our decode kernels launched with PDL were measured faster than the model's code (``auto``'s choice of
-    this GEMV and, for some models, of :mod:`gpt_fast.kernels.decode_attention`'s kernel): one GPU, the CUDA-graph
-    modes on a GPU that launches with PDL (:func:`steps_with_pdl`), without ``--aot_precompile``."""
-    return single_gpu and not aot_precompile and steps_with_pdl(device, compile_mode)
+    this GEMV and, for some models, of :mod:`gpt_fast.kernels.decode_attention`'s kernel): the CUDA-graph modes on a
+    GPU that launches with PDL (:func:`steps_with_pdl`), without ``--aot_precompile``, on one GPU or split over
+    several (Llama-2-7B shape on two H200s: 322.9 tok/s with both kernels against 284.3 without; BENCHMARKS.md,
+    twenty-ninth session)."""
+    return not aot_precompile and steps_with_pdl(device, compile_mode)
 
 
 def steps_with_pdl(device: torch.device, compile_mode: str) -> bool:
