@@ -6,6 +6,9 @@ JSON file of instructions; rank 0 writes what the ranks produced to ``out``:
 - ``shape`` (GPU): a random model of a named shape, the same on every rank, split over the ranks and, on rank 0,
   also whole on one GPU: how far the split model's greedy tokens and logits are from the whole model's (both with
   the kernel choices ``kernels``, if given);
+- ``fused``: a random tiny model of that config (a dict), split, with our fused GEMVs in Triton's interpreter
+  (``TRITON_INTERPRET=1``): one compiled one-token step's logits, the whole model's own, and which products each
+  rank's kernels made;
 - ``fail_rank``: that rank raises once the weights are loaded, while the others generate.
 """
 
@@ -88,10 +91,42 @@ def run_shape(spec: dict) -> dict | None:
     }
 
 
+@torch.no_grad()
+def run_fused(spec: dict) -> dict:
+    """The whole model's one-token step (its own code, eager) and the split one compiled (Dynamo, eager backend)
+    through :class:`gpt_fast.parallel.ParallelRow`, each rank's GEMVs in Triton's interpreter."""
+    from gpt_fast.config import ModelConfig
+    from gpt_fast.kernels.linear import register_triton_ops, use_linear_kernel
+    from gpt_fast.model import Transformer
+    from gpt_fast.parallel import join
+    from tests.interpreter import gemv_calls
+
+    config = ModelConfig(**spec["fused"])
+    torch.manual_seed(0)
+    whole = Transformer(config)
+    whole.setup_caches(1, 32)
+    x, pos = torch.tensor([[spec["prompt"][0]]]), torch.tensor([3])
+    expected = whole(x, pos)  # [1, 1, V]
+    parallel = join(spec["tp"], torch.device("cpu"))
+    shard = parallel.shard
+    split = Transformer(shard.local_config(config))
+    shard.prepare(split, config, None)
+    split.load_state_dict(shard.slice_state(whole.state_dict(), config))
+    register_triton_ops()
+    use_linear_kernel(split, "triton")
+    parallel.connect(split, config)
+    split.setup_caches(1, 32)
+    calls = gemv_calls()
+    got = torch.compile(split, backend="eager", fullgraph=True)(x, pos)
+    return {"error": float((got - expected).abs().max()), "calls": calls, "rank": parallel.rank}
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
-    result = run_shape(spec) if "shape" in spec else run_checkpoints(spec)
-    if int(os.environ["RANK"]) == 0:
+    result = run_shape(spec) if "shape" in spec else run_fused(spec) if "fused" in spec else run_checkpoints(spec)
+    if "fused" in spec:  # every rank's
+        Path(f"{spec['out']}.{result['rank']}").write_text(json.dumps(result))
+    elif int(os.environ["RANK"]) == 0:
         Path(spec["out"]).write_text(json.dumps(result))
 
 

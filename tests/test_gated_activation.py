@@ -3,7 +3,6 @@ kernel (compiled for a GPU, and run in Triton's interpreter) against the model's
 installed."""
 
 import dataclasses
-import importlib.util
 import json
 import os
 import subprocess
@@ -20,8 +19,7 @@ from gpt_fast.engine import Engine, EngineOptions
 from gpt_fast.kernels.gated_activation import resolve_activation_kernel, use_activation_kernel
 from gpt_fast.model import FeedForward, gated
 from gpt_fast.shapes import get_shape
-
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+from tests.interpreter import needs_triton
 
 
 def test_kernel_choice_on_the_cpu():

@@ -3,13 +3,11 @@ kernel ``auto`` picks, the layers it swaps, the Triton kernel in Triton's interp
 and inside a compiled model, and its launch with programmatic dependent launch compiled for an H200."""
 
 import dataclasses
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -19,12 +17,8 @@ from gpt_fast.kernels import linear
 from gpt_fast.kernels.linear import DecodeLinear, resolve_linear_kernel, use_linear_kernel
 from gpt_fast.model import Transformer
 from gpt_fast.shapes import get_shape
+from tests.interpreter import needs_triton, old_numpy
 
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-old_numpy = pytest.mark.skipif(
-    tuple(int(p) for p in np.__version__.split(".")[:2]) >= (2, 4),
-    reason="Triton 3.6's interpreter takes int() of 1-element arrays, an error since numpy 2.4",
-)
 TINY = dataclasses.replace(get_shape("tiny"), qkv_bias=True)  # a bias too
 
 
@@ -206,10 +200,10 @@ COMPILED = """
 import dataclasses
 import json
 import torch
-from gpt_fast.kernels import triton_linear
 from gpt_fast.kernels.linear import register_triton_ops, use_linear_kernel
 from gpt_fast.model import Transformer
 from gpt_fast.shapes import get_shape
+from tests.interpreter import gemv_calls
 config = dataclasses.replace(get_shape("tiny"), qkv_bias=True)
 torch.manual_seed(0)
 model = Transformer(config)
@@ -220,15 +214,7 @@ with torch.no_grad():
     expected = model(x, pos)
     register_triton_ops()
     use_linear_kernel(model, "triton")
-    calls = []
-    for name in ("linear_gemv", "gated_gemv"):
-        kernel = getattr(triton_linear, name)
-        def spy(*args, name=name, kernel=kernel):
-            normed = args[-2] is not None  # norm_weight
-            added = name == "linear_gemv" and args[3] is not None  # residual
-            calls.append(name + (" normed" if normed else "") + (" plus residual" if added else ""))
-            return kernel(*args)
-        setattr(triton_linear, name, spy)
+    calls = gemv_calls()
     got = torch.compile(model, backend="eager", fullgraph=True)(x, pos)
 print(json.dumps({"calls": calls, "error": float((got - expected).abs().max())}))
 """

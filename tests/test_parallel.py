@@ -28,6 +28,7 @@ from gpt_fast.quant.quantize import quantize_checkpoint
 from gpt_fast.quant.schemes import dequantize_int4, dequantize_int8
 from gpt_fast.sampling import SamplingConfig
 from gpt_fast.shapes import get_shape
+from tests.interpreter import needs_triton, old_numpy
 
 WORKER = Path(__file__).with_name("parallel_worker.py")
 TIMEOUT_S = 120  # two ranks of a tiny model start and finish in about 15 s on two CPU cores
@@ -36,10 +37,11 @@ PROMPT = [256, 72, 101, 108, 108, 111]
 WINDOW = [256, *range(40, 70)]
 
 
-def torchrun(nproc: int, *args: str, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
-    """``torchrun --standalone`` of ``args``, its output captured; killed (failing the test) past ``timeout``."""
+def torchrun(nproc: int, *args: str, timeout: float = TIMEOUT_S, **env: str) -> subprocess.CompletedProcess:
+    """``torchrun --standalone`` of ``args`` (with the environment variables ``env`` added), its output captured;
+    killed (failing the test) past ``timeout``."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *args]
-    env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}
+    env = os.environ | env | {"PYTHONPATH": os.pathsep.join(sys.path)}
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -263,6 +265,26 @@ def test_a_layer_of_our_kernels_sums_its_partial_products_with_the_residual_adde
         assert block.row_kernels is ParallelRow
         for product in (block.attention.wo, block.feed_forward.w2):
             assert product.group_name == "tp" and product.first == (rank == 0)
+
+
+@pytest.mark.slow
+@needs_triton
+@old_numpy
+@pytest.mark.parametrize("heads", [2, 4], ids=["gqa", "mha"])
+def test_two_ranks_of_our_fused_kernels_give_the_whole_models_step(heads, tmp_path):
+    """Our GEMVs in Triton's interpreter, split over two gloo ranks through :class:`ParallelRow` and compiled
+    (Dynamo, eager backend): the one-token step's logits are the whole model's own (its PyTorch code) within float32
+    rounding. Each layer made four products on each rank, the norms inside them, and only rank 0 added the
+    residuals (the all-reduce sums them once)."""
+    config = dataclasses.asdict(dataclasses.replace(TINY, n_local_heads=heads))
+    spec = worker_spec(tmp_path, fused=config)
+    done = torchrun(2, str(WORKER), str(spec), TRITON_INTERPRET="1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"out.json.{rank}").read_text())
+        added = " plus residual" if rank == 0 else ""
+        layer = ["linear_gemv normed", f"linear_gemv{added}", "gated_gemv normed", f"linear_gemv{added}"]
+        assert result["calls"] == layer * TINY.n_layer and result["error"] < 1e-5, result
 
 
 def test_several_prompts_and_a_gpu_index_are_refused_with_tp():

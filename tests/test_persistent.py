@@ -5,7 +5,6 @@ it in compiled one-token steps of one sequence only, that it compiles for a GPU,
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import subprocess
@@ -22,8 +21,8 @@ from gpt_fast.engine import Engine, EngineOptions
 from gpt_fast.kernels import persistent
 from gpt_fast.kernels.persistent import check_layers_kernel, resolve_layers_kernel, use_layers_kernel
 from gpt_fast.shapes import get_shape
+from tests.interpreter import needs_triton
 
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 REFERENCE = Path(__file__).with_name("persistent_reference.py")
 H200_PROGRAMS = 132
 

@@ -2,14 +2,12 @@
 and refused, when :func:`gpt_fast.sampling.sample` hands the logits to it, and the kernels in Triton's interpreter
 against the PyTorch reference of their semantics (tests/top_k_reference.py)."""
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -17,13 +15,8 @@ from gpt_fast.engine import Engine, EngineOptions
 from gpt_fast.kernels.top_k import resolve_sampling_kernel
 from gpt_fast.sampling import SamplingConfig, sample
 from gpt_fast.shapes import get_shape
+from tests.interpreter import needs_triton, old_numpy
 from tests.top_k_reference import reference
-
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-old_numpy = pytest.mark.skipif(
-    tuple(int(p) for p in np.__version__.split(".")[:2]) >= (2, 4),
-    reason="Triton 3.6's interpreter takes int() of 1-element arrays, an error since numpy 2.4",
-)
 
 
 def test_auto_is_torch_and_triton_needs_a_cuda_gpu():
