@@ -199,9 +199,9 @@ def register_all_reduce() -> None:
     """Register ``gpt_fast::all_reduce_sum_``: ``dist.all_reduce`` of a tensor in place, as one opaque operator.
 
     Not the functional all-reduce, which runs NCCL's kernel on the process group's own stream: in a captured decode
-    step each one then waited for the stream switch, about 7 µs before each of the 64 all-reduces of a Llama-2-7B
-    token on two H200s (twenty-ninth session). ``dist.all_reduce`` without ``async_op`` launches on the current
-    stream."""
+    step each one then waited for the switch of streams, 4-10 µs before each of the 64 all-reduces of a Llama-2-7B
+    token on two H200s (BENCHMARKS.md, twenty-ninth session). ``dist.all_reduce`` without ``async_op`` launches on
+    the current stream (so it did with torch 2.11)."""
     import torch.distributed as dist
 
     @torch.library.custom_op("gpt_fast::all_reduce_sum_", mutates_args=("x",))
