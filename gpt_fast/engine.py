@@ -277,13 +277,16 @@ class Engine:
         self.linear_kernel = "torch"  # and their own linear layers
         self.attention_kernel = "torch"  # and attention (Attention.rows_kernel)
         if not options.batch_invariant:  # each resolved before compiling
-            step = (self.device, model_config, options.compile)
-            where = {"aot_precompile": options.aot_precompile}
-            self.attention_kernel = resolve_attention_kernel(options.attention_kernel, *step, **where)
-            self.activation_kernel = resolve_activation_kernel(
-                options.activation_kernel, self.device, model_config, options.aot_precompile
+            aot = options.aot_precompile
+            self.attention_kernel = resolve_attention_kernel(
+                options.attention_kernel, self.device, model_config, options.compile, aot_precompile=aot
             )
-            self.linear_kernel = resolve_linear_kernel(options.linear_kernel, self.device, options.compile, **where)
+            self.activation_kernel = resolve_activation_kernel(
+                options.activation_kernel, self.device, model_config, aot
+            )
+            self.linear_kernel = resolve_linear_kernel(
+                options.linear_kernel, self.device, options.compile, aot_precompile=aot
+            )
         self.sampling_kernel = resolve_sampling_kernel(options.sampling_kernel, self.device, options.aot_precompile)
         self._tokenizer = checkpoint_tokenizer(checkpoint_dir, config) if config is not None else None
         self._state = state

@@ -7,8 +7,8 @@ JSON file of instructions; rank 0 writes what the ranks produced to ``out``:
   also whole on one GPU: how far the split model's greedy tokens and logits are from the whole model's (both with
   the kernel choices ``kernels``, if given);
 - ``fused``: a random tiny model of that config (a dict), split, with our fused GEMVs in Triton's interpreter
-  (``TRITON_INTERPRET=1``): one compiled one-token step's logits, the whole model's own, and which products each
-  rank's kernels made;
+  (``TRITON_INTERPRET=1``): for each rank, in rank order, how far its compiled one-token step's logits are from the
+  whole model's own and which products its kernels made;
 - ``fail_rank``: that rank raises once the weights are loaded, while the others generate.
 """
 
@@ -92,7 +92,7 @@ def run_shape(spec: dict) -> dict | None:
 
 
 @torch.no_grad()
-def run_fused(spec: dict) -> dict:
+def run_fused(spec: dict) -> list[object]:
     """The whole model's one-token step (its own code, eager) and the split one compiled (Dynamo, eager backend)
     through :class:`gpt_fast.parallel.ParallelRow`, each rank's GEMVs in Triton's interpreter."""
     from gpt_fast.config import ModelConfig
@@ -118,15 +118,13 @@ def run_fused(spec: dict) -> dict:
     split.setup_caches(1, 32)
     calls = gemv_calls()
     got = torch.compile(split, backend="eager", fullgraph=True)(x, pos)
-    return {"error": float((got - expected).abs().max()), "calls": calls, "rank": parallel.rank}
+    return parallel.gather({"error": float((got - expected).abs().max()), "calls": calls})
 
 
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     result = run_shape(spec) if "shape" in spec else run_fused(spec) if "fused" in spec else run_checkpoints(spec)
-    if "fused" in spec:  # every rank's
-        Path(f"{spec['out']}.{result['rank']}").write_text(json.dumps(result))
-    elif int(os.environ["RANK"]) == 0:
+    if int(os.environ["RANK"]) == 0:
         Path(spec["out"]).write_text(json.dumps(result))
 
 
