@@ -319,11 +319,15 @@ def run_benchmark(
     write: Callable[[str], None] = print,
 ) -> list[Row]:
     shape = get_shape(shape_name)
-    attention = list(dict.fromkeys(resolve_attention_kernel(k, device, shape, mode) for k in attention_kernels))
+    attention = list(
+        dict.fromkeys(
+            resolve_attention_kernel(k, device, mode, regional_compile=regional_compile) for k in attention_kernels
+        )
+    )
     activation = list(dict.fromkeys(resolve_activation_kernel(k, device, shape) for k in activation_kernels))
     layers = list(dict.fromkeys(resolve_layers_kernel(kernel, device) for kernel in layers_kernels))
     linear = list(dict.fromkeys(resolve_linear_kernel(k, device, mode) for k in linear_kernels))
-    sampling = list(dict.fromkeys(resolve_sampling_kernel(k, device) for k in sampling_kernels))
+    sampling = list(dict.fromkeys(resolve_sampling_kernel(k, device, mode) for k in sampling_kernels))
     state = random_weights(shape, dtype, seed=0, device=device)
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, shape.vocab_size, (prompt_tokens,), generator=generator).tolist()

@@ -43,6 +43,7 @@ from gpt_fast.generate import (
 from gpt_fast.kernels.decode_attention import (
     ATTENTION_KERNELS,
     attention_pdl,
+    check_regional_compile,
     resolve_attention_kernel,
     use_attention_kernel,
 )
@@ -152,6 +153,7 @@ class EngineOptions:
             raise ValueError(f"--kernel_tuning {self.kernel_tuning!r} is not one of {', '.join(KERNEL_TUNINGS)}")
         if self.regional_compile and self.tp > 1:  # collectives inside a reused region: not tried on GPUs yet
             raise ValueError("--regional_compile does not run with tensor parallelism (--tp) yet")
+        check_regional_compile(self.attention_kernel, self.regional_compile)
         self._check_aot_precompile()
         self._check_batch_invariant()
 
@@ -279,7 +281,11 @@ class Engine:
         if not options.batch_invariant:  # each resolved before compiling
             aot = options.aot_precompile
             self.attention_kernel = resolve_attention_kernel(
-                options.attention_kernel, self.device, model_config, options.compile, aot_precompile=aot
+                options.attention_kernel,
+                self.device,
+                options.compile,
+                aot_precompile=aot,
+                regional_compile=options.regional_compile,
             )
             self.activation_kernel = resolve_activation_kernel(
                 options.activation_kernel, self.device, model_config, aot
@@ -287,7 +293,9 @@ class Engine:
             self.linear_kernel = resolve_linear_kernel(
                 options.linear_kernel, self.device, options.compile, aot_precompile=aot
             )
-        self.sampling_kernel = resolve_sampling_kernel(options.sampling_kernel, self.device, options.aot_precompile)
+        self.sampling_kernel = resolve_sampling_kernel(
+            options.sampling_kernel, self.device, options.compile, aot_precompile=options.aot_precompile
+        )
         self._tokenizer = checkpoint_tokenizer(checkpoint_dir, config) if config is not None else None
         self._state = state
         self._sharded = sharded  # the state is this rank's part already

@@ -113,7 +113,8 @@ def attention_rows(shape_name: str, sweep: bool) -> list[dict]:
     group = n_head // n_kv
     launches = {"chosen": None}
     if sweep:
-        usual = triton_decode_attention.decode_launch(group, head_dim)
+        block_s = triton_decode_attention.loop_step(group, head_dim)
+        usual = triton_decode_attention.Launch(block_s, 4 * block_s, 4)
         launches["usual splits"] = usual
         for programs in (32, 64, 256):
             split_len = triton.cdiv(triton.cdiv(CACHE, triton.cdiv(programs, n_kv)), usual.block_s) * usual.block_s

@@ -1,7 +1,6 @@
 """The choice of the decode attention kernel, and the fused Triton kernel in Triton's interpreter against the model's
 PyTorch code, where Triton is installed (tests/decode_attention_reference.py)."""
 
-import dataclasses
 import importlib.util
 import json
 import os
@@ -32,41 +31,41 @@ TINY = get_shape("tiny")
 
 def test_kernel_choice_on_the_cpu():
     cpu = torch.device("cpu")
-    assert resolve_attention_kernel("auto", cpu, get_shape("llama-2-7b"), "reduce-overhead") == "torch"
-    assert resolve_attention_kernel("torch", cpu, TINY, "none") == "torch"
+    assert resolve_attention_kernel("auto", cpu, "reduce-overhead") == "torch"
+    assert resolve_attention_kernel("torch", cpu, "none") == "torch"
     with pytest.raises(ValueError, match="the triton attention kernel needs a CUDA GPU with Triton installed, not cpu"):
-        resolve_attention_kernel("triton", cpu, TINY, "none")
+        resolve_attention_kernel("triton", cpu, "none")
     with pytest.raises(ValueError, match="attention kernel 'flash' is not one of auto, triton, torch"):
-        resolve_attention_kernel("flash", cpu, TINY, "none")
+        resolve_attention_kernel("flash", cpu, "none")
 
 
 def test_a_rocm_build_keeps_the_pytorch_code(monkeypatch):
     """On ROCm (and on a CUDA build without Triton) the GPU runs the model's own attention code."""
-    gpu, shape = torch.device("cuda"), get_shape("llama-2-7b")
+    gpu = torch.device("cuda")
     monkeypatch.setattr(torch.version, "hip", "6.4.0")
-    assert resolve_attention_kernel("auto", gpu, shape, "reduce-overhead") == "torch"
+    assert resolve_attention_kernel("auto", gpu, "reduce-overhead") == "torch"
     with pytest.raises(ValueError, match="the triton attention kernel needs a CUDA GPU"):
-        resolve_attention_kernel("triton", gpu, shape, "reduce-overhead")
+        resolve_attention_kernel("triton", gpu, "reduce-overhead")
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    assert resolve_attention_kernel("auto", gpu, shape, "reduce-overhead") == "torch"
+    assert resolve_attention_kernel("auto", gpu, "reduce-overhead") == "torch"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 @pytest.mark.parametrize(
-    ("shape", "mode", "capability", "aot", "expected", "pdl"),
+    ("mode", "capability", "aot", "regional", "expected", "pdl"),
     [
-        ("llama-2-7b", "reduce-overhead", 9, False, "triton", True),  # MHA, where the GEMV is ours
-        ("llama-2-7b", "max-autotune", 9, False, "triton", True),
-        ("llama-3-8b", "reduce-overhead", 9, False, "torch", True),  # GQA: slower with the kernel
-        ("llama-2-7b", "default", 9, False, "torch", False),  # no CUDA graphs: no PDL
-        ("llama-2-7b", "reduce-overhead", 8, False, "torch", False),  # no PDL before compute capability 9
-        ("llama-2-7b", "reduce-overhead", 9, True, "torch", False),  # --aot_precompile: the triton_op
-        ("smollm2-135m", "reduce-overhead", 9, False, "torch", True),  # a small GQA model
-        ("tiny-mha", "reduce-overhead", 9, False, "torch", True),  # a small MHA model: not measured
+        ("reduce-overhead", 9, False, False, "triton", True),  # CUDA graphs, PDL: where our GEMV is taken
+        ("max-autotune", 9, False, False, "triton", True),
+        ("default", 9, False, False, "torch", False),  # no CUDA graphs: no PDL
+        ("reduce-overhead", 8, False, False, "torch", False),  # no PDL before compute capability 9
+        ("reduce-overhead", 9, True, False, "torch", False),  # --aot_precompile: the triton_op
+        ("reduce-overhead", 9, False, True, "torch", True),  # --regional_compile: no mutating operator in a region
     ],
 )
-def test_auto_takes_the_kernel_where_it_was_measured_faster(monkeypatch, shape, mode, capability, aot, expected, pdl):
+def test_auto_takes_the_kernel_where_it_was_measured_faster(
+    monkeypatch, mode, capability, aot, regional, expected, pdl
+):
     """``pdl``: whether the kernel, when chosen, is the operator launched with PDL."""
     from gpt_fast.kernels import decode_attention, linear
 
@@ -75,8 +74,7 @@ def test_auto_takes_the_kernel_where_it_was_measured_faster(monkeypatch, shape, 
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (capability, 0))
     monkeypatch.setattr(decode_attention, "register_triton_ops", lambda: None)
-    config = dataclasses.replace(get_shape("tiny"), n_local_heads=4) if shape == "tiny-mha" else get_shape(shape)
-    kernel = resolve_attention_kernel("auto", gpu, config, mode, aot_precompile=aot)
+    kernel = resolve_attention_kernel("auto", gpu, mode, aot_precompile=aot, regional_compile=regional)
     assert kernel == expected
     assert attention_pdl("triton", gpu, mode, aot) == pdl
 
@@ -86,6 +84,21 @@ def test_engine_options_check_the_attention_kernel():
         EngineOptions(attention_kernel="flash")
     with pytest.raises(ValueError, match="the triton attention kernel needs a CUDA GPU"):
         Engine.from_state(get_shape("tiny"), {}, EngineOptions(device="cpu", attention_kernel="triton"))
+    with pytest.raises(ValueError, match="--regional_compile does not combine with the triton attention kernel"):
+        EngineOptions(compile="reduce-overhead", regional_compile=True, attention_kernel="triton")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+@pytest.mark.parametrize(("shape", "programs"), [("smollm2-135m", 16), ("llama-3-8b", 16), ("llama-2-7b", 1)])
+def test_a_decode_steps_short_cache_spreads_over_programs_where_kv_heads_are_few(shape, programs):
+    """A 256-position cache: one loop step per program where the kv heads are few (each program waits for its
+    loads once), one split of four steps where they make programs enough (no second kernel to combine splits)."""
+    from gpt_fast.kernels.triton_decode_attention import decode_launch
+
+    config = get_shape(shape)
+    launch = decode_launch(config.n_head // config.n_local_heads, config.head_dim, config.n_local_heads)
+    assert -(-256 // launch.split_len) == programs
+    assert launch.split_len // launch.block_s == (1 if programs > 1 else 4)
 
 
 def test_every_attention_layer_gets_the_kernel_and_its_window():

@@ -17,6 +17,7 @@ from gpt_fast.drafters import DraftModel, PromptLookup, Replay
 from gpt_fast.engine import Engine, EngineOptions
 from gpt_fast.generate import COMPILE_MODES, make_steps
 from gpt_fast.generate import generate as generate_tokens
+from gpt_fast.kernels.linear import steps_with_pdl
 from gpt_fast.model import Transformer
 from gpt_fast.sampling import SamplingConfig
 from gpt_fast.shapes import get_shape
@@ -90,10 +91,11 @@ def test_heuristic_kernels_agree_with_eager(runs, checkpoint, tmp_path, extra):
 
 
 @pytest.mark.parametrize("mode", COMPILE_MODES)
-def test_every_mode_keeps_the_pytorch_attention_by_default(runs, mode):
-    """``auto`` is the PyTorch attention code in every mode (the fused Triton kernel decoded the 7B step slower end
-    to end): no launch of the fused kernel in the trace. tests/test_decode_attention_gpu.py runs the fused kernel."""
-    assert "_decode_attention_split" not in runs[mode]["trace"].read_text()
+def test_auto_takes_the_fused_attention_in_the_cuda_graph_modes(runs, mode):
+    """``auto`` launches the fused Triton attention in the CUDA-graph modes of a GPU with PDL (where it takes our
+    GEMV) and keeps the PyTorch code elsewhere. tests/test_decode_attention_gpu.py checks the kernel's tokens."""
+    fused = "_decode_attention_split" in runs[mode]["trace"].read_text()
+    assert fused == steps_with_pdl(torch.device("cuda"), mode)
 
 
 def test_reduce_overhead_launches_one_graph_per_token(runs):

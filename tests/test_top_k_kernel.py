@@ -19,14 +19,35 @@ from tests.interpreter import needs_triton, old_numpy
 from tests.top_k_reference import reference
 
 
-def test_auto_is_torch_and_triton_needs_a_cuda_gpu():
+def test_triton_needs_a_cuda_gpu_and_no_aot_package():
     cpu = torch.device("cpu")
-    assert resolve_sampling_kernel("auto", cpu) == "torch"
-    assert resolve_sampling_kernel("torch", cpu) == "torch"
+    assert resolve_sampling_kernel("auto", cpu, "reduce-overhead") == "torch"
+    assert resolve_sampling_kernel("torch", cpu, "none") == "torch"
     with pytest.raises(ValueError, match="the triton sampling kernel needs a CUDA GPU with Triton installed"):
-        resolve_sampling_kernel("triton", cpu)
+        resolve_sampling_kernel("triton", cpu, "none")
     with pytest.raises(ValueError, match="--aot_precompile does not combine with --sampling_kernel triton"):
-        resolve_sampling_kernel("triton", torch.device("cuda"), aot_precompile=True)
+        resolve_sampling_kernel("triton", torch.device("cuda"), "reduce-overhead", aot_precompile=True)
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    ("mode", "capability", "aot", "expected"),
+    [
+        ("reduce-overhead", 9, False, "triton"),  # CUDA graphs and PDL: where our GEMV is taken
+        ("max-autotune", 9, False, "triton"),
+        ("default", 9, False, "torch"),  # launched from Python: not measured
+        ("reduce-overhead", 8, False, "torch"),  # no PDL before compute capability 9
+        ("reduce-overhead", 9, True, "torch"),  # --aot_precompile's package holds no Python operator
+    ],
+)
+def test_auto_takes_the_kernel_where_our_gemv_is_taken(monkeypatch, mode, capability, aot, expected):
+    from gpt_fast.kernels import linear, top_k
+
+    monkeypatch.setattr(linear, "triton_usable", lambda device: True)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (capability, 0))
+    monkeypatch.setattr(top_k, "register_triton_ops", lambda: None)
+    assert resolve_sampling_kernel("auto", torch.device("cuda"), mode, aot_precompile=aot) == expected
 
 
 def test_the_engine_options_check_the_sampling_kernel():

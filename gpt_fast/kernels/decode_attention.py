@@ -20,8 +20,6 @@ import functools
 import torch
 from torch import nn
 
-from gpt_fast.config import ModelConfig
-from gpt_fast.kernels.gated_activation import large_mlp
 from gpt_fast.kernels.linear import pdl_kernels_measured, steps_with_pdl
 from gpt_fast.model import Attention
 from gpt_fast.quant.kernels import resolve_kernel_choice
@@ -32,26 +30,33 @@ ATTENTION_KERNELS = ("auto", "triton", "torch")
 def resolve_attention_kernel(
     kernel: str,
     device: torch.device,
-    config: ModelConfig,
     compile_mode: str,
     *,
     aot_precompile: bool = False,
+    regional_compile: bool = False,
 ) -> str:
-    """``auto``: the fused kernel for multi-head attention (a kv head per query head) in models with a large MLP
-    (:func:`gpt_fast.kernels.gated_activation.large_mlp`; small ones were not measured with it) where our GEMV is
-    also taken (:func:`gpt_fast.kernels.linear.pdl_kernels_measured`), and so launched with PDL (:func:`attention_pdl`);
-    elsewhere the PyTorch code. On an H200, with our GEMVs, heuristic tuning, one machine (BENCHMARKS.md,
-    twenty-first session): Llama-2-7B 271.1 tok/s with it against 258.9 without; for GQA it is slower (Llama-3-8B
-    217.8 against 234.5), as it was without PDL (sixth session: 1.3× inductor's attention kernels alone for MHA,
-    0.5× for GQA). Choosing Triton (a CUDA GPU with Triton installed, not ROCm) registers its operators
-    (:func:`register_triton_ops`), before anything is compiled."""
-    measured = (
-        config.n_head == config.n_local_heads
-        and large_mlp(config)
-        and pdl_kernels_measured(device, compile_mode, aot_precompile=aot_precompile)
-    )
-    auto = "triton" if measured else "torch"
+    """``auto``: the fused kernel where our GEMV is taken (:func:`gpt_fast.kernels.linear.pdl_kernels_measured`),
+    and so launched with PDL (:func:`attention_pdl`), but not with ``regional_compile`` (see
+    :func:`check_regional_compile`); elsewhere the PyTorch code. On an H200, with our GEMVs and
+    sampling kernel, heuristic tuning, one machine (BENCHMARKS.md, thirtieth session): SmolLM2 1822 tok/s with it
+    against 1576 with inductor's attention, Llama-3-8B 244.0 against 237.0; Llama-2-7B 271.1 against 258.9
+    (twenty-first session). Before the thirtieth session's short splits for models of few kv heads
+    (:func:`gpt_fast.kernels.triton_decode_attention.decode_launch`) it was slower for GQA. Choosing Triton (a CUDA
+    GPU with Triton installed, not ROCm) registers its operators (:func:`register_triton_ops`), before anything is
+    compiled."""
+    check_regional_compile(kernel, regional_compile)
+    measured = pdl_kernels_measured(device, compile_mode, aot_precompile=aot_precompile)
+    auto = "triton" if measured and not regional_compile else "torch"
     return resolve_kernel_choice(kernel, ATTENTION_KERNELS, "attention kernel", device, auto, register_triton_ops)
+
+
+def check_regional_compile(kernel: str, regional_compile: bool) -> None:
+    """Refuse the fused kernel with regional compilation: the kernel writes the cache, and PyTorch cannot yet
+    compile an operator that mutates its input inside a reused region (``torch.compiler.nested_compile_region``
+    raises "Found a custom (non-ATen) operator whose output has alias annotations", pytorch/pytorch#186807; seen
+    with torch 2.11 on an H200 and 2.13 on the CPU)."""
+    if kernel == "triton" and regional_compile:
+        raise ValueError("--regional_compile does not combine with the triton attention kernel yet")
 
 
 def attention_pdl(kernel: str, device: torch.device, compile_mode: str, aot_precompile: bool = False) -> bool:

@@ -56,10 +56,10 @@ def resolve_linear_kernel(
 
 def pdl_kernels_measured(device: torch.device, compile_mode: str, *, aot_precompile: bool) -> bool:
     """Where our decode kernels launched with PDL were measured faster than the model's code (``auto``'s choice of
-    this GEMV and, for some models, of :mod:`gpt_fast.kernels.decode_attention`'s kernel): the CUDA-graph modes on a
-    GPU that launches with PDL (:func:`steps_with_pdl`), without ``--aot_precompile``, on one GPU or split over
-    several (Llama-2-7B shape on two H200s: 322.9 tok/s with both kernels against 284.3 without; BENCHMARKS.md,
-    twenty-ninth session)."""
+    this GEMV, of :mod:`gpt_fast.kernels.decode_attention`'s kernel and of :mod:`gpt_fast.kernels.top_k`'s): the
+    CUDA-graph modes on a GPU that launches with PDL (:func:`steps_with_pdl`), without ``--aot_precompile``, on one
+    GPU or split over several (Llama-2-7B shape on two H200s: 322.9 tok/s with the GEMV and the attention against
+    284.3 without; BENCHMARKS.md, twenty-ninth session)."""
     return not aot_precompile and steps_with_pdl(device, compile_mode)
 
 

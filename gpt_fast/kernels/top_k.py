@@ -11,8 +11,9 @@
 It samples from the same distribution as ``torch`` with other draws: one Exp(1) draw per vocabulary id rather than
 per candidate, and of logits tied at the k-th largest the lowest ids are the candidates (``torch.topk`` leaves that
 order unspecified). It serves 16-bit logits under top-k without top-p, with ``k`` below the vocabulary size; any
-other setting keeps the PyTorch code. ``auto`` is ``torch`` for now: the kernel was measured on its own, and the GPU
-tests have not run with it by default.
+other setting keeps the PyTorch code. ``auto`` takes it where it takes our GEMV: in the CUDA-graph modes on GPUs
+that launch with PDL (BENCHMARKS.md, twenty-eighth session, heuristic tuning: SmolLM2 shape 1727.1 tok/s against
+1603.0, Llama-2-7B 281.5 against 280.2).
 """
 
 from __future__ import annotations
@@ -21,19 +22,24 @@ import functools
 
 import torch
 
+from gpt_fast.kernels.linear import pdl_kernels_measured
 from gpt_fast.model import Transformer
 from gpt_fast.quant.kernels import resolve_kernel_choice
 
 SAMPLING_KERNELS = ("auto", "triton", "torch")
 
 
-def resolve_sampling_kernel(kernel: str, device: torch.device, aot_precompile: bool = False) -> str:
-    """``auto``: ``torch`` (see the module). ``triton`` needs a CUDA GPU with Triton and no ``--aot_precompile``
-    (whose package cannot hold a Python operator); choosing it registers its operator (:func:`register_triton_ops`)
-    before anything is compiled."""
+def resolve_sampling_kernel(
+    kernel: str, device: torch.device, compile_mode: str, *, aot_precompile: bool = False
+) -> str:
+    """``auto``: ``triton`` where our GEMV is taken (:func:`gpt_fast.kernels.linear.pdl_kernels_measured`: the
+    CUDA-graph modes on GPUs that launch with PDL, without ``--aot_precompile``), elsewhere ``torch``. ``triton``
+    needs a CUDA GPU with Triton and no ``--aot_precompile`` (whose package cannot hold a Python operator); choosing
+    it registers its operator (:func:`register_triton_ops`) before anything is compiled."""
     if kernel == "triton" and aot_precompile:
         raise ValueError("--aot_precompile does not combine with --sampling_kernel triton yet")
-    return resolve_kernel_choice(kernel, SAMPLING_KERNELS, "sampling kernel", device, "torch", register_triton_ops)
+    auto = "triton" if pdl_kernels_measured(device, compile_mode, aot_precompile=aot_precompile) else "torch"
+    return resolve_kernel_choice(kernel, SAMPLING_KERNELS, "sampling kernel", device, auto, register_triton_ops)
 
 
 @functools.cache

@@ -39,7 +39,9 @@ import triton.language as tl
 
 from gpt_fast.triton_pdl import NO_PDL, pdl_launch, wait_for_inputs
 
-SPLIT_STEPS = 4  # loop steps per program in a decode step: a cache of S positions has ceil(S / (4 x step)) splits
+SPLIT_STEPS = 4  # decode steps of models with many kv heads: loop steps per program (:func:`decode_launch`)
+MANY_KV_HEADS = 16  # decode steps: kv heads from which a model's programs are many without short splits
+SHORT_TILE_ELEMENTS = 2048  # decode steps of few kv heads: query heads x positions x half a head per program
 SPLIT_KEYS = 128  # batch-invariant steps: positions per program, at most (:func:`rows_launch`)
 TILE_ELEMENTS = 4096  # query heads x positions x half a head per loop step: 32 float32 registers per thread
 COMBINE_CHUNK = 8  # splits combined per loop step (:func:`_combine_splits`)
@@ -55,28 +57,48 @@ class Launch:
     warps: int
 
 
-def decode_launch(group: int, head_dim: int) -> Launch:
-    """The tile for ``group`` query heads per kv head of ``head_dim``: as many positions per step as keep the
-    [group, positions, head_dim / 2] products at :data:`TILE_ELEMENTS` (8 to 64), :data:`SPLIT_STEPS` steps per
-    split, 4 warps. On an H200, in the whole decode step (BENCHMARKS.md, twenty-first session): Llama-2-7B (64
-    positions per step) 271.1 tok/s with splits of 256 positions, 266.5 with 128; Llama-3-8B (16 per step) 217.8
-    with 64, 203.5 with 128, 198.5 with 256. ``scripts/decode_attention_bench.py`` times the kernel alone."""
+def decode_launch(group: int, head_dim: int, n_kv: int) -> Launch:
+    """The tile of a decode step for ``n_kv`` kv heads of ``group`` query heads and ``head_dim``, 4 warps.
+
+    - At least :data:`MANY_KV_HEADS` kv heads (multi-head attention of a 7B model): the kv heads alone make enough
+      programs. :func:`loop_step` positions per loop step, :data:`SPLIT_STEPS` steps per split, so that a cache of
+      up to 256 positions (Llama-2-7B) is one split and needs no second kernel to combine splits.
+    - Fewer (GQA, and the small models): a few programs walking their loop steps one after another wait for their
+      loads at every step. One loop step per split instead, of as many positions as keep the [group, positions,
+      head_dim / 2] products at :data:`SHORT_TILE_ELEMENTS` (16 to 64), and a second kernel combines the splits.
+
+    On an H200 (BENCHMARKS.md, thirtieth session), the kernel alone (query at position 250 of 256; Llama-3-8B at
+    105): SmolLM2 14.4 -> 5.5 µs with one-step splits, Llama-3-8B 18.1 -> 8.5 µs, Llama-2-7B 10.9 -> 7.0 µs; the
+    whole decode step (heuristic tuning, our GEMVs and sampling kernel): SmolLM2 1250 -> 1822 tok/s, Llama-3-8B
+    244.0 (inductor's attention: 237.0), but Llama-2-7B 278.1 -> 271.4, hence its four-step splits.
+    ``scripts/decode_attention_bench.py`` times the kernel alone."""
+    if n_kv >= MANY_KV_HEADS:
+        block_s = loop_step(group, head_dim)
+        return Launch(block_s, SPLIT_STEPS * block_s, 4)
     tile = triton.next_power_of_2(group) * triton.next_power_of_2(head_dim // 2)
-    block_s = max(8, min(64, TILE_ELEMENTS // tile))
-    return Launch(block_s, SPLIT_STEPS * block_s, 4)
+    block_s = max(16, min(64, SHORT_TILE_ELEMENTS // tile))
+    return Launch(block_s, block_s, 4)
+
+
+def loop_step(group: int, head_dim: int) -> int:
+    """Positions per loop step over a long split: as many as keep the [group, positions, head_dim / 2] products at
+    :data:`TILE_ELEMENTS` (8 to 64)."""
+    tile = triton.next_power_of_2(group) * triton.next_power_of_2(head_dim // 2)
+    return max(8, min(64, TILE_ELEMENTS // tile))
 
 
 def rows_launch(group: int, head_dim: int, n_kv: int) -> Launch:
-    """:func:`decode_launch`'s tile for the batch-invariant attention, with splits shorter for fewer kv heads: the
-    multiple of the loop step nearest :data:`SPLIT_KEYS` x ``n_kv`` / :data:`FULL_KV_HEADS` positions (one loop step
-    at least, :data:`SPLIT_KEYS` at most), so that a query row spreads over as many programs as a model with 32 kv
-    heads. With SmolLM2's 3 kv heads the usual splits left a one-row step six programs over a 704-position cache,
-    each running its loop steps one after another (15.6 µs per layer on an H200, against 8.5 µs with one step per
-    split: fifteenth session). A function of the model alone: never of the number of rows, nor of the cache's length,
-    which a request's token count sets (a token's result must not depend on how many tokens were asked for)."""
-    usual = decode_launch(group, head_dim)
-    steps = max(1, min(SPLIT_KEYS // usual.block_s, round(SPLIT_KEYS * n_kv / FULL_KV_HEADS / usual.block_s)))
-    return Launch(usual.block_s, steps * usual.block_s, usual.warps)
+    """The tile of the batch-invariant attention: :func:`loop_step` positions per loop step, 4 warps, and splits
+    shorter for fewer kv heads: the multiple of the loop step nearest :data:`SPLIT_KEYS` x ``n_kv`` /
+    :data:`FULL_KV_HEADS` positions (one loop step at least, :data:`SPLIT_KEYS` at most), so that a query row
+    spreads over as many programs as a model with 32 kv heads. With SmolLM2's 3 kv heads, splits of four steps left
+    a one-row step six programs over a 704-position cache, each running its loop steps one after another (15.6 µs
+    per layer on an H200, against 8.5 µs with one step per split: fifteenth session). A function of the model
+    alone: never of the number of rows, nor of the cache's length, which a request's token count sets (a token's
+    result must not depend on how many tokens were asked for)."""
+    block_s = loop_step(group, head_dim)
+    steps = max(1, min(SPLIT_KEYS // block_s, round(SPLIT_KEYS * n_kv / FULL_KV_HEADS / block_s)))
+    return Launch(block_s, steps * block_s, 4)
 
 
 @triton.jit
@@ -397,7 +419,7 @@ def _attend(
     _, _, n_kv, max_len, _ = kv.shape
     assert rows.q.stride(-1) == rows.k.stride(-1) == rows.v.stride(-1) == 1 and kv.is_contiguous()
     group, half = n_head // n_kv, head_dim // 2
-    launch = launch or decode_launch(group, head_dim)
+    launch = launch or decode_launch(group, head_dim, n_kv)
     splits = triton.cdiv(max_len, launch.split_len)
     out = torch.empty((n_rows, n_head, head_dim), dtype=rows.q.dtype, device=rows.q.device)
     partials = [out, out, out]  # unused with one split
