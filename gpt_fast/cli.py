@@ -164,7 +164,7 @@ def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
         default=ENGINE.sampling_kernel,
         show_default=True,
         help="triton: top-k sampling (16-bit logits, no top-p) in two Triton kernels instead of torch.topk (CUDA "
-        "GPUs); torch: torch.topk; auto: torch.",
+        "GPUs); torch: torch.topk; auto: triton where the linear kernel's auto is triton.",
     )(decorated)
     decorated = option(
         "--linear_kernel",

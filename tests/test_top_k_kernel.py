@@ -40,14 +40,12 @@ def test_triton_needs_a_cuda_gpu_and_no_aot_package():
         ("reduce-overhead", 9, True, "torch"),  # --aot_precompile's package holds no Python operator
     ],
 )
-def test_auto_takes_the_kernel_where_our_gemv_is_taken(monkeypatch, mode, capability, aot, expected):
-    from gpt_fast.kernels import linear, top_k
+def test_auto_takes_the_kernel_where_our_gemv_is_taken(monkeypatch, pretend_gpu, mode, capability, aot, expected):
+    from gpt_fast.kernels import top_k
 
-    monkeypatch.setattr(linear, "triton_usable", lambda device: True)
-    monkeypatch.setattr(torch.version, "hip", None)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (capability, 0))
+    gpu = pretend_gpu(capability)
     monkeypatch.setattr(top_k, "register_triton_ops", lambda: None)
-    assert resolve_sampling_kernel("auto", torch.device("cuda"), mode, aot_precompile=aot) == expected
+    assert resolve_sampling_kernel("auto", gpu, mode, aot_precompile=aot) == expected
 
 
 def test_the_engine_options_check_the_sampling_kernel():
