@@ -59,8 +59,9 @@ def decode_one_token(model: Transformer, sampling: SamplingConfig) -> None:
     after it, and ``input_pos`` advances."""
     state = model.decode_state
     cur = state.tokens.index_select(1, state.input_pos)  # [B, 1]
-    # the keywords are spelled out: torch 2.11 cannot load an ahead-of-time package that guards a default argument
-    logits = model(cur, state.input_pos, last_only=False, first_row=0, from_start=False)  # [B, 1, V]
+    # every keyword is spelled out: torch 2.11 cannot load an ahead-of-time package that guards a default argument
+    # ("DefaultsSource.__init__() takes from 3 to 4 positional arguments"); tests/test_generate.py checks it
+    logits = model(cur, state.input_pos, last_only=False, first_row=0, from_start=False, last_index=None)  # [B, 1, V]
     state.tokens.index_copy_(1, state.input_pos + 1, sample(logits[:, -1], sampling, model.top_k_sampler)[:, None])
     state.input_pos.add_(1)
 

@@ -5,7 +5,8 @@ chooses; ``--sweep``: the launcher over a grid of tiles too).
 
 Shapes: Llama-2-7B (32 heads, head_dim 128), Llama-3-8B (32 heads over 8 kv heads) and SmolLM2-135M (9 heads over 3,
 head_dim 64), one sequence, bf16, caches of 256 and 2048 positions with the query near the end (and, for Llama-2-7B,
-at position 105: the average of ``bench_decode``'s 200 new tokens). Each variant is checked against the PyTorch code,
+at position 105: the average of ``bench_decode``'s 200 new tokens), and caches of 8192 (a server's, sized for the
+model's context) with the query early and late. Each variant is checked against the PyTorch code,
 then timed in a CUDA graph over one cache per layer (as the model has), so that caches leave L2 between uses as
 they do in a decode step. Prints one JSON line per measurement and a table.
 
@@ -37,6 +38,9 @@ CASES = [  # (model shape, cache length, query position)
     ("llama-3-8b", 2048, 2040),
     ("smollm2-135m", 256, 250),
     ("smollm2-135m", 2048, 2040),
+    ("smollm2-135m", 8192, 100),
+    ("smollm2-135m", 8192, 8000),
+    ("llama-3-8b", 8192, 100),
 ]
 
 

@@ -98,6 +98,19 @@ def test_a_decode_steps_short_cache_spreads_over_programs_where_kv_heads_are_few
     assert launch.split_len // launch.block_s == (1 if programs > 1 else 4)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+@pytest.mark.parametrize(("shape", "splits"), [("smollm2-135m", 128), ("llama-3-8b", 32), ("llama-2-7b", 16)])
+def test_a_long_caches_splits_are_capped_per_kv_head(shape, splits):
+    """An 8192-position cache (a server's) splits into at most ``splits`` per kv head, so that a row has a few
+    hundred programs at most (SmolLM2 had 512 per kv head, each reading 16 positions)."""
+    from gpt_fast.kernels.triton_decode_attention import SPLIT_PROGRAMS, decode_launch
+
+    config = get_shape(shape)
+    launch = decode_launch(config.n_head // config.n_local_heads, config.head_dim, config.n_local_heads)
+    assert launch.max_splits == splits
+    assert launch.max_splits * config.n_local_heads <= max(SPLIT_PROGRAMS, 16 * config.n_local_heads)
+
+
 def test_every_attention_layer_gets_the_kernel_and_its_window():
     """Gemma 2's sliding layers see ``sliding_window`` positions, its full ones all; the engine on the CPU leaves the
     PyTorch code in place, and the kernel can be given and taken back."""
@@ -150,7 +163,8 @@ def test_the_kernel_compiles_for_a_gpu_with_float64_scalars(group, from_cache):
 
     kernel = _decode_attention_split
     sizes = {"H_KV": 8, "GROUP": group, "GROUP_PAD": group, "HALF": 64, "HALF_PAD": 64, "BLOCK_S": 16}
-    constants = {**sizes, "SPLIT_LEN": 128, "SPLITS": 4, "SOFTCAP": True, "WINDOW": True, "FROM_CACHE": from_cache}
+    constants = {**sizes, "SPLIT_LEN": 128, "SPLITS": 4, "MAX_SPLITS": 32, "SOFTCAP": True, "WINDOW": True}
+    constants["FROM_CACHE"] = from_cache
     pointers = {"pos_ptr": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32"}
     signature = {name: "constexpr" if name in constants else "i64" for name in kernel.arg_names}
     signature.update({name: pointers.get(name, "*bf16") for name in kernel.arg_names if name.endswith("_ptr")})

@@ -8,6 +8,7 @@ from gpt_fast.generate import (
     Steps,
     cache_length,
     compile_options,
+    decode_one_token,
     generate,
     make_steps,
     prefill,
@@ -65,6 +66,18 @@ def reference_greedy(model, n):
 @torch.no_grad()
 def test_greedy_matches_full_forward_decoding(model):
     assert greedy(model).tokens == [reference_greedy(model, 30)]
+
+
+@torch.no_grad()
+def test_the_decode_step_reads_no_default_of_the_models_forward(model, monkeypatch):
+    """The step that ``--aot_precompile`` packages passes every keyword of ``Transformer.forward``: torch 2.11 saves
+    a package guarding a default argument but cannot load it again (the GPU image's torch; the CI's 2.13 loads it,
+    so tests/test_precompile.py alone would not see it). Without the defaults an omitted keyword raises."""
+    model.setup_caches(1, 64)
+    prefill(model, torch.tensor([PROMPT]), GREEDY)
+    monkeypatch.setattr(Transformer.forward, "__kwdefaults__", None)
+    decode_one_token(model, GREEDY)
+    assert int(model.decode_state.input_pos) == len(PROMPT) + 1
 
 
 def test_compiled_greedy_equals_eager(model):

@@ -8,7 +8,11 @@ and not older than a sliding window), where the PyTorch path reads the whole cac
 
 Long caches are split over programs (flash-decoding): each split keeps a running maximum, sum and weighted sum of
 values, and a second small kernel combines the splits, in one order whatever the cache's length (so a token's result
-does not depend on it). With one split the first kernel writes the output itself.
+does not depend on it). With one split the first kernel writes the output itself. A row has at most
+:data:`SPLIT_PROGRAMS` programs over its kv heads (:func:`max_splits`): a query that sees more positions than they
+cover in the launch's split length takes splits of a multiple of it, and the combination of many splits reads only
+those that cover the query's positions. A query early in a long cache (a server's, sized for the model's context)
+is then neither spread over hundreds of idle programs nor combined from hundreds of empty splits.
 
 The step's own key is not read back from the cache: every program rotates it in registers and the program whose
 split holds its position also writes it (and the value) to the cache, so no program reads a position written in
@@ -45,16 +49,39 @@ SHORT_TILE_ELEMENTS = 2048  # decode steps of few kv heads: query heads x positi
 SPLIT_KEYS = 128  # batch-invariant steps: positions per program, at most (:func:`rows_launch`)
 TILE_ELEMENTS = 4096  # query heads x positions x half a head per loop step: 32 float32 registers per thread
 COMBINE_CHUNK = 8  # splits combined per loop step (:func:`_combine_splits`)
+COMBINE_ALL = 16  # splits that a combination reads all, at most, without reading the query's position first
 FULL_KV_HEADS = 32  # batch-invariant attention: kv heads for which splits of SPLIT_KEYS positions suffice
+SPLIT_PROGRAMS = 384  # a row's programs over all its kv heads, at most (:func:`max_splits`); 16 per kv head at least
+MAX_SPLITS = 32  # splits per row and kv head, at most, of a launch made by hand (sweeps, tests)
 
 
 @dataclass(frozen=True)
 class Launch:
-    """Positions per loop step, positions per split (a multiple of the step), warps per program."""
+    """Positions per loop step, positions per split (a multiple of the step; a query that sees more than
+    ``max_splits`` splits of it takes a multiple of it, :func:`_span`), warps per program, splits per row and kv
+    head at most."""
 
     block_s: int
     split_len: int
     warps: int
+    max_splits: int = MAX_SPLITS
+
+
+@triton.jit
+def _span(pos, SPLIT_LEN: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """The positions per split of a query at position ``pos`` (it sees positions 0 to ``pos``): ``SPLIT_LEN``, or
+    the smallest multiple of it that covers them in ``MAX_SPLITS`` splits. A function of the query's position
+    alone, never of the cache's length."""
+    return SPLIT_LEN * tl.cdiv(tl.cdiv(pos + 1, SPLIT_LEN), MAX_SPLITS)
+
+
+def max_splits(n_kv: int) -> int:
+    """Splits per row and kv head, at most: the power of two that keeps a row's programs within
+    :data:`SPLIT_PROGRAMS`, 16 at least. On an H200, 8192-position caches (BENCHMARKS.md, thirty-first session):
+    SmolLM2 (3 kv heads) with a query at position 8000, 56.6 µs with 32 splits, 37.5 with 64, 28.3 with 128 (the
+    splits over the whole cache before: 40.9); Llama-3-8B (8 kv heads) at position 2040, 29.2 µs with 32, 33.4
+    with 64, 34.6 with 128 (at position 8000: 94.9, 96.2, 87.2; before: 59.7 and 105.9)."""
+    return max(16, 1 << (SPLIT_PROGRAMS // n_kv).bit_length() - 1)
 
 
 def decode_launch(group: int, head_dim: int, n_kv: int) -> Launch:
@@ -67,17 +94,18 @@ def decode_launch(group: int, head_dim: int, n_kv: int) -> Launch:
       loads at every step. One loop step per split instead, of as many positions as keep the [group, positions,
       head_dim / 2] products at :data:`SHORT_TILE_ELEMENTS` (16 to 64), and a second kernel combines the splits.
 
-    On an H200 (BENCHMARKS.md, thirtieth session), the kernel alone (query at position 250 of 256; Llama-3-8B at
-    105): SmolLM2 14.4 -> 5.5 µs with one-step splits, Llama-3-8B 18.1 -> 8.5 µs, Llama-2-7B 10.9 -> 7.0 µs; the
-    whole decode step (heuristic tuning, our GEMVs and sampling kernel): SmolLM2 1250 -> 1822 tok/s, Llama-3-8B
-    244.0 (inductor's attention: 237.0), but Llama-2-7B 278.1 -> 271.4, hence its four-step splits.
+    Either way a long cache has at most :func:`max_splits` splits per kv head. On an H200 (BENCHMARKS.md,
+    thirtieth session), the kernel alone (query at position 250 of 256; Llama-3-8B at 105): SmolLM2 14.4 -> 5.5 µs
+    with one-step splits, Llama-3-8B 18.1 -> 8.5 µs, Llama-2-7B 10.9 -> 7.0 µs; the whole decode step (heuristic
+    tuning, our GEMVs and sampling kernel): SmolLM2 1250 -> 1822 tok/s, Llama-3-8B 244.0 (inductor's attention:
+    237.0), but Llama-2-7B 278.1 -> 271.4, hence its four-step splits.
     ``scripts/decode_attention_bench.py`` times the kernel alone."""
     if n_kv >= MANY_KV_HEADS:
         block_s = loop_step(group, head_dim)
-        return Launch(block_s, SPLIT_STEPS * block_s, 4)
+        return Launch(block_s, SPLIT_STEPS * block_s, 4, max_splits(n_kv))
     tile = triton.next_power_of_2(group) * triton.next_power_of_2(head_dim // 2)
     block_s = max(16, min(64, SHORT_TILE_ELEMENTS // tile))
-    return Launch(block_s, block_s, 4)
+    return Launch(block_s, block_s, 4, max_splits(n_kv))
 
 
 def loop_step(group: int, head_dim: int) -> int:
@@ -98,7 +126,7 @@ def rows_launch(group: int, head_dim: int, n_kv: int) -> Launch:
     result must not depend on how many tokens were asked for)."""
     block_s = loop_step(group, head_dim)
     steps = max(1, min(SPLIT_KEYS // block_s, round(SPLIT_KEYS * n_kv / FULL_KV_HEADS / block_s)))
-    return Launch(block_s, steps * block_s, 4)
+    return Launch(block_s, steps * block_s, 4, max_splits(n_kv))
 
 
 @triton.jit
@@ -249,15 +277,17 @@ def _decode_attention_split(
     BLOCK_S: tl.constexpr,
     SPLIT_LEN: tl.constexpr,
     SPLITS: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
     SOFTCAP: tl.constexpr,
     WINDOW: tl.constexpr,
     FROM_CACHE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program (query row b * H_KV + kv head, split): the GROUP query heads of one kv head over the split's
-    positions. A query row is one position of one of the cache's rows, ``T`` positions per cache row. Without
-    ``FROM_CACHE`` (one position per row) the step's own key and value come in registers and are written here;
-    with it every key up to the query's position is read from the cache, where :func:`_write_rotated` put them."""
+    positions (:func:`_span` of them from ``split`` times that on; a split past the query's position has none). A
+    query row is one position of one of the cache's rows, ``T`` positions per cache row. Without ``FROM_CACHE``
+    (one position per row) the step's own key and value come in registers and are written here; with it every key
+    up to the query's position is read from the cache, where :func:`_write_rotated` put them."""
     wait_for_inputs(PDL)
     b = tl.program_id(0) // H_KV
     h = tl.program_id(0) % H_KV
@@ -276,11 +306,12 @@ def _decode_attention_split(
     q1, q2 = _rotate(q1, q2, cos[None, :], sin[None, :], q_ptr.dtype.element_ty)
 
     cache = kv_ptr + ((first_row + b // T) * H_KV + h).to(tl.int64) * S * (2 * HALF)  # the row's keys of kv head h
-    start = split * SPLIT_LEN
+    span = _span(pos, SPLIT_LEN, MAX_SPLITS)
+    start = split * span
     seen = pos  # positions before the query's own come from the cache, and with FROM_CACHE its own too
     if FROM_CACHE:
         seen = pos + 1
-    end = tl.minimum(start + SPLIT_LEN, seen)  # cached positions this split reads: [lo, end)
+    end = tl.minimum(start + span, seen)  # cached positions this split reads: [lo, end)
     lo = start
     if WINDOW:
         lo = tl.maximum(start, pos - window + 1)
@@ -302,7 +333,7 @@ def _decode_attention_split(
         m_i, l_i, acc1, acc2 = _online_softmax(m_i, l_i, acc1, acc2, scores, v1, v2)
 
     if not FROM_CACHE:  # the step's own key and value: rotated here, written by the split that holds the position
-        own = (pos >= start) & (pos < start + SPLIT_LEN)
+        own = (pos >= start) & (pos < start + span)
         k1, k2, v1, v2 = _rotated_key_value(
             k_ptr + b * k_stride_b + h * k_stride_h, v_ptr + b * v_stride_b + h * v_stride_h, d, cos, sin, HALF, d_in
         )
@@ -331,37 +362,49 @@ def _combine_splits(
     l_ptr,
     acc_ptr,
     out_ptr,
+    pos_ptr,
+    pos_stride,
+    n_head,
     splits,
+    SPLIT_LEN: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
+    TRIM: tl.constexpr,
     CHUNK: tl.constexpr,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Program (row, query head): the splits' partial results, rescaled to their common maximum, summed,
-    normalized. Splits that saw no position carry -inf and weigh 0; the split holding the query's own position
-    always saw one.
+    """Program (query row b * n_head + query head): the splits' partial results, rescaled to their common maximum,
+    summed, normalized. Splits that saw no position (past the query's, or before a sliding window) carry -inf and
+    weigh 0; the split holding the query's own position always saw one. With ``TRIM`` (many splits) only those that
+    cover the query's positions are read (:func:`_span`), after a load of its position that a few splits are not
+    worth waiting for: the others would add exact zeros, so the result is the same.
 
     The sum's order is the same for every cache length, so that a token's result does not depend on how long its
     request's cache is: split i is added into slot i % CHUNK of a fixed [CHUNK] accumulator, one chunk of splits
     after the other, and the slots are summed last in one fixed-shape reduction. ``splits`` is a runtime argument,
-    not specialized, so every cache length runs the same compiled code; splits past the query's position add exact
-    zeros. (A reduction over all splits at once, padded to a power of two, changed its order and where the compiler
-    fused a multiply into an add with the padded size, i.e. with the cache's length: sixteenth session.)"""
+    not specialized, so every cache length runs the same compiled code. (A reduction over all splits at once,
+    padded to a power of two, changed its order and where the compiler fused a multiply into an add with the padded
+    size, i.e. with the cache's length: sixteenth session.)"""
     wait_for_inputs(PDL)
     row = tl.program_id(0)
+    used = splits
+    if TRIM:
+        pos = tl.load(pos_ptr + row // n_head * pos_stride)
+        used = tl.cdiv(pos + 1, _span(pos, SPLIT_LEN, MAX_SPLITS))  # the splits that cover positions 0 to pos
     d = tl.arange(0, HALF_PAD)
     d_in = d < HALF
     m = tl.full((CHUNK,), float("-inf"), tl.float32)
-    for first in range(0, splits, CHUNK):
+    for first in range(0, used, CHUNK):
         sp = first + tl.arange(0, CHUNK)
-        m = tl.maximum(m, tl.load(m_ptr + row * splits + sp, mask=sp < splits, other=float("-inf")))
+        m = tl.maximum(m, tl.load(m_ptr + row * splits + sp, mask=sp < used, other=float("-inf")))
     top = tl.max(m, axis=0)
     total = tl.zeros((CHUNK,), tl.float32)
     y1 = tl.zeros((CHUNK, HALF_PAD), tl.float32)
     y2 = tl.zeros((CHUNK, HALF_PAD), tl.float32)
-    for first in range(0, splits, CHUNK):
+    for first in range(0, used, CHUNK):
         sp = first + tl.arange(0, CHUNK)
-        sp_in = sp < splits
+        sp_in = sp < used
         weights = tl.exp(tl.load(m_ptr + row * splits + sp, mask=sp_in, other=float("-inf")) - top)  # [CHUNK]
         total += weights * tl.load(l_ptr + row * splits + sp, mask=sp_in, other=0.0)
         at = acc_ptr + (row * splits + sp[:, None]) * (2 * HALF) + d[None, :]  # [CHUNK, HALF_PAD]
@@ -420,7 +463,7 @@ def _attend(
     assert rows.q.stride(-1) == rows.k.stride(-1) == rows.v.stride(-1) == 1 and kv.is_contiguous()
     group, half = n_head // n_kv, head_dim // 2
     launch = launch or decode_launch(group, head_dim, n_kv)
-    splits = triton.cdiv(max_len, launch.split_len)
+    splits = min(triton.cdiv(max_len, launch.split_len), launch.max_splits)
     out = torch.empty((n_rows, n_head, head_dim), dtype=rows.q.dtype, device=rows.q.device)
     partials = [out, out, out]  # unused with one split
     if splits > 1:  # each split's maximum and sum [R * H, splits] and weighted sum of values [R * H, splits, D]
@@ -459,6 +502,7 @@ def _attend(
         BLOCK_S=launch.block_s,
         SPLIT_LEN=launch.split_len,
         SPLITS=splits,
+        MAX_SPLITS=launch.max_splits,
         SOFTCAP=softcap is not None,
         WINDOW=window is not None,
         FROM_CACHE=from_cache,
@@ -469,7 +513,13 @@ def _attend(
         wrap(_combine_splits)[(n_rows * n_head,)](
             *partials,
             out,
+            rows.positions,
+            _row_stride(rows.positions),
+            n_head,
             splits,
+            SPLIT_LEN=launch.split_len,
+            MAX_SPLITS=launch.max_splits,
+            TRIM=splits > COMBINE_ALL,
             CHUNK=COMBINE_CHUNK,
             HALF=half,
             HALF_PAD=triton.next_power_of_2(half),
