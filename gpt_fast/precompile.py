@@ -11,8 +11,11 @@ recompiling when its guards fail; torch also drops the guards on code. So each p
 everything it depends on (:func:`package_key`): torch and Python versions, the device, gpt-fast's own source, the
 compile options, the model's config and every tensor's name, shape and dtype (quantization, caches, batch), the
 sampling settings and the attention and activation kernels. Anything else loads as a new package or compiles one. A
-package that cannot be loaded (another torch's, a damaged file) is compiled again and replaced. Packages live in
-inductor's cache folder, whose kernels they use, under ``gpt-fast-aot``.
+package that cannot be loaded (another torch's, a damaged file) is compiled again and replaced, and a step that torch
+fails to compile ahead of time runs as ``torch.compile`` makes it, without a package. The ahead-of-time trace keeps
+every value static: Dynamo would otherwise make a float that differed from an earlier compile in the process
+dynamic (a second model's embedding scale), which ``aot_compile`` cannot trace (``TensorifyScalarRestartAnalysis``,
+torch 2.11 and 2.13). Packages live in inductor's cache folder, whose kernels they use, under ``gpt-fast-aot``.
 """
 
 from __future__ import annotations
@@ -130,7 +133,13 @@ class PrecompiledStep:
         if not hasattr(compiled, "aot_compile"):
             self.outcome = f"compiled without a package: torch {torch.__version__} has no ahead-of-time compile"
             return compiled
-        function = compiled.aot_compile(((model, sampling), {}))
+        try:
+            with torch._dynamo.config.patch(automatic_dynamic_shapes=False):  # see the module's docstring
+                function = compiled.aot_compile(((model, sampling), {}))
+        except Exception as err:  # torch's ahead-of-time compile is experimental too
+            failed = f"the ahead-of-time compile failed ({type(err).__name__})"
+            self.outcome = f"compiled without a package: {failed}{problem}"
+            return compiled
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(path) as tmp:
             function.save_compiled_function(str(tmp))

@@ -26,10 +26,12 @@ GREEDY = SamplingConfig(temperature=0)
 OPTIONS = compile_options("default")
 
 
-def tiny_model(dtype: torch.dtype = torch.float32, batch: int = 1, length: int = 64) -> Transformer:
+def tiny_model(
+    dtype: torch.dtype = torch.float32, batch: int = 1, length: int = 64, embedding_scale: float = 1.0
+) -> Transformer:
     config = ModelConfig(
         block_size=256, vocab_size=128, n_layer=2, n_head=4, dim=32, intermediate_size=64, n_local_heads=2,
-        head_dim=8, rope_base=10000.0, norm_eps=1e-5,
+        head_dim=8, rope_base=10000.0, norm_eps=1e-5, embedding_scale=embedding_scale,
     )  # fmt: skip
     model = Transformer(config).to(dtype)
     model.setup_caches(batch, length)
@@ -122,3 +124,43 @@ def test_a_new_package_is_sought_only_when_the_model_caches_or_sampling_change(m
     model.setup_caches(2, 64)
     step(model, GREEDY)
     assert len(keyed) == 4 and len(obtained) == 3 and len(set(obtained)) == 3
+
+
+def test_a_step_that_cannot_be_compiled_ahead_of_time_runs_without_a_package(monkeypatch, tmp_path):
+    """torch's ahead-of-time compile is experimental: when it raises, the step runs as torch.compile makes it (here
+    a stand-in that runs it eagerly) and says why there is no package; nothing is saved."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+
+    class Compiled:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __call__(self, *args):
+            return self.fn(*args)
+
+        def aot_compile(self, example):
+            raise RuntimeError("restart the analysis")
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: Compiled(fn))
+    step, model = PrecompiledStep(decode_one_token, OPTIONS), tiny_model()
+    step(model, GREEDY)
+    assert step.outcome == "compiled without a package: the ahead-of-time compile failed (RuntimeError)"
+    assert int(model.decode_state.input_pos) == 1
+    assert not list(tmp_path.rglob(f"*{SUFFIX}"))
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_a_second_model_in_one_process_is_packaged_and_loaded_too(monkeypatch, tmp_path):
+    """Dynamo made a float that differed from the first model's compile (here the embeddings' scale, as Gemma's)
+    dynamic, which ``aot_compile`` could not trace (``TensorifyScalarRestartAnalysis``, torch 2.11 and 2.13): each
+    model, whatever was compiled before it, is saved, then loaded by a new step."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    outcomes = []
+    for scale in (1.0, 8.0):
+        model = tiny_model(embedding_scale=scale)
+        for _ in range(2):
+            step = PrecompiledStep(decode_one_token, OPTIONS)
+            step(model, GREEDY)
+            outcomes.append(step.outcome.split(" to ")[0].split(" from ")[0])
+    assert outcomes == [SAVED, LOADED, SAVED, LOADED]
