@@ -71,9 +71,10 @@ def launched(launch):
 
 
 def sweep_launches(length: int) -> list[triton_decode_attention.Launch]:
+    """Tiles as given: splits of ``s`` positions over the whole cache, never stretched."""
     grid = itertools.product((16, 32, 64), (64, 128, 256, 512, length), (2, 4, 8))
     return sorted(
-        {triton_decode_attention.Launch(b, s, w) for b, s, w in grid if s % b == 0 and s <= length},
+        {triton_decode_attention.Launch(b, s, w, -(-length // s)) for b, s, w in grid if s % b == 0 and s <= length},
         key=lambda launch: (launch.block_s, launch.split_len, launch.warps),
     )
 

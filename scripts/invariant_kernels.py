@@ -114,11 +114,13 @@ def attention_rows(shape_name: str, sweep: bool) -> list[dict]:
     launches = {"chosen": None}
     if sweep:
         block_s = triton_decode_attention.loop_step(group, head_dim)
-        usual = triton_decode_attention.Launch(block_s, 4 * block_s, 4)
+        usual = triton_decode_attention.Launch(block_s, 4 * block_s, 4, triton.cdiv(CACHE, 4 * block_s))
         launches["usual splits"] = usual
-        for programs in (32, 64, 256):
+        for programs in (32, 64, 256):  # splits never stretched: the cache's splits are the programs
             split_len = triton.cdiv(triton.cdiv(CACHE, triton.cdiv(programs, n_kv)), usual.block_s) * usual.block_s
-            launches[f"{programs} programs"] = triton_decode_attention.Launch(usual.block_s, split_len, usual.warps)
+            launches[f"{programs} programs"] = triton_decode_attention.Launch(
+                usual.block_s, split_len, usual.warps, triton.cdiv(CACHE, split_len)
+            )
     caches = [
         torch.randn(2, 1, n_kv, CACHE, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(config.n_layer)
     ]

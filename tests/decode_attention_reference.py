@@ -23,16 +23,16 @@ from gpt_fast.model import Transformer, apply_rope, attend_one_query
 from gpt_fast.shapes import get_shape
 
 # (batch, cache rows, heads, kv heads, head_dim, cache length, positions, first row, window, softcap, launch)
-# positions: [p] shared by the rows, or [[p0], [p1], ...] each row's own; launch: (block_s, split_len, warps) or
-# (block_s, split_len, warps, max_splits)
+# positions: [p] shared by the rows, or [[p0], [p1], ...] each row's own; launch: (block_s, split_len, warps,
+# max_splits)
 CASES = [
     (1, 1, 4, 4, 128, 64, [0], 0, None, None, None),  # MHA, the first position
     (1, 1, 4, 4, 128, 512, [511], 0, None, None, None),  # the last position, two splits of 256
-    (1, 1, 4, 1, 64, 300, [299], 0, None, None, (16, 64, 4)),  # MQA, ragged splits
+    (1, 1, 4, 1, 64, 300, [299], 0, None, None, (16, 64, 4, 32)),  # MQA, ragged splits
     (2, 2, 9, 3, 64, 256, [200], 0, None, None, None),  # SmolLM2's GQA (3 query heads per kv head), shared position
-    (2, 3, 6, 2, 96, 300, [[5], [299]], 1, None, None, (8, 32, 2)),  # Phi-3's head_dim, rows at their own positions
+    (2, 3, 6, 2, 96, 300, [[5], [299]], 1, None, None, (8, 32, 2, 32)),  # Phi-3's head_dim, rows at their own positions
     (3, 3, 8, 2, 128, 512, [[0], [130], [511]], 0, 100, None, None),  # a sliding window across splits
-    (1, 2, 4, 2, 16, 64, [[40]], 1, 4, 50.0, (8, 16, 1)),  # Gemma-like: window and soft-capping, a later row
+    (1, 2, 4, 2, 16, 64, [[40]], 1, 4, 50.0, (8, 16, 1, 32)),  # Gemma-like: window and soft-capping, a later row
     (2, 2, 9, 3, 64, 512, [[7], [390]], 0, None, None, (16, 16, 4, 4)),  # at most 4 splits: 16 and 112 positions
     (1, 1, 4, 2, 64, 512, [500], 0, 100, None, (16, 32, 4, 3)),  # 3 splits of 192, the first two before the window
 ]

@@ -30,7 +30,7 @@ NORMS = [(7, 48, 0.0), (3, 576, 1.0)]
 # (batch, cache rows, first row, heads, kv heads, head_dim, cache length, first positions, window, softcap, launch)
 ATTENTIONS = [
     (1, 1, 0, 4, 4, 16, 64, [20], None, None, None),
-    (2, 3, 1, 6, 2, 64, 300, [200, 37], None, None, (16, 64, 4)),
+    (2, 3, 1, 6, 2, 64, 300, [200, 37], None, None, (16, 64, 4, 32)),
     (2, 2, 0, 9, 3, 64, 256, [0, 120], 50, 30.0, None),
 ]
 T = 5  # query positions per row

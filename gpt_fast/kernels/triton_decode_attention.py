@@ -52,19 +52,18 @@ COMBINE_CHUNK = 8  # splits combined per loop step (:func:`_combine_splits`)
 COMBINE_ALL = 16  # splits that a combination reads all, at most, without reading the query's position first
 FULL_KV_HEADS = 32  # batch-invariant attention: kv heads for which splits of SPLIT_KEYS positions suffice
 SPLIT_PROGRAMS = 384  # a row's programs over all its kv heads, at most (:func:`max_splits`); 16 per kv head at least
-MAX_SPLITS = 32  # splits per row and kv head, at most, of a launch made by hand (sweeps, tests)
 
 
 @dataclass(frozen=True)
 class Launch:
     """Positions per loop step, positions per split (a multiple of the step; a query that sees more than
     ``max_splits`` splits of it takes a multiple of it, :func:`_span`), warps per program, splits per row and kv
-    head at most."""
+    head at most (:func:`max_splits` in the launches chosen here)."""
 
     block_s: int
     split_len: int
     warps: int
-    max_splits: int = MAX_SPLITS
+    max_splits: int
 
 
 @triton.jit
