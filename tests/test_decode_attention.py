@@ -164,7 +164,7 @@ def test_the_kernel_compiles_for_a_gpu_with_float64_scalars(group, from_cache):
     kernel = _decode_attention_split
     sizes = {"H_KV": 8, "GROUP": group, "GROUP_PAD": group, "HALF": 64, "HALF_PAD": 64, "BLOCK_S": 16}
     constants = {**sizes, "SPLIT_LEN": 128, "SPLITS": 4, "MAX_SPLITS": 32, "SOFTCAP": True, "WINDOW": True}
-    constants["FROM_CACHE"] = from_cache
+    constants.update(CAPPED=True, FROM_CACHE=from_cache)
     pointers = {"pos_ptr": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32"}
     signature = {name: "constexpr" if name in constants else "i64" for name in kernel.arg_names}
     signature.update({name: pointers.get(name, "*bf16") for name in kernel.arg_names if name.endswith("_ptr")})

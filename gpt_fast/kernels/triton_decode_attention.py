@@ -67,11 +67,17 @@ class Launch:
 
 
 @triton.jit
-def _span(pos, SPLIT_LEN: tl.constexpr, MAX_SPLITS: tl.constexpr):
+def _span(pos, SPLIT_LEN: tl.constexpr, MAX_SPLITS: tl.constexpr, CAPPED: tl.constexpr):
     """The positions per split of a query at position ``pos`` (it sees positions 0 to ``pos``): ``SPLIT_LEN``, or
     the smallest multiple of it that covers them in ``MAX_SPLITS`` splits. A function of the query's position
-    alone, never of the cache's length."""
-    return SPLIT_LEN * tl.cdiv(tl.cdiv(pos + 1, SPLIT_LEN), MAX_SPLITS)
+    alone, never of the cache's length. Without ``CAPPED`` (a cache of at most ``MAX_SPLITS`` splits, so no query
+    in it needs more) that is ``SPLIT_LEN``, a constant the compiler sees: the split's loop as it was before the
+    cap (thirty-second session)."""
+    if CAPPED:
+        span = SPLIT_LEN * tl.cdiv(tl.cdiv(pos + 1, SPLIT_LEN), MAX_SPLITS)
+    else:
+        span = SPLIT_LEN
+    return span
 
 
 def max_splits(n_kv: int) -> int:
@@ -277,6 +283,7 @@ def _decode_attention_split(
     SPLIT_LEN: tl.constexpr,
     SPLITS: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
+    CAPPED: tl.constexpr,
     SOFTCAP: tl.constexpr,
     WINDOW: tl.constexpr,
     FROM_CACHE: tl.constexpr,
@@ -305,7 +312,7 @@ def _decode_attention_split(
     q1, q2 = _rotate(q1, q2, cos[None, :], sin[None, :], q_ptr.dtype.element_ty)
 
     cache = kv_ptr + ((first_row + b // T) * H_KV + h).to(tl.int64) * S * (2 * HALF)  # the row's keys of kv head h
-    span = _span(pos, SPLIT_LEN, MAX_SPLITS)
+    span = _span(pos, SPLIT_LEN, MAX_SPLITS, CAPPED)
     start = split * span
     seen = pos  # positions before the query's own come from the cache, and with FROM_CACHE its own too
     if FROM_CACHE:
@@ -367,6 +374,7 @@ def _combine_splits(
     splits,
     SPLIT_LEN: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
+    CAPPED: tl.constexpr,
     TRIM: tl.constexpr,
     CHUNK: tl.constexpr,
     HALF: tl.constexpr,
@@ -390,7 +398,7 @@ def _combine_splits(
     used = splits
     if TRIM:
         pos = tl.load(pos_ptr + row // n_head * pos_stride)
-        used = tl.cdiv(pos + 1, _span(pos, SPLIT_LEN, MAX_SPLITS))  # the splits that cover positions 0 to pos
+        used = tl.cdiv(pos + 1, _span(pos, SPLIT_LEN, MAX_SPLITS, CAPPED))  # the splits that cover positions 0 to pos
     d = tl.arange(0, HALF_PAD)
     d_in = d < HALF
     m = tl.full((CHUNK,), float("-inf"), tl.float32)
@@ -462,7 +470,8 @@ def _attend(
     assert rows.q.stride(-1) == rows.k.stride(-1) == rows.v.stride(-1) == 1 and kv.is_contiguous()
     group, half = n_head // n_kv, head_dim // 2
     launch = launch or decode_launch(group, head_dim, n_kv)
-    splits = min(triton.cdiv(max_len, launch.split_len), launch.max_splits)
+    capped = triton.cdiv(max_len, launch.split_len) > launch.max_splits
+    splits = launch.max_splits if capped else triton.cdiv(max_len, launch.split_len)
     out = torch.empty((n_rows, n_head, head_dim), dtype=rows.q.dtype, device=rows.q.device)
     partials = [out, out, out]  # unused with one split
     if splits > 1:  # each split's maximum and sum [R * H, splits] and weighted sum of values [R * H, splits, D]
@@ -502,6 +511,7 @@ def _attend(
         SPLIT_LEN=launch.split_len,
         SPLITS=splits,
         MAX_SPLITS=launch.max_splits,
+        CAPPED=capped,
         SOFTCAP=softcap is not None,
         WINDOW=window is not None,
         FROM_CACHE=from_cache,
@@ -518,6 +528,7 @@ def _attend(
             splits,
             SPLIT_LEN=launch.split_len,
             MAX_SPLITS=launch.max_splits,
+            CAPPED=capped,
             TRIM=splits > COMBINE_ALL,
             CHUNK=COMBINE_CHUNK,
             HALF=half,
