@@ -225,7 +225,7 @@ class FeedForward(nn.Module):
     # it takes w13's output and the activation's name); None: the PyTorch code (gated).
     activation_kernel = None
     # w13 and the activation of a compiled step of one row, as one kernel (gpt_fast.kernels.linear sets it: it takes
-    # the row, w13's weight and the activation's name); None: w13, then the above.
+    # the row, w13 and the activation's name); None: w13, then the above.
     gated_kernel = None
 
     def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
@@ -237,7 +237,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == x.shape[-1] and self.gated_kernel is not None and torch.compiler.is_compiling():
-            return self.w2(self.gated_kernel(x, self.w13.weight, self.activation))
+            return self.w2(self.gated_kernel(x, self.w13, self.activation))
         gate_up = self.w13(x)  # [B, T, 2I]
         if x.shape[1] == 1 and self.activation_kernel is not None and torch.compiler.is_compiling():
             return self.w2(self.activation_kernel(gate_up, self.activation))
@@ -356,7 +356,7 @@ class TransformerBlock(nn.Module):
         kernels, attention, mlp = self.row_kernels, self.attention, self.feed_forward
         qkv = kernels.linear(x, attention.wqkv, norm=self.attention_norm)
         h = kernels.linear(attention.attend(qkv, cos, sin, mask, input_pos, first_row), attention.wo, residual=x)
-        hidden = kernels.gated(h, mlp.w13.weight, mlp.activation, norm=self.ffn_norm)
+        hidden = kernels.gated(h, mlp.w13, mlp.activation, norm=self.ffn_norm)
         return kernels.linear(hidden, mlp.w2, residual=h)
 
 

@@ -50,11 +50,12 @@ QUANT_LAYERS = [
 
 @pytest.mark.parametrize("module", QUANT_LAYERS)
 def test_the_quantized_layers_import_only_the_model_and_each_other(module):
-    assert MODULES[module] <= {"config", "model", "cache", "quant", "triton_pdl", *QUANT_LAYERS}
+    assert MODULES[module] <= {"config", "model", "cache", "quant", "triton_pdl", "triton_row", *QUANT_LAYERS}
 
 
-def test_the_launch_helpers_shared_by_quant_and_kernels_import_nothing_of_ours():
-    assert MODULES["triton_pdl"] == set()
+@pytest.mark.parametrize("module", ["triton_pdl", "triton_row"])
+def test_the_triton_helpers_shared_by_quant_and_kernels_import_nothing_of_ours(module):
+    assert MODULES[module] == set()
 
 
 def test_tensor_parallelism_imports_only_the_model_its_quantized_layers_and_its_fused_products():
@@ -71,7 +72,8 @@ KERNELS = sorted(m for m in MODULES if m.startswith("kernels."))
 
 @pytest.mark.parametrize("module", KERNELS)
 def test_the_kernels_import_only_the_model_and_each_other(module):
-    assert MODULES[module] <= {"config", "model", "cache", "quant.kernels", "kernels", "triton_pdl", *KERNELS}
+    quantized = {"quant.kernels", "quant.linear"}  # whether Triton is usable; whether a quantized layer fuses a row
+    assert MODULES[module] <= {"config", "model", "cache", *quantized, "kernels", "triton_pdl", "triton_row", *KERNELS}
 
 
 @pytest.mark.parametrize("module", ["engine", "batching", "slots"])

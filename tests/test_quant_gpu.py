@@ -191,3 +191,90 @@ def test_tinygemm_int4_matches_a_float64_product(rows, n, k, group):
     expected = x.double() @ dequantize_int4(q, s, z, group).double().T
     got = layer(x).double()
     assert relative_error(got, expected) < 1e-2
+
+
+def row_operands(scheme: str, n: int, k: int, dtype: torch.dtype):
+    """A quantized [n, k] matrix repacked for our kernels, as ``(plain product, row product)`` of the operators."""
+    from gpt_fast.quant.kernels import int4_triton_linear, int8_linear
+
+    weight = torch.randn(n, k, device="cuda") / k**0.5
+    if scheme == "int8":
+        q, s = quantize_int8(weight, dtype)
+        words = int8_interleave(q)
+        plain = functools.partial(int8_linear, weight=words, scales=s, kernel="triton", pdl=True)
+        return plain, functools.partial(torch.ops.gpt_fast.int8_row, words=words, scales=s)
+    q, s, z = quantize_int4(weight, 128, dtype)
+    words = group_interleave(q, 128)
+    plain = functools.partial(int4_triton_linear, words=words, scales=s, zeros=z, group_size=128, pdl=True)
+    return plain, functools.partial(torch.ops.gpt_fast.int4_row, words=words, scales=s, zeros=z, group_size=128)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_rows_neighbours_inside_the_quantized_kernels_are_the_models(scheme, dtype):
+    """``int8_row`` and ``int4_row`` (the float16-pairs PTX) with the RMSNorm before the product, the residual
+    added after it, or a gated MLP's activation after ``w13``, against the same operator's plain product with the
+    model's own norm, add and activation around it, each compiled in a CUDA graph after a kernel of inductor's
+    (as in a decode step): the same up to the norm's sum of squares, summed in another order (1e-3)."""
+    from gpt_fast.model import gated, rms_norm
+    from gpt_fast.quant.kernels import register_triton_ops
+
+    register_triton_ops()
+    torch.manual_seed(11)
+    k, hidden = 4096, 1408
+    x = torch.randn(1, k, device="cuda", dtype=dtype)
+    norm_weight = (1 + torch.randn(k, device="cuda") / 10).to(dtype)
+    residual = torch.randn(1, k, device="cuda", dtype=dtype)
+    plain, row = row_operands(scheme, k, k, dtype)
+    plain13, row13 = row_operands(scheme, 2 * hidden, k, dtype)
+    pairs = {
+        "normed": (
+            lambda v: row(v, residual=None, norm_weight=norm_weight, eps=1e-5, activation=None),
+            lambda v: plain(rms_norm(v, norm_weight, 1e-5, 0.0)),
+        ),
+        "plus residual": (
+            lambda v: row(v, residual=residual, norm_weight=None, eps=0.0, activation=None),
+            lambda v: residual + plain(v),
+        ),
+    }
+    for activation in ("silu", "gelu_tanh"):
+        pairs[f"gated {activation}"] = (
+            lambda v, a=activation: row13(v, residual=None, norm_weight=norm_weight, eps=1e-5, activation=a),
+            lambda v, a=activation: gated(*plain13(rms_norm(v, norm_weight, 1e-5, 0.0)).split(hidden, dim=-1), a),
+        )
+    for name, (inside, outside) in pairs.items():
+        torch._dynamo.reset()
+        step = torch.compile(lambda v, f=inside: f(torch.sigmoid(v) * 4), mode="reduce-overhead")
+        for _ in range(3):  # warm-up, recording, replay
+            got = step(x).clone()
+        expected = outside(torch.sigmoid(x) * 4)
+        assert got.shape == expected.shape and got.dtype == dtype, name
+        assert relative_error(got, expected) < 1e-3, name
+
+
+@pytest.mark.parametrize("scheme", SCHEMES[:2], ids=lambda q: q.name)
+def test_a_quantized_bf16_step_runs_each_layer_as_four_row_kernels(scheme):
+    """A bf16 model quantized for our kernels, its decode step compiled in ``reduce-overhead`` with our linear
+    kernel: each layer runs through :class:`gpt_fast.kernels.linear.FusedRow` (norms, residual adds and the
+    activation inside the quantized products) and its logits are the eager step's within bf16 rounding."""
+    import dataclasses
+
+    from gpt_fast.checkpoint import model_from_state
+    from gpt_fast.kernels.linear import FusedRow, register_triton_ops, use_linear_kernel
+
+    shape = dataclasses.replace(get_shape("tiny"), intermediate_size=128)  # int8 words: columns in 64s
+    state = quantize_state(random_weights(shape, torch.float32, seed=2), shape, scheme, torch.bfloat16)
+    model = model_from_state(shape, state, torch.device("cuda"), torch.bfloat16, scheme, kernel="triton")
+    model.setup_caches(1, 64)
+    tokens, pos = torch.tensor([[7]], device="cuda"), torch.tensor([5], device="cuda")
+    with torch.no_grad():
+        model(torch.arange(5, device="cuda")[None], torch.arange(5, device="cuda"))
+        expected = model(tokens, pos).clone()
+        register_triton_ops()
+        use_linear_kernel(model, "triton")
+        assert all(block.row_kernels is FusedRow for block in model.layers)
+        torch._dynamo.reset()
+        step = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+        for _ in range(3):
+            got = step(tokens, pos).clone()
+    assert relative_error(got, expected) < 2e-2

@@ -2,6 +2,7 @@
 Triton kernels too, in Triton's interpreter, where Triton is installed."""
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -245,6 +246,72 @@ def test_triton_kernels_in_the_interpreter():
     assert worst_bfloat16 < 6e-3  # the interpreter rounds float32 to bfloat16 toward zero: up to 2 ** -8
 
 
+INSIDE_CHECK = """
+import json, torch
+from gpt_fast.model import gated, rms_norm
+from gpt_fast.quant import triton_gemv
+from gpt_fast.quant.kernels import group_interleave, int8_interleave
+from gpt_fast.quant.schemes import quantize_int4, quantize_int8
+from gpt_fast.quant.triton_gemv import NOTHING_INSIDE, Inside
+worst = {}
+for dtype in (torch.float16, torch.bfloat16):
+    for rows, n, k in [(1, 64, 256), (2, 38, 192)]:
+        g = torch.Generator().manual_seed(n * k)
+        w = torch.randn(n, k, generator=g) / k**0.5
+        x = (3 * torch.randn(rows, k, generator=g)).to(dtype)
+        norm_weight = (1 + torch.randn(k, generator=g) / 10).to(dtype)
+        residual = torch.randn(rows, n, generator=g).to(dtype)
+        normed = rms_norm(x, norm_weight, 1e-5, 0.0)
+        q, s = quantize_int8(w, dtype)
+        q4, s4, z4 = quantize_int4(w, 64, dtype)
+        products = {
+            "int8": lambda v, inside=NOTHING_INSIDE: triton_gemv.int8_gemv(v, int8_interleave(q), s, inside=inside),
+            "int4": lambda v, inside=NOTHING_INSIDE: triton_gemv.int4_gemv(
+                v, group_interleave(q4, 64), s4, z4, 64, inside=inside
+            ),
+        }
+        for scheme, product in products.items():
+            up = product(normed)
+            pairs = {
+                "normed": (product(x, Inside(norm_weight, 1e-5)), up),
+                "plus residual": (product(x, Inside(residual=residual)), (residual.float() + product(x)).to(dtype)),
+            }
+            for act in ("silu", "gelu_tanh"):
+                pairs[f"gated {act}"] = (
+                    product(x, Inside(norm_weight, 1e-5, activation=act)),
+                    gated(up[:, : n // 2], up[:, n // 2 :], act),
+                )
+            for name, (got, want) in pairs.items():
+                assert got.shape == want.shape and got.dtype == dtype, name
+                key = f"{scheme} {name} {str(dtype)[6:]}"
+                error = ((got.double() - want.double()).norm() / want.double().norm()).item()
+                worst[key] = max(worst.get(key, 0.0), error)
+print(json.dumps(worst))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+@pytest.mark.skipif(
+    tuple(int(p) for p in np.__version__.split(".")[:2]) >= (2, 4),
+    reason="Triton 3.6's interpreter takes int() of 1-element arrays, an error since numpy 2.4",
+)
+def test_the_kernels_compute_a_rows_neighbours_inside_as_the_model_does():
+    """Interleaved int8 and int4 in float16 pairs, in Triton's interpreter, with the RMSNorm of the activations
+    before the product, the residual added after it, or a gated MLP's activation after ``w13``, against the same
+    kernel's plain product with the model's own norm, add and activation around it (its row of gate and up
+    outputs). float16: the same numbers. bfloat16: the interpreter rounds float32 to bfloat16 toward zero where
+    torch rounds to nearest (the norm's two roundings, the activation's two), so within those truncations; on the
+    GPU the kernels round as torch does (tests/test_quant_gpu.py: 1e-3)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-c", INSIDE_CHECK], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    worst = json.loads(result.stdout)
+    assert len(worst) == 2 * 2 * 4
+    for key, error in worst.items():
+        assert error <= (0.0 if key.endswith(" float16") else 4e-2 if "gated" in key else 1e-2), (key, error)
+
+
 def compile_for_h200(name: str, dtype: str, constants: dict, warps: int):
     """Our kernel ``name`` compiled on the CPU for an H200 (``sm_90``), launched with PDL, as its launcher would
     specialize it for aligned tensors and dimensions divisible by 16."""
@@ -256,7 +323,8 @@ def compile_for_h200(name: str, dtype: str, constants: dict, warps: int):
 
     kernel = getattr(triton_gemv, name)
     pointers = {"x_ptr": dtype, "w_ptr": "i32", "s_ptr": dtype, "z_ptr": dtype, "y_ptr": dtype}
-    kinds = {p: "*" + pointers[p] if p in pointers else "i32" for p in kernel.arg_names}
+    pointers |= {"r_ptr": dtype, "g_ptr": dtype}
+    kinds = {p: "*" + pointers[p] if p in pointers else "fp32" if p == "eps" else "i32" for p in kernel.arg_names}
     signature = {p: "constexpr" if p in constants else kinds[p] for p in kernel.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.arg_names) if p not in constants | {"M": 0}}
     return triton.compile(
@@ -268,12 +336,31 @@ def compile_for_h200(name: str, dtype: str, constants: dict, warps: int):
     )
 
 
+def inside_constants(inside: str) -> dict[str, object]:
+    """The kernels' constants for what else they compute: ``nothing``, ``norm and activation`` (a gated MLP's
+    ``w13``) or ``residual``."""
+    gated = inside == "norm and activation"
+    return {"NORM": gated, "RESIDUAL": inside == "residual", "GATED": gated, "GELU": False, "ROW_K": 4096}
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-@pytest.mark.parametrize("name", ["_int8_gemv", "_int8_interleaved_gemv", "_int4_gemv"])
-def test_the_kernels_compile_for_an_h200_with_their_first_weights_loaded_before_the_wait(name):
-    """Launched with PDL (the ``_pdl`` operators), the first step's weights are loaded before
+@pytest.mark.parametrize(
+    "name, inside",
+    [
+        ("_int8_gemv", None),
+        ("_int8_interleaved_gemv", "nothing"),
+        ("_int8_interleaved_gemv", "norm and activation"),
+        ("_int8_interleaved_gemv", "residual"),
+        ("_int4_gemv", "nothing"),
+        ("_int4_gemv", "norm and activation"),
+        ("_int4_gemv", "residual"),
+    ],
+)
+def test_the_kernels_compile_for_an_h200_with_their_first_weights_loaded_before_the_wait(name, inside):
+    """Launched with PDL (the ``_pdl`` and ``_row`` operators), the first step's weights are loaded before
     ``griddepcontrol.wait``, and dependents are released only after it (the rule of
-    :mod:`gpt_fast.triton_pdl`); the float16-pairs PTX of interleaved int8 and of int4 assembles for ``sm_90``."""
+    :mod:`gpt_fast.triton_pdl`), with a norm, an activation or a residual inside too; the float16-pairs PTX of
+    interleaved int8 and of int4 assembles for ``sm_90``."""
     from gpt_fast.quant import triton_gemv
 
     if name == "_int8_gemv":
@@ -282,12 +369,12 @@ def test_the_kernels_compile_for_an_h200_with_their_first_weights_loaded_before_
     elif name == "_int8_interleaved_gemv":
         launch = triton_gemv.int8_launch(4096, 4096, interleaved=True)
         constants = {"BLOCK_N": launch.block_n, "BLOCKS": launch.block_k // 64, "EVEN": True}
-        constants |= {"BF16": True, "ASM": True, "PDL": True}
+        constants |= {"BF16": True, "ASM": True, "PDL": True} | inside_constants(inside)
         warps = launch.warps
     else:
         launch = triton_gemv.int4_launch(4096, 128)
         constants = {"BLOCK_N": launch.block_n, "GROUPS": launch.block_k // 128, "GROUP": 128, "EVEN": True}
-        constants |= {"HALF2": True, "BF16": True, "ASM": True, "PDL": True}
+        constants |= {"HALF2": True, "BF16": True, "ASM": True, "PDL": True} | inside_constants(inside)
         warps = launch.warps
     compiled = compile_for_h200(name, "bf16", constants, warps)
     lines = compiled.asm["ptx"].splitlines()
@@ -308,7 +395,7 @@ def test_the_int4_kernel_compiles_for_an_h200_in_each_path(dtype, half2, group, 
 
     launch = triton_gemv.int4_launch(22016, group, half2)
     constants = {"BLOCK_N": launch.block_n, "GROUPS": launch.block_k // group, "GROUP": group, "EVEN": even}
-    constants |= {"HALF2": half2, "BF16": dtype == "bf16", "ASM": True, "PDL": True}
+    constants |= {"HALF2": half2, "BF16": dtype == "bf16", "ASM": True, "PDL": True} | inside_constants("nothing")
     assert "cubin" in compile_for_h200("_int4_gemv", dtype, constants, launch.warps).asm
 
 
@@ -322,7 +409,7 @@ def test_the_int8_interleaved_kernel_compiles_for_an_h200_in_each_path(dtype, n,
 
     launch = triton_gemv.int8_launch(n, k, interleaved=True)
     constants = {"BLOCK_N": launch.block_n, "BLOCKS": launch.block_k // 64, "EVEN": k % launch.block_k == 0}
-    constants |= {"BF16": dtype == "bf16", "ASM": True, "PDL": True}
+    constants |= {"BF16": dtype == "bf16", "ASM": True, "PDL": True} | inside_constants("nothing")
     assert "cubin" in compile_for_h200("_int8_interleaved_gemv", dtype, constants, launch.warps).asm
 
 

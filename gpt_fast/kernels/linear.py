@@ -15,7 +15,9 @@ A gated MLP's ``w13`` and its activation are one kernel, ``gpt_fast::gated_gemv`
 In a layer :func:`fuses_row` takes, the norms and residual adds are no kernels of their own either
 (:class:`FusedRow`, set as :attr:`gpt_fast.model.TransformerBlock.row_kernels`): each norm is computed inside the GEMV
 after it, each residual add inside the GEMV before it. On an H200, 7B shape, 276.0 and 276.4 tok/s against 274.6 and
-274.5 (twenty-seventh session).
+274.5 (twenty-seventh session). A layer's products may be quantized (:meth:`gpt_fast.quant.linear.QuantizedLinear.row`:
+our int8 and int4 kernels with the same neighbours inside): 7B shape int8 373.9 -> 384.8 tok/s, int4 417.0 -> 427.5
+(thirty-second session).
 
 ``auto`` takes the kernel in the CUDA-graph compile modes (where PDL applies) on CUDA GPUs of compute capability 9
 or more with Triton, without ``--aot_precompile``, on one GPU or split over several (each rank's shards;
@@ -35,6 +37,7 @@ from torch import nn
 
 from gpt_fast.model import FeedForward, RMSNorm, Transformer, TransformerBlock
 from gpt_fast.quant.kernels import resolve_kernel_choice, triton_usable
+from gpt_fast.quant.linear import QuantizedLinear
 
 LINEAR_KERNELS = ("auto", "triton", "torch")
 PDL_MODES = ("reduce-overhead", "max-autotune")  # the compile modes that run decode steps in CUDA graphs
@@ -121,37 +124,52 @@ class DecodeLinear(nn.Linear):
             return FusedRow.linear(x, self)
         return F.linear(x, self.weight, self.bias)
 
+    def fuses_row(self) -> bool:
+        return True
+
+    def row(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        norm_weight: torch.Tensor | None = None,
+        eps: float = 0.0,
+        activation: str | None = None,
+    ) -> torch.Tensor:
+        """As :meth:`gpt_fast.quant.linear.QuantizedLinear.row`: ``gpt_fast::linear_gemv``, or for a gated MLP's
+        ``w13`` ``gpt_fast::gated_gemv``."""
+        if activation is not None:
+            return torch.ops.gpt_fast.gated_gemv(x, self.weight, activation, norm_weight, eps)
+        return torch.ops.gpt_fast.linear_gemv(x, self.weight, self.bias, residual, norm_weight, eps)
+
 
 class FusedRow:
-    """The products of one row ``x`` [..., K] as ``gpt_fast::linear_gemv`` and ``gpt_fast::gated_gemv``: what
-    :class:`DecodeLinear` calls, :attr:`gpt_fast.model.FeedForward.gated_kernel` (:meth:`gated`, ``w13`` and the
-    activation in one kernel) and :attr:`gpt_fast.model.TransformerBlock.row_kernels` (with the norm before a
-    product and the residual add after it inside the kernel, so that neither is a kernel of its own: on an H200,
-    Llama-2-7B shape, each norm was a kernel of about 2 µs between two GEMVs, during which no weights streamed;
-    BENCHMARKS.md, twenty-sixth and twenty-seventh sessions)."""
+    """The products of one row ``x`` [..., K] each as one kernel of ours (a product's ``row``: ``linear_gemv`` and
+    ``gated_gemv`` for :class:`DecodeLinear`, ``int8_row`` and ``int4_row`` for a quantized layer that
+    :meth:`gpt_fast.quant.linear.QuantizedLinear.fuses_row`): what :class:`DecodeLinear` calls,
+    :attr:`gpt_fast.model.FeedForward.gated_kernel` (:meth:`gated`, ``w13`` and the activation in one kernel) and
+    :attr:`gpt_fast.model.TransformerBlock.row_kernels` (with the norm before a product and the residual add after
+    it inside the kernel, so that neither is a kernel of its own: on an H200, Llama-2-7B shape, each norm was a
+    kernel of about 2 µs between two GEMVs, during which no weights streamed; BENCHMARKS.md, twenty-sixth and
+    twenty-seventh sessions)."""
 
     @staticmethod
     def linear(
         x: torch.Tensor,
-        linear: nn.Linear,
+        linear: nn.Module,
         residual: torch.Tensor | None = None,
         norm: RMSNorm | None = None,
     ) -> torch.Tensor:
         """``linear`` of ``x`` (normed by ``norm``), plus ``residual`` [..., N]: [..., N]."""
-        y = torch.ops.gpt_fast.linear_gemv(
-            x.reshape(1, -1).contiguous(),
-            linear.weight,
-            linear.bias,
-            None if residual is None else residual.reshape(1, -1).contiguous(),
-            *norm_operands(norm),
-        )
-        return y.view(*x.shape[:-1], linear.out_features)
+        added = None if residual is None else residual.reshape(1, -1).contiguous()
+        y = linear.row(x.reshape(1, -1).contiguous(), added, *norm_operands(norm))
+        return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
-    def gated(x: torch.Tensor, weight: torch.Tensor, activation: str, norm: RMSNorm | None = None) -> torch.Tensor:
-        """A gated MLP's hidden state [..., I] of ``x`` (normed by ``norm``) and ``w13``'s weight [2I, K]."""
-        y = torch.ops.gpt_fast.gated_gemv(x.reshape(1, -1).contiguous(), weight, activation, *norm_operands(norm))
-        return y.view(*x.shape[:-1], weight.shape[0] // 2)
+    def gated(x: torch.Tensor, w13: nn.Module, activation: str, norm: RMSNorm | None = None) -> torch.Tensor:
+        """A gated MLP's hidden state [..., I] of ``x`` (normed by ``norm``) and its ``w13`` (gate rows, then up
+        rows)."""
+        y = w13.row(x.reshape(1, -1).contiguous(), None, *norm_operands(norm), activation)
+        return y.view(*x.shape[:-1], y.shape[-1])
 
 
 def norm_operands(norm: RMSNorm | None) -> tuple[torch.Tensor | None, float]:
@@ -159,15 +177,21 @@ def norm_operands(norm: RMSNorm | None) -> tuple[torch.Tensor | None, float]:
     return (None, 0.0) if norm is None else (norm.weight, norm.eps)
 
 
+def computes_row(product: nn.Module) -> bool:
+    """Whether :class:`FusedRow` computes ``product``'s one-row products: swapped, or quantized and computed by our
+    kernel on 16-bit activations."""
+    return isinstance(product, (DecodeLinear, QuantizedLinear)) and product.fuses_row()
+
+
 def fuses_row(block: TransformerBlock) -> bool:
     """Whether :meth:`gpt_fast.model.TransformerBlock.one_row` computes ``block``: a gated MLP, no post-norms, four
-    swapped products, norms without an offset and without a kernel of their own."""
+    products :func:`computes_row` takes, norms without an offset and without a kernel of their own."""
     attention, mlp = block.attention, block.feed_forward
     if not isinstance(mlp, FeedForward) or block.post_attention_norm is not None:
         return False
     products = (attention.wqkv, attention.wo, mlp.w13, mlp.w2)
     norms = (block.attention_norm, block.ffn_norm)
-    return all(isinstance(p, DecodeLinear) for p in products) and all(n.offset == 0 and n.kernel is None for n in norms)
+    return all(map(computes_row, products)) and all(n.offset == 0 and n.kernel is None for n in norms)
 
 
 def swap_linears(root: nn.Module, cls: type[nn.Linear]) -> None:
@@ -183,13 +207,15 @@ def swap_linears(root: nn.Module, cls: type[nn.Linear]) -> None:
 def use_linear_kernel(model: Transformer, kernel: str) -> None:
     """Give the linear layers of ``model``'s decoder layers the kernel ``kernel`` (a name
     :func:`resolve_linear_kernel` returned): ``triton``, :class:`DecodeLinear`, to each gated MLP whose ``w13``
-    it is, :meth:`FusedRow.gated`, and to each layer :func:`fuses_row` takes, :class:`FusedRow`; ``torch``, none
-    (``nn.Linear``). Quantized layers and the output head keep theirs
-    (:func:`gpt_fast.quant.linear.launch_with_pdl` gives the quantized ones PDL where this kernel is ``triton``)."""
+    :func:`computes_row` takes, :meth:`FusedRow.gated`, and to each layer :func:`fuses_row` takes,
+    :class:`FusedRow`; ``torch``, none (``nn.Linear``). Quantized layers keep their kernels, and where
+    :class:`FusedRow` computes a layer it computes their one-row products with their neighbours inside too
+    (:func:`gpt_fast.quant.linear.launch_with_pdl` gives them PDL where this kernel is ``triton``); the output
+    head keeps its kernel."""
     if kernel == "triton":
         swap_linears(model.layers, DecodeLinear)
         for module in model.layers.modules():
-            if isinstance(module, FeedForward) and isinstance(module.w13, DecodeLinear):
+            if isinstance(module, FeedForward) and computes_row(module.w13):
                 module.gated_kernel = FusedRow.gated
         for block in model.layers:
             block.row_kernels = FusedRow if fuses_row(block) else None

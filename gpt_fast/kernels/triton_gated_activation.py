@@ -1,8 +1,6 @@
 """Triton kernel for a gated MLP's hidden state in a decode step: ``act(gate) * up`` from ``w13``'s output.
 
-Rounding follows the PyTorch code (:func:`gpt_fast.model.gated`): the activation in float32, rounded to the model's
-dtype, then the product with ``up`` in float32, rounded again. ``gelu_tanh`` is GeLU's tanh approximation, written
-through ``exp`` (Triton has no portable tanh).
+Rounding follows the PyTorch code (:func:`gpt_fast.triton_row.gated`).
 
 Imported only where Triton is (:mod:`gpt_fast.kernels.gated_activation` decides); the launcher runs on CUDA tensors,
 and in Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors for the tests.
@@ -16,8 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
+from gpt_fast.triton_row import ACTIVATIONS, gated
+
 BLOCK = 1024  # hidden units per program
-ACTIVATIONS = ("silu", "gelu_tanh")
 Wrap = Callable[[Callable[..., None]], Callable[..., None]]  # torch.library.wrap_triton inside a triton_op
 
 
@@ -31,18 +30,6 @@ def _gated_activation(gate_up_ptr, out_ptr, hidden, GELU: tl.constexpr, BLOCK: t
     gate = tl.load(gate_up_ptr + row * 2 * hidden + units, inside).to(tl.float32)
     up = tl.load(gate_up_ptr + row * 2 * hidden + hidden + units, inside).to(tl.float32)
     tl.store(out_ptr + row * hidden + units, gated(gate, up, out_ptr.dtype.element_ty, GELU), inside)
-
-
-@triton.jit
-def gated(gate, up, dtype, GELU: tl.constexpr) -> tl.tensor:
-    """``act(gate) * up`` in ``dtype`` from ``gate`` and ``up`` in float32 (values of ``dtype``)."""
-    if GELU:  # x (1 + tanh(z)) / 2 = x sigmoid(2z), z = sqrt(2 / pi) (x + 0.044715 x^3): no cancellation for x < 0
-        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-        act = gate / (1.0 + tl.exp(-2.0 * inner))
-    else:
-        act = gate / (1.0 + tl.exp(-gate))
-    act = act.to(dtype).to(tl.float32)
-    return (act * up).to(dtype)
 
 
 def _unwrapped(kernel: Callable[..., None]) -> Callable[..., None]:

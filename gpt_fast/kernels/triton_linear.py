@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from gpt_fast.kernels.triton_gated_activation import ACTIVATIONS, gated
 from gpt_fast.triton_pdl import pdl_launch, wait_for_inputs
+from gpt_fast.triton_row import ACTIVATIONS, checked_norm_weight, gated, inverse_rms
 
 BLOCK_N = 4  # output channels per program
 BLOCK_K = 1024  # input columns per step (fewer for a narrower matrix)
@@ -48,18 +48,6 @@ def _activations(x_ptr, kk, K, EVEN: tl.constexpr):
     else:
         x = tl.load(x_ptr + kk, mask=kk < K, other=0.0)
     return x.to(tl.float32)
-
-
-@triton.jit
-def _inverse_rms(x_ptr, K, eps, ROW_K: tl.constexpr, NORM: tl.constexpr):
-    """With ``NORM``, ``rsqrt(mean(x**2) + eps)`` of the row ``x`` [K] in float32 (the whole row in one load: each
-    program needs it before its first product); else 1."""
-    if NORM:
-        cols = tl.arange(0, ROW_K)
-        x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-        return tl.rsqrt(tl.sum(x * x, 0) / K + eps)
-    else:
-        return 1.0
 
 
 @triton.jit
@@ -102,7 +90,7 @@ def _linear_gemv(
     kk = tl.arange(0, BLOCK_K)
     w = _weights(w_rows, rn, kk, N, K, EVEN)  # before the wait: the weights do not depend on the kernel before
     wait_for_inputs(PDL)
-    inv_rms = _inverse_rms(x_ptr, K, eps, ROW_K, NORM)
+    inv_rms = inverse_rms(x_ptr, K, eps, ROW_K, NORM)
     acc = w * _inputs(x_ptr, g_ptr, kk, K, inv_rms, EVEN, NORM)[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
@@ -142,7 +130,7 @@ def _gated_gemv(
     wg = _weights(gate_rows, rn, kk, hidden, K, EVEN)  # before the wait, as in _linear_gemv
     wu = _weights(up_rows, rn, kk, hidden, K, EVEN)
     wait_for_inputs(PDL)
-    inv_rms = _inverse_rms(x_ptr, K, eps, ROW_K, NORM)
+    inv_rms = inverse_rms(x_ptr, K, eps, ROW_K, NORM)
     x = _inputs(x_ptr, g_ptr, kk, K, inv_rms, EVEN, NORM)[None, :]
     acc_gate, acc_up = wg * x, wu * x
     for k0 in range(BLOCK_K, K, BLOCK_K):
@@ -228,11 +216,3 @@ def gated_gemv(
         **pdl_launch(x.device),
     )
     return y
-
-
-def checked_norm_weight(x: torch.Tensor, norm_weight: torch.Tensor | None, unread: torch.Tensor) -> torch.Tensor:
-    """The kernels' norm weight argument: ``norm_weight`` [K] (in ``x``'s dtype), or without a norm ``unread``."""
-    if norm_weight is None:
-        return unread
-    assert norm_weight.shape == (x.shape[1],) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
-    return norm_weight

@@ -12,7 +12,10 @@ measured 25 to 50 times slower than dequantize-then-``F.linear`` on the CPU for 
   inductor's varies with its coordinate-descent tuning (BENCHMARKS.md, eighteenth session); in 16-bit models its
   weights are repacked (:func:`int8_interleave`) and summed in float16 pairs, 3 % faster again (twenty-fifth
   session). int4: with 16-bit activations its products are summed in float16 pairs, which made it faster than
-  tinygemm on the wide Llama-2-7B matrices and the 7B step 3 % faster, 9 % with PDL (twenty-third session).
+  tinygemm on the wide Llama-2-7B matrices and the 7B step 3 % faster, 9 % with PDL (twenty-third session). In
+  the decode steps where our bf16 GEMVs run a layer's norms and residual adds inside (``FusedRow``), both kernels
+  do too, and the gated activation (``int8_row``, ``int4_row``): on an H200, 7B step int8 373.9 -> 384.8 tok/s,
+  int4 417.0 -> 427.5 (thirty-second session).
 - ``aten``: PyTorch's own weight-only kernels, ``torch.ops.aten._weight_int8pack_mm``, and for int4
   ``_weight_int4pack_mm_for_cpu`` or CUDA's tinygemm ``_weight_int4pack_mm`` (on a copy of the weights repacked
   once at load, :mod:`gpt_fast.quant.linear`). The CPU's choice: they read the weights as they are, where
@@ -81,7 +84,9 @@ def register_triton_ops() -> None:
     The first two are ``triton_op``: inductor places their kernels in its own generated code, and launches them
     without PDL. The ``_pdl`` ones are opaque ``custom_op`` that launch their kernels themselves, for the decode
     steps captured in CUDA graphs (:func:`gpt_fast.quant.linear.launch_with_pdl` asks for them), where
-    launching from Python costs nothing per step.
+    launching from Python costs nothing per step. So are ``int8_row`` and ``int4_row``, the products of a decode
+    step's row with the norm before them, the residual add or the gated activation after them inside
+    (:meth:`gpt_fast.quant.linear.QuantizedLinear.row`).
 
     Called when a layer is given the ``triton`` kernel, eagerly, before any compilation: ``torch.compile`` cannot
     trace a registration (it graph-breaks on it, and a CUDA-graph mode then fails), so the forward pass only
@@ -119,6 +124,65 @@ def register_triton_ops() -> None:
         x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
     ) -> torch.Tensor:
         return x.new_empty((x.shape[0], scales.shape[0]))
+
+    @custom_op("gpt_fast::int8_row", mutates_args=())
+    def int8_row(
+        x: torch.Tensor,
+        words: torch.Tensor,
+        scales: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor | None,
+        eps: float,
+        activation: str | None,
+    ) -> torch.Tensor:
+        inside = triton_gemv.Inside(norm_weight, eps, residual, activation)
+        return triton_gemv.int8_gemv(x, words, scales, pdl=True, inside=inside)
+
+    @int8_row.register_fake
+    def _(
+        x: torch.Tensor,
+        words: torch.Tensor,
+        scales: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor | None,
+        eps: float,
+        activation: str | None,
+    ) -> torch.Tensor:
+        return x.new_empty((x.shape[0], row_outputs(words.shape[0], activation)))
+
+    @custom_op("gpt_fast::int4_row", mutates_args=())
+    def int4_row(
+        x: torch.Tensor,
+        words: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        group_size: int,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor | None,
+        eps: float,
+        activation: str | None,
+    ) -> torch.Tensor:
+        inside = triton_gemv.Inside(norm_weight, eps, residual, activation)
+        return triton_gemv.int4_gemv(x, words, scales, zeros, group_size, pdl=True, inside=inside)
+
+    @int4_row.register_fake
+    def _(
+        x: torch.Tensor,
+        words: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        group_size: int,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor | None,
+        eps: float,
+        activation: str | None,
+    ) -> torch.Tensor:
+        return x.new_empty((x.shape[0], row_outputs(scales.shape[0], activation)))
+
+
+def row_outputs(rows: int, activation: str | None) -> int:
+    """The outputs of a product over ``rows`` weight rows: a gated MLP's ``w13`` (``activation``) gives half."""
+    return rows if activation is None else rows // 2
 
 
 def int8_linear(

@@ -46,6 +46,7 @@ class QuantizedLinear(nn.Module):
         for name, (shape, dtype) in quantized_tensors(out_features, in_features, quant, torch.float32).items():
             setattr(self, name, _frozen(shape, dtype))
         self.bias = _frozen((out_features,), torch.float32) if bias else None
+        self.in_features = in_features
         self.kernel = "dequant"
         self.pdl = False  # compiled steps launch the triton kernel with PDL (launch_with_pdl)
 
@@ -55,6 +56,26 @@ class QuantizedLinear(nn.Module):
 
     def biased(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.bias is None else y + self.bias
+
+    def fuses_row(self) -> bool:
+        """Whether :meth:`row` computes this layer's products of a decode step's row."""
+        return False
+
+    def row(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        norm_weight: torch.Tensor | None = None,
+        eps: float = 0.0,
+        activation: str | None = None,
+    ) -> torch.Tensor:
+        """The product of one row ``x`` [1, K] of a compiled decode step (where :meth:`fuses_row`) in one kernel
+        with its neighbours, so that none is a kernel of its own: the RMSNorm of ``x`` before it (``norm_weight``
+        [K], ``eps``), and after it ``residual`` [1, N] added or, for a gated MLP's ``w13`` (``activation``), the
+        activation of its gate rows times its up rows: [1, N] or [1, N / 2], each rounded as the model rounds. A
+        bias is added after the kernel: the layers that have one (Qwen2's q, k and v) take a norm only."""
+        assert self.fuses_row() and (self.bias is None or (residual is None and activation is None))
+        return self.biased(self._row(x, residual, norm_weight, eps, activation))
 
     def launch_pdl(self) -> bool:
         """Whether this call's ``triton`` kernel is launched with PDL: asked for, and in a compiled step (eager
@@ -75,6 +96,20 @@ class Int8Linear(QuantizedLinear):
         if kernel == "triton" and sixteen_bits and self.weight.shape[1] % INT8_BLOCK == 0:
             self.words = nn.Parameter(int8_interleave(self.weight), requires_grad=False)
             self.weight = None
+
+    def fuses_row(self) -> bool:
+        """The ``triton`` kernel on the repacked words (16-bit models): see :meth:`QuantizedLinear.row`."""
+        return self.kernel == "triton" and self.weight is None
+
+    def _row(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor | None,
+        eps: float,
+        activation: str | None,
+    ) -> torch.Tensor:
+        return torch.ops.gpt_fast.int8_row(x, self.words, self.scales, residual, norm_weight, eps, activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.words if self.weight is None else self.weight
@@ -129,6 +164,23 @@ class Int4Linear(QuantizedLinear):
     def _stack_scales_and_zeros(self) -> None:
         stacked = torch.stack([self.scales, self.zeros], dim=-1).transpose(0, 1).contiguous()  # [groups, N, 2]
         self.register_buffer("scales_and_zeros", stacked, persistent=False)
+
+    def fuses_row(self) -> bool:
+        """The ``triton`` kernel summing in float16 pairs (16-bit models, columns a multiple of 4): see
+        :meth:`QuantizedLinear.row`."""
+        sixteen_bits = self.scales.dtype in (torch.float16, torch.bfloat16)
+        return self.kernel == "triton" and sixteen_bits and self.in_features % 4 == 0
+
+    def _row(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor | None,
+        eps: float,
+        activation: str | None,
+    ) -> torch.Tensor:
+        group, words, scales, zeros = self.group_size, self.words, self.scales, self.zeros
+        return torch.ops.gpt_fast.int4_row(x, words, scales, zeros, group, residual, norm_weight, eps, activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [M, K]

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from gpt_fast.triton_pdl import pdl_launch, wait_for_inputs
+from gpt_fast.triton_row import ACTIVATIONS, checked_norm_weight, gated, inverse_rms
 
 
 @dataclass(frozen=True)
@@ -53,11 +54,54 @@ class Launch:
     half2: bool = False  # int4: products summed in float16 pairs (where x is 16-bit)
 
 
+@dataclass(frozen=True, eq=False)
+class Inside:
+    """What a decode step's product takes inside its kernel besides the product, so that none is a kernel of its
+    own (:func:`_int4_gemv`): the RMSNorm of its input (``norm_weight`` [K], ``eps``), the residual [M, N] added
+    to it, or (``activation``, ``silu`` or ``gelu_tanh``) a gated MLP's activation of its gate and up rows."""
+
+    norm_weight: torch.Tensor | None = None
+    eps: float = 0.0
+    residual: torch.Tensor | None = None
+    activation: str | None = None
+
+    def empty(self) -> bool:
+        return self.norm_weight is None and self.residual is None and self.activation is None
+
+    def arguments(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, object]:
+        """The kernels' arguments for ``x`` [M, K] and the output ``y``."""
+        residual, activation = self.residual, self.activation
+        assert activation is None or (activation in ACTIVATIONS and residual is None)
+        assert residual is None or (
+            residual.shape == y.shape and residual.is_contiguous() and residual.dtype == x.dtype
+        )
+        return {
+            "r_ptr": y if residual is None else residual,  # not read without a residual
+            "g_ptr": checked_norm_weight(x, self.norm_weight, y),
+            "eps": self.eps,
+            "NORM": self.norm_weight is not None,
+            "RESIDUAL": residual is not None,
+            "GATED": activation is not None,
+            "GELU": activation == "gelu_tanh",
+            "ROW_K": triton.next_power_of_2(x.shape[1]),
+        }
+
+
+NOTHING_INSIDE = Inside()
+
+
 @triton.jit
-def _program_rows(M, BLOCK_N: tl.constexpr):
-    """This program's activation row and output channels [BLOCK_N] (programs numbered row-fastest)."""
+def _program_rows(M, N, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
+    """This program's activation row and weight rows [BLOCK_N] (programs numbered row-fastest): ``BLOCK_N``
+    consecutive rows, or with ``GATED`` (a gated MLP's ``w13`` of N rows, gate rows then up rows) the gate and the
+    up row of each of ``BLOCK_N / 2`` consecutive hidden units, in pairs."""
     pid = tl.program_id(0)
-    return pid % M, (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if GATED:
+        j = tl.arange(0, BLOCK_N)
+        rows = (pid // M) * (BLOCK_N // 2) + j // 2 + (j % 2) * (N // 2)
+    else:
+        rows = (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pid % M, rows
 
 
 @triton.jit
@@ -91,10 +135,50 @@ def _int8_word_step(packed, x_row, word, kw, ONE_SIGN, acc, x_sum, EVEN: tl.cons
 
 
 @triton.jit
-def _store_int8(y_ptr, s_ptr, m, N, rn, acc):
-    """Reduce the per-weight partial products [BLOCK_N, ...] of int8 rows, scale, store."""
+def _store_rows(
+    y_ptr,
+    r_ptr,
+    m,
+    N,
+    rn,
+    y,
+    RESIDUAL: tl.constexpr,
+    GATED: tl.constexpr,
+    GELU: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Store row ``m``'s products ``y`` [BLOCK_N] (float32) of the weight rows ``rn`` into ``y`` [M, N] in its
+    dtype; with ``RESIDUAL``, each rounded and added to ``r`` [M, N], rounded again; with ``GATED`` (rows from
+    :func:`_program_rows`), ``act(gate) * up`` of each pair, each rounded first (as the model's ``w13`` output is),
+    into ``y`` [M, N / 2]."""
+    dtype = y_ptr.dtype.element_ty
+    if GATED:
+        gate, up = tl.split(tl.reshape(y.to(dtype).to(tl.float32), (BLOCK_N // 2, 2)))
+        units, _ = tl.split(tl.reshape(rn, (BLOCK_N // 2, 2)))  # a unit's gate row is the unit
+        tl.store(y_ptr + m * (N // 2) + units, gated(gate, up, dtype, GELU), mask=units < N // 2)
+    else:
+        if RESIDUAL:
+            y = y.to(dtype).to(tl.float32) + tl.load(r_ptr + m * N + rn, mask=rn < N, other=0.0).to(tl.float32)
+        tl.store(y_ptr + m * N + rn, y.to(dtype), mask=rn < N)
+
+
+@triton.jit
+def _store_int8(
+    y_ptr,
+    s_ptr,
+    r_ptr,
+    m,
+    N,
+    rn,
+    acc,
+    RESIDUAL: tl.constexpr,
+    GATED: tl.constexpr,
+    GELU: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Reduce the per-weight partial products [BLOCK_N, ...] of int8 rows, scale, store (:func:`_store_rows`)."""
     scales = tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-    tl.store(y_ptr + m * N + rn, (tl.sum(acc, axis=1) * scales).to(y_ptr.dtype.element_ty), mask=rn < N)
+    _store_rows(y_ptr, r_ptr, m, N, rn, tl.sum(acc, axis=1) * scales, RESIDUAL, GATED, GELU, BLOCK_N)
 
 
 @triton.jit
@@ -119,7 +203,7 @@ def _int8_gemv(
     with ``ONE_SIGN`` (an argument, held in a register), a shift and that operation per weight, no conversion and no
     subtraction. The row's sum is then ``256 * sum(v x) - 384 * sum(x)``. The first step's words are loaded before
     the wait for the activations (``PDL``, :mod:`gpt_fast.triton_pdl`)."""
-    m, rn = _program_rows(M, BLOCK_N)
+    m, rn = _program_rows(M, N, BLOCK_N, False)
     x_row = x_ptr + m * K
     if AS_WORDS:
         WORDS: tl.constexpr = BLOCK_K // 4
@@ -135,7 +219,7 @@ def _int8_gemv(
             word = w0 + tl.arange(0, WORDS)
             packed = _int8_words(w_rows, rn, word, N, kw, EVEN)
             acc, x_sum = _int8_word_step(packed, x_row, word, kw, ONE_SIGN, acc, x_sum, EVEN)
-        _store_int8(y_ptr, s_ptr, m, N, rn, 256.0 * acc - 384.0 * x_sum[None, :])
+        _store_int8(y_ptr, s_ptr, y_ptr, m, N, rn, 256.0 * acc - 384.0 * x_sum[None, :], False, False, False, BLOCK_N)
     else:
         wait_for_inputs(PDL)
         w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
@@ -145,7 +229,7 @@ def _int8_gemv(
             x = _load(x_row + kk, kk < K, EVEN).to(tl.float32)
             w = _load(w_rows + kk[None, :], (rn[:, None] < N) & (kk[None, :] < K), EVEN)
             acc += w.to(tl.float32) * x[None, :]
-        _store_int8(y_ptr, s_ptr, m, N, rn, acc)
+        _store_int8(y_ptr, s_ptr, y_ptr, m, N, rn, acc, False, False, False, BLOCK_N)
 
 
 def _ptx(*lines: str) -> tl.constexpr:
@@ -264,6 +348,30 @@ def _float16_quad(quad, BF16: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _normed_quad(quad, g_quad, inv_rms, BF16: tl.constexpr):
+    """Four 16-bit activations (64 bits) RMS-normed as :func:`gpt_fast.model.rms_norm` rounds: each times
+    ``inv_rms``, rounded to their dtype, times its norm weight (of ``g_quad``), rounded again; 64 bits of that
+    dtype, so that what follows is the product of the norm's output."""
+    kind: tl.constexpr = tl.bfloat16 if BF16 else tl.float16
+    out = tl.zeros_like(quad)
+    for i in tl.static_range(4):
+        normed = (_activation(quad, i, BF16) * inv_rms).to(kind).to(tl.float32)
+        value = (normed * _activation(g_quad, i, BF16)).to(kind)
+        out = out | ((value.to(tl.int16, bitcast=True).to(tl.int64) & 0xFFFF) << (16 * i))
+    return out
+
+
+@triton.jit
+def _input_quads(x_quads, g_quads, mask, inv_rms, EVEN: tl.constexpr, BF16: tl.constexpr, NORM: tl.constexpr):
+    """The 64-bit quads of activations at ``x_quads``, or with ``NORM`` of their RMSNorm (:func:`_normed_quad`,
+    the norm's weights at ``g_quads``)."""
+    quad = _load(x_quads, mask, EVEN)
+    if NORM:
+        quad = _normed_quad(quad, _load(g_quads, mask, EVEN), inv_rms, BF16)
+    return quad
+
+
+@triton.jit
 def _scaled_pair(q_low, q_high, pair, SCALE: tl.constexpr):
     """``q_low / SCALE`` and ``q_high / SCALE`` times their float16 activation ``pair``, summed, in float16: the
     arithmetic of the float16-pairs PTX, for Triton's interpreter (which runs no PTX)."""
@@ -291,6 +399,8 @@ def _word_dot(word, p0, p1, p2, p3):
 def _half2_step(
     packed,
     x_quads,
+    g_quads,
+    inv_rms,
     col,
     K,
     scales,
@@ -300,14 +410,15 @@ def _half2_step(
     EVEN: tl.constexpr,
     BF16: tl.constexpr,
     ASM: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     """One step of :func:`_int4_gemv` in float16 pairs: the word pairs ``packed`` [G, BLOCK_N, HALF] against the
     activations at ``x_quads`` [G, 1, HALF] (64 bits each: pair k of both words at ``+ k * HALF``, its first column
-    ``col + 4 k HALF``); the new ``acc``."""
-    q0 = _load(x_quads, col < K, EVEN)
-    q1 = _load(x_quads + HALF, col + 4 * HALF < K, EVEN)
-    q2 = _load(x_quads + 2 * HALF, col + 8 * HALF < K, EVEN)
-    q3 = _load(x_quads + 3 * HALF, col + 12 * HALF < K, EVEN)
+    ``col + 4 k HALF``), with ``NORM`` normed (:func:`_input_quads`); the new ``acc``."""
+    q0 = _input_quads(x_quads, g_quads, col < K, inv_rms, EVEN, BF16, NORM)
+    q1 = _input_quads(x_quads + HALF, g_quads + HALF, col + 4 * HALF < K, inv_rms, EVEN, BF16, NORM)
+    q2 = _input_quads(x_quads + 2 * HALF, g_quads + 2 * HALF, col + 8 * HALF < K, inv_rms, EVEN, BF16, NORM)
+    q3 = _input_quads(x_quads + 3 * HALF, g_quads + 3 * HALF, col + 12 * HALF < K, inv_rms, EVEN, BF16, NORM)
     x_sum = (_quad_sum(q0, BF16) + _quad_sum(q1, BF16)) + (_quad_sum(q2, BF16) + _quad_sum(q3, BF16))
     h0 = _float16_quad(q0, BF16, ASM)
     h1 = _float16_quad(q1, BF16, ASM)
@@ -366,6 +477,8 @@ def _int4_step(
     x_row,
     s_ptr,
     z_ptr,
+    g_ptr,
+    inv_rms,
     rows,
     g,
     re,
@@ -379,9 +492,11 @@ def _int4_step(
     HALF2: tl.constexpr,
     BF16: tl.constexpr,
     ASM: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     """One step of :func:`_int4_gemv` over the word pairs ``packed`` [G, BLOCK_N, HALF] of groups ``g`` [G, 1, 1]
-    and channels ``rows`` [1, BLOCK_N, 1]: the new ``acc``."""
+    and channels ``rows`` [1, BLOCK_N, 1] (with ``NORM``, of the activations' RMSNorm, whose weights are at
+    ``g_ptr``: float16 pairs only): the new ``acc``."""
     HALF: tl.constexpr = GROUP // 16  # word pairs per row and group
     at = rows * NG + g  # [G, BLOCK_N, 1]
     inside = (rows < N) & (g < NG)
@@ -389,8 +504,10 @@ def _int4_step(
     zeros = _load(z_ptr + at, inside, EVEN).to(tl.float32)
     col = g * GROUP + 4 * re  # [G, 1, HALF]: the column of each pair's first word's nibble 0
     if HALF2:
-        x_quads = x_row.to(tl.pointer_type(tl.int64)) + g * (GROUP // 4) + re
-        acc = _half2_step(packed, x_quads, col, K, scales, zeros, acc, HALF, EVEN, BF16, ASM)
+        quads = g * (GROUP // 4) + re
+        x_quads = x_row.to(tl.pointer_type(tl.int64)) + quads
+        g_quads = g_ptr.to(tl.pointer_type(tl.int64)) + quads
+        acc = _half2_step(packed, x_quads, g_quads, inv_rms, col, K, scales, zeros, acc, HALF, EVEN, BF16, ASM, NORM)
     else:
         acc = _float_step(packed, x_row + col, col, K, ONE, scales, zeros, acc, 2 * HALF, EVEN)
     return acc
@@ -403,11 +520,14 @@ def _int4_gemv(
     s_ptr,
     z_ptr,
     y_ptr,
+    r_ptr,
+    g_ptr,
     M,
     N,
     K,
     NG,
     ONE,
+    eps,
     BLOCK_N: tl.constexpr,
     GROUPS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -415,6 +535,11 @@ def _int4_gemv(
     HALF2: tl.constexpr,
     BF16: tl.constexpr,
     ASM: tl.constexpr,
+    NORM: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    GATED: tl.constexpr,
+    GELU: tl.constexpr,
+    ROW_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """int4 weights in the words of :func:`gpt_fast.quant.kernels.group_interleave`, read two at a time as 64-bit
@@ -432,8 +557,13 @@ def _int4_gemv(
     exponent bits take one logical instruction, where two constants take two); the sum is then ``128 s * sum(v x)
     + (zero - 136 s) * sum(x)``.
 
+    A decode step's row can come with its neighbours inside (``HALF2`` only): the RMSNorm before the product
+    (``NORM``, weights ``g``, epsilon ``eps``; :func:`_input_quads`), the residual added after it (``RESIDUAL``,
+    ``r``) or a gated MLP's activation after ``w13`` (``GATED``; :func:`_store_rows`), so that none is a kernel of
+    its own.
+
     The first step's words are loaded before the wait for the activations (``PDL``, :mod:`gpt_fast.triton_pdl`)."""
-    m, rn = _program_rows(M, BLOCK_N)
+    m, rn = _program_rows(M, N, BLOCK_N, GATED)
     HALF: tl.constexpr = GROUP // 16  # word pairs per row and group
     rg = tl.arange(0, GROUPS)[:, None, None]
     rows = rn[None, :, None]
@@ -443,13 +573,56 @@ def _int4_gemv(
     acc = tl.zeros((GROUPS, BLOCK_N, HALF), dtype=tl.float32)
     packed = _load(w_tile, (rg < NG) & (rows < N), EVEN)  # [GROUPS, BLOCK_N, HALF]
     wait_for_inputs(PDL)
-    acc = _int4_step(packed, x_row, s_ptr, z_ptr, rows, rg, re, N, K, NG, ONE, acc, GROUP, EVEN, HALF2, BF16, ASM)
+    inv_rms = inverse_rms(x_row, K, eps, ROW_K, NORM)
+    acc = _int4_step(
+        packed,
+        x_row,
+        s_ptr,
+        z_ptr,
+        g_ptr,
+        inv_rms,
+        rows,
+        rg,
+        re,
+        N,
+        K,
+        NG,
+        ONE,
+        acc,
+        GROUP,
+        EVEN,
+        HALF2,
+        BF16,
+        ASM,
+        NORM,
+    )
     for g0 in range(GROUPS, NG, GROUPS):
         g = g0 + rg
         packed = _load(w_tile + g0 * HALF, (g < NG) & (rows < N), EVEN)
-        acc = _int4_step(packed, x_row, s_ptr, z_ptr, rows, g, re, N, K, NG, ONE, acc, GROUP, EVEN, HALF2, BF16, ASM)
+        acc = _int4_step(
+            packed,
+            x_row,
+            s_ptr,
+            z_ptr,
+            g_ptr,
+            inv_rms,
+            rows,
+            g,
+            re,
+            N,
+            K,
+            NG,
+            ONE,
+            acc,
+            GROUP,
+            EVEN,
+            HALF2,
+            BF16,
+            ASM,
+            NORM,
+        )
     y = tl.sum(tl.sum(acc, axis=2), axis=0)
-    tl.store(y_ptr + m * N + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
+    _store_rows(y_ptr, r_ptr, m, N, rn, y, RESIDUAL, GATED, GELU, BLOCK_N)
 
 
 # One 64-bit element of int8_interleave ($2: two words of four bytes q + 128) against its activations as float16
@@ -494,12 +667,28 @@ def _byte_products(word, j: tl.constexpr, pair):
 
 
 @triton.jit
-def _interleaved_step(packed, x_row, b, re, NB, acc, EVEN: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr):
+def _interleaved_step(
+    packed,
+    x_row,
+    g_ptr,
+    inv_rms,
+    b,
+    re,
+    NB,
+    acc,
+    EVEN: tl.constexpr,
+    BF16: tl.constexpr,
+    ASM: tl.constexpr,
+    NORM: tl.constexpr,
+):
     """One step of :func:`_int8_interleaved_gemv` over the elements ``packed`` [B, BLOCK_N, 8] of blocks ``b`` [B,
-    1, 1]: the new ``acc`` (sums of ``(q / 256) x``)."""
-    x_quads = x_row.to(tl.pointer_type(tl.int64)) + b * 16 + re  # [B, 1, 8]: each element's first word's quad
-    low = _float16_quad(_load(x_quads, b < NB, EVEN), BF16, ASM)
-    high = _float16_quad(_load(x_quads + 8, b < NB, EVEN), BF16, ASM)  # and its second word's
+    1, 1] (with ``NORM``, of the activations' RMSNorm, whose weights are at ``g_ptr``): the new ``acc`` (sums of
+    ``(q / 256) x``)."""
+    quads = b * 16 + re  # [B, 1, 8]: each element's first word's quad
+    x_quads = x_row.to(tl.pointer_type(tl.int64)) + quads
+    g_quads = g_ptr.to(tl.pointer_type(tl.int64)) + quads
+    low = _float16_quad(_input_quads(x_quads, g_quads, b < NB, inv_rms, EVEN, BF16, NORM), BF16, ASM)
+    high = _float16_quad(_input_quads(x_quads + 8, g_quads + 8, b < NB, inv_rms, EVEN, BF16, NORM), BF16, ASM)
     if ASM:
         acc = tl.inline_asm_elementwise(
             _BYTE_PAIRS_PTX, "=r,r,l,l,l", [acc, packed, low, high], dtype=tl.float32, is_pure=True, pack=1
@@ -521,14 +710,22 @@ def _int8_interleaved_gemv(
     w_ptr,
     s_ptr,
     y_ptr,
+    r_ptr,
+    g_ptr,
     M,
     N,
     K,
+    eps,
     BLOCK_N: tl.constexpr,
     BLOCKS: tl.constexpr,
     EVEN: tl.constexpr,
     BF16: tl.constexpr,
     ASM: tl.constexpr,
+    NORM: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    GATED: tl.constexpr,
+    GELU: tl.constexpr,
+    ROW_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """16-bit activations against int8 weights in the words of :func:`gpt_fast.quant.kernels.int8_interleave`,
@@ -537,10 +734,11 @@ def _int8_interleaved_gemv(
     A step's tile is [BLOCKS, BLOCK_N, 8 elements], as int4's [groups, rows, word pairs]: the activations, loaded
     [BLOCKS, 1, 8] as 64-bit quads, are converted to float16 once for all the rows a thread holds; the products
     are summed in float16 pairs (:data:`_BYTE_PAIRS_PTX`), one partial sum per element, reduced once at the end and
-    scaled by the row's scale.
+    scaled by the row's scale. A decode step's norm, residual add or gated activation comes inside as in
+    :func:`_int4_gemv`.
 
     The first step's words are loaded before the wait for the activations (``PDL``, :mod:`gpt_fast.triton_pdl`)."""
-    m, rn = _program_rows(M, BLOCK_N)
+    m, rn = _program_rows(M, N, BLOCK_N, GATED)
     NB = K // 64
     rb = tl.arange(0, BLOCKS)[:, None, None]
     rows = rn[None, :, None]
@@ -550,18 +748,20 @@ def _int8_interleaved_gemv(
     acc = tl.zeros((BLOCKS, BLOCK_N, 8), dtype=tl.float32)
     packed = _load(w_tile, (rb < NB) & (rows < N), EVEN)  # [BLOCKS, BLOCK_N, 8]
     wait_for_inputs(PDL)
-    acc = _interleaved_step(packed, x_row, rb, re, NB, acc, EVEN, BF16, ASM)
+    inv_rms = inverse_rms(x_row, K, eps, ROW_K, NORM)
+    acc = _interleaved_step(packed, x_row, g_ptr, inv_rms, rb, re, NB, acc, EVEN, BF16, ASM, NORM)
     for b0 in range(BLOCKS, NB, BLOCKS):
         b = b0 + rb
         packed = _load(w_tile + b0 * 8, (b < NB) & (rows < N), EVEN)
-        acc = _interleaved_step(packed, x_row, b, re, NB, acc, EVEN, BF16, ASM)
-    _store_int8(y_ptr, s_ptr, m, N, rn, tl.sum(acc, axis=0) * INT8_SCALE)
+        acc = _interleaved_step(packed, x_row, g_ptr, inv_rms, b, re, NB, acc, EVEN, BF16, ASM, NORM)
+    y = tl.sum(acc, axis=0) * INT8_SCALE
+    _store_int8(y_ptr, s_ptr, r_ptr, m, N, rn, y, RESIDUAL, GATED, GELU, BLOCK_N)
 
 
 ONE_SIGN_BITS = 0x3FC00000  # the float 1.0 and the sign bit of a byte at bits 15-22 (see _int8_gemv)
 
 
-def int8_launch(n: int, k: int, interleaved: bool = False) -> Launch:
+def int8_launch(n: int, k: int, interleaved: bool = False, inside: Inside | None = None) -> Launch:
     """The tile for an [n, k] int8 matrix:
 
     - as it is: 8 rows of up to 2048 columns per program (read as int32 words), 4 warps; the best single tile of
@@ -572,7 +772,13 @@ def int8_launch(n: int, k: int, interleaved: bool = False) -> Launch:
       columns per step, 4 warps (each thread reading 16 bytes of each row per step), the best single tile of the
       twenty-fifth session's sweep: in one run, 62.5 us for a Llama-2-7B layer against 64.7 for the matrix as it
       is, 57.2 against 60.4 for Llama-3-8B's three largest; within 8 % of each matrix's own best tile but for the
-      7B ``w2`` (17.1 us in the sweep, against 14.7 with 4096 columns per step)."""
+      7B ``w2`` (17.1 us in the sweep, against 14.7 with 4096 columns per step);
+    - interleaved with a norm ``inside``: each program normalizes its activations itself, so more rows share that
+      work: 8 rows, or 16 for a gated MLP's ``w13`` (half of them gate rows). On an H200 (thirty-second session),
+      Llama-2-7B ``wqkv`` with the norm 15.4 us against 17.4 with 4 rows (14.1 without the norm), ``w13`` with the
+      norm and the activation 26.0 against 29.9 (23.3 without either)."""
+    if interleaved and inside is not None and inside.norm_weight is not None:
+        return Launch(16 if inside.activation else 8, 2048, 4)
     if interleaved:
         return Launch(4, 2048, 4)
     return Launch(8, min(2048, triton.next_power_of_2(k)), 4, words=True)
@@ -585,12 +791,14 @@ def _unwrapped(kernel: Callable[..., None]) -> Callable[..., None]:
     return kernel
 
 
-def _prelude(x: torch.Tensor, n: int, launch: Launch) -> tuple[torch.Tensor, tuple[int], bool, bool]:
-    """What both GEMVs set up for ``x`` [M, K] and ``n`` outputs: the output [M, N], the grid (one program per row
-    and block of outputs), whether the blocks tile K and N exactly, and whether int8 weights are read as int32
-    words."""
+def _prelude(
+    x: torch.Tensor, n: int, launch: Launch, gated: bool = False
+) -> tuple[torch.Tensor, tuple[int], bool, bool]:
+    """What both GEMVs set up for ``x`` [M, K] and ``n`` weight rows: the output [M, N] (``gated``: [M, N / 2]),
+    the grid (one program per row and block of weight rows), whether the blocks tile K and N exactly, and whether
+    int8 weights are read as int32 words."""
     m, k = x.shape
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, n // 2 if gated else n), dtype=x.dtype, device=x.device)
     even = k % launch.block_k == 0 and n % launch.block_n == 0
     grid = (m * triton.cdiv(n, launch.block_n),)
     return y, grid, even, launch.words and k % 8 == 0
@@ -603,16 +811,19 @@ def int8_gemv(
     launch: Launch | None = None,
     wrap: Wrap = _unwrapped,
     pdl: bool = False,
+    inside: Inside = NOTHING_INSIDE,
 ) -> torch.Tensor:
     """``x`` [M, K] @ (int8 matrix × ``scales`` [N]).T -> [M, N] in ``x``'s dtype, ``weight`` the matrix [N, K]
     (int8), or for 16-bit ``x`` its words [N, K / 4] (int32, from :func:`gpt_fast.quant.kernels.int8_interleave`);
-    ``pdl``: launched with programmatic dependent launch where the GPU has it."""
+    ``pdl``: launched with programmatic dependent launch where the GPU has it; ``inside`` (words only): what else
+    the kernel computes (a gated one returns [M, N / 2])."""
     m, k = x.shape
     n = weight.shape[0]
     interleaved = weight.dtype == torch.int32
     assert not interleaved or x.dtype != torch.float32, "interleaved int8 words take 16-bit activations"
-    launch = launch or int8_launch(n, k, interleaved)
-    y, grid, even, words = _prelude(x, n, launch)
+    assert interleaved or inside.empty(), "only the interleaved words' kernel computes more inside"
+    launch = launch or int8_launch(n, k, interleaved, inside)
+    y, grid, even, words = _prelude(x, n, launch, inside.activation is not None)
     common = {"BLOCK_N": launch.block_n, "EVEN": even, "num_warps": launch.warps, **pdl_launch(x.device, pdl)}
     if interleaved:
         wrap(_int8_interleaved_gemv)[grid](
@@ -620,12 +831,13 @@ def int8_gemv(
             weight,
             scales,
             y,
-            m,
-            n,
-            k,
+            M=m,
+            N=n,
+            K=k,
             BLOCKS=launch.block_k // 64,
             BF16=x.dtype == torch.bfloat16,
             ASM=x.is_cuda,
+            **inside.arguments(x, y),
             **common,
         )
     else:
@@ -675,25 +887,28 @@ def int4_gemv(
     launch: Launch | None = None,
     wrap: Wrap = _unwrapped,
     pdl: bool = False,
+    inside: Inside = NOTHING_INSIDE,
 ) -> torch.Tensor:
     """``x`` [M, K] @ dequantized(``words`` [N, G * group_size / 8] int32, ``scales``/``zeros`` [N, G]).T ->
-    [M, N]; ``words`` from :func:`gpt_fast.quant.kernels.group_interleave`; ``pdl`` as for :func:`int8_gemv`."""
+    [M, N]; ``words`` from :func:`gpt_fast.quant.kernels.group_interleave`; ``pdl`` and ``inside`` (float16 pairs
+    only) as for :func:`int8_gemv`."""
     m, k = x.shape
     n, n_groups = scales.shape
     half2 = x.dtype != torch.float32 and k % 4 == 0  # 16-bit activations, read four at a time: float16 pairs
     launch = launch or int4_launch(n, group_size, half2)
-    y, grid, even, _ = _prelude(x, n, launch)
+    assert (launch.half2 and half2) or inside.empty(), "only float16 pairs compute more inside"
+    y, grid, even, _ = _prelude(x, n, launch, inside.activation is not None)
     wrap(_int4_gemv)[grid](
         x,
         words,
         scales,
         zeros,
         y,
-        m,
-        n,
-        k,
-        n_groups,
-        ONE_BITS,
+        M=m,
+        N=n,
+        K=k,
+        NG=n_groups,
+        ONE=ONE_BITS,
         BLOCK_N=launch.block_n,
         GROUPS=launch.block_k // group_size,
         GROUP=group_size,
@@ -701,6 +916,7 @@ def int4_gemv(
         HALF2=launch.half2 and half2,
         BF16=x.dtype == torch.bfloat16,
         ASM=x.is_cuda,
+        **inside.arguments(x, y),
         num_warps=launch.warps,
         **pdl_launch(x.device, pdl),
     )
