@@ -470,8 +470,9 @@ def _attend(
     assert rows.q.stride(-1) == rows.k.stride(-1) == rows.v.stride(-1) == 1 and kv.is_contiguous()
     group, half = n_head // n_kv, head_dim // 2
     launch = launch or decode_launch(group, head_dim, n_kv)
-    capped = triton.cdiv(max_len, launch.split_len) > launch.max_splits
-    splits = launch.max_splits if capped else triton.cdiv(max_len, launch.split_len)
+    needed = triton.cdiv(max_len, launch.split_len)
+    capped = needed > launch.max_splits
+    splits = min(needed, launch.max_splits)
     out = torch.empty((n_rows, n_head, head_dim), dtype=rows.q.dtype, device=rows.q.device)
     partials = [out, out, out]  # unused with one split
     if splits > 1:  # each split's maximum and sum [R * H, splits] and weighted sum of values [R * H, splits, D]

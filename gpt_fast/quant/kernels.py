@@ -148,7 +148,7 @@ def register_triton_ops() -> None:
         eps: float,
         activation: str | None,
     ) -> torch.Tensor:
-        return x.new_empty((x.shape[0], row_outputs(words.shape[0], activation)))
+        return x.new_empty((x.shape[0], triton_gemv.outputs(words.shape[0], activation)))
 
     @custom_op("gpt_fast::int4_row", mutates_args=())
     def int4_row(
@@ -177,12 +177,7 @@ def register_triton_ops() -> None:
         eps: float,
         activation: str | None,
     ) -> torch.Tensor:
-        return x.new_empty((x.shape[0], row_outputs(scales.shape[0], activation)))
-
-
-def row_outputs(rows: int, activation: str | None) -> int:
-    """The outputs of a product over ``rows`` weight rows: a gated MLP's ``w13`` (``activation``) gives half."""
-    return rows if activation is None else rows // 2
+        return x.new_empty((x.shape[0], triton_gemv.outputs(scales.shape[0], activation)))
 
 
 def int8_linear(

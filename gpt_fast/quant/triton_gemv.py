@@ -761,7 +761,7 @@ def _int8_interleaved_gemv(
 ONE_SIGN_BITS = 0x3FC00000  # the float 1.0 and the sign bit of a byte at bits 15-22 (see _int8_gemv)
 
 
-def int8_launch(n: int, k: int, interleaved: bool = False, inside: Inside | None = None) -> Launch:
+def int8_launch(n: int, k: int, interleaved: bool = False, inside: Inside = NOTHING_INSIDE) -> Launch:
     """The tile for an [n, k] int8 matrix:
 
     - as it is: 8 rows of up to 2048 columns per program (read as int32 words), 4 warps; the best single tile of
@@ -777,7 +777,7 @@ def int8_launch(n: int, k: int, interleaved: bool = False, inside: Inside | None
       work: 8 rows, or 16 for a gated MLP's ``w13`` (half of them gate rows). On an H200 (thirty-second session),
       Llama-2-7B ``wqkv`` with the norm 15.4 us against 17.4 with 4 rows (14.1 without the norm), ``w13`` with the
       norm and the activation 26.0 against 29.9 (23.3 without either)."""
-    if interleaved and inside is not None and inside.norm_weight is not None:
+    if interleaved and inside.norm_weight is not None:
         return Launch(16 if inside.activation else 8, 2048, 4)
     if interleaved:
         return Launch(4, 2048, 4)
@@ -791,14 +791,19 @@ def _unwrapped(kernel: Callable[..., None]) -> Callable[..., None]:
     return kernel
 
 
+def outputs(rows: int, activation: str | None) -> int:
+    """The outputs of a product over ``rows`` weight rows: a gated MLP's ``w13`` (``activation``) gives half."""
+    return rows if activation is None else rows // 2
+
+
 def _prelude(
-    x: torch.Tensor, n: int, launch: Launch, gated: bool = False
+    x: torch.Tensor, n: int, launch: Launch, activation: str | None = None
 ) -> tuple[torch.Tensor, tuple[int], bool, bool]:
-    """What both GEMVs set up for ``x`` [M, K] and ``n`` weight rows: the output [M, N] (``gated``: [M, N / 2]),
-    the grid (one program per row and block of weight rows), whether the blocks tile K and N exactly, and whether
-    int8 weights are read as int32 words."""
+    """What both GEMVs set up for ``x`` [M, K] and ``n`` weight rows: the output [M, :func:`outputs`], the grid
+    (one program per row and block of weight rows), whether the blocks tile K and N exactly, and whether int8
+    weights are read as int32 words."""
     m, k = x.shape
-    y = torch.empty((m, n // 2 if gated else n), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, outputs(n, activation)), dtype=x.dtype, device=x.device)
     even = k % launch.block_k == 0 and n % launch.block_n == 0
     grid = (m * triton.cdiv(n, launch.block_n),)
     return y, grid, even, launch.words and k % 8 == 0
@@ -823,7 +828,7 @@ def int8_gemv(
     assert not interleaved or x.dtype != torch.float32, "interleaved int8 words take 16-bit activations"
     assert interleaved or inside.empty(), "only the interleaved words' kernel computes more inside"
     launch = launch or int8_launch(n, k, interleaved, inside)
-    y, grid, even, words = _prelude(x, n, launch, inside.activation is not None)
+    y, grid, even, words = _prelude(x, n, launch, inside.activation)
     common = {"BLOCK_N": launch.block_n, "EVEN": even, "num_warps": launch.warps, **pdl_launch(x.device, pdl)}
     if interleaved:
         wrap(_int8_interleaved_gemv)[grid](
@@ -897,7 +902,7 @@ def int4_gemv(
     half2 = x.dtype != torch.float32 and k % 4 == 0  # 16-bit activations, read four at a time: float16 pairs
     launch = launch or int4_launch(n, group_size, half2)
     assert (launch.half2 and half2) or inside.empty(), "only float16 pairs compute more inside"
-    y, grid, even, _ = _prelude(x, n, launch, inside.activation is not None)
+    y, grid, even, _ = _prelude(x, n, launch, inside.activation)
     wrap(_int4_gemv)[grid](
         x,
         words,
