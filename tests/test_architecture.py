@@ -43,6 +43,7 @@ QUANT_LAYERS = [
     "quant.linear",
     "quant.kernels",
     "quant.triton_gemv",
+    "quant.triton_matmul",
     "quant.gptq",
     "quant.calibrate",
 ]

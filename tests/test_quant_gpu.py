@@ -14,7 +14,7 @@ from gpt_fast.config import QuantConfig
 from gpt_fast.convert.random_init import random_weights
 from gpt_fast.engine import Engine, EngineOptions
 from gpt_fast.generate import COMPILE_MODES
-from gpt_fast.quant.kernels import INT8_BLOCK, group_interleave, int8_interleave, triton_usable
+from gpt_fast.quant.kernels import INT8_BLOCK, group_interleave, int8_interleave, resolve_kernel, triton_usable
 from gpt_fast.quant.layout import quantize_state
 from gpt_fast.quant.schemes import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 from gpt_fast.sampling import SamplingConfig
@@ -165,13 +165,41 @@ def test_a_repacked_layers_prefill_compiled_matches_a_float64_product(scheme):
         q, s, z = quantize_int4(weight, 128, torch.bfloat16)
         layer.load_state_dict({"weight": q, "scales": s, "zeros": z}, assign=True)
         matrix = dequantize_int4(q, s, z, 128)
-    layer.prepare("triton")
+    layer.prepare(resolve_kernel("triton", torch.device("cuda")))
     assert layer.weight is None
     x = torch.randn(2, 40, 4096, device="cuda", dtype=torch.bfloat16)
     expected = x.double() @ matrix.double().T
     torch._dynamo.reset()
     got = torch.compile(layer)(x).double()
     assert relative_error(got, expected) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [17, 64, 300])
+@pytest.mark.parametrize("n, k, group", [(4096, 4096, 128), (1000, 576, 32), (96, 200, 64), (22016, 4096, 256)])
+def test_a_prompts_rows_take_the_matmul_of_the_words(dtype, rows, n, k, group):
+    """More rows than a decode step's through a 16-bit layer repacked for our Triton kernels take our matrix
+    product of the words as they lie (:mod:`gpt_fast.quant.triton_matmul`), in its tile for that many rows, and
+    match a float64 product with the dequantized weights."""
+    from gpt_fast.quant.kernels import INT4_GEMV_ROWS, takes_matmul
+    from gpt_fast.quant.linear import Int4Linear, Int8Linear
+
+    torch.manual_seed(n + k + rows)
+    weight = torch.randn(n, k, device="cuda")
+    x = torch.randn(1, rows, k, device="cuda", dtype=dtype)
+    assert takes_matmul(x[0], INT4_GEMV_ROWS)
+    layer = Int4Linear(k, n, QuantConfig("int4", group), bias=False)
+    q, s, z = quantize_int4(weight, group, dtype)
+    layer.load_state_dict({"weight": q, "scales": s, "zeros": z}, assign=True)
+    layer.prepare(resolve_kernel("triton", torch.device("cuda")))
+    assert relative_error(layer(x), x.double() @ dequantize_int4(q, s, z, group).double().T) < 1e-2
+    if k % INT8_BLOCK == 0:
+        layer = Int8Linear(k, n, QuantConfig("int8"), bias=False)
+        q, s = quantize_int8(weight, dtype)
+        layer.load_state_dict({"weight": q, "scales": s}, assign=True)
+        layer.prepare(resolve_kernel("triton", torch.device("cuda")))
+        assert layer.weight is None
+        assert relative_error(layer(x), x.double() @ dequantize_int8(q, s).double().T) < 1e-2
 
 
 @pytest.mark.parametrize("rows", [1, 5])

@@ -2,8 +2,10 @@
 
 A decode step multiplies a few rows of activations (up to :data:`FEW_ROWS`) by each weight matrix, and its time
 is the time to read the weights: that is what the specialized kernels are for. More rows (a prompt, a perplexity
-window) are a matrix product, done as ``dequant`` whatever the kernel: PyTorch's own weight-only kernels were
-measured 25 to 50 times slower than dequantize-then-``F.linear`` on the CPU for 1024 rows.
+window, a batch) are a matrix product: on a CUDA GPU with our kernels' words, our Triton product
+(:mod:`gpt_fast.quant.triton_matmul`, see :func:`takes_matmul`), elsewhere ``dequant`` whatever the kernel:
+PyTorch's own weight-only kernels were measured 25 to 50 times slower than dequantize-then-``F.linear`` on the CPU
+for 1024 rows.
 
 - ``triton``: our Triton kernels (:mod:`gpt_fast.quant.triton_gemv`), on CUDA GPUs. Wrapped as
   ``torch.library.triton_op`` so that ``torch.compile`` places them in its own generated code (and CUDA graphs
@@ -77,11 +79,12 @@ def resolve_kernel(kernel: str, device: torch.device) -> str:
 
 @functools.cache
 def register_triton_ops() -> None:
-    """Register the Triton kernels as the operators ``torch.ops.gpt_fast.int8_gemv`` and ``int4_gemv``, and as
+    """Register the Triton kernels as the operators ``torch.ops.gpt_fast.int8_gemv`` and ``int4_gemv`` (and the
+    matrix products ``int8_matmul`` and ``int4_matmul``), and as
     ``int8_gemv_pdl`` and ``int4_gemv_pdl``, launched with programmatic dependent launch
     (:mod:`gpt_fast.triton_pdl`).
 
-    The first two are ``triton_op``: inductor places their kernels in its own generated code, and launches them
+    The first four are ``triton_op``: inductor places their kernels in its own generated code, and launches them
     without PDL. The ``_pdl`` ones are opaque ``custom_op`` that launch their kernels themselves, for the decode
     steps captured in CUDA graphs (:func:`gpt_fast.quant.linear.launch_with_pdl` asks for them), where
     launching from Python costs nothing per step. So are ``int8_row`` and ``int4_row``, the products of a decode
@@ -93,7 +96,7 @@ def register_triton_ops() -> None:
     calls the registered operators. Nothing happens at import."""
     from torch.library import custom_op, triton_op, wrap_triton
 
-    from gpt_fast.quant import triton_gemv
+    from gpt_fast.quant import triton_gemv, triton_matmul
 
     @triton_op("gpt_fast::int8_gemv", mutates_args=())
     def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -104,6 +107,16 @@ def register_triton_ops() -> None:
         x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
     ) -> torch.Tensor:
         return triton_gemv.int4_gemv(x, words, scales, zeros, group_size, wrap=wrap_triton)
+
+    @triton_op("gpt_fast::int8_matmul", mutates_args=())
+    def int8_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return triton_matmul.words_matmul(x, words, scales, None, 0, wrap=wrap_triton)
+
+    @triton_op("gpt_fast::int4_matmul", mutates_args=())
+    def int4_matmul(
+        x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+    ) -> torch.Tensor:
+        return triton_matmul.words_matmul(x, words, scales, zeros, group_size, wrap=wrap_triton)
 
     @custom_op("gpt_fast::int8_gemv_pdl", mutates_args=())
     def int8_gemv_pdl(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -180,6 +193,29 @@ def register_triton_ops() -> None:
         return x.new_empty((x.shape[0], triton_gemv.outputs(scales.shape[0], activation)))
 
 
+# Rows our GEMVs take where the matrix product of the words can (more take it: it reads each block of weights
+# once for all of them): the crossovers measured on an H200 over a Llama-2-7B layer (BENCHMARKS.md, thirty-third
+# session: int8 4 rows 160 us against 172, int4 12 rows 328 against 329)
+INT8_GEMV_ROWS = 3
+INT4_GEMV_ROWS = 11
+# Compiled, a prefill of more rows dequantizes the words in inductor's fused kernel and multiplies in cuBLAS: the
+# 7B int4 model's 1024-token prefill takes 29.8 ms so, where our product's kernels alone sum to about 82 ms; at 64
+# rows ours matches what a whole-matrix dequantization plus cuBLAS would cost (estimated from the bytes, the cut
+# itself not measured; thirty-third session). Eager, ours was faster at every length measured (4 to 1024 rows)
+COMPILED_MATMUL_ROWS = 64
+
+
+def takes_matmul(rows: torch.Tensor, gemv_rows: int) -> bool:
+    """Whether the product of ``rows`` [M, K] with weights kept as words (our kernels': those words exist only
+    where they run, see :func:`resolve_kernel`) is our Triton matrix product
+    (:mod:`gpt_fast.quant.triton_matmul`): 16-bit activations (the tensor cores' inputs) on a CUDA GPU, more than
+    ``gemv_rows`` of them, at most :data:`COMPILED_MATMUL_ROWS` in a compiled prefill."""
+    m = rows.shape[0]
+    sixteen_bits = rows.dtype in (torch.float16, torch.bfloat16)
+    compiled_rows = m <= COMPILED_MATMUL_ROWS or not torch.compiler.is_compiling()
+    return rows.is_cuda and sixteen_bits and m > gemv_rows and compiled_rows
+
+
 def int8_linear(
     x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, kernel: str, pdl: bool = False
 ) -> torch.Tensor:
@@ -188,13 +224,16 @@ def int8_linear(
     operator launched with PDL (see :func:`register_triton_ops`)."""
     rows = x.reshape(-1, x.shape[-1])
     few = rows.shape[0] <= FEW_ROWS
-    if kernel == "triton" and few:
+    words = weight.dtype == torch.int32
+    if kernel == "triton" and words and takes_matmul(rows, INT8_GEMV_ROWS):
+        out = torch.ops.gpt_fast.int8_matmul(interleave_columns(rows), weight, scales)
+    elif kernel == "triton" and few:
         gemv = torch.ops.gpt_fast.int8_gemv_pdl if pdl else torch.ops.gpt_fast.int8_gemv
         out = gemv(rows.contiguous(), weight, scales)
     elif kernel == "aten" and few:
         out = torch.ops.aten._weight_int8pack_mm(rows, weight, scales)
-    elif weight.dtype == torch.int32:  # the words' bytes are the columns in interleaved order: so are the rows'
-        out = F.linear(_interleave_columns(rows), weight.view(torch.uint8).to(x.dtype) - 128) * scales
+    elif words:  # the words' bytes are the columns in interleaved order: so are the rows'
+        out = F.linear(interleave_columns(rows), weight.view(torch.uint8).to(x.dtype) - 128) * scales
     else:
         out = F.linear(rows, weight.to(x.dtype)) * scales
     return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -203,7 +242,7 @@ def int8_linear(
 INT8_BLOCK = 64  # columns of a block of int8_interleave: 8 elements of two words
 
 
-def _interleave_columns(t: torch.Tensor) -> torch.Tensor:
+def interleave_columns(t: torch.Tensor) -> torch.Tensor:
     """``t`` [..., K] (K a multiple of :data:`INT8_BLOCK`) with its columns in :func:`int8_interleave`'s order: in
     each block of 64, ``4 e`` to ``4 e + 3`` then ``32 + 4 e`` to ``32 + 4 e + 3``, for e = 0 to 7."""
     halves = t.reshape(*t.shape[:-1], -1, 2, INT8_BLOCK // 8, 4)  # [..., blocks, half, element, column]
@@ -215,10 +254,10 @@ def int8_interleave(weight: torch.Tensor) -> torch.Tensor:
     :func:`gpt_fast.quant.triton_gemv.int8_gemv` reads two at a time: in each block of 64 columns, words ``2 e``
     and ``2 e + 1`` hold columns ``4 e`` to ``4 e + 3`` and ``32 + 4 e`` to ``32 + 4 e + 3``, lowest byte first,
     each byte ``q + 128`` (unsigned). A prefill multiplies these bytes as they lie by its rows' columns put in
-    the same order (:func:`_interleave_columns`, a few megabytes where undoing the interleave reads every
+    the same order (:func:`interleave_columns`, a few megabytes where undoing the interleave reads every
     weight)."""
     offset = weight.view(torch.uint8) ^ 0x80  # [N, K]: q + 128
-    return _interleave_columns(offset).contiguous().view(torch.int32)
+    return interleave_columns(offset).contiguous().view(torch.int32)
 
 
 def int4_dequantize(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -253,13 +292,20 @@ def group_interleave(weight: torch.Tensor, group_size: int) -> torch.Tensor:
     that :func:`gpt_fast.quant.triton_gemv.int4_gemv` reads (G whole groups; a shorter last group padded): word
     ``j`` of group ``g`` holds, in its nibble ``k`` (bits 4k to 4k+3, k < 4), column ``g * group_size + 2 (k *
     group_size / 8 + j)``, and in nibble ``k + 4`` the column after it."""
-    n, k = weight.shape[0], 2 * weight.shape[1]
-    groups = -(-k // group_size)
-    levels = F.pad(unpack_int4(weight), (0, groups * group_size - k))  # [N, G * group_size]
-    pairs = levels.reshape(n, groups, 4, group_size // 8, 2)  # [N, G, k, words, column of the pair]
-    nibbles = pairs.permute(0, 1, 3, 4, 2)  # [N, G, words, 8]: nibble 4 * (column of the pair) + k
+    nibbles = group_columns(unpack_int4(weight), group_size)  # [N, G * group_size]: word w's nibble i at 8 w + i
     words = pack_int4(nibbles.reshape(-1, 8))  # [N * G * words, 4]: each word's bytes, lowest first
-    return words.contiguous().view(torch.int32).reshape(n, -1)
+    return words.contiguous().view(torch.int32).reshape(weight.shape[0], -1)
+
+
+def group_columns(t: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``t`` [R, K] padded with zeros to whole groups, its columns in the order of :func:`group_interleave`'s
+    nibbles (word ``w``'s nibble ``i`` at ``8 w + i``): the levels that become the words, and the activations that
+    our matrix product multiplies by them as they lie (:mod:`gpt_fast.quant.triton_matmul`)."""
+    rows, k = t.shape
+    groups = -(-k // group_size)
+    padded = F.pad(t, (0, groups * group_size - k))  # [R, G * group_size]
+    pairs = padded.reshape(rows, groups, 4, group_size // 8, 2)  # [R, G, k, words, column of the pair]
+    return pairs.permute(0, 1, 3, 4, 2).reshape(rows, -1)  # [R, G, words, 8]: nibble 4 * (column of the pair) + k
 
 
 def group_deinterleave(words: torch.Tensor, group_size: int, cols: int) -> torch.Tensor:
@@ -273,7 +319,7 @@ def int4_words_linear(
     rows: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
 ) -> torch.Tensor:
     """``rows`` [M, K] (many) times the weight repacked for our Triton kernel, dequantized (the prefill of a layer
-    that keeps only that copy, :class:`gpt_fast.quant.linear.Int4Linear`)."""
+    that keeps only that copy, :class:`gpt_fast.quant.linear.Int4Linear`, where :func:`takes_matmul` says no)."""
     levels = group_deinterleave(words, group_size, rows.shape[-1])
     return F.linear(rows, _dequantize_levels(levels, scales, zeros, group_size).to(rows.dtype))
 

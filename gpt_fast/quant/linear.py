@@ -16,7 +16,9 @@ from torch import nn
 from gpt_fast.config import ModelConfig, QuantConfig
 from gpt_fast.quant.kernels import (
     FEW_ROWS,
+    INT4_GEMV_ROWS,
     INT8_BLOCK,
+    group_columns,
     group_interleave,
     int4_aten_linear,
     int4_linear,
@@ -25,6 +27,7 @@ from gpt_fast.quant.kernels import (
     int8_interleave,
     int8_linear,
     resolve_kernel,
+    takes_matmul,
 )
 from gpt_fast.quant.layout import quantized_linears, quantized_tensors
 from gpt_fast.quant.schemes import INT4_MID, unpack_int4
@@ -128,7 +131,7 @@ class Int4Linear(QuantizedLinear):
         on the CPU ``_weight_int4pack_mm_for_cpu``; on CUDA (bf16 only) tinygemm, ``_weight_int4pack_mm``; where
         that kernel does not take the shape or dtype, ``aten`` means ``dequant``. ``triton`` repacks the weights for
         our Triton kernel (:func:`gpt_fast.quant.kernels.group_interleave`) into ``words``, which replaces
-        ``weight`` (prefills dequantize ``words``): one copy of the weights in memory."""
+        ``weight`` (prefills read it too): one copy of the weights in memory."""
         repack = {"cpu": self._repack_cpu, "cuda": self._repack_cuda}.get(self.weight.device.type)
         if kernel == "aten" and repack is not None and repack():
             self.kernel = "aten"
@@ -185,7 +188,10 @@ class Int4Linear(QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [M, K]
         few = rows.shape[0] <= FEW_ROWS
-        if self.kernel == "aten" and few:
+        if self.kernel == "triton" and takes_matmul(rows, INT4_GEMV_ROWS):
+            group = self.group_size
+            out = torch.ops.gpt_fast.int4_matmul(group_columns(rows, group), self.words, self.scales, self.zeros, group)
+        elif self.kernel == "aten" and few:
             out = int4_aten_linear(rows, self.packed, self.scales_and_zeros, self.group_size)
         elif self.kernel == "triton" and few:
             out = int4_triton_linear(rows, self.words, self.scales, self.zeros, self.group_size, self.launch_pdl())
