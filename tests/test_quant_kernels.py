@@ -8,7 +8,6 @@ import subprocess
 import sys
 import textwrap
 
-import numpy as np
 import pytest
 import torch
 
@@ -25,6 +24,7 @@ from gpt_fast.quant.kernels import (
 )
 from gpt_fast.quant.linear import Int4Linear, Int8Linear
 from gpt_fast.quant.schemes import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8, unpack_int4
+from tests.interpreter import needs_triton, old_numpy
 
 # Relative error ||ours - exact|| / ||exact|| allowed against the float64 product: float32 arithmetic lands near
 # 1e-6; bfloat16 activations and scales (8 bits of mantissa) near 3e-3.
@@ -223,11 +223,8 @@ print(worst, worst_half2[torch.float16], worst_half2[torch.bfloat16])
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-@pytest.mark.skipif(
-    tuple(int(p) for p in np.__version__.split(".")[:2]) >= (2, 4),
-    reason="Triton 3.6's interpreter takes int() of 1-element arrays, an error since numpy 2.4",
-)
+@needs_triton
+@old_numpy
 def test_triton_kernels_in_the_interpreter():
     """The int8 kernels (the matrix as bytes and as 32-bit words; the words of ``int8_interleave``) and the int4
     kernel, ragged shapes included, run by Triton's interpreter on CPU tensors (TRITON_INTERPRET is read when the
@@ -291,11 +288,8 @@ print(json.dumps(worst))
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-@pytest.mark.skipif(
-    tuple(int(p) for p in np.__version__.split(".")[:2]) >= (2, 4),
-    reason="Triton 3.6's interpreter takes int() of 1-element arrays, an error since numpy 2.4",
-)
+@needs_triton
+@old_numpy
 def test_the_kernels_compute_a_rows_neighbours_inside_as_the_model_does():
     """Interleaved int8 and int4 in float16 pairs, in Triton's interpreter, with the RMSNorm of the activations
     before the product, the residual added after it, or a gated MLP's activation after ``w13``, against the same
@@ -343,7 +337,7 @@ def inside_constants(inside: str) -> dict[str, object]:
     return {"NORM": gated, "RESIDUAL": inside == "residual", "GATED": gated, "GELU": False, "ROW_K": 4096}
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+@needs_triton
 @pytest.mark.parametrize(
     "name, inside",
     [
@@ -385,7 +379,7 @@ def test_the_kernels_compile_for_an_h200_with_their_first_weights_loaded_before_
     assert "cubin" in compiled.asm
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+@needs_triton
 @pytest.mark.parametrize("dtype, half2", [("fp32", False), ("bf16", False), ("fp16", True), ("bf16", True)])
 @pytest.mark.parametrize("group, even", [(32, False), (256, True)])
 def test_the_int4_kernel_compiles_for_an_h200_in_each_path(dtype, half2, group, even):
@@ -399,7 +393,7 @@ def test_the_int4_kernel_compiles_for_an_h200_in_each_path(dtype, half2, group, 
     assert "cubin" in compile_for_h200("_int4_gemv", dtype, constants, launch.warps).asm
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+@needs_triton
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("n, k", [(4096, 4096), (4096, 11008)])
 def test_the_int8_interleaved_kernel_compiles_for_an_h200_in_each_path(dtype, n, k):

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from gpt_fast.quant.schemes import INT4_MID, pack_int4, unpack_int4
 
 KERNELS = ("auto", "triton", "aten", "dequant")
+SIXTEEN_BITS = (torch.float16, torch.bfloat16)  # what our float16-pairs kernels and the tensor cores multiply
 FEW_ROWS = 16  # activation rows the specialized kernels take; more are a matrix product
 
 
@@ -211,9 +212,8 @@ def takes_matmul(rows: torch.Tensor, gemv_rows: int) -> bool:
     (:mod:`gpt_fast.quant.triton_matmul`): 16-bit activations (the tensor cores' inputs) on a CUDA GPU, more than
     ``gemv_rows`` of them, at most :data:`COMPILED_MATMUL_ROWS` in a compiled prefill."""
     m = rows.shape[0]
-    sixteen_bits = rows.dtype in (torch.float16, torch.bfloat16)
     compiled_rows = m <= COMPILED_MATMUL_ROWS or not torch.compiler.is_compiling()
-    return rows.is_cuda and sixteen_bits and m > gemv_rows and compiled_rows
+    return rows.is_cuda and rows.dtype in SIXTEEN_BITS and m > gemv_rows and compiled_rows
 
 
 def int8_linear(

@@ -10,6 +10,8 @@ a kernel wants its own layout.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -18,6 +20,7 @@ from gpt_fast.quant.kernels import (
     FEW_ROWS,
     INT4_GEMV_ROWS,
     INT8_BLOCK,
+    SIXTEEN_BITS,
     group_columns,
     group_interleave,
     int4_aten_linear,
@@ -78,7 +81,12 @@ class QuantizedLinear(nn.Module):
         activation of its gate rows times its up rows: [1, N] or [1, N / 2], each rounded as the model rounds. A
         bias is added after the kernel: the layers that have one (Qwen2's q, k and v) take a norm only."""
         assert self.fuses_row() and (self.bias is None or (residual is None and activation is None))
-        return self.biased(self._row(x, residual, norm_weight, eps, activation))
+        operator, weights = self._row_kernel()
+        return self.biased(operator(x, *weights, residual, norm_weight, eps, activation))
+
+    def _row_kernel(self) -> tuple[Callable[..., torch.Tensor], tuple[torch.Tensor | int, ...]]:
+        """The operator of :meth:`row` and this layer's weights it takes before the row's neighbours."""
+        raise NotImplementedError
 
     def launch_pdl(self) -> bool:
         """Whether this call's ``triton`` kernel is launched with PDL: asked for, and in a compiled step (eager
@@ -95,7 +103,7 @@ class Int8Linear(QuantizedLinear):
         which replaces ``weight`` (prefills read it too): one copy of the weights in memory. Otherwise
         ``weight`` stays, read as it is."""
         self.kernel = kernel
-        sixteen_bits = self.scales.dtype in (torch.float16, torch.bfloat16)
+        sixteen_bits = self.scales.dtype in SIXTEEN_BITS
         if kernel == "triton" and sixteen_bits and self.weight.shape[1] % INT8_BLOCK == 0:
             self.words = nn.Parameter(int8_interleave(self.weight), requires_grad=False)
             self.weight = None
@@ -104,15 +112,8 @@ class Int8Linear(QuantizedLinear):
         """The ``triton`` kernel on the repacked words (16-bit models): see :meth:`QuantizedLinear.row`."""
         return self.kernel == "triton" and self.weight is None
 
-    def _row(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm_weight: torch.Tensor | None,
-        eps: float,
-        activation: str | None,
-    ) -> torch.Tensor:
-        return torch.ops.gpt_fast.int8_row(x, self.words, self.scales, residual, norm_weight, eps, activation)
+    def _row_kernel(self) -> tuple[Callable[..., torch.Tensor], tuple[torch.Tensor | int, ...]]:
+        return torch.ops.gpt_fast.int8_row, (self.words, self.scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.words if self.weight is None else self.weight
@@ -171,19 +172,10 @@ class Int4Linear(QuantizedLinear):
     def fuses_row(self) -> bool:
         """The ``triton`` kernel summing in float16 pairs (16-bit models, columns a multiple of 4): see
         :meth:`QuantizedLinear.row`."""
-        sixteen_bits = self.scales.dtype in (torch.float16, torch.bfloat16)
-        return self.kernel == "triton" and sixteen_bits and self.in_features % 4 == 0
+        return self.kernel == "triton" and self.scales.dtype in SIXTEEN_BITS and self.in_features % 4 == 0
 
-    def _row(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm_weight: torch.Tensor | None,
-        eps: float,
-        activation: str | None,
-    ) -> torch.Tensor:
-        group, words, scales, zeros = self.group_size, self.words, self.scales, self.zeros
-        return torch.ops.gpt_fast.int4_row(x, words, scales, zeros, group, residual, norm_weight, eps, activation)
+    def _row_kernel(self) -> tuple[Callable[..., torch.Tensor], tuple[torch.Tensor | int, ...]]:
+        return torch.ops.gpt_fast.int4_row, (self.words, self.scales, self.zeros, self.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [M, K]

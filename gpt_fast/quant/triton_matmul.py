@@ -135,13 +135,13 @@ def words_matmul(
     wrap: Callable[[Callable[..., None]], Callable[..., None]] = _unwrapped,
 ) -> torch.Tensor:
     """``x`` [M, K] (columns in the words' order) times the weights of ``words`` [N, K / values] transposed ->
-    [M, N] in ``x``'s dtype: int8 (``zeros`` None, ``group_size`` 0: per-channel ``scales`` [N]) or int4
+    [M, N] in ``x``'s dtype: int8 (``group_size`` 0, ``zeros`` None: per-channel ``scales`` [N]) or int4
     (``scales`` and ``zeros`` [N, groups])."""
     m, k = x.shape
     n = words.shape[0]
-    values = 8 if zeros is not None else 4
-    assert k == words.shape[1] * values and x.dtype == scales.dtype
-    tile = tile or tile_for(m, n, group_size if zeros is not None else 0)
+    values = 8 if group_size else 4
+    assert k == words.shape[1] * values and x.dtype == scales.dtype and (zeros is None) == (group_size == 0)
+    tile = tile or tile_for(m, n, group_size)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n),)
     wrap(_words_matmul)[grid](
@@ -153,12 +153,12 @@ def words_matmul(
         M=m,
         N=n,
         K=k,
-        NG=scales.shape[-1] if zeros is not None else 1,
+        NG=scales.shape[-1] if group_size else 1,
         BLOCK_M=tile.block_m,
         BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k,
         VALUES=values,
-        GROUP=group_size if zeros is not None else 0,
+        GROUP=group_size,
         num_warps=tile.warps,
         num_stages=tile.stages,
     )
