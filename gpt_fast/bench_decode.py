@@ -435,8 +435,9 @@ def quantized_runners(
 
 
 def torchao_runs(subject: Subject, scheme: QuantConfig) -> tuple[tuple[Run, Run], int | None]:
-    """torchao's layers on our model; the bytes they read are taken to be ours for the same scheme."""
-    runs, _ = ours_runners(subject, rework=torchao_rework(scheme))
+    """torchao's layers on our model; the bytes they read are taken to be ours for the same scheme. Its linear layers
+    stay ``torch``'s (``F.linear``, which torchao's weights dispatch): ours would hand its weights to our kernels."""
+    runs, _ = ours_runners(subject, rework=torchao_rework(scheme), linear="torch")
     return runs, scheme_bytes_per_token(subject.shape, scheme, subject.dtype)
 
 
