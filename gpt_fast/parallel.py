@@ -26,6 +26,7 @@ import dataclasses
 import datetime
 import functools
 import gc
+import importlib
 import os
 import re
 from collections.abc import Mapping
@@ -249,15 +250,16 @@ class AllGathered(nn.Module):
     """The head split by vocabulary rows: each rank's logits [..., V / N] joined into [..., V] (one all-gather).
 
     The ranks' blocks are gathered along the first dimension and laid side by side here: torch 2.11's dynamo
-    refuses to trace the functional all-gather's own rearrangement for any other dimension."""
+    refuses to trace the functional all-gather's own rearrangement for any other dimension. The group is named, as
+    :class:`AllReduced`'s is: a compiled graph that read the group itself would keep it past :func:`leave`."""
 
-    def __init__(self, layer: nn.Module, group: object, world_size: int) -> None:
+    def __init__(self, layer: nn.Module, group_name: str, world_size: int) -> None:
         super().__init__()
-        self.layer, self.group, self.world_size = layer, group, world_size
+        self.layer, self.group_name, self.world_size = layer, group_name, world_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.layer(x)  # [B, ..., V / N]
-        stacked = _all_gather(logits.contiguous(), 0, self.group)  # [N * B, ..., V / N]
+        stacked = _all_gather(logits.contiguous(), 0, self.group_name)  # [N * B, ..., V / N]
         return torch.cat(torch.chunk(stacked, self.world_size, dim=0), dim=-1)  # [B, ..., V]
 
 
@@ -288,7 +290,7 @@ class TensorParallel:
             if layer.row_kernels is FusedRow:
                 layer.row_kernels = ParallelRow
         if shards_head(config, self.size):
-            model.output = AllGathered(model.output, self.group, self.size)
+            model.output = AllGathered(model.output, name, self.size)
 
     def gather(self, value: object) -> list[object]:
         """Every rank's ``value`` (a small picklable object), in rank order."""
@@ -323,6 +325,11 @@ def device_of(device: torch.device, ranks: Ranks | None) -> torch.device:
 def leave() -> None:
     """Leave the group at exit (a process that ends without it may abort while its communicator's threads run).
 
+    The group must be unreferenced then, so that destroying it joins its backend's threads here, at exit, while the
+    interpreter is whole: a group still held (by a compiled graph, by a default argument: :func:`join`) was destroyed
+    only in the interpreter's finalization, and a gloo rank sometimes aborted there ("terminate called without an
+    active exception") after its work was done.
+
     A CUDA graph that captured a collective holds a reference on NCCL's communicator, and destroying the
     communicator waits until every such graph is gone (pytorch/pytorch#115388): with `reduce-overhead` the ranks
     hung here for ever. So the compiled state, which keeps the graphs, is released first."""
@@ -348,6 +355,9 @@ def join(size: int, device: torch.device) -> TensorParallel:
             f"generate ...` or `gpt-fast generate --tp {size} ...` (this process runs {found})"
         )
     if not dist.is_initialized():
+        # its collectives take the group made here as their default argument if it is imported after (Dynamo imports
+        # it when it first compiles), and would keep the group past leave()
+        importlib.import_module("torch.distributed.nn.functional")
         if device.type == "cuda":
             torch.cuda.set_device(device)
             dist.init_process_group("nccl", timeout=COLLECTIVE_TIMEOUT, device_id=device)

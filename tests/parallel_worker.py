@@ -10,6 +10,8 @@ JSON file of instructions; rank 0 writes what the ranks produced to ``out``:
   (``TRITON_INTERPRET=1``): for each rank, in rank order, how far its compiled one-token step's logits are from the
   whole model's own and which products its kernels made;
 - ``fail_rank``: that rank raises once the weights are loaded, while the others generate.
+
+Each rank then leaves the group, and fails if gloo's threads outlive that (something still held the group).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 import torch
 
 from gpt_fast.engine import Engine, EngineOptions
+from gpt_fast.parallel import leave
 from gpt_fast.sampling import SamplingConfig
 
 GREEDY = SamplingConfig(temperature=0)
@@ -121,11 +124,20 @@ def run_fused(spec: dict) -> list[object]:
     return parallel.gather({"error": float((got - expected).abs().max()), "calls": calls})
 
 
+def gloo_threads() -> list[str]:
+    """The names of this process's threads that gloo started (Linux names its threads in /proc)."""
+    names = (Path(task, "comm").read_text().strip() for task in Path("/proc/self/task").iterdir())
+    return [name for name in names if "gloo" in name]
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     result = run_shape(spec) if "shape" in spec else run_fused(spec) if "fused" in spec else run_checkpoints(spec)
     if int(os.environ["RANK"]) == 0:
         Path(spec["out"]).write_text(json.dumps(result))
+    leave()
+    if threads := gloo_threads():
+        raise RuntimeError(f"gloo's threads {threads} outlived leave(): something still holds the process group")
 
 
 if __name__ == "__main__":
