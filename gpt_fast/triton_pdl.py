@@ -12,12 +12,16 @@ The rule that keeps this safe next to inductor's kernels: a kernel lets its depe
 (``griddepcontrol.launch_dependents``) only after its own wait. Inductor's kernels skip the wait when they do not
 read the previous kernel's output, which is only right if every kernel before that one has finished.
 
+Also how a launcher is handed ``torch.library.wrap_triton`` inside a ``triton_op`` (:data:`Wrap`), or nothing
+(:func:`unwrapped`) when called directly, for the same kernels.
+
 Imported only where Triton is; on GPUs before compute capability 9, and on ROCm, the kernels are launched without
 it and the instructions are compiled out (``PDL`` is a compile-time constant).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,6 +30,12 @@ import triton.language as tl
 
 PDL_CAPABILITY = 9  # griddepcontrol is an sm_90 instruction
 NO_PDL: dict[str, Any] = {"PDL": False}  # the launch keywords of a kernel launched without PDL
+Wrap = Callable[[Callable[..., None]], Callable[..., None]]  # torch.library.wrap_triton inside a triton_op
+
+
+def unwrapped(kernel: Callable[..., None]) -> Callable[..., None]:
+    """A kernel launched as it is (outside a ``triton_op``)."""
+    return kernel
 
 
 def pdl_usable(device: torch.device) -> bool:

@@ -33,7 +33,6 @@ tensors, and in Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors for
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpt_fast.triton_pdl import NO_PDL, pdl_launch, wait_for_inputs
+from gpt_fast.triton_pdl import NO_PDL, Wrap, pdl_launch, unwrapped, wait_for_inputs
 
 SPLIT_STEPS = 4  # decode steps of models with many kv heads: loop steps per program (:func:`decode_launch`)
 MANY_KV_HEADS = 16  # decode steps: kv heads from which a model's programs are many without short splits
@@ -424,13 +423,6 @@ def _combine_splits(
     tl.store(out + HALF, (tl.sum(y2, axis=0) / norm).to(out_ptr.dtype.element_ty), mask=d_in)
 
 
-Wrap = Callable[[Callable[..., None]], Callable[..., None]]  # torch.library.wrap_triton inside a triton_op
-
-
-def _unwrapped(kernel: Callable[..., None]) -> Callable[..., None]:
-    return kernel
-
-
 def _row_stride(t: torch.Tensor) -> int:
     """The stride between rows of a tensor [R, ...] read once per row: 0 when one row is shared by all."""
     return 0 if t.shape[0] == 1 else t.stride(0)
@@ -553,7 +545,7 @@ def decode_attention(
     softcap: float | None,
     window: int | None,
     launch: Launch | None = None,
-    wrap: Wrap = _unwrapped,
+    wrap: Wrap = unwrapped,
     pdl: bool = False,
 ) -> torch.Tensor:
     """Attention of one query position per row, the step's key and value written into the cache first.
@@ -586,7 +578,7 @@ def rows_attention(
     softcap: float | None,
     window: int | None,
     launch: Launch | None = None,
-    wrap: Wrap = _unwrapped,
+    wrap: Wrap = unwrapped,
 ) -> torch.Tensor:
     """The batch-invariant attention of T query positions per row (a decode step's one, a verify step's k + 1):
     every new key and value rotated and written into the cache, then each query over the cache up to its position.

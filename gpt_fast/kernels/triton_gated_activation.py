@@ -8,16 +8,14 @@ and in Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors for the test
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import triton
 import triton.language as tl
 
+from gpt_fast.triton_pdl import Wrap, unwrapped
 from gpt_fast.triton_row import ACTIVATIONS, gated
 
 BLOCK = 1024  # hidden units per program
-Wrap = Callable[[Callable[..., None]], Callable[..., None]]  # torch.library.wrap_triton inside a triton_op
 
 
 @triton.jit
@@ -32,11 +30,7 @@ def _gated_activation(gate_up_ptr, out_ptr, hidden, GELU: tl.constexpr, BLOCK: t
     tl.store(out_ptr + row * hidden + units, gated(gate, up, out_ptr.dtype.element_ty, GELU), inside)
 
 
-def _unwrapped(kernel: Callable[..., None]) -> Callable[..., None]:
-    return kernel
-
-
-def gated_activation(gate_up: torch.Tensor, activation: str, wrap: Wrap = _unwrapped) -> torch.Tensor:
+def gated_activation(gate_up: torch.Tensor, activation: str, wrap: Wrap = unwrapped) -> torch.Tensor:
     """``act(gate) * up`` for ``gate_up`` [..., 2 * hidden] (gate first, then up); returns [..., hidden] in its
     dtype. ``activation``: ``silu`` (SwiGLU) or ``gelu_tanh`` (GeGLU)."""
     assert activation in ACTIVATIONS and gate_up.shape[-1] % 2 == 0

@@ -32,14 +32,13 @@ in Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors for the tests.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from gpt_fast.triton_pdl import pdl_launch, wait_for_inputs
+from gpt_fast.triton_pdl import Wrap, pdl_launch, unwrapped, wait_for_inputs
 from gpt_fast.triton_row import ACTIVATIONS, checked_norm_weight, gated, inverse_rms
 
 
@@ -818,13 +817,6 @@ def int8_launch(n: int, k: int, interleaved: bool = False, inside: Inside = NOTH
     return Launch(8, min(2048, triton.next_power_of_2(k)), 4, words=True)
 
 
-Wrap = Callable[[Callable[..., None]], Callable[..., None]]  # torch.library.wrap_triton inside a triton_op
-
-
-def _unwrapped(kernel: Callable[..., None]) -> Callable[..., None]:
-    return kernel
-
-
 def outputs(rows: int, activation: str | None) -> int:
     """The outputs of a product over ``rows`` weight rows: a gated MLP's ``w13`` (``activation``) gives half."""
     return rows if activation is None else rows // 2
@@ -848,7 +840,7 @@ def int8_gemv(
     weight: torch.Tensor,
     scales: torch.Tensor,
     launch: Launch | None = None,
-    wrap: Wrap = _unwrapped,
+    wrap: Wrap = unwrapped,
     pdl: bool = False,
     inside: Inside = NOTHING_INSIDE,
 ) -> torch.Tensor:
@@ -924,7 +916,7 @@ def int4_gemv(
     zeros: torch.Tensor,
     group_size: int,
     launch: Launch | None = None,
-    wrap: Wrap = _unwrapped,
+    wrap: Wrap = unwrapped,
     pdl: bool = False,
     inside: Inside = NOTHING_INSIDE,
 ) -> torch.Tensor:

@@ -20,12 +20,13 @@ Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors for the tests.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from gpt_fast.triton_pdl import Wrap, unwrapped
 
 
 @dataclass(frozen=True)
@@ -104,10 +105,6 @@ def _words_matmul(
     tl.store(y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], out, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def _unwrapped(kernel: Callable[..., None]) -> Callable[..., None]:
-    return kernel
-
-
 WIDE_ROWS = 8192  # int4 weight matrices of at least this many rows take wider tiles for few activation rows
 
 
@@ -132,7 +129,7 @@ def words_matmul(
     zeros: torch.Tensor | None,
     group_size: int,
     tile: Tile | None = None,
-    wrap: Callable[[Callable[..., None]], Callable[..., None]] = _unwrapped,
+    wrap: Wrap = unwrapped,
 ) -> torch.Tensor:
     """``x`` [M, K] (columns in the words' order) times the weights of ``words`` [N, K / values] transposed ->
     [M, N] in ``x``'s dtype: int8 (``group_size`` 0, ``zeros`` None: per-channel ``scales`` [N]) or int4
