@@ -35,6 +35,7 @@ CASES = [
     (1, 2, 4, 2, 16, 64, [[40]], 1, 4, 50.0, (8, 16, 1, 32)),  # Gemma-like: window and soft-capping, a later row
     (2, 2, 9, 3, 64, 512, [[7], [390]], 0, None, None, (16, 16, 4, 4)),  # at most 4 splits: 16 and 112 positions
     (1, 1, 4, 2, 64, 512, [500], 0, 100, None, (16, 32, 4, 3)),  # 3 splits of 192, the first two before the window
+    (1, 1, 16, 16, 128, 512, [300], 0, None, None, None),  # many kv heads (Llama-2-7B's tile): one step per split
 ]
 
 

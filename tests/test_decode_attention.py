@@ -89,13 +89,14 @@ def test_engine_options_check_the_attention_kernel():
 @pytest.mark.parametrize(("shape", "programs"), [("smollm2-135m", 16), ("llama-3-8b", 16), ("llama-2-7b", 1)])
 def test_a_decode_steps_short_cache_spreads_over_programs_where_kv_heads_are_few(shape, programs):
     """A 256-position cache: one loop step per program where the kv heads are few (each program waits for its
-    loads once), one split of four steps where they make programs enough (no second kernel to combine splits)."""
+    loads once), and where they make programs enough, one split (no second kernel to combine splits) in one loop
+    step of 8 warps."""
     from gpt_fast.kernels.triton_decode_attention import decode_launch
 
     config = get_shape(shape)
     launch = decode_launch(config.n_head // config.n_local_heads, config.head_dim, config.n_local_heads)
     assert -(-256 // launch.split_len) == programs
-    assert launch.split_len // launch.block_s == (1 if programs > 1 else 4)
+    assert launch.split_len == launch.block_s and launch.warps == (4 if programs > 1 else 8)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
@@ -163,8 +164,8 @@ def test_the_kernel_compiles_for_a_gpu_with_float64_scalars(group, from_cache):
 
     kernel = _decode_attention_split
     sizes = {"H_KV": 8, "GROUP": group, "GROUP_PAD": group, "HALF": 64, "HALF_PAD": 64, "BLOCK_S": 16}
-    constants = {**sizes, "SPLIT_LEN": 128, "SPLITS": 4, "MAX_SPLITS": 32, "SOFTCAP": True, "WINDOW": True}
-    constants.update(CAPPED=True, FROM_CACHE=from_cache)
+    constants = {**sizes, "SPLIT_LEN": 128, "SPLITS": 4, "MAX_SPLITS": 32, "SOFTCAP": True, "WINDOW": group > 1}
+    constants.update(CAPPED=group > 1, FROM_CACHE=from_cache)  # group 1 as Llama-2-7B's: no window, no cap
     pointers = {"pos_ptr": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32"}
     signature = {name: "constexpr" if name in constants else "i64" for name in kernel.arg_names}
     signature.update({name: pointers.get(name, "*bf16") for name in kernel.arg_names if name.endswith("_ptr")})

@@ -42,7 +42,8 @@ import triton.language as tl
 
 from gpt_fast.triton_pdl import NO_PDL, Wrap, pdl_launch, unwrapped, wait_for_inputs
 
-SPLIT_STEPS = 4  # decode steps of models with many kv heads: loop steps per program (:func:`decode_launch`)
+SPLIT_STEPS = 4  # decode steps of models with many kv heads: loop_step()s per split, as one step (decode_launch)
+WIDE_WARPS = 8  # decode steps of models with many kv heads: warps per program
 MANY_KV_HEADS = 16  # decode steps: kv heads from which a model's programs are many without short splits
 SHORT_TILE_ELEMENTS = 2048  # decode steps of few kv heads: query heads x positions x half a head per program
 SPLIT_KEYS = 128  # batch-invariant steps: positions per program, at most (:func:`rows_launch`)
@@ -89,24 +90,30 @@ def max_splits(n_kv: int) -> int:
 
 
 def decode_launch(group: int, head_dim: int, n_kv: int) -> Launch:
-    """The tile of a decode step for ``n_kv`` kv heads of ``group`` query heads and ``head_dim``, 4 warps.
+    """The tile of a decode step for ``n_kv`` kv heads of ``group`` query heads and ``head_dim``.
 
     - At least :data:`MANY_KV_HEADS` kv heads (multi-head attention of a 7B model): the kv heads alone make enough
-      programs. :func:`loop_step` positions per loop step, :data:`SPLIT_STEPS` steps per split, so that a cache of
-      up to 256 positions (Llama-2-7B) is one split and needs no second kernel to combine splits.
+      programs. Splits of :data:`SPLIT_STEPS` x :func:`loop_step` positions, so that a cache of up to 256 positions
+      (Llama-2-7B) is one split and needs no second kernel to combine splits, each split one loop step of
+      :data:`WIDE_WARPS` warps: a program then waits for its loads once, not once per 64 positions.
     - Fewer (GQA, and the small models): a few programs walking their loop steps one after another wait for their
       loads at every step. One loop step per split instead, of as many positions as keep the [group, positions,
-      head_dim / 2] products at :data:`SHORT_TILE_ELEMENTS` (16 to 64), and a second kernel combines the splits.
+      head_dim / 2] products at :data:`SHORT_TILE_ELEMENTS` (16 to 64), 4 warps, and a second kernel combines the
+      splits.
 
     Either way a long cache has at most :func:`max_splits` splits per kv head. On an H200 (BENCHMARKS.md,
     thirtieth session), the kernel alone (query at position 250 of 256; Llama-3-8B at 105): SmolLM2 14.4 -> 5.5 µs
     with one-step splits, Llama-3-8B 18.1 -> 8.5 µs, Llama-2-7B 10.9 -> 7.0 µs; the whole decode step (heuristic
     tuning, our GEMVs and sampling kernel): SmolLM2 1250 -> 1822 tok/s, Llama-3-8B 244.0 (inductor's attention:
-    237.0), but Llama-2-7B 278.1 -> 271.4, hence its four-step splits.
+    237.0), but Llama-2-7B 278.1 -> 271.4, hence its long splits. Those were four loop steps of 64 positions over
+    4 warps until the thirty-sixth session. As one step of 256 positions over 8 warps, Llama-2-7B's 200-token
+    generation went from 279.1 to 282.8 and 283.2 tok/s on one H200; per layer, the attention's end after
+    ``wqkv``'s went from 13.5 to 7.4 µs at position 202, but from 4.6 to 5.8 µs at position 7 (BENCHMARKS.md:
+    four steps of 64 over 8 warps, two of 128, one of 256 over 16 warps were slower; so was a narrow first step).
     ``scripts/decode_attention_bench.py`` times the kernel alone."""
     if n_kv >= MANY_KV_HEADS:
-        block_s = loop_step(group, head_dim)
-        return Launch(block_s, SPLIT_STEPS * block_s, 4, max_splits(n_kv))
+        split_len = SPLIT_STEPS * loop_step(group, head_dim)
+        return Launch(split_len, split_len, WIDE_WARPS, max_splits(n_kv))
     tile = triton.next_power_of_2(group) * triton.next_power_of_2(head_dim // 2)
     block_s = max(16, min(64, SHORT_TILE_ELEMENTS // tile))
     return Launch(block_s, block_s, 4, max_splits(n_kv))
