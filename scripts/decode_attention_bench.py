@@ -71,10 +71,15 @@ def launched(launch):
 
 
 def sweep_launches(length: int) -> list[triton_decode_attention.Launch]:
-    """Tiles as given: splits of ``s`` positions over the whole cache, never stretched."""
-    grid = itertools.product((16, 32, 64), (64, 128, 256, 512, length), (2, 4, 8))
+    """Tiles as given: splits of ``s`` positions over the whole cache, never stretched; at most 32 positions per
+    warp in a loop step (the 7B's 256-position step over 8 warps already spills 572 bytes of registers)."""
+    grid = itertools.product((16, 32, 64, 128, 256), (64, 128, 256, 512, length), (2, 4, 8))
     return sorted(
-        {triton_decode_attention.Launch(b, s, w, -(-length // s)) for b, s, w in grid if s % b == 0 and s <= length},
+        {
+            triton_decode_attention.Launch(b, s, w, -(-length // s))
+            for b, s, w in grid
+            if s % b == 0 and s <= length and b <= 32 * w
+        },
         key=lambda launch: (launch.block_s, launch.split_len, launch.warps),
     )
 
