@@ -182,8 +182,6 @@ class EngineOptions:
             "--tp": self.tp > 1,
             "speculative decoding": self.speculative is not None,
             "--layers_kernel triton": self.layers_kernel == "triton",
-            "--linear_kernel triton": self.linear_kernel == "triton",
-            "--sampling_kernel triton": self.sampling_kernel == "triton",
         }
         for name, used in others.items():
             if used:
@@ -279,23 +277,12 @@ class Engine:
         self.linear_kernel = "torch"  # and their own linear layers
         self.attention_kernel = "torch"  # and attention (Attention.rows_kernel)
         if not options.batch_invariant:  # each resolved before compiling
-            aot = options.aot_precompile
             self.attention_kernel = resolve_attention_kernel(
-                options.attention_kernel,
-                self.device,
-                options.compile,
-                aot_precompile=aot,
-                regional_compile=options.regional_compile,
+                options.attention_kernel, self.device, options.compile, regional_compile=options.regional_compile
             )
-            self.activation_kernel = resolve_activation_kernel(
-                options.activation_kernel, self.device, model_config, aot
-            )
-            self.linear_kernel = resolve_linear_kernel(
-                options.linear_kernel, self.device, options.compile, aot_precompile=aot
-            )
-        self.sampling_kernel = resolve_sampling_kernel(
-            options.sampling_kernel, self.device, options.compile, aot_precompile=options.aot_precompile
-        )
+            self.activation_kernel = resolve_activation_kernel(options.activation_kernel, self.device, model_config)
+            self.linear_kernel = resolve_linear_kernel(options.linear_kernel, self.device, options.compile)
+        self.sampling_kernel = resolve_sampling_kernel(options.sampling_kernel, self.device, options.compile)
         self._tokenizer = checkpoint_tokenizer(checkpoint_dir, config) if config is not None else None
         self._state = state
         self._sharded = sharded  # the state is this rank's part already
@@ -401,7 +388,7 @@ class Engine:
                 self.options.quant_kernel,
                 shard,
             )
-        pdl = attention_pdl(self.attention_kernel, self.device, self.options.compile, self.options.aot_precompile)
+        pdl = attention_pdl(self.attention_kernel, self.device, self.options.compile)
         use_attention_kernel(self._model, self.attention_kernel, pdl)
         use_activation_kernel(self._model, self.activation_kernel)
         use_layers_kernel(self._model, self.layers_kernel)

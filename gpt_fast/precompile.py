@@ -37,8 +37,18 @@ from gpt_fast.model import Transformer
 from gpt_fast.sampling import SamplingConfig
 
 SUFFIX = ".aot"
-# the model's attributes that swap its code for a kernel
-KERNELS = ("decode_kernel", "activation_kernel", "layers_kernel")
+# the attributes of the model's modules that swap their code for a kernel or launch theirs with PDL
+KERNELS = (
+    "decode_kernel",
+    "rows_kernel",
+    "activation_kernel",
+    "gated_kernel",
+    "row_kernels",
+    "head_kernel",
+    "layers_kernel",
+    "top_k_sampler",
+    "pdl",
+)
 LOADED, SAVED = "loaded", "compiled and saved"
 
 
@@ -77,11 +87,24 @@ def package_key(
         "config": dataclasses.asdict(model.config),
         "tensors": [(name, list(t.shape), str(t.dtype)) for name, t in tensors],
         "sampling": dataclasses.asdict(sampling),
-        "kernels": sorted(
-            {getattr(getattr(m, name, None), "__qualname__", "") for m in model.modules() for name in KERNELS}
-        ),
+        "kernels": kernel_facts(model),
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def kernel_facts(model: Transformer) -> list[str]:
+    """The classes of ``model``'s modules (``nn.Linear`` or one of our GEMVs) and the kernels set on them, by name:
+    a package calls the kernels that were chosen when it was compiled."""
+    facts = set()
+    for module in model.modules():
+        facts.add(type(module).__qualname__)
+        for name in KERNELS:
+            value = getattr(module, name, None)
+            if isinstance(value, bool):
+                facts.add(f"{name}={value}")
+            elif value is not None:
+                facts.add(f"{name}={getattr(value, '__qualname__', type(value).__qualname__)}")
+    return sorted(facts)
 
 
 def _aot_enabled() -> contextlib.AbstractContextManager[None]:

@@ -53,27 +53,26 @@ def test_a_rocm_build_keeps_the_pytorch_code(monkeypatch):
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 @pytest.mark.parametrize(
-    ("mode", "capability", "aot", "regional", "expected", "pdl"),
+    ("mode", "capability", "regional", "expected", "pdl"),
     [
-        ("reduce-overhead", 9, False, False, "triton", True),  # CUDA graphs, PDL: where our GEMV is taken
-        ("max-autotune", 9, False, False, "triton", True),
-        ("default", 9, False, False, "torch", False),  # no CUDA graphs: no PDL
-        ("reduce-overhead", 8, False, False, "torch", False),  # no PDL before compute capability 9
-        ("reduce-overhead", 9, True, False, "torch", False),  # --aot_precompile: the triton_op
-        ("reduce-overhead", 9, False, True, "torch", True),  # --regional_compile: no mutating operator in a region
+        ("reduce-overhead", 9, False, "triton", True),  # CUDA graphs, PDL: where our GEMV is taken
+        ("max-autotune", 9, False, "triton", True),
+        ("default", 9, False, "torch", False),  # no CUDA graphs: no PDL
+        ("reduce-overhead", 8, False, "torch", False),  # no PDL before compute capability 9
+        ("reduce-overhead", 9, True, "torch", True),  # --regional_compile: no mutating operator in a region
     ],
 )
 def test_auto_takes_the_kernel_where_it_was_measured_faster(
-    monkeypatch, pretend_gpu, mode, capability, aot, regional, expected, pdl
+    monkeypatch, pretend_gpu, mode, capability, regional, expected, pdl
 ):
     """``pdl``: whether the kernel, when chosen, is the operator launched with PDL."""
     from gpt_fast.kernels import decode_attention
 
     gpu = pretend_gpu(capability)
     monkeypatch.setattr(decode_attention, "register_triton_ops", lambda: None)
-    kernel = resolve_attention_kernel("auto", gpu, mode, aot_precompile=aot, regional_compile=regional)
+    kernel = resolve_attention_kernel("auto", gpu, mode, regional_compile=regional)
     assert kernel == expected
-    assert attention_pdl("triton", gpu, mode, aot) == pdl
+    assert attention_pdl("triton", gpu, mode) == pdl
 
 
 def test_engine_options_check_the_attention_kernel():

@@ -38,21 +38,20 @@ def test_auto_is_the_model_code_on_the_cpu_and_triton_is_refused_there():
 
 @needs_triton
 @pytest.mark.parametrize(
-    ("mode", "capability", "aot", "expected"),
+    ("mode", "capability", "expected"),
     [
-        ("reduce-overhead", 9, False, "triton"),
-        ("max-autotune", 10, False, "triton"),
-        ("default", 9, False, "torch"),  # no CUDA graphs: no PDL
-        ("reduce-overhead", 8, False, "torch"),  # no PDL before compute capability 9
-        ("reduce-overhead", 9, True, "torch"),  # --aot_precompile
+        ("reduce-overhead", 9, "triton"),
+        ("max-autotune", 10, "triton"),
+        ("default", 9, "torch"),  # no CUDA graphs: no PDL
+        ("reduce-overhead", 8, "torch"),  # no PDL before compute capability 9
     ],
 )
-def test_auto_takes_the_kernel_where_it_was_measured_faster(pretend_gpu, mode, capability, aot, expected):
+def test_auto_takes_the_kernel_where_it_was_measured_faster(pretend_gpu, mode, capability, expected):
     from gpt_fast import triton_pdl
 
     gpu = pretend_gpu(capability)
     assert triton_pdl.pdl_usable(gpu) == (capability >= 9)
-    kernel = resolve_linear_kernel("auto", gpu, mode, aot_precompile=aot)
+    kernel = resolve_linear_kernel("auto", gpu, mode)
     assert kernel == expected
 
 
@@ -61,8 +60,7 @@ def test_the_engine_options_refuse_what_the_kernel_does_not_combine_with():
         EngineOptions(linear_kernel="x")
     with pytest.raises(ValueError, match="--batch_invariant does not combine with --linear_kernel triton"):
         EngineOptions(compile="reduce-overhead", linear_kernel="triton", batch_invariant=True)
-    with pytest.raises(ValueError, match="--aot_precompile does not combine with --linear_kernel triton yet"):
-        EngineOptions(compile="reduce-overhead", linear_kernel="triton", aot_precompile=True)
+    EngineOptions(compile="reduce-overhead", linear_kernel="triton", aot_precompile=True)  # a package calls it
 
 
 def test_the_decoder_layers_linears_are_swapped_sharing_their_parameters():

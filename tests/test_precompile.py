@@ -17,6 +17,8 @@ from gpt_fast.config import ModelConfig
 from gpt_fast.convert.random_init import make_random_checkpoint
 from gpt_fast.engine import Engine
 from gpt_fast.generate import compile_options, decode_one_token
+from gpt_fast.kernels.linear import DecodeLinear, swap_linears
+from gpt_fast.kernels.top_k import triton_top_k
 from gpt_fast.model import Transformer
 from gpt_fast.precompile import LOADED, SAVED, SUFFIX, PrecompiledStep, package_key
 from gpt_fast.sampling import SamplingConfig
@@ -56,6 +58,12 @@ def test_the_key_follows_what_a_package_depends_on(monkeypatch):
     with_kernel = tiny_model()
     with_kernel.layers[0].feed_forward.activation_kernel = lambda gate_up, activation: gate_up
     different.append(key(with_kernel))
+    with_gemv = tiny_model()
+    swap_linears(with_gemv.layers, DecodeLinear)  # our GEMV's layers, the same parameters
+    different.append(key(with_gemv))
+    with_sampler = tiny_model()
+    with_sampler.top_k_sampler = triton_top_k
+    different.append(key(with_sampler))
     monkeypatch.setattr("gpt_fast.precompile.source_digest", lambda: "changed source")
     different.append(key(model))
     assert len({base, *different}) == len(different) + 1

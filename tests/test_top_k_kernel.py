@@ -19,40 +19,36 @@ from tests.interpreter import needs_triton, old_numpy
 from tests.top_k_reference import reference
 
 
-def test_triton_needs_a_cuda_gpu_and_no_aot_package():
+def test_triton_needs_a_cuda_gpu():
     cpu = torch.device("cpu")
     assert resolve_sampling_kernel("auto", cpu, "reduce-overhead") == "torch"
     assert resolve_sampling_kernel("torch", cpu, "none") == "torch"
     with pytest.raises(ValueError, match="the triton sampling kernel needs a CUDA GPU with Triton installed"):
         resolve_sampling_kernel("triton", cpu, "none")
-    with pytest.raises(ValueError, match="--aot_precompile does not combine with --sampling_kernel triton"):
-        resolve_sampling_kernel("triton", torch.device("cuda"), "reduce-overhead", aot_precompile=True)
 
 
 @needs_triton
 @pytest.mark.parametrize(
-    ("mode", "capability", "aot", "expected"),
+    ("mode", "capability", "expected"),
     [
-        ("reduce-overhead", 9, False, "triton"),  # CUDA graphs and PDL: where our GEMV is taken
-        ("max-autotune", 9, False, "triton"),
-        ("default", 9, False, "torch"),  # launched from Python: not measured
-        ("reduce-overhead", 8, False, "torch"),  # no PDL before compute capability 9
-        ("reduce-overhead", 9, True, "torch"),  # --aot_precompile's package holds no Python operator
+        ("reduce-overhead", 9, "triton"),  # CUDA graphs and PDL: where our GEMV is taken
+        ("max-autotune", 9, "triton"),
+        ("default", 9, "torch"),  # launched from Python: not measured
+        ("reduce-overhead", 8, "torch"),  # no PDL before compute capability 9
     ],
 )
-def test_auto_takes_the_kernel_where_our_gemv_is_taken(monkeypatch, pretend_gpu, mode, capability, aot, expected):
+def test_auto_takes_the_kernel_where_our_gemv_is_taken(monkeypatch, pretend_gpu, mode, capability, expected):
     from gpt_fast.kernels import top_k
 
     gpu = pretend_gpu(capability)
     monkeypatch.setattr(top_k, "register_triton_ops", lambda: None)
-    assert resolve_sampling_kernel("auto", gpu, mode, aot_precompile=aot) == expected
+    assert resolve_sampling_kernel("auto", gpu, mode) == expected
 
 
 def test_the_engine_options_check_the_sampling_kernel():
     with pytest.raises(ValueError, match="--sampling_kernel 'radix' is not one of auto, triton, torch"):
         EngineOptions(sampling_kernel="radix")
-    with pytest.raises(ValueError, match="--aot_precompile does not combine with --sampling_kernel triton"):
-        EngineOptions(compile="reduce-overhead", aot_precompile=True, sampling_kernel="triton")
+    EngineOptions(compile="reduce-overhead", aot_precompile=True, sampling_kernel="triton")  # a package calls it
     with pytest.raises(ValueError, match="the triton sampling kernel needs a CUDA GPU"):
         Engine.from_state(get_shape("tiny"), {}, EngineOptions(device="cpu", sampling_kernel="triton"))
 

@@ -32,7 +32,6 @@ def resolve_attention_kernel(
     device: torch.device,
     compile_mode: str,
     *,
-    aot_precompile: bool = False,
     regional_compile: bool = False,
 ) -> str:
     """``auto``: the fused kernel where our GEMV is taken (:func:`gpt_fast.kernels.linear.pdl_kernels_measured`),
@@ -45,7 +44,7 @@ def resolve_attention_kernel(
     GPU with Triton installed, not ROCm) registers its operators (:func:`register_triton_ops`), before anything is
     compiled."""
     check_regional_compile(kernel, regional_compile)
-    measured = pdl_kernels_measured(device, compile_mode, aot_precompile=aot_precompile)
+    measured = pdl_kernels_measured(device, compile_mode)
     auto = "triton" if measured and not regional_compile else "torch"
     return resolve_kernel_choice(kernel, ATTENTION_KERNELS, "attention kernel", device, auto, register_triton_ops)
 
@@ -59,13 +58,12 @@ def check_regional_compile(kernel: str, regional_compile: bool) -> None:
         raise ValueError("--regional_compile does not combine with the triton attention kernel yet")
 
 
-def attention_pdl(kernel: str, device: torch.device, compile_mode: str, aot_precompile: bool = False) -> bool:
+def attention_pdl(kernel: str, device: torch.device, compile_mode: str) -> bool:
     """Whether the kernel ``kernel`` (a name :func:`resolve_attention_kernel` returned) is the fused one launched
     with PDL (``gpt_fast::decode_attention_pdl``, an opaque ``custom_op`` that launches its kernels itself): in
-    decode steps in CUDA graphs on GPUs that launch with PDL (:func:`gpt_fast.kernels.linear.steps_with_pdl`), but
-    not with ``--aot_precompile``, whose package holds the kernels of a ``triton_op`` but cannot hold a Python
-    operator's. Elsewhere the fused kernel is ``gpt_fast::decode_attention``, which inductor launches without PDL."""
-    return kernel == "triton" and not aot_precompile and steps_with_pdl(device, compile_mode)
+    decode steps in CUDA graphs on GPUs that launch with PDL (:func:`gpt_fast.kernels.linear.steps_with_pdl`).
+    Elsewhere the fused kernel is ``gpt_fast::decode_attention``, which inductor launches without PDL."""
+    return kernel == "triton" and steps_with_pdl(device, compile_mode)
 
 
 @functools.cache

@@ -33,14 +33,11 @@ ACTIVATION_KERNELS = ("auto", "triton", "torch")
 LARGE_FFN = 2**24
 
 
-def resolve_activation_kernel(
-    kernel: str, device: torch.device, config: ModelConfig, aot_precompile: bool = False
-) -> str:
+def resolve_activation_kernel(kernel: str, device: torch.device, config: ModelConfig) -> str:
     """``auto``: Triton on a CUDA GPU with Triton installed (not ROCm) for a model whose ``w2`` has at least
-    :data:`LARGE_FFN` weights, else the PyTorch code; with ``aot_precompile`` the PyTorch code (a package that holds
-    the kernel has not been run on a GPU yet). Choosing Triton registers its operator (:func:`register_triton_ops`),
-    before anything is compiled."""
-    auto = "triton" if large_mlp(config) and not aot_precompile and triton_usable(device) else "torch"
+    :data:`LARGE_FFN` weights, else the PyTorch code. Choosing Triton registers its operator
+    (:func:`register_triton_ops`), before anything is compiled."""
+    auto = "triton" if large_mlp(config) and triton_usable(device) else "torch"
     return resolve_kernel_choice(kernel, ACTIVATION_KERNELS, "activation kernel", device, auto, register_triton_ops)
 
 

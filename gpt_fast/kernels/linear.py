@@ -20,7 +20,7 @@ our int8 and int4 kernels with the same neighbours inside): 7B shape int8 373.9 
 (thirty-second session).
 
 ``auto`` takes the kernel in the CUDA-graph compile modes (where PDL applies) on CUDA GPUs of compute capability 9
-or more with Triton, without ``--aot_precompile``, on one GPU or split over several (each rank's shards;
+or more with Triton, on one GPU or split over several (each rank's shards;
 :class:`gpt_fast.parallel.ParallelRow`); elsewhere the model's code. Small models take it too
 since the norms moved inside it: SmolLM2-135M shape 1572-1624 tok/s against 1235-1332, int8 1392 against 1077, int4
 1214 against 894 (twenty-eighth session). The model calls the kernel only in compiled steps with one row of
@@ -47,23 +47,21 @@ def resolve_linear_kernel(
     kernel: str,
     device: torch.device,
     compile_mode: str,
-    *,
-    aot_precompile: bool = False,
 ) -> str:
     """``auto``: see the module. Choosing Triton registers its operator (:func:`register_triton_ops`), before
     anything is compiled."""
-    measured = pdl_kernels_measured(device, compile_mode, aot_precompile=aot_precompile)
-    auto = "triton" if measured else "torch"
+    auto = "triton" if pdl_kernels_measured(device, compile_mode) else "torch"
     return resolve_kernel_choice(kernel, LINEAR_KERNELS, "linear kernel", device, auto, register_triton_ops)
 
 
-def pdl_kernels_measured(device: torch.device, compile_mode: str, *, aot_precompile: bool) -> bool:
+def pdl_kernels_measured(device: torch.device, compile_mode: str) -> bool:
     """Where our decode kernels launched with PDL were measured faster than the model's code (``auto``'s choice of
     this GEMV, of :mod:`gpt_fast.kernels.decode_attention`'s kernel and of :mod:`gpt_fast.kernels.top_k`'s): the
-    CUDA-graph modes on a GPU that launches with PDL (:func:`steps_with_pdl`), without ``--aot_precompile``, on one
-    GPU or split over several (Llama-2-7B shape on two H200s: 322.9 tok/s with the GEMV and the attention against
+    CUDA-graph modes on a GPU that launches with PDL (:func:`steps_with_pdl`), with or without ``--aot_precompile``
+    (a package calls the registered operators by name; the engine registers them before it loads one), on one GPU
+    or split over several (Llama-2-7B shape on two H200s: 322.9 tok/s with the GEMV and the attention against
     284.3 without; BENCHMARKS.md, twenty-ninth session)."""
-    return not aot_precompile and steps_with_pdl(device, compile_mode)
+    return steps_with_pdl(device, compile_mode)
 
 
 def steps_with_pdl(device: torch.device, compile_mode: str) -> bool:

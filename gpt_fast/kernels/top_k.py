@@ -29,16 +29,11 @@ from gpt_fast.quant.kernels import resolve_kernel_choice
 SAMPLING_KERNELS = ("auto", "triton", "torch")
 
 
-def resolve_sampling_kernel(
-    kernel: str, device: torch.device, compile_mode: str, *, aot_precompile: bool = False
-) -> str:
+def resolve_sampling_kernel(kernel: str, device: torch.device, compile_mode: str) -> str:
     """``auto``: ``triton`` where our GEMV is taken (:func:`gpt_fast.kernels.linear.pdl_kernels_measured`: the
-    CUDA-graph modes on GPUs that launch with PDL, without ``--aot_precompile``), elsewhere ``torch``. ``triton``
-    needs a CUDA GPU with Triton and no ``--aot_precompile`` (whose package cannot hold a Python operator); choosing
-    it registers its operator (:func:`register_triton_ops`) before anything is compiled."""
-    if kernel == "triton" and aot_precompile:
-        raise ValueError("--aot_precompile does not combine with --sampling_kernel triton yet")
-    auto = "triton" if pdl_kernels_measured(device, compile_mode, aot_precompile=aot_precompile) else "torch"
+    CUDA-graph modes on GPUs that launch with PDL), elsewhere ``torch``. ``triton`` needs a CUDA GPU with Triton;
+    choosing it registers its operator (:func:`register_triton_ops`) before anything is compiled."""
+    auto = "triton" if pdl_kernels_measured(device, compile_mode) else "torch"
     return resolve_kernel_choice(kernel, SAMPLING_KERNELS, "sampling kernel", device, auto, register_triton_ops)
 
 
