@@ -70,6 +70,9 @@ def decode_one_token(model: Transformer, sampling: SamplingConfig) -> None:
 # a padded prompt fits the cache its request allocated.
 PREFILL_GRAPH_MULTIPLE = CACHE_LENGTH_MULTIPLE
 PREFILL_GRAPH_TOKENS = 256  # longer prompts prefill eagerly: their kernels take longer to run than to launch
+# A compiled prefill launches far fewer kernels, but still spends about 1.2 ms launching them at 1024 tokens on the
+# Llama-2-7B shape, 5 % of its TTFT (BENCHMARKS.md, thirty-eighth session); past this length it is under 3 %.
+COMPILED_PREFILL_GRAPH_TOKENS = 2048
 PREFILL_GRAPHS = 8  # at most this many graphs per GraphedPrefill, never destroyed (see GraphedPrefill)
 
 
@@ -89,16 +92,20 @@ class PrefillGraph:
 
 # decode state (its caches), rows, padded length, sampling settings
 PrefillKey = tuple[torch.nn.Module, int, int, SamplingConfig]
+Prefill = Callable[[Transformer, torch.Tensor, SamplingConfig], None]  # prefill's signature
+PaddedPrefill = Callable[[Transformer, torch.Tensor, torch.Tensor, SamplingConfig], None]  # prefill_padded's
 
 
 class GraphedPrefill:
-    """The eager prefill of prompts up to :data:`PREFILL_GRAPH_TOKENS` tokens on a CUDA GPU, replayed from a CUDA
-    graph per (caches, rows, padded length, sampling settings); other prompts and devices, and every key after the
-    first :data:`PREFILL_GRAPHS`, take :func:`prefill`.
+    """The prefill of prompts up to ``max_tokens`` tokens on a CUDA GPU, padded and replayed from a CUDA graph per
+    (caches, rows, padded length, sampling settings); other prompts and devices, and every key after the first
+    :data:`PREFILL_GRAPHS`, take the prefill unpadded. Eager by default (prompts up to
+    :data:`PREFILL_GRAPH_TOKENS`); :func:`make_steps` passes both prefills compiled with ``--compile_prefill``
+    (prompts up to :data:`COMPILED_PREFILL_GRAPH_TOKENS`).
 
     Why: an eager prefill launches about 1300 kernels one by one from Python, about 25 ms on an H200 whatever the
     model (Llama-2-7B and SmolLM2-135M shapes alike), while the GPU work of a short prompt takes 3.5 ms on the 7B
-    and far less on the small model. The first prefill of each key runs eagerly (it is the warm-up capture needs)
+    and far less on the small model. The first prefill of each key runs as it is (the warm-up capture needs)
     and then captures. A graph is kept for as long as this object lives, even once the model has allocated new
     caches (its key then never matches again): on torch 2.11 destroying a captured graph released cuBLAS workspace
     that graphs captured later still used, and their replays read freed memory (an illegal memory access on an H200,
@@ -106,7 +113,13 @@ class GraphedPrefill:
     temporaries, not one each.
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        padded: PaddedPrefill = prefill_padded,
+        unpadded: Prefill = prefill,
+        max_tokens: int = PREFILL_GRAPH_TOKENS,
+    ) -> None:
+        self.padded, self.unpadded, self.max_tokens = padded, unpadded, max_tokens  # eager, or both compiled
         self.graphs: dict[PrefillKey, PrefillGraph] = {}
         self.pool: tuple[int, int] | None = None  # one memory pool: the graphs never run at the same time
 
@@ -118,10 +131,10 @@ class GraphedPrefill:
             self.graphs[key].replay(idx)
         elif (
             idx.device.type != "cuda"
-            or padded > min(PREFILL_GRAPH_TOKENS, model.max_seq_length)
+            or padded > min(self.max_tokens, model.max_seq_length)
             or len(self.graphs) >= PREFILL_GRAPHS
         ):
-            prefill(model, idx, sampling)
+            self.unpadded(model, idx, sampling)
         else:
             self.graphs[key] = self.capture(model, idx, padded, sampling)
 
@@ -133,13 +146,13 @@ class GraphedPrefill:
         side = torch.cuda.Stream(idx.device)
         side.wait_stream(torch.cuda.current_stream(idx.device))
         with torch.cuda.stream(side):
-            prefill_padded(model, static_idx, length, sampling)
+            self.padded(model, static_idx, length, sampling)
         torch.cuda.current_stream(idx.device).wait_stream(side)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            prefill_padded(model, static_idx, length, sampling)
+            self.padded(model, static_idx, length, sampling)
         return PrefillGraph(graph, static_idx, length)
 
 
@@ -163,7 +176,7 @@ def make_steps(
 ) -> Steps:
     """Wrap the step functions for a compile mode (``none`` = eager). The decode step has fixed shapes, so it is
     compiled whole (``fullgraph=True``); ``reduce-overhead`` and ``max-autotune`` also capture it as a CUDA graph,
-    and, with ``graph_prefill`` and without ``compile_prefill``, the eager prefill of short prompts
+    and, with ``graph_prefill``, the prefill of short prompts, eager or (``compile_prefill``) compiled
     (:class:`GraphedPrefill`). With ``aot_precompile`` the decode step is compiled ahead of time and kept on disk
     (:mod:`gpt_fast.precompile`); with ``exact``, with eager rounding (:func:`compile_options`)."""
     if mode not in COMPILE_MODES:
@@ -175,9 +188,13 @@ def make_steps(
         decode: Callable[..., None] = PrecompiledStep(decode_one_token, options)
     else:
         decode = torch.compile(decode_one_token, options=options, fullgraph=True)
-    if compile_prefill:
-        return Steps(compiled_prefill(tuning), decode, mode)
     graphs = graph_prefill and bool(options.get("triton.cudagraphs"))
+    if compile_prefill:
+        unpadded = compiled_prefill(tuning)
+        if not graphs:
+            return Steps(unpadded, decode, mode)
+        padded = compiled_prefill(tuning, prefill_padded)
+        return Steps(GraphedPrefill(padded, unpadded, COMPILED_PREFILL_GRAPH_TOKENS), decode, mode)
     return Steps(GraphedPrefill() if graphs else prefill, decode, mode)
 
 
@@ -240,14 +257,15 @@ def compile_cache_use() -> CompileCacheUse:
     return CompileCacheUse(counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"])
 
 
-def compiled_prefill(tuning: str = COORDINATE_DESCENT) -> Callable[..., None]:
-    """The prefill compiled once for every prompt length: the length dimension is marked dynamic (and only it:
-    ``dynamic=True`` would also make the sampling settings symbolic), and no CUDA graphs."""
-    compiled = torch.compile(prefill, fullgraph=True, options=tuning_options(tuning))
+def compiled_prefill(tuning: str = COORDINATE_DESCENT, step: Callable[..., None] = prefill) -> Callable[..., None]:
+    """The prefill (:func:`prefill`, or :func:`prefill_padded`) compiled once for every prompt length: the length
+    dimension is marked dynamic (and only it: ``dynamic=True`` would also make the sampling settings symbolic), and
+    no CUDA graphs of inductor's own (:class:`GraphedPrefill` captures the padded one)."""
+    compiled = torch.compile(step, fullgraph=True, options=tuning_options(tuning))
 
-    def prefill_any_length(model: Transformer, idx: torch.Tensor, sampling: SamplingConfig) -> None:
+    def prefill_any_length(model: Transformer, idx: torch.Tensor, *rest: Any) -> None:
         torch._dynamo.maybe_mark_dynamic(idx, 1)
-        compiled(model, idx, sampling)
+        compiled(model, idx, *rest)
 
     return prefill_any_length
 

@@ -143,7 +143,8 @@ def test_prefill_graphs_only_in_the_cuda_graph_modes():
     assert isinstance(make_steps("max-autotune").prefill, GraphedPrefill)
     assert make_steps("default").prefill is prefill
     assert make_steps("reduce-overhead", graph_prefill=False).prefill is prefill
-    assert not isinstance(make_steps("reduce-overhead", compile_prefill=True).prefill, GraphedPrefill)
+    assert isinstance(make_steps("reduce-overhead", compile_prefill=True).prefill, GraphedPrefill)
+    assert not isinstance(make_steps("default", compile_prefill=True).prefill, GraphedPrefill)
 
 
 def test_graphed_prefill_prefills_eagerly_off_cuda(model):
@@ -230,7 +231,7 @@ def test_kernel_tuning_reaches_every_compiled_step(monkeypatch, tuning, coordina
     compiled = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compiled.append(kwargs["options"]) or fn)
     make_steps("reduce-overhead", compile_prefill=True, tuning=tuning)
-    assert len(compiled) == 2
+    assert len(compiled) == 3  # the decode step; the prefill, padded (captured) and not
     assert all(options["coordinate_descent_tuning"] is coordinate_descent for options in compiled)
 
 

@@ -124,8 +124,10 @@ def test_default_mode_fuses_kernels(runs):
 
 
 @torch.no_grad()
-def test_short_prefills_replay_from_cuda_graphs_with_eager_tokens():
-    """``reduce-overhead`` captures the eager prefill of a short prompt padded to 64 tokens (GraphedPrefill), replays
+@pytest.mark.parametrize("compile_prefill", [False, True], ids=["eager-prefill", "compiled-prefill"])
+def test_short_prefills_replay_from_cuda_graphs_with_eager_tokens(compile_prefill):
+    """``reduce-overhead`` captures the prefill (eager, or compiled for every length) of a short prompt padded to 64
+    tokens (GraphedPrefill), replays
     it for another prompt of that padded length, captures again for a longer one and for new caches (keeping the
     old graphs, never replayed again): greedy tokens equal to eager's throughout (float32: no near-ties rounded
     apart)."""
@@ -134,7 +136,7 @@ def test_short_prefills_replay_from_cuda_graphs_with_eager_tokens():
     for parameter in model.parameters():
         torch.nn.init.normal_(parameter, std=0.5)
     model = model.to("cuda").eval()
-    eager, graphed = make_steps("none"), make_steps("reduce-overhead")
+    eager, graphed = make_steps("none"), make_steps("reduce-overhead", compile_prefill=compile_prefill)
 
     def tokens(prompt, new, steps, sampling=GREEDY):
         return generate_tokens(model, list(prompt), max_new_tokens=new, sampling=sampling, steps=steps).tokens
