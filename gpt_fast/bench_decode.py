@@ -155,11 +155,12 @@ def ours_runners(
     sampling: str = "auto",
 ) -> tuple[tuple[Run, Run], int]:
     """Decode as ``gpt-fast generate --compile MODE`` does (eager prefill); the first token of the long prompt
-    as with ``--compile_prefill`` (one compiled prefill for every prompt length). The weights quantized with
-    ``quant`` (their layers computing with ``kernel``), or changed by ``rework`` (torchao); the decode steps'
-    attention computed by ``attention``, their layers by ``layers`` (see :mod:`gpt_fast.kernels.persistent`), their
-    unquantized linear layers by ``linear`` (see :mod:`gpt_fast.kernels.linear`), their top-k sampling by
-    ``sampling`` (see :mod:`gpt_fast.kernels.top_k`); also the weight bytes a decode step reads."""
+    as with ``--compile_prefill`` (one compiled prefill for every prompt length, replayed from a CUDA graph in the
+    CUDA-graph modes). The weights quantized with ``quant`` (their layers computing with ``kernel``), or changed by
+    ``rework`` (torchao); the decode steps' attention computed by ``attention``, their layers by ``layers`` (see
+    :mod:`gpt_fast.kernels.persistent`), their unquantized linear layers by ``linear`` (see
+    :mod:`gpt_fast.kernels.linear`), their top-k sampling by ``sampling`` (see :mod:`gpt_fast.kernels.top_k`);
+    also the weight bytes a decode step reads."""
     mode, device, dtype = subject.mode, subject.device, subject.dtype
     options = EngineOptions(
         compile=mode,

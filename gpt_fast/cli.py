@@ -199,7 +199,11 @@ def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
         help="Compile one transformer layer and reuse it for every layer: faster compilation; the decode speed "
         "may differ (no fusion across layers).",
     )(decorated)
-    decorated = option("--compile_prefill", is_flag=True, help="Also compile the prefill (dynamic shapes).")(decorated)
+    decorated = option(
+        "--compile_prefill",
+        is_flag=True,
+        help="Also compile the prefill (dynamic shapes; replayed from CUDA graphs in the CUDA-graph modes).",
+    )(decorated)
     return option(
         "--compile",
         "compile_mode",
