@@ -3,11 +3,13 @@ import torch
 
 from gpt_fast.config import ModelConfig
 from gpt_fast.generate import (
+    HEURISTIC,
     CompileCacheUse,
     GraphedPrefill,
     Steps,
     cache_length,
     compile_options,
+    compiled_prefill,
     decode_one_token,
     generate,
     make_steps,
@@ -123,6 +125,29 @@ def test_padded_prefill_equals_the_prefill_on_the_prompt(model, rows):
         torch.testing.assert_close(layer.attention.kv_cache.kv[:, :, :, :length], before[:, :, :, :length])
     assert torch.equal(model.decode_state.tokens[:, : length + 1], tokens[:, : length + 1])
     assert torch.equal(model.decode_state.input_pos, position)
+
+
+@torch.no_grad()
+def test_compiled_padded_prefill_equals_the_eager_one(model):
+    """The padded prefill that GraphedPrefill captures with --compile_prefill, compiled once for every padded length
+    (64 and 128 here), leaves the caches, tokens and position the eager one does."""
+    torch._dynamo.reset()
+    compiled = compiled_prefill(HEURISTIC, prefill_padded)
+    for padded_length in (64, 128):
+        padded = torch.randint(0, 128, (1, padded_length), generator=torch.Generator().manual_seed(padded_length))
+        length = torch.tensor([len(PROMPT) + padded_length // 2])
+        model.setup_caches(1, 192)
+        state, results = model.decode_state, []
+        for step in (prefill_padded, compiled):
+            for buffer in [layer.attention.kv_cache.kv for layer in model.layers] + [state.tokens, state.input_pos]:
+                buffer.zero_()  # nothing left over from the other step
+            step(model, padded, length, GREEDY)
+            kv = [layer.attention.kv_cache.kv.clone() for layer in model.layers]
+            results.append((kv, state.tokens.clone(), state.input_pos.clone()))
+        (eager_kv, eager_tokens, eager_pos), (kv, tokens, pos) = results
+        for got, expected in zip(kv, eager_kv, strict=True):
+            torch.testing.assert_close(got, expected)
+        assert torch.equal(tokens, eager_tokens) and torch.equal(pos, eager_pos)
 
 
 def test_padded_prefill_then_decoding_gives_the_eager_tokens(model):
