@@ -70,8 +70,9 @@ def decode_one_token(model: Transformer, sampling: SamplingConfig) -> None:
 # a padded prompt fits the cache its request allocated.
 PREFILL_GRAPH_MULTIPLE = CACHE_LENGTH_MULTIPLE
 PREFILL_GRAPH_TOKENS = 256  # longer prompts prefill eagerly: their kernels take longer to run than to launch
-# A compiled prefill launches far fewer kernels, but still spends about 1.2 ms launching them at 1024 tokens on the
-# Llama-2-7B shape, 5 % of its TTFT (BENCHMARKS.md, thirty-eighth session); past this length it is under 3 %.
+# A compiled prefill launches far fewer kernels, but replaying them from a graph still saved 1.2 ms of a 1024-token
+# prompt's 24.6 ms TTFT on the Llama-2-7B shape (BENCHMARKS.md, thirty-eighth session); past 2048 tokens the same
+# saving would be under 3 % of the GPU's work (an estimate, not measured).
 COMPILED_PREFILL_GRAPH_TOKENS = 2048
 PREFILL_GRAPHS = 8  # at most this many graphs per GraphedPrefill, never destroyed (see GraphedPrefill)
 

@@ -127,10 +127,9 @@ def test_default_mode_fuses_kernels(runs):
 @pytest.mark.parametrize("compile_prefill", [False, True], ids=["eager-prefill", "compiled-prefill"])
 def test_short_prefills_replay_from_cuda_graphs_with_eager_tokens(compile_prefill):
     """``reduce-overhead`` captures the prefill (eager, or compiled for every length) of a short prompt padded to 64
-    tokens (GraphedPrefill), replays
-    it for another prompt of that padded length, captures again for a longer one and for new caches (keeping the
-    old graphs, never replayed again): greedy tokens equal to eager's throughout (float32: no near-ties rounded
-    apart)."""
+    tokens (GraphedPrefill), replays it for another prompt of that padded length, captures again for a longer one
+    and for new caches (keeping the old graphs, never replayed again): greedy tokens equal to eager's throughout
+    (float32: no near-ties rounded apart)."""
     torch.manual_seed(0)
     model = Transformer(get_shape("tiny"))
     for parameter in model.parameters():
