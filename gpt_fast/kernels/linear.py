@@ -43,11 +43,7 @@ LINEAR_KERNELS = ("auto", "triton", "torch")
 PDL_MODES = ("reduce-overhead", "max-autotune")  # the compile modes that run decode steps in CUDA graphs
 
 
-def resolve_linear_kernel(
-    kernel: str,
-    device: torch.device,
-    compile_mode: str,
-) -> str:
+def resolve_linear_kernel(kernel: str, device: torch.device, compile_mode: str) -> str:
     """``auto``: see the module. Choosing Triton registers its operator (:func:`register_triton_ops`), before
     anything is compiled."""
     auto = "triton" if pdl_kernels_measured(device, compile_mode) else "torch"
