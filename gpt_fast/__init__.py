@@ -17,17 +17,17 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 __all__ = ["Completion", "Engine", "EngineOptions", "SamplingConfig", "SpeculativeOptions", "__version__"]
 _HOMES = {
-    "Completion": "engine",
-    "Engine": "engine",
-    "EngineOptions": "engine",
-    "SamplingConfig": "sampling",
-    "SpeculativeOptions": "speculative",
+    "Completion": "engine.engine",
+    "Engine": "engine.engine",
+    "EngineOptions": "engine.engine",
+    "SamplingConfig": "generation.sampling",
+    "SpeculativeOptions": "generation.speculative",
 }
 
 if TYPE_CHECKING:
-    from gpt_fast.engine import Completion, Engine, EngineOptions
-    from gpt_fast.sampling import SamplingConfig
-    from gpt_fast.speculative import SpeculativeOptions
+    from gpt_fast.engine.engine import Completion, Engine, EngineOptions
+    from gpt_fast.generation.sampling import SamplingConfig
+    from gpt_fast.generation.speculative import SpeculativeOptions
 
 
 def __getattr__(name: str) -> Any:

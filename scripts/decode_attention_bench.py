@@ -23,13 +23,13 @@ from pathlib import Path
 import gemv_floor  # scripts/gemv_floor.py, beside this file
 import torch
 
-from gpt_fast.fileio import write_text_atomic
-from gpt_fast.generate import compile_options
+from gpt_fast.accel.decode_attention import fused_decode_attention, register_triton_ops, resolve_attention_kernel
+from gpt_fast.generation.decode import compile_options
 from gpt_fast.kernels import triton_decode_attention
-from gpt_fast.kernels.decode_attention import fused_decode_attention, register_triton_ops, resolve_attention_kernel
-from gpt_fast.model import apply_rope, attend_one_query, rope_tables
-from gpt_fast.settings import apply_torch_settings
-from gpt_fast.shapes import get_shape
+from gpt_fast.model.shapes import get_shape
+from gpt_fast.model.transformer import apply_rope, attend_one_query, rope_tables
+from gpt_fast.util.fileio import write_text_atomic
+from gpt_fast.util.settings import apply_torch_settings
 
 CASES = [  # (model shape, cache length, query position)
     ("llama-2-7b", 256, 105),

@@ -20,9 +20,9 @@ import torch
 import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 
-from gpt_fast.model import weight_shapes
-from gpt_fast.settings import apply_torch_settings
-from gpt_fast.shapes import get_shape
+from gpt_fast.model.shapes import get_shape
+from gpt_fast.model.transformer import weight_shapes
+from gpt_fast.util.settings import apply_torch_settings
 
 MATRICES = {  # name: (model shape, weight)
     "wqkv": ("llama-2-7b", "layers.0.attention.wqkv.weight"),

@@ -23,11 +23,11 @@ import time
 import torch
 
 from gpt_fast.convert.random_init import random_weights
-from gpt_fast.engine import Engine, EngineOptions
-from gpt_fast.model import Transformer
-from gpt_fast.sampling import SamplingConfig
-from gpt_fast.settings import apply_torch_settings
-from gpt_fast.shapes import SHAPES, get_shape
+from gpt_fast.engine.engine import Engine, EngineOptions
+from gpt_fast.generation.sampling import SamplingConfig
+from gpt_fast.model.shapes import SHAPES, get_shape
+from gpt_fast.model.transformer import Transformer
+from gpt_fast.util.settings import apply_torch_settings
 
 GREEDY = SamplingConfig(temperature=0)
 PROMPT_TOKENS, FORCED_STEPS, LENGTHS = 32, 28, (256, 320)

@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from gpt_fast.fileio import write_text_atomic
 from gpt_fast.kernels import triton_decode_attention, triton_invariant
-from gpt_fast.model import weight_shapes
-from gpt_fast.shapes import get_shape
+from gpt_fast.model.shapes import get_shape
+from gpt_fast.model.transformer import weight_shapes
+from gpt_fast.util.fileio import write_text_atomic
 
 SHAPES = ("smollm2-135m", "llama-2-7b")
 MATRICES = ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")

@@ -21,11 +21,11 @@ from collections.abc import Callable
 
 import torch
 
-from gpt_fast.device import device_synchronize
-from gpt_fast.generate import compile_options
-from gpt_fast.model import MoEFeedForward, gated
-from gpt_fast.settings import apply_torch_settings
-from gpt_fast.shapes import get_shape
+from gpt_fast.generation.decode import compile_options
+from gpt_fast.model.shapes import get_shape
+from gpt_fast.model.transformer import MoEFeedForward, gated
+from gpt_fast.util.device import device_synchronize
+from gpt_fast.util.settings import apply_torch_settings
 
 LAYERS = 4
 

@@ -3,7 +3,7 @@ x [1, K] bf16 against each weight matrix of Llama-2-7B, Llama-3-8B and SmolLM2-1
 (group 128), with
 
 - ``bf16``: cuBLAS on the bf16 weights (what decode does unquantized; the speed to beat);
-- ``triton ...``: our kernels (:mod:`gpt_fast.quant.triton_gemv`) over a grid of tiles (``--sweep``), or with the
+- ``triton ...``: our kernels (:mod:`gpt_fast.kernels.triton_gemv`) over a grid of tiles (``--sweep``), or with the
   tiles the code chooses;
 - ``aten``: PyTorch's ``_weight_int8pack_mm`` / ``_weight_int4pack_mm`` (tinygemm), where this build has them;
 - ``inductor``: the plain-PyTorch dequantize-then-linear (``quant.kernels``' ``dequant``) compiled by inductor
@@ -28,13 +28,13 @@ import gemv_floor  # scripts/gemv_floor.py, beside this file
 import torch
 import torch.nn.functional as F
 
-from gpt_fast.fileio import write_text_atomic
-from gpt_fast.model import weight_shapes
-from gpt_fast.quant import triton_gemv
-from gpt_fast.quant.kernels import group_interleave, int4_dequantize, int8_interleave
+from gpt_fast.kernels import triton_gemv
+from gpt_fast.model.shapes import get_shape
+from gpt_fast.model.transformer import weight_shapes
+from gpt_fast.quant.products import group_interleave, int4_dequantize, int8_interleave
 from gpt_fast.quant.schemes import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
-from gpt_fast.settings import apply_torch_settings
-from gpt_fast.shapes import get_shape
+from gpt_fast.util.fileio import write_text_atomic
+from gpt_fast.util.settings import apply_torch_settings
 
 MATRICES = gemv_floor.MATRICES | {  # name: (model shape, weight)
     "smol_w13": ("smollm2-135m", "layers.0.feed_forward.w13.weight"),

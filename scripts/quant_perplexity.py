@@ -21,15 +21,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from gpt_fast.config import QuantConfig
 from gpt_fast.convert.gguf_file import convert_gguf
-from gpt_fast.engine import Engine, EngineOptions, find_checkpoint
-from gpt_fast.evaluate import default_text, perplexity
-from gpt_fast.fileio import write_text_atomic
+from gpt_fast.convert.quantize import quantize_checkpoint
+from gpt_fast.engine.engine import Engine, EngineOptions, find_checkpoint
+from gpt_fast.generation.sampling import SamplingConfig
+from gpt_fast.jobs.evaluate import default_text, perplexity
+from gpt_fast.model.config import QuantConfig
 from gpt_fast.quant.calibrate import DEFAULT_TOKENS, Calibration
-from gpt_fast.quant.quantize import quantize_checkpoint
-from gpt_fast.sampling import SamplingConfig
-from gpt_fast.settings import apply_torch_settings
+from gpt_fast.util.fileio import write_text_atomic
+from gpt_fast.util.settings import apply_torch_settings
 
 PROMPTS = [
     "What is the capital of France?",

@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from gpt_fast.convert.hf_config import hf_config_dict
 from gpt_fast.convert.random_init import byte_tokenizer
-from gpt_fast.shapes import get_shape
+from gpt_fast.model.shapes import get_shape
 
 
 def main() -> None:

@@ -44,7 +44,7 @@ def pretend_gpu(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], torch.device
     major version, to the kernel choices, and returns that device."""
 
     def pretend(capability: int) -> torch.device:
-        from gpt_fast.kernels import linear
+        from gpt_fast.accel import linear
 
         monkeypatch.setattr(linear, "triton_usable", lambda device: True)
         monkeypatch.setattr(torch.version, "hip", None)
@@ -251,7 +251,7 @@ def smollm2_tokenizer(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFacto
     import gguf
 
     from gpt_fast.convert.gguf_tokenizer import tokenizer_from_gguf
-    from gpt_fast.tokenizer import load_tokenizer
+    from gpt_fast.text.tokenizer import load_tokenizer
 
     out = tmp_path_factory.mktemp("smollm2")
     cfg, template = tokenizer_from_gguf(gguf.GGUFReader(smollm2_gguf), out)

@@ -17,10 +17,10 @@ from unittest import mock
 
 import torch
 
-from gpt_fast.cache import KVCache
-from gpt_fast.config import ModelConfig
-from gpt_fast.model import Transformer, apply_rope, attend_one_query
-from gpt_fast.shapes import get_shape
+from gpt_fast.model.cache import KVCache
+from gpt_fast.model.config import ModelConfig
+from gpt_fast.model.shapes import get_shape
+from gpt_fast.model.transformer import Transformer, apply_rope, attend_one_query
 
 # (batch, cache rows, heads, kv heads, head_dim, cache length, positions, first row, window, softcap, launch)
 # positions: [p] shared by the rows, or [[p0], [p1], ...] each row's own; launch: (block_s, split_len, warps,

@@ -1,4 +1,4 @@
-"""The batch-invariant Triton kernels against the reference operators of :mod:`gpt_fast.kernels.invariant`, run as a
+"""The batch-invariant Triton kernels against the reference operators of :mod:`gpt_fast.accel.invariant`, run as a
 script in a process of its own with ``TRITON_INTERPRET=1`` (the interpreter test) or imported on a GPU (the GPU
 tests): prints, as JSON, the worst relative error per dtype and whether every row of a many-row launch equals, bit
 for bit, the same row launched alone.
@@ -16,8 +16,8 @@ import sys
 
 import torch
 
+from gpt_fast.accel.invariant import reference_attention, reference_linear, reference_rms_norm
 from gpt_fast.kernels import triton_decode_attention, triton_invariant
-from gpt_fast.kernels.invariant import reference_attention, reference_linear, reference_rms_norm
 
 # (rows, out features, in features, bias, launch (block_n, block_k, warps, stages) or None: the default)
 LINEARS = [

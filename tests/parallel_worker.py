@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from gpt_fast.engine import Engine, EngineOptions
-from gpt_fast.parallel import leave
-from gpt_fast.sampling import SamplingConfig
+from gpt_fast.engine.engine import Engine, EngineOptions
+from gpt_fast.generation.sampling import SamplingConfig
+from gpt_fast.parallel.tensor_parallel import leave
 
 GREEDY = SamplingConfig(temperature=0)
 
@@ -60,7 +60,7 @@ def run_shape(spec: dict) -> dict | None:
     in float32 on the same weights (eager): how far each one's logits are from it, and how far below its best logit
     each greedy token of the split model is."""
     from gpt_fast.convert.random_init import random_weights
-    from gpt_fast.shapes import get_shape
+    from gpt_fast.model.shapes import get_shape
 
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     shape = get_shape(spec["shape"])
@@ -97,11 +97,11 @@ def run_shape(spec: dict) -> dict | None:
 @torch.no_grad()
 def run_fused(spec: dict) -> list[object]:
     """The whole model's one-token step (its own code, eager) and the split one compiled (Dynamo, eager backend)
-    through :class:`gpt_fast.parallel.ParallelRow`, each rank's GEMVs in Triton's interpreter."""
-    from gpt_fast.config import ModelConfig
-    from gpt_fast.kernels.linear import register_triton_ops, use_linear_kernel
-    from gpt_fast.model import Transformer
-    from gpt_fast.parallel import join
+    through :class:`gpt_fast.parallel.tensor_parallel.ParallelRow`, each rank's GEMVs in Triton's interpreter."""
+    from gpt_fast.accel.linear import register_triton_ops, use_linear_kernel
+    from gpt_fast.model.config import ModelConfig
+    from gpt_fast.model.transformer import Transformer
+    from gpt_fast.parallel.tensor_parallel import join
     from tests.interpreter import gemv_calls
 
     config = ModelConfig(**spec["fused"])

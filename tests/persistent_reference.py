@@ -14,9 +14,10 @@ import sys
 
 import torch
 
-from gpt_fast.config import ModelConfig
-from gpt_fast.kernels import persistent, triton_persistent
-from gpt_fast.model import Transformer
+from gpt_fast.accel import persistent
+from gpt_fast.kernels import triton_persistent
+from gpt_fast.model.config import ModelConfig
+from gpt_fast.model.transformer import Transformer
 
 CACHE = 64
 # (kv heads, position of the step, programs)

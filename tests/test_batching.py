@@ -1,6 +1,7 @@
 """Continuous batching: requests prefilled apart and decoded together give what each gives alone (greedy, or
 sampled with a seed), stop where they should, free their slots when they finish or are cancelled, and tell of
-their tokens with the model's log-probabilities. The reference is the single-stream loop of :mod:`gpt_fast.generate`
+their tokens with the model's log-probabilities. The reference is the single-stream loop of
+:mod:`gpt_fast.generation.decode`
 and the model's full forward."""
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ import pytest
 import torch
 
 from gpt_fast import Engine, SamplingConfig
-from gpt_fast.batching import BatchOptions, Delta, Failed, Finished, QueueFull, Request
 from gpt_fast.convert.random_init import make_random_checkpoint
-from gpt_fast.shapes import get_shape
-from gpt_fast.slots import make_slot_steps
-from gpt_fast.speculative import SpeculativeOptions
+from gpt_fast.engine.batcher import BatchOptions, Delta, Failed, Finished, QueueFull, Request
+from gpt_fast.generation.slots import make_slot_steps
+from gpt_fast.generation.speculative import SpeculativeOptions
+from gpt_fast.model.shapes import get_shape
 
 GREEDY = SamplingConfig(temperature=0)
 SAMPLED = SamplingConfig(temperature=1.0, top_k=50, top_p=0.95)

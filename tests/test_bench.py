@@ -6,14 +6,14 @@ import json
 import pytest
 import torch
 
-from gpt_fast import bench
-from gpt_fast.bench import copy_bandwidth_gbps
-from gpt_fast.cli import main
+from gpt_fast.bench import modes as bench
+from gpt_fast.bench.modes import copy_bandwidth_gbps
+from gpt_fast.cli.main import main
 from gpt_fast.convert.random_init import make_random_checkpoint
-from gpt_fast.engine import Engine, EngineOptions
-from gpt_fast.runner import GenerateOptions, run_generate
-from gpt_fast.shapes import get_shape
-from gpt_fast.speculative import SpeculativeOptions
+from gpt_fast.engine.engine import Engine, EngineOptions
+from gpt_fast.generation.speculative import SpeculativeOptions
+from gpt_fast.jobs.generate import GenerateOptions, run_generate
+from gpt_fast.model.shapes import get_shape
 
 
 @pytest.fixture(scope="module")

@@ -3,24 +3,24 @@
 import pytest
 import torch
 
-from gpt_fast.bench_decode import (
+from gpt_fast.bench.decode import (
     hf_runners,
     parse_schemes,
     run_benchmark,
     scheme_bytes_per_token,
     share_repacked_weights,
 )
-from gpt_fast.config import QuantConfig
 from gpt_fast.convert.hf_config import hf_config_dict
 from gpt_fast.convert.layout import split_tensors
 from gpt_fast.convert.random_init import random_weights
-from gpt_fast.shapes import get_shape
+from gpt_fast.model.config import QuantConfig
+from gpt_fast.model.shapes import get_shape
 
 
 def test_hf_layout_gives_transformers_the_same_model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from gpt_fast.model import Transformer
+    from gpt_fast.model.transformer import Transformer
 
     shape = get_shape("tiny")
     state = random_weights(shape, torch.float32, seed=0)
@@ -52,7 +52,7 @@ def test_table_on_the_cpu(capsys):
 
 
 def test_a_row_out_of_memory_loses_only_itself(monkeypatch):
-    import gpt_fast.bench_decode as bench_decode
+    import gpt_fast.bench.decode as bench_decode
 
     real = bench_decode.hf_runners
 
@@ -96,7 +96,7 @@ def test_a_rows_engines_share_their_repacked_weights():
     engine's layers then take the first one's, so that a row holds one copy of the weights."""
     from torch import nn
 
-    from gpt_fast.quant.linear import Int8Linear
+    from gpt_fast.quant.layers import Int8Linear
     from gpt_fast.quant.schemes import quantize_int8
 
     q, scales = quantize_int8(torch.randn(8, 64), torch.bfloat16)
@@ -161,8 +161,8 @@ FAMILY_SHAPES = [
 @pytest.mark.parametrize("name", FAMILY_SHAPES)
 @torch.no_grad()
 def test_peer_is_the_same_model_for_every_family(name):
-    from gpt_fast.bench_decode import hf_model
-    from gpt_fast.model import Transformer
+    from gpt_fast.bench.decode import hf_model
+    from gpt_fast.model.transformer import Transformer
 
     shape = shrunk(name)
     state = random_weights(shape, torch.float32, seed=0)
@@ -178,7 +178,7 @@ def test_peer_is_the_same_model_for_every_family(name):
 
 def test_every_registered_shape_converts_back_from_its_hf_config():
     from gpt_fast.convert.hf_config import model_config_from_hf
-    from gpt_fast.shapes import SHAPES
+    from gpt_fast.model.shapes import SHAPES
 
     for name, shape in SHAPES.items():
         assert model_config_from_hf(hf_config_dict(shape), name) == shape, name
@@ -232,7 +232,7 @@ def test_heuristic_kernels_are_named_in_the_rows_and_the_summary():
 
 
 def test_each_row_is_built_as_often_as_asked(monkeypatch):
-    import gpt_fast.bench_decode as bench_decode
+    import gpt_fast.bench.decode as bench_decode
 
     built = []
     real = bench_decode.ours_runners
@@ -253,7 +253,7 @@ def test_each_row_is_built_as_often_as_asked(monkeypatch):
 
 
 def test_builds_below_one_are_refused(capsys):
-    from gpt_fast.bench_decode import main
+    from gpt_fast.bench.decode import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["--shape", "tiny", "--device", "cpu", "--builds", "0"])

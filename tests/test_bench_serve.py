@@ -1,4 +1,4 @@
-"""`python -m gpt_fast.bench_serve` end to end on the CPU with the tiny shape: one invocation writes the checkpoint,
+"""`python -m gpt_fast.bench.serve` end to end on the CPU with the tiny shape: one invocation writes the checkpoint,
 runs `gpt-fast generate`, then the server with one client and with several, and prints every figure the targets
 need; the JSON agrees with the table."""
 
@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from gpt_fast.bench_serve import main
+from gpt_fast.bench.serve import main
 
 
 @pytest.mark.slow

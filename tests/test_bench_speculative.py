@@ -1,4 +1,4 @@
-"""`python -m gpt_fast.bench_speculative` on the CPU with tiny models: every row, the tables, the JSON."""
+"""`python -m gpt_fast.bench.speculative` on the CPU with tiny models: every row, the tables, the JSON."""
 
 import json
 from types import SimpleNamespace
@@ -6,11 +6,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gpt_fast.bench_speculative import expected_tokens_per_round, main, record_for_replay
+from gpt_fast.bench.speculative import expected_tokens_per_round, main, record_for_replay
 from gpt_fast.convert.random_init import make_random_checkpoint
-from gpt_fast.generate import cache_length
-from gpt_fast.shapes import get_shape
-from gpt_fast.speculative import MAX_ROUNDS_AHEAD, speculative_cache_length
+from gpt_fast.generation.decode import cache_length
+from gpt_fast.generation.speculative import MAX_ROUNDS_AHEAD, speculative_cache_length
+from gpt_fast.model.shapes import get_shape
 
 COMMON = ["--device", "cpu", "--mode", "none", "--dtype", "float32", "--new_tokens", "24", "--repeats", "1"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpt_fast.bench_tp import Result, main, parse_world_sizes, table
+from gpt_fast.bench.tp import Result, main, parse_world_sizes, table
 
 
 def test_the_table_divides_by_the_single_gpu_and_the_summed_copy_bandwidth():

@@ -7,9 +7,9 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from gpt_fast.chat_template import ChatTemplateError, chat_prompt_ids, render_chat, render_chat_spans
 from gpt_fast.convert.hf_tokenizer import tokenizer_from_hf_dir
-from gpt_fast.tokenizer import Tokenizer, load_tokenizer
+from gpt_fast.text.chat_template import ChatTemplateError, chat_prompt_ids, render_chat, render_chat_spans
+from gpt_fast.text.tokenizer import Tokenizer, load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 from tiny import tensor_pickle, torch_archive
 
-from gpt_fast.checkpoint import check_finite, load_model, load_torch_weights
-from gpt_fast.config import load_checkpoint_config
+from gpt_fast.checkpoint.load import check_finite, load_model, load_torch_weights
 from gpt_fast.convert.random_init import make_random_checkpoint
-from gpt_fast.model import weight_count, weight_shapes
-from gpt_fast.shapes import SHAPES, get_shape
+from gpt_fast.model.config import load_checkpoint_config
+from gpt_fast.model.shapes import SHAPES, get_shape
+from gpt_fast.model.transformer import weight_count, weight_shapes
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from gpt_fast import __version__
-from gpt_fast.cli import main
+from gpt_fast.cli.main import main
 from gpt_fast.convert.hf_config import hf_config_dict
 from gpt_fast.convert.random_init import make_random_checkpoint
-from gpt_fast.shapes import SHAPES, get_shape
+from gpt_fast.model.shapes import SHAPES, get_shape
 
 
 @pytest.fixture(scope="module")
@@ -497,7 +497,7 @@ def test_ctrl_c_during_generate_exits_130_and_writes_nothing(checkpoint, tmp_pat
     script = (
         "import signal\n"
         "signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even if it was ignored\n"
-        "from gpt_fast.cli import main\n"
+        "from gpt_fast.cli.main import main\n"
         f"main(['generate', '--checkpoint_path', {str(checkpoint)!r}, '--max_new_tokens', '400', '--num_samples',"
         f" '1000', '--ignore_eos', '--no_stream', '--metrics_json', {str(metrics)!r}])\n"
     )

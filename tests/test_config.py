@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from gpt_fast.config import (
+from gpt_fast.model.config import (
     CheckpointConfig,
     QuantConfig,
     RopeScaling,
@@ -15,7 +15,7 @@ from gpt_fast.config import (
     load_checkpoint_config,
     resolve_checkpoint_dir,
 )
-from gpt_fast.shapes import SHAPES, get_shape
+from gpt_fast.model.shapes import SHAPES, get_shape
 
 TOKENIZER = TokenizerConfig(
     kind="huggingface", file="tokenizer.json", bos_id=1, add_bos=True, stop_ids=(2, 3), special_tokens={"<s>": 1}

@@ -14,9 +14,9 @@ from gguf.quants import quantize
 from test_families import PROMPT, cached_logits, hf_model
 from tiny import hf_greedy, our_greedy, train_bpe_tokenizer
 
-from gpt_fast.config import QuantConfig
 from gpt_fast.convert.gguf_file import convert_gguf
-from gpt_fast.engine import Engine
+from gpt_fast.engine.engine import Engine
+from gpt_fast.model.config import QuantConfig
 from gpt_fast.quant.schemes import dequantize_int4, quantize_int4
 
 DIM, HEADS, KV_HEADS, INTER, LAYERS = 256, 4, 2, 512, 2  # K-quant rows hold multiples of 256 values

@@ -16,9 +16,9 @@ import pytest
 import torch
 from tiny import hf_greedy, our_greedy, save_hf_llama, torch_archive
 
-from gpt_fast.config import load_checkpoint_config
 from gpt_fast.convert.hf import convert_hf
-from gpt_fast.engine import Engine
+from gpt_fast.engine.engine import Engine
+from gpt_fast.model.config import load_checkpoint_config
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -249,7 +249,7 @@ def test_ctrl_c_during_conversion_leaves_nothing(hf_dir, tmp_path):
         "layout.fuse_tensors = slow\n"
         "import gpt_fast.convert.hf as hf\n"
         "hf.fuse_tensors = slow\n"
-        "from gpt_fast.cli import main\n"
+        "from gpt_fast.cli.main import main\n"
         f"main(['convert', {str(hf_dir)!r}, '--output_dir', {str(out)!r}])\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -266,7 +266,7 @@ def tree(folder):
 
 
 def run_cli(argv, capsys):
-    from gpt_fast.cli import main
+    from gpt_fast.cli.main import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
@@ -304,7 +304,7 @@ def test_converting_into_a_hugging_face_folder_is_one_error_line(hf_dir, tmp_pat
 @pytest.mark.parametrize("shape", ["llama-2-7b", "llama-3-8b", "smollm2-135m", "tiny"])
 def test_hf_config_dict_is_the_inverse_of_reading_one(shape):
     from gpt_fast.convert.hf_config import hf_config_dict, model_config_from_hf
-    from gpt_fast.shapes import get_shape
+    from gpt_fast.model.shapes import get_shape
 
     assert model_config_from_hf(hf_config_dict(get_shape(shape)), "config.json") == get_shape(shape)
 
@@ -312,7 +312,7 @@ def test_hf_config_dict_is_the_inverse_of_reading_one(shape):
 def test_split_tensors_is_the_inverse_of_fusing():
     from gpt_fast.convert.layout import fuse_tensors, split_tensors
     from gpt_fast.convert.random_init import random_weights
-    from gpt_fast.shapes import get_shape
+    from gpt_fast.model.shapes import get_shape
 
     shape = get_shape("tiny")
     state = random_weights(shape, torch.float32, seed=0)

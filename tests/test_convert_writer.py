@@ -14,12 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpt_fast import default_model
-from gpt_fast.checkpoint import check_checkpoint, checkpoint_weights
-from gpt_fast.config import CONFIG_FILE, CheckpointConfig
-from gpt_fast.convert import writer
+from gpt_fast.checkpoint.load import check_checkpoint, checkpoint_weights
+from gpt_fast.convert import default_model, writer
 from gpt_fast.convert.random_init import byte_tokenizer, make_random_checkpoint, random_weights
-from gpt_fast.shapes import get_shape
+from gpt_fast.model.config import CONFIG_FILE, CheckpointConfig
+from gpt_fast.model.shapes import get_shape
 
 TINY = get_shape("tiny")
 HF_FILE = "hf/model.safetensors"  # a downloaded source in the blog's layout, inside the output folder
@@ -266,7 +265,7 @@ sys.path.insert(0, sys.argv[4])
 from test_convert_writer import stop_at
 from gpt_fast.convert import writer
 from gpt_fast.convert.random_init import make_random_checkpoint
-from gpt_fast.shapes import get_shape
+from gpt_fast.model.shapes import get_shape
 
 out, step, mode = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 if mode == "fallback":
@@ -356,7 +355,7 @@ def test_two_writers_of_one_folder_take_turns(blog_layout, monkeypatch):
 
 
 def test_without_fcntl_a_second_writer_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr("gpt_fast.fileio.fcntl", None)
+    monkeypatch.setattr("gpt_fast.util.fileio.fcntl", None)
     out = tmp_path / "out"
     with writer.output_lock(out):
         errors = []

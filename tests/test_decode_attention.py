@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 import torch
 
-from gpt_fast.convert.random_init import random_weights
-from gpt_fast.engine import Engine, EngineOptions
-from gpt_fast.kernels.decode_attention import (
+from gpt_fast.accel.decode_attention import (
     attention_pdl,
     fused_decode_attention,
     fused_decode_attention_pdl,
     resolve_attention_kernel,
     use_attention_kernel,
 )
-from gpt_fast.shapes import get_shape
+from gpt_fast.convert.random_init import random_weights
+from gpt_fast.engine.engine import Engine, EngineOptions
+from gpt_fast.model.shapes import get_shape
 
 REFERENCE = Path(__file__).resolve().parent / "decode_attention_reference.py"
 
@@ -66,7 +66,7 @@ def test_auto_takes_the_kernel_where_it_was_measured_faster(
     monkeypatch, pretend_gpu, mode, capability, regional, expected, pdl
 ):
     """``pdl``: whether the kernel, when chosen, is the operator launched with PDL."""
-    from gpt_fast.kernels import decode_attention
+    from gpt_fast.accel import decode_attention
 
     gpu = pretend_gpu(capability)
     monkeypatch.setattr(decode_attention, "register_triton_ops", lambda: None)

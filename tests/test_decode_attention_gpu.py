@@ -10,9 +10,9 @@ import torch
 from decode_attention_reference import CASES, kernel_errors, model_configs, model_errors
 
 from gpt_fast.convert.random_init import random_weights
-from gpt_fast.engine import Engine, EngineOptions
-from gpt_fast.quant.kernels import triton_usable
-from gpt_fast.sampling import SamplingConfig
+from gpt_fast.engine.engine import Engine, EngineOptions
+from gpt_fast.generation.sampling import SamplingConfig
+from gpt_fast.quant.products import triton_usable
 
 pytestmark = [
     pytest.mark.gpu,
@@ -43,7 +43,7 @@ def test_the_kernel_matches_the_pytorch_code(dtype, tolerance):
 
 @pytest.mark.parametrize("operator", ["fused_decode_attention", "fused_decode_attention_pdl"])
 def test_the_registered_operators_in_the_models_decode_steps(operator):
-    from gpt_fast.kernels import decode_attention
+    from gpt_fast.accel import decode_attention
 
     decode_attention.register_triton_ops()
     assert model_errors(getattr(decode_attention, operator), "cuda") < 1e-4

@@ -10,9 +10,9 @@ import pytest
 import torch
 from tiny import hf_greedy, our_greedy
 
-from gpt_fast import default_model
-from gpt_fast.config import load_checkpoint_config
-from gpt_fast.engine import Engine
+from gpt_fast.convert import default_model
+from gpt_fast.engine.engine import Engine
+from gpt_fast.model.config import load_checkpoint_config
 
 PROMPTS = ["def quicksort(arr):", "The capital of France is", "Once upon a time,", "1, 2, 3, 4,"]
 CHATS = ["What is the capital of France?", "Write a haiku about the sea."]

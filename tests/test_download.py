@@ -1,4 +1,4 @@
-"""`gpt_fast.download` and `scripts/prepare.sh`, offline: a Hugging Face cache written in tmp_path, and the
+"""`gpt_fast.util.download` and `scripts/prepare.sh`, offline: a Hugging Face cache written in tmp_path, and the
 hub's HTTP errors built by huggingface_hub's own ``hf_raise_for_status`` from hand-made responses."""
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import pytest
 from huggingface_hub import constants
 from huggingface_hub.utils import hf_raise_for_status
 
-import gpt_fast.download as dl
-from gpt_fast.download import (
+import gpt_fast.util.download as dl
+from gpt_fast.util.download import (
     GatedRepoError,
     HfHubHTTPError,
     LocalEntryNotFoundError,
@@ -564,7 +564,7 @@ def hub_endpoint() -> Iterator[str]:
 DOWNLOADS = """
 import json, sys
 from pathlib import Path
-from gpt_fast.download import download
+from gpt_fast.util.download import download
 results = []
 for repo_id, token in json.loads(sys.argv[1]):
     try:
@@ -632,7 +632,7 @@ def test_offline_after_a_partial_download_into_the_cache(hub_endpoint: str, hf_c
 def test_subfolder_matches_the_converter(tmp_path: Path) -> None:
     pytest.importorskip("gguf", reason="gpt_fast.convert needs gguf (a declared dependency)")
     from gpt_fast.convert.auto import default_output_dir
-    from gpt_fast.paths import HF_SUBDIR
+    from gpt_fast.util.paths import HF_SUBDIR
 
     hf_dir = tmp_path / REPO / HF_SUBDIR
     hf_dir.mkdir(parents=True)
@@ -719,7 +719,7 @@ def test_prepare_python_choice(tmp_path: Path) -> None:
 
 
 def test_prepare_end_to_end_offline(hf_cache: Path, tmp_path: Path) -> None:
-    from gpt_fast.cli import cli
+    from gpt_fast.cli.main import cli
 
     if "download" not in cli.commands:
         pytest.skip("the CLI has no `download` command yet")

@@ -5,8 +5,8 @@ import random
 import pytest
 import torch
 
-from gpt_fast.drafters import PromptLookup, Replay, lookup_drafts
-from gpt_fast.sampling import SamplingConfig
+from gpt_fast.generation.drafters import PromptLookup, Replay, lookup_drafts
+from gpt_fast.generation.sampling import SamplingConfig
 
 GREEDY = SamplingConfig(temperature=0)
 

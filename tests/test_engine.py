@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from gpt_fast import Completion, Engine, EngineOptions, SamplingConfig
-from gpt_fast.config import QuantConfig
 from gpt_fast.convert.random_init import make_random_checkpoint, random_weights
+from gpt_fast.model.config import QuantConfig
+from gpt_fast.model.shapes import get_shape
 from gpt_fast.quant.layout import quantize_state
-from gpt_fast.shapes import get_shape
 
 GREEDY = SamplingConfig(temperature=0)
 README = Path(__file__).resolve().parent.parent / "README.md"

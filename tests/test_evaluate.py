@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from gpt_fast.cli import main
+from gpt_fast.cli.main import main
 from gpt_fast.convert.hf import convert_hf
-from gpt_fast.engine import Engine
-from gpt_fast.evaluate import DEFAULT_TEXT, EvalOptions, builtin_text, perplexity, windows
+from gpt_fast.engine.engine import Engine
+from gpt_fast.jobs.evaluate import DEFAULT_TEXT, EvalOptions, builtin_text, perplexity, windows
 from tests.tiny import save_hf_llama
 
 
@@ -131,7 +131,7 @@ def test_default_text_is_named():
 def test_wikitext_with_the_hub_unreachable(models, tmp_path, capsys, monkeypatch):
     from huggingface_hub import constants
 
-    from gpt_fast import download
+    from gpt_fast.util import download
 
     def unreachable(endpoint):
         raise ConnectionError(f"cannot reach the Hugging Face hub at {endpoint} (Name or service not known); retry")

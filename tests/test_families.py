@@ -10,7 +10,7 @@ import torch
 from tiny import hf_greedy, our_greedy, train_bpe_tokenizer
 
 from gpt_fast.convert.hf import convert_hf
-from gpt_fast.engine import Engine
+from gpt_fast.engine.engine import Engine
 
 COMMON = {
     "hidden_size": 64,
@@ -171,15 +171,15 @@ LLAMA = {
     ],
 )
 def test_features_that_do_not_fit_together_are_refused(fields, message):
-    from gpt_fast.config import ModelConfig
+    from gpt_fast.model.config import ModelConfig
 
     with pytest.raises(ValueError, match=message):
         ModelConfig(**LLAMA, **fields)
 
 
 def test_a_config_without_the_feature_fields_reads_as_llama():
-    from gpt_fast.config import ModelConfig, checkpoint_config_from_dict
     from gpt_fast.convert.random_init import byte_tokenizer
+    from gpt_fast.model.config import ModelConfig, checkpoint_config_from_dict
 
     _, tokenizer = byte_tokenizer(300)
     data = {"format": "gpt-fast-checkpoint", "format_version": 1, "model": LLAMA, "dtype": "float32"}

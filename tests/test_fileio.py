@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gpt_fast.fileio import atomic_path, check_output_file, file_lock, write_text_atomic
+from gpt_fast.util.fileio import atomic_path, check_output_file, file_lock, write_text_atomic
 
 
 def test_a_file_is_replaced_whole_and_nothing_else_is_left(tmp_path):
@@ -77,7 +77,7 @@ def test_dev_null_is_written_through():
 WRITE_TO = """
 import sys
 from pathlib import Path
-from gpt_fast.fileio import check_output_file, write_text_atomic
+from gpt_fast.util.fileio import check_output_file, write_text_atomic
 print("printed first", flush=True)
 write_text_atomic(check_output_file(Path(sys.argv[1]), "--metrics_json"), "metrics\\n")
 """

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-import gpt_fast.kernels.gated_activation as gated_activation
-import gpt_fast.quant.kernels as quant_kernels
+import gpt_fast.accel.gated_activation as gated_activation
+import gpt_fast.quant.products as quant_kernels
+from gpt_fast.accel.gated_activation import resolve_activation_kernel, use_activation_kernel
 from gpt_fast.convert.random_init import random_weights
-from gpt_fast.engine import Engine, EngineOptions
-from gpt_fast.kernels.gated_activation import resolve_activation_kernel, use_activation_kernel
-from gpt_fast.model import FeedForward, gated
-from gpt_fast.shapes import get_shape
+from gpt_fast.engine.engine import Engine, EngineOptions
+from gpt_fast.model.shapes import get_shape
+from gpt_fast.model.transformer import FeedForward, gated
 from tests.interpreter import needs_triton
 
 
@@ -110,7 +110,7 @@ def test_the_kernel_compiles_for_a_gpu(gelu):
 INTERPRETED = """
 import json, torch
 from gpt_fast.kernels.triton_gated_activation import gated_activation
-from gpt_fast.model import gated
+from gpt_fast.model.transformer import gated
 worst = {}
 for dtype in (torch.float32, torch.bfloat16):
     for activation in ("silu", "gelu_tanh"):

@@ -1,8 +1,7 @@
 import pytest
 import torch
 
-from gpt_fast.config import ModelConfig
-from gpt_fast.generate import (
+from gpt_fast.generation.decode import (
     HEURISTIC,
     CompileCacheUse,
     GraphedPrefill,
@@ -16,8 +15,9 @@ from gpt_fast.generate import (
     prefill,
     prefill_padded,
 )
-from gpt_fast.model import Transformer
-from gpt_fast.sampling import SamplingConfig
+from gpt_fast.generation.sampling import SamplingConfig
+from gpt_fast.model.config import ModelConfig
+from gpt_fast.model.transformer import Transformer
 
 GREEDY = SamplingConfig(temperature=0)
 PROMPT = [5, 17, 42, 8, 99, 3]

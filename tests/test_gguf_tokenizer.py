@@ -8,10 +8,10 @@ from pathlib import Path
 import gguf
 import pytest
 
-from gpt_fast.chat_template import render_chat
 from gpt_fast.convert.gguf_tokenizer import merges_from_scores, tokenizer_from_gguf
 from gpt_fast.convert.hf_tokenizer import tokenizer_from_hf_dir
-from gpt_fast.tokenizer import load_tokenizer
+from gpt_fast.text.chat_template import render_chat
+from gpt_fast.text.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,16 +12,16 @@ import sys
 import pytest
 import torch
 
+from gpt_fast.accel.linear import steps_with_pdl
 from gpt_fast.convert.random_init import make_random_checkpoint
-from gpt_fast.drafters import DraftModel, PromptLookup, Replay
-from gpt_fast.engine import Engine, EngineOptions
-from gpt_fast.generate import COMPILE_MODES, make_steps
-from gpt_fast.generate import generate as generate_tokens
-from gpt_fast.kernels.linear import steps_with_pdl
-from gpt_fast.model import Transformer
-from gpt_fast.sampling import SamplingConfig
-from gpt_fast.shapes import get_shape
-from gpt_fast.trace_summary import SCOPE_SPECULATIVE, summarize_trace
+from gpt_fast.engine.engine import Engine, EngineOptions
+from gpt_fast.generation.decode import COMPILE_MODES, make_steps
+from gpt_fast.generation.decode import generate as generate_tokens
+from gpt_fast.generation.drafters import DraftModel, PromptLookup, Replay
+from gpt_fast.generation.sampling import SamplingConfig
+from gpt_fast.jobs.trace_summary import SCOPE_SPECULATIVE, summarize_trace
+from gpt_fast.model.shapes import get_shape
+from gpt_fast.model.transformer import Transformer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")]
 NEW_TOKENS = 40

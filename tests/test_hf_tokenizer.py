@@ -11,7 +11,7 @@ import pytest
 
 from gpt_fast.convert.hf_tokenizer import tokenizer_from_hf_dir
 from gpt_fast.convert.tokenizer_common import LLAMA3_PATTERN, with_template_stop_id
-from gpt_fast.tokenizer import load_tokenizer
+from gpt_fast.text.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from gpt_fast.engine import Engine
-from gpt_fast.interactive import answer, chat_loop
-from gpt_fast.sampling import SamplingConfig
+from gpt_fast.engine.engine import Engine
+from gpt_fast.generation.sampling import SamplingConfig
+from gpt_fast.jobs.chat import answer, chat_loop
 
 GREEDY = SamplingConfig(temperature=0)
 

@@ -19,11 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpt_fast.config import QuantConfig
-from gpt_fast.convert.random_init import make_random_checkpoint, random_weights
-from gpt_fast.drafters import PromptLookup, Replay
-from gpt_fast.engine import Engine, EngineOptions
-from gpt_fast.kernels.invariant import (
+from gpt_fast.accel.invariant import (
     INVARIANT_ROWS,
     InvariantLinear,
     invariant_linear,
@@ -33,10 +29,14 @@ from gpt_fast.kernels.invariant import (
     reference_rms_norm,
     use_invariant_kernels,
 )
-from gpt_fast.model import Transformer, rms_norm
-from gpt_fast.sampling import SamplingConfig
-from gpt_fast.shapes import get_shape
-from gpt_fast.speculative import SpeculativeOptions
+from gpt_fast.convert.random_init import make_random_checkpoint, random_weights
+from gpt_fast.engine.engine import Engine, EngineOptions
+from gpt_fast.generation.drafters import PromptLookup, Replay
+from gpt_fast.generation.sampling import SamplingConfig
+from gpt_fast.generation.speculative import SpeculativeOptions
+from gpt_fast.model.config import QuantConfig
+from gpt_fast.model.shapes import get_shape
+from gpt_fast.model.transformer import Transformer, rms_norm
 
 GREEDY = SamplingConfig(temperature=0)
 TINY = dataclasses.replace(get_shape("tiny"), vocab_size=128)
@@ -105,7 +105,7 @@ def test_the_attention_operator_matches_the_model_and_writes_the_cache(window, s
     before = kv.clone()
     out = reference_attention(q, k, v, cos, sin, kv, positions, 1, 0.3, softcap, window)
 
-    from gpt_fast.model import apply_rope, attend_softcapped
+    from gpt_fast.model.transformer import apply_rope, attend_softcapped
 
     rotated_k = apply_rope(k, cos, sin)
     for b in range(bsz):

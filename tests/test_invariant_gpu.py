@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from gpt_fast.convert.random_init import random_weights
-from gpt_fast.drafters import PromptLookup, Replay
-from gpt_fast.engine import Engine, EngineOptions
-from gpt_fast.quant.kernels import triton_usable
-from gpt_fast.sampling import SamplingConfig
-from gpt_fast.shapes import get_shape
+from gpt_fast.engine.engine import Engine, EngineOptions
+from gpt_fast.generation.drafters import PromptLookup, Replay
+from gpt_fast.generation.sampling import SamplingConfig
+from gpt_fast.model.shapes import get_shape
+from gpt_fast.quant.products import triton_usable
 
 pytestmark = [
     pytest.mark.gpu,

@@ -9,7 +9,7 @@ import pytest
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from gpt_fast.jinja_sandbox import MAX_TEXT, BoundedEnvironment, measure, render_bounded
+from gpt_fast.text.jinja_sandbox import MAX_TEXT, BoundedEnvironment, measure, render_bounded
 
 OPTIONS = {"trim_blocks": True, "lstrip_blocks": True, "extensions": [jinja2.ext.loopcontrols]}
 MESSAGES = [{"role": "user", "content": "  Hello, wide world!  "}, {"role": "assistant", "content": "Hi.\tThere"}]

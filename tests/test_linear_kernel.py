@@ -1,4 +1,4 @@
-"""The decode step's unquantized linear kernel (gpt_fast/kernels/linear.py, triton_linear.py, triton_pdl.py): which
+"""The decode step's unquantized linear kernel (gpt_fast/accel/linear.py, triton_linear.py, triton_pdl.py): which
 kernel ``auto`` picks, the layers it swaps, the Triton kernel in Triton's interpreter against a float64 product
 and inside a compiled model, and its launch with programmatic dependent launch compiled for an H200."""
 
@@ -12,15 +12,15 @@ import pytest
 import torch
 from torch import nn
 
-from gpt_fast.checkpoint import model_from_state
-from gpt_fast.config import QuantConfig
+from gpt_fast.accel.linear import DecodeLinear, resolve_linear_kernel, use_linear_kernel
+from gpt_fast.checkpoint.load import model_from_state
 from gpt_fast.convert.random_init import random_weights
-from gpt_fast.engine import EngineOptions
-from gpt_fast.kernels.linear import DecodeLinear, resolve_linear_kernel, use_linear_kernel
-from gpt_fast.model import Transformer
+from gpt_fast.engine.engine import EngineOptions
+from gpt_fast.model.config import QuantConfig
+from gpt_fast.model.shapes import get_shape
+from gpt_fast.model.transformer import Transformer
+from gpt_fast.quant.layers import QuantizedLinear
 from gpt_fast.quant.layout import quantize_state
-from gpt_fast.quant.linear import QuantizedLinear
-from gpt_fast.shapes import get_shape
 from tests.interpreter import needs_triton, old_numpy
 
 TINY = dataclasses.replace(get_shape("tiny"), qkv_bias=True)  # a bias too
@@ -47,7 +47,7 @@ def test_auto_is_the_model_code_on_the_cpu_and_triton_is_refused_there():
     ],
 )
 def test_auto_takes_the_kernel_where_it_was_measured_faster(pretend_gpu, mode, capability, expected):
-    from gpt_fast import triton_pdl
+    from gpt_fast.kernels import pdl as triton_pdl
 
     gpu = pretend_gpu(capability)
     assert triton_pdl.pdl_usable(gpu) == (capability >= 9)
@@ -91,7 +91,7 @@ def test_the_decoder_layers_linears_are_swapped_sharing_their_parameters():
     ],
 )
 def test_a_layer_runs_one_row_through_the_fused_kernels_only_where_they_compute_it(changes, fused):
-    from gpt_fast.kernels.linear import FusedRow
+    from gpt_fast.accel.linear import FusedRow
 
     model = Transformer(dataclasses.replace(TINY, **changes))
     use_linear_kernel(model, "triton")
@@ -101,7 +101,7 @@ def test_a_layer_runs_one_row_through_the_fused_kernels_only_where_they_compute_
 def test_a_row_parallel_product_keeps_the_layer_unfused():
     """With tensor parallelism ``wo`` and ``w2`` are summed over the ranks after the product: a residual added
     inside it would be summed too."""
-    from gpt_fast.parallel import AllReduced
+    from gpt_fast.parallel.tensor_parallel import AllReduced
 
     model = Transformer(TINY)
     for block in model.layers:
@@ -137,7 +137,7 @@ def test_a_quantized_layer_runs_one_row_through_the_fused_kernels_where_its_prod
     int8 needs a 16-bit model and inputs a multiple of 64 (w2 of a 160-wide MLP keeps its bytes, and its layer
     its norms and residual adds, while w13, of 64 inputs, still takes the activation inside), int4 a 16-bit
     model and inputs a multiple of 4."""
-    from gpt_fast.kernels.linear import FusedRow
+    from gpt_fast.accel.linear import FusedRow
 
     model = quantized_model(dataclasses.replace(get_shape("tiny"), intermediate_size=intermediate), scheme, dtype)
     use_linear_kernel(model, "triton")
@@ -168,7 +168,7 @@ for dtype in (torch.float32, torch.bfloat16):
         key = str(dtype)
         worst[key] = max(worst.get(key, 0.0), ((got.double() - exact).norm() / exact.norm()).item())
 from gpt_fast.kernels.triton_linear import gated_gemv
-from gpt_fast.model import gated
+from gpt_fast.model.transformer import gated
 for dtype in (torch.float32, torch.bfloat16):
     for activation in ("silu", "gelu_tanh"):
         for hidden, k in ((64, 256), (37, 200), (5, 2048)):
@@ -181,7 +181,7 @@ for dtype in (torch.float32, torch.bfloat16):
             assert got.dtype == dtype and got.shape == (1, hidden)
             key = f"gated {dtype}"
             worst[key] = max(worst.get(key, 0.0), ((got.double() - exact).norm() / exact.norm()).item())
-from gpt_fast.model import rms_norm
+from gpt_fast.model.transformer import rms_norm
 for dtype in (torch.float32, torch.bfloat16):
     for n, k in ((64, 256), (37, 200), (8, 3000)):
         g = torch.Generator().manual_seed(n + k)
@@ -235,9 +235,9 @@ COMPILED = """
 import dataclasses
 import json
 import torch
-from gpt_fast.kernels.linear import register_triton_ops, use_linear_kernel
-from gpt_fast.model import Transformer
-from gpt_fast.shapes import get_shape
+from gpt_fast.accel.linear import register_triton_ops, use_linear_kernel
+from gpt_fast.model.transformer import Transformer
+from gpt_fast.model.shapes import get_shape
 from tests.interpreter import gemv_calls
 config = dataclasses.replace(get_shape("tiny"), qkv_bias=True)
 torch.manual_seed(0)
@@ -275,10 +275,11 @@ QUANTIZED = """
 import dataclasses
 import json
 import torch
-from gpt_fast.config import QuantConfig
-from gpt_fast.kernels.linear import register_triton_ops, use_linear_kernel
-from gpt_fast.quant import kernels as quant_kernels, triton_gemv
-from gpt_fast.shapes import get_shape
+from gpt_fast.model.config import QuantConfig
+from gpt_fast.accel.linear import register_triton_ops, use_linear_kernel
+from gpt_fast.kernels import triton_gemv
+from gpt_fast.quant import products as quant_kernels
+from gpt_fast.model.shapes import get_shape
 from tests.test_linear_kernel import quantized_model
 calls = []
 for name in ("int8_gemv", "int4_gemv"):
@@ -337,7 +338,7 @@ def test_a_compiled_quantized_one_token_step_fuses_each_layer_and_matches_the_mo
 @pytest.mark.parametrize("name", ["_linear_gemv", "_gated_gemv"])
 def test_the_kernel_compiles_for_an_h200_with_its_weights_loaded_before_the_wait(name):
     """With PDL the first step's weights are loaded before ``griddepcontrol.wait``, and dependents are released
-    only after it (the rule of :mod:`gpt_fast.triton_pdl`); with the norm inside and the residual added too."""
+    only after it (the rule of :mod:`gpt_fast.kernels.pdl`); with the norm inside and the residual added too."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource

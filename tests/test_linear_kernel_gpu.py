@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from gpt_fast.convert.random_init import random_weights
-from gpt_fast.engine import Engine, EngineOptions
-from gpt_fast.quant.kernels import triton_usable
-from gpt_fast.sampling import SamplingConfig
-from gpt_fast.shapes import get_shape
+from gpt_fast.engine.engine import Engine, EngineOptions
+from gpt_fast.generation.sampling import SamplingConfig
+from gpt_fast.model.shapes import get_shape
+from gpt_fast.quant.products import triton_usable
 
 pytestmark = [
     pytest.mark.gpu,
@@ -70,7 +70,7 @@ def test_the_norm_and_the_residual_inside_the_kernels_match_the_models_layer(dty
     """A Llama-2-7B layer's shapes: wqkv of the attention norm's output, wo plus the residual, w13 and the
     activation of the MLP norm's output, each against the model's own operations on the float64 product."""
     from gpt_fast.kernels.triton_linear import gated_gemv, linear_gemv
-    from gpt_fast.model import gated, rms_norm
+    from gpt_fast.model.transformer import gated, rms_norm
 
     torch.manual_seed(0)
     x = torch.randn(1, 4096, device="cuda", dtype=dtype)
@@ -116,9 +116,10 @@ def test_decoding_with_the_kernel_gives_eagers_greedy_tokens(tiny_state, mode, a
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("hidden", "k"), [(11008, 4096), (1536, 576), (1000, 300)])
 def test_the_gated_kernel_matches_w13_then_the_activation(activation, dtype, hidden, k):
-    """Against the model's code (:func:`gpt_fast.model.gated`) on the float64 product rounded to ``dtype``."""
+    """Against the model's code (:func:`gpt_fast.model.transformer.gated`) on the float64 product rounded to
+    ``dtype``."""
     from gpt_fast.kernels.triton_linear import gated_gemv
-    from gpt_fast.model import gated
+    from gpt_fast.model.transformer import gated
 
     torch.manual_seed(hidden + k)
     w = torch.randn(2 * hidden, k, device="cuda", dtype=dtype) / k**0.5

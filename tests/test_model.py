@@ -1,9 +1,15 @@
 import pytest
 import torch
 
-from gpt_fast.config import ModelConfig, RopeScaling
-from gpt_fast.model import Transformer, attend_one_query, rope_inv_freq, weight_bytes_per_token, weight_shapes
-from gpt_fast.shapes import get_shape
+from gpt_fast.model.config import ModelConfig, RopeScaling
+from gpt_fast.model.shapes import get_shape
+from gpt_fast.model.transformer import (
+    Transformer,
+    attend_one_query,
+    rope_inv_freq,
+    weight_bytes_per_token,
+    weight_shapes,
+)
 
 
 def tiny_model(n_local_heads: int, tie: bool = False, seed: int = 0, **fields) -> Transformer:

@@ -15,19 +15,26 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpt_fast.cli import main
-from gpt_fast.config import QuantConfig
+from gpt_fast.accel.linear import use_linear_kernel
+from gpt_fast.cli.main import main
+from gpt_fast.convert.quantize import quantize_checkpoint
 from gpt_fast.convert.random_init import make_random_checkpoint, random_weights
-from gpt_fast.engine import Engine, EngineOptions
-from gpt_fast.kernels.linear import use_linear_kernel
-from gpt_fast.model import Transformer
-from gpt_fast.parallel import ParallelRow, Ranks, Shard, TensorParallel, check_tensor_parallel, device_of
-from gpt_fast.quant.kernels import triton_usable
+from gpt_fast.engine.engine import Engine, EngineOptions
+from gpt_fast.generation.sampling import SamplingConfig
+from gpt_fast.model.config import QuantConfig
+from gpt_fast.model.shapes import get_shape
+from gpt_fast.model.transformer import Transformer
+from gpt_fast.parallel.tensor_parallel import (
+    ParallelRow,
+    Ranks,
+    Shard,
+    TensorParallel,
+    check_tensor_parallel,
+    device_of,
+)
 from gpt_fast.quant.layout import quantize_state
-from gpt_fast.quant.quantize import quantize_checkpoint
+from gpt_fast.quant.products import triton_usable
 from gpt_fast.quant.schemes import dequantize_int4, dequantize_int8
-from gpt_fast.sampling import SamplingConfig
-from gpt_fast.shapes import get_shape
 from tests.interpreter import needs_triton, old_numpy
 
 WORKER = Path(__file__).with_name("parallel_worker.py")

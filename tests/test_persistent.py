@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from gpt_fast.config import QuantConfig
+from gpt_fast.accel import persistent
+from gpt_fast.accel.persistent import check_layers_kernel, resolve_layers_kernel, use_layers_kernel
 from gpt_fast.convert.random_init import random_weights
-from gpt_fast.engine import Engine, EngineOptions
-from gpt_fast.kernels import persistent
-from gpt_fast.kernels.persistent import check_layers_kernel, resolve_layers_kernel, use_layers_kernel
-from gpt_fast.shapes import get_shape
+from gpt_fast.engine.engine import Engine, EngineOptions
+from gpt_fast.model.config import QuantConfig
+from gpt_fast.model.shapes import get_shape
 from tests.interpreter import needs_triton
 
 REFERENCE = Path(__file__).with_name("persistent_reference.py")

@@ -14,8 +14,8 @@ import torch
 from persistent_reference import report
 
 from gpt_fast.convert.random_init import make_random_checkpoint
-from gpt_fast.shapes import get_shape
-from gpt_fast.trace_summary import summarize_trace
+from gpt_fast.jobs.trace_summary import summarize_trace
+from gpt_fast.model.shapes import get_shape
 
 pytestmark = [
     pytest.mark.gpu,

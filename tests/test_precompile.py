@@ -13,16 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpt_fast.config import ModelConfig
+from gpt_fast.accel.linear import DecodeLinear, swap_linears
+from gpt_fast.accel.top_k import triton_top_k
 from gpt_fast.convert.random_init import make_random_checkpoint
-from gpt_fast.engine import Engine
-from gpt_fast.generate import compile_options, decode_one_token
-from gpt_fast.kernels.linear import DecodeLinear, swap_linears
-from gpt_fast.kernels.top_k import triton_top_k
-from gpt_fast.model import Transformer
-from gpt_fast.precompile import LOADED, SAVED, SUFFIX, PrecompiledStep, package_key
-from gpt_fast.sampling import SamplingConfig
-from gpt_fast.shapes import get_shape
+from gpt_fast.engine.engine import Engine
+from gpt_fast.generation.decode import compile_options, decode_one_token
+from gpt_fast.generation.precompile import LOADED, SAVED, SUFFIX, PrecompiledStep, package_key
+from gpt_fast.generation.sampling import SamplingConfig
+from gpt_fast.model.config import ModelConfig
+from gpt_fast.model.shapes import get_shape
+from gpt_fast.model.transformer import Transformer
 
 GREEDY = SamplingConfig(temperature=0)
 OPTIONS = compile_options("default")
@@ -64,7 +64,7 @@ def test_the_key_follows_what_a_package_depends_on(monkeypatch):
     with_sampler = tiny_model()
     with_sampler.top_k_sampler = triton_top_k
     different.append(key(with_sampler))
-    monkeypatch.setattr("gpt_fast.precompile.source_digest", lambda: "changed source")
+    monkeypatch.setattr("gpt_fast.generation.precompile.source_digest", lambda: "changed source")
     different.append(key(model))
     assert len({base, *different}) == len(different) + 1
 
@@ -123,7 +123,7 @@ def test_a_new_package_is_sought_only_when_the_model_caches_or_sampling_change(m
         return keyed[-1]
 
     monkeypatch.setattr(PrecompiledStep, "_obtain", obtain)
-    monkeypatch.setattr("gpt_fast.precompile.package_key", counted_key)
+    monkeypatch.setattr("gpt_fast.generation.precompile.package_key", counted_key)
     step, model = PrecompiledStep(decode_one_token, OPTIONS), tiny_model()
     for _ in range(3):
         step(model, GREEDY)

@@ -7,19 +7,19 @@ import json
 import pytest
 import torch
 
-from gpt_fast.checkpoint import check_checkpoint, model_from_state
-from gpt_fast.cli import main
-from gpt_fast.config import QuantConfig, load_checkpoint_config
+from gpt_fast.checkpoint.load import check_checkpoint, model_from_state
+from gpt_fast.cli.main import main
 from gpt_fast.convert.random_init import make_random_checkpoint
-from gpt_fast.engine import Engine
-from gpt_fast.evaluate import default_text
-from gpt_fast.model import weight_bytes_per_token
+from gpt_fast.engine.engine import Engine
+from gpt_fast.jobs.evaluate import default_text
+from gpt_fast.model.config import QuantConfig, load_checkpoint_config
+from gpt_fast.model.shapes import get_shape
+from gpt_fast.model.transformer import weight_bytes_per_token
 from gpt_fast.quant.calibrate import CALIBRATION_MODULES, Calibration, calibration_rows, gptq_parts, stdlib_docstrings
 from gpt_fast.quant.gptq import asymmetric_target, gptq_int4, hessian
+from gpt_fast.quant.layers import Int4Linear
 from gpt_fast.quant.layout import stored_size
-from gpt_fast.quant.linear import Int4Linear
 from gpt_fast.quant.schemes import dequantize_int4
-from gpt_fast.shapes import get_shape
 from tests.test_quant_quantize import run
 from tests.tiny import our_greedy
 

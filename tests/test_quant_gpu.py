@@ -10,15 +10,15 @@ import functools
 import pytest
 import torch
 
-from gpt_fast.config import QuantConfig
 from gpt_fast.convert.random_init import random_weights
-from gpt_fast.engine import Engine, EngineOptions
-from gpt_fast.generate import COMPILE_MODES
-from gpt_fast.quant.kernels import INT8_BLOCK, group_interleave, int8_interleave, resolve_kernel, triton_usable
+from gpt_fast.engine.engine import Engine, EngineOptions
+from gpt_fast.generation.decode import COMPILE_MODES
+from gpt_fast.generation.sampling import SamplingConfig
+from gpt_fast.model.config import QuantConfig
+from gpt_fast.model.shapes import get_shape
 from gpt_fast.quant.layout import quantize_state
+from gpt_fast.quant.products import INT8_BLOCK, group_interleave, int8_interleave, resolve_kernel, triton_usable
 from gpt_fast.quant.schemes import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
-from gpt_fast.sampling import SamplingConfig
-from gpt_fast.shapes import get_shape
 
 pytestmark = [
     pytest.mark.gpu,
@@ -39,7 +39,7 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 @pytest.mark.parametrize("rows", [1, 3, 16])
 @pytest.mark.parametrize("n, k", [(4096, 4096), (1000, 576), (96, 200)])
 def test_triton_kernels_match_a_float64_product(dtype, rows, n, k):
-    from gpt_fast.quant import triton_gemv
+    from gpt_fast.kernels import triton_gemv
 
     torch.manual_seed(n + k + rows)
     weight = torch.randn(n, k, device="cuda")
@@ -68,7 +68,7 @@ def test_float16_pairs_hold_small_and_large_activations(scheme, size):
     half): activations of every size up to half float16's largest (32752), all of one magnitude at the top, must
     not overflow their partial sums nor lose precision when small, against a float64 product and the float32
     path (int8: the matrix as it is)."""
-    from gpt_fast.quant import triton_gemv
+    from gpt_fast.kernels import triton_gemv
 
     torch.manual_seed(7)
     weight = torch.randn(512, 4096, device="cuda")
@@ -97,7 +97,7 @@ def test_operators_compile_into_a_cuda_graph_step(n, scheme, pdl):
     generates; ``pdl``: the opaque operators launched with PDL, reading what a kernel of inductor's just wrote)
     give, compiled in a CUDA-graph mode, what they give called directly (within rounding: inductor's sigmoid is its
     own)."""
-    from gpt_fast.quant.kernels import int4_triton_linear, int8_linear, register_triton_ops
+    from gpt_fast.quant.products import int4_triton_linear, int8_linear, register_triton_ops
 
     register_triton_ops()
     torch._dynamo.reset()
@@ -151,7 +151,7 @@ def test_every_compile_mode_gives_the_eager_tokens(quantized, eager_tokens, mode
 def test_a_repacked_layers_prefill_compiled_matches_a_float64_product(scheme):
     """A bf16 layer repacked for our Triton kernel (its checkpoint layout dropped) computes a prefill's rows from
     the repacked words, compiled as ``--compile_prefill`` compiles it."""
-    from gpt_fast.quant.linear import Int4Linear, Int8Linear
+    from gpt_fast.quant.layers import Int4Linear, Int8Linear
 
     torch.manual_seed(3)
     weight = torch.randn(1024, 4096, device="cuda")
@@ -179,10 +179,10 @@ def test_a_repacked_layers_prefill_compiled_matches_a_float64_product(scheme):
 @pytest.mark.parametrize("n, k, group", [(4096, 4096, 128), (1000, 576, 32), (96, 200, 64), (22016, 4096, 256)])
 def test_a_prompts_rows_take_the_matmul_of_the_words(dtype, rows, n, k, group):
     """More rows than a decode step's through a 16-bit layer repacked for our Triton kernels take our matrix
-    product of the words as they lie (:mod:`gpt_fast.quant.triton_matmul`), in its tile for that many rows, and
+    product of the words as they lie (:mod:`gpt_fast.kernels.triton_matmul`), in its tile for that many rows, and
     match a float64 product with the dequantized weights."""
-    from gpt_fast.quant.kernels import INT4_GEMV_ROWS, takes_matmul
-    from gpt_fast.quant.linear import Int4Linear, Int8Linear
+    from gpt_fast.quant.layers import Int4Linear, Int8Linear
+    from gpt_fast.quant.products import INT4_GEMV_ROWS, takes_matmul
 
     torch.manual_seed(n + k + rows)
     weight = torch.randn(n, k, device="cuda")
@@ -206,7 +206,7 @@ def test_a_prompts_rows_take_the_matmul_of_the_words(dtype, rows, n, k, group):
 @pytest.mark.parametrize("n, k, group", [(4096, 4096, 128), (1536, 576, 64), (96, 256, 32)])
 def test_tinygemm_int4_matches_a_float64_product(rows, n, k, group):
     """The int4 layer repacked for PyTorch's CUDA tinygemm kernel (``aten`` on CUDA, bf16)."""
-    from gpt_fast.quant.linear import Int4Linear
+    from gpt_fast.quant.layers import Int4Linear
 
     torch.manual_seed(n + k + rows)
     weight = torch.randn(n, k, device="cuda")
@@ -223,7 +223,7 @@ def test_tinygemm_int4_matches_a_float64_product(rows, n, k, group):
 
 def row_operands(scheme: str, n: int, k: int, dtype: torch.dtype):
     """A quantized [n, k] matrix repacked for our kernels, as ``(plain product, row product)`` of the operators."""
-    from gpt_fast.quant.kernels import int4_triton_linear, int8_linear
+    from gpt_fast.quant.products import int4_triton_linear, int8_linear
 
     weight = torch.randn(n, k, device="cuda") / k**0.5
     if scheme == "int8":
@@ -244,8 +244,8 @@ def test_a_rows_neighbours_inside_the_quantized_kernels_are_the_models(scheme, d
     added after it, or a gated MLP's activation after ``w13``, against the same operator's plain product with the
     model's own norm, add and activation around it, each compiled in a CUDA graph after a kernel of inductor's
     (as in a decode step): the same up to the norm's sum of squares, summed in another order (1e-3)."""
-    from gpt_fast.model import gated, rms_norm
-    from gpt_fast.quant.kernels import register_triton_ops
+    from gpt_fast.model.transformer import gated, rms_norm
+    from gpt_fast.quant.products import register_triton_ops
 
     register_triton_ops()
     torch.manual_seed(11)
@@ -283,12 +283,12 @@ def test_a_rows_neighbours_inside_the_quantized_kernels_are_the_models(scheme, d
 @pytest.mark.parametrize("scheme", SCHEMES[:2], ids=lambda q: q.name)
 def test_a_quantized_bf16_step_runs_each_layer_as_four_row_kernels(scheme):
     """A bf16 model quantized for our kernels, its decode step compiled in ``reduce-overhead`` with our linear
-    kernel: each layer runs through :class:`gpt_fast.kernels.linear.FusedRow` (norms, residual adds and the
+    kernel: each layer runs through :class:`gpt_fast.accel.linear.FusedRow` (norms, residual adds and the
     activation inside the quantized products) and its logits are the eager step's within bf16 rounding."""
     import dataclasses
 
-    from gpt_fast.checkpoint import model_from_state
-    from gpt_fast.kernels.linear import FusedRow, register_triton_ops, use_linear_kernel
+    from gpt_fast.accel.linear import FusedRow, register_triton_ops, use_linear_kernel
+    from gpt_fast.checkpoint.load import model_from_state
 
     shape = dataclasses.replace(get_shape("tiny"), intermediate_size=128)  # int8 words: columns in 64s
     state = quantize_state(random_weights(shape, torch.float32, seed=2), shape, scheme, torch.bfloat16)

@@ -11,8 +11,9 @@ import textwrap
 import pytest
 import torch
 
-from gpt_fast.config import QuantConfig
-from gpt_fast.quant.kernels import (
+from gpt_fast.model.config import QuantConfig
+from gpt_fast.quant.layers import Int4Linear, Int8Linear
+from gpt_fast.quant.products import (
     FEW_ROWS,
     group_deinterleave,
     group_interleave,
@@ -22,7 +23,6 @@ from gpt_fast.quant.kernels import (
     int8_linear,
     resolve_kernel,
 )
-from gpt_fast.quant.linear import Int4Linear, Int8Linear
 from gpt_fast.quant.schemes import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8, unpack_int4
 from tests.interpreter import needs_triton, old_numpy
 
@@ -184,8 +184,8 @@ def test_a_rocm_build_falls_back_to_plain_pytorch(monkeypatch):
 
 TRITON_CHECK = """
 import torch
-from gpt_fast.quant import triton_gemv
-from gpt_fast.quant.kernels import INT8_BLOCK, group_interleave, int8_interleave
+from gpt_fast.kernels import triton_gemv
+from gpt_fast.quant.products import INT8_BLOCK, group_interleave, int8_interleave
 from gpt_fast.quant.schemes import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 torch.manual_seed(0)
 worst = 0.0
@@ -245,11 +245,11 @@ def test_triton_kernels_in_the_interpreter():
 
 INSIDE_CHECK = """
 import json, torch
-from gpt_fast.model import gated, rms_norm
-from gpt_fast.quant import triton_gemv
-from gpt_fast.quant.kernels import group_interleave, int8_interleave
+from gpt_fast.model.transformer import gated, rms_norm
+from gpt_fast.kernels import triton_gemv
+from gpt_fast.quant.products import group_interleave, int8_interleave
 from gpt_fast.quant.schemes import quantize_int4, quantize_int8
-from gpt_fast.quant.triton_gemv import NOTHING_INSIDE, Inside
+from gpt_fast.kernels.triton_gemv import NOTHING_INSIDE, Inside
 worst = {}
 for dtype in (torch.float16, torch.bfloat16):
     for rows, n, k in [(1, 64, 256), (2, 38, 192)]:
@@ -313,7 +313,7 @@ def compile_for_h200(name: str, dtype: str, constants: dict, warps: int):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from gpt_fast.quant import triton_gemv
+    from gpt_fast.kernels import triton_gemv
 
     kernel = getattr(triton_gemv, name)
     pointers = {"x_ptr": dtype, "w_ptr": "i32", "s_ptr": dtype, "z_ptr": dtype, "y_ptr": dtype}
@@ -353,9 +353,9 @@ def inside_constants(inside: str) -> dict[str, object]:
 def test_the_kernels_compile_for_an_h200_with_their_first_weights_loaded_before_the_wait(name, inside):
     """Launched with PDL (the ``_pdl`` and ``_row`` operators), the first step's weights are loaded before
     ``griddepcontrol.wait``, and dependents are released only after it (the rule of
-    :mod:`gpt_fast.triton_pdl`), with a norm, an activation or a residual inside too; the float16-pairs PTX of
+    :mod:`gpt_fast.kernels.pdl`), with a norm, an activation or a residual inside too; the float16-pairs PTX of
     interleaved int8 and of int4 assembles for ``sm_90``."""
-    from gpt_fast.quant import triton_gemv
+    from gpt_fast.kernels import triton_gemv
 
     if name == "_int8_gemv":
         constants = {"BLOCK_N": 8, "BLOCK_K": 2048, "EVEN": True, "AS_WORDS": True, "PDL": True}
@@ -385,7 +385,7 @@ def test_the_kernels_compile_for_an_h200_with_their_first_weights_loaded_before_
 def test_the_int4_kernel_compiles_for_an_h200_in_each_path(dtype, half2, group, even):
     """Each path of the int4 kernel (float32 arithmetic, float16 pairs from float16 or bfloat16 activations;
     masked or not) compiles to a cubin for ``sm_90``: the interpreter runs what the compiler may refuse."""
-    from gpt_fast.quant import triton_gemv
+    from gpt_fast.kernels import triton_gemv
 
     launch = triton_gemv.int4_launch(22016, group, half2)
     constants = {"BLOCK_N": launch.block_n, "GROUPS": launch.block_k // group, "GROUP": group, "EVEN": even}
@@ -399,7 +399,7 @@ def test_the_int4_kernel_compiles_for_an_h200_in_each_path(dtype, half2, group, 
 def test_the_int8_interleaved_kernel_compiles_for_an_h200_in_each_path(dtype, n, k):
     """The int8 kernel of interleaved words, from float16 or bfloat16 activations, masked where the tile does not
     divide the columns or not, compiles to a cubin for ``sm_90``."""
-    from gpt_fast.quant import triton_gemv
+    from gpt_fast.kernels import triton_gemv
 
     launch = triton_gemv.int8_launch(n, k, interleaved=True)
     constants = {"BLOCK_N": launch.block_n, "BLOCKS": launch.block_k // 64, "EVEN": k % launch.block_k == 0}
@@ -410,9 +410,9 @@ def test_the_int8_interleaved_kernel_compiles_for_an_h200_in_each_path(dtype, n,
 def test_only_layers_computing_with_the_triton_kernel_launch_it_with_pdl():
     """``launch_with_pdl`` (the engine's call where our GEMVs are launched with PDL) reaches the quantized layers
     under the root it is given that compute with the ``triton`` kernel; eager calls never take the PDL operator."""
-    from gpt_fast.model import Transformer
-    from gpt_fast.quant.linear import QuantizedLinear, launch_with_pdl, quantize_linears
-    from gpt_fast.shapes import get_shape
+    from gpt_fast.model.shapes import get_shape
+    from gpt_fast.model.transformer import Transformer
+    from gpt_fast.quant.layers import QuantizedLinear, launch_with_pdl, quantize_linears
 
     shape = get_shape("tiny")
     with torch.device("meta"):

@@ -4,11 +4,11 @@ and the cheap count of tensors and bytes all agree."""
 import pytest
 import torch
 
-from gpt_fast.config import QuantConfig
-from gpt_fast.model import Transformer, weight_bytes_per_token
+from gpt_fast.model.config import QuantConfig
+from gpt_fast.model.shapes import SHAPES, get_shape
+from gpt_fast.model.transformer import Transformer, weight_bytes_per_token
+from gpt_fast.quant.layers import Int4Linear, Int8Linear, quantize_linears
 from gpt_fast.quant.layout import quantize_state, quantized_linears, stored_size, stored_specs
-from gpt_fast.quant.linear import Int4Linear, Int8Linear, quantize_linears
-from gpt_fast.shapes import SHAPES, get_shape
 
 SCHEMES = [
     QuantConfig("int8"),
@@ -78,7 +78,7 @@ def test_biases_stay_in_float_beside_the_quantized_weights():
     """Qwen2's q/k/v biases: kept by the quantized layer, and the quantized model stays close to the float one."""
     import dataclasses
 
-    from gpt_fast.checkpoint import model_from_state
+    from gpt_fast.checkpoint.load import model_from_state
     from gpt_fast.convert.random_init import random_weights
 
     shape = dataclasses.replace(get_shape("tiny"), qkv_bias=True)

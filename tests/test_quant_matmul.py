@@ -1,4 +1,4 @@
-"""The prefill's matrix product with quantized words (gpt_fast/quant/triton_matmul.py): the activations' column
+"""The prefill's matrix product with quantized words (gpt_fast/kernels/triton_matmul.py): the activations' column
 order against the words' layout in PyTorch, the kernel in Triton's interpreter against a float64 product, and
 the kernel compiled for an H200 in each of its tiles."""
 
@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from gpt_fast.quant.kernels import group_columns, group_interleave, int8_interleave, interleave_columns
+from gpt_fast.quant.products import group_columns, group_interleave, int8_interleave, interleave_columns
 from gpt_fast.quant.schemes import quantize_int4, quantize_int8, unpack_int4
 from tests.interpreter import needs_triton, old_numpy
 
@@ -38,8 +38,8 @@ def test_interleaved_columns_meet_the_bytes_of_the_int8_words_as_they_lie():
 
 MATMUL_CHECK = """
 import json, torch
-from gpt_fast.quant import triton_matmul
-from gpt_fast.quant.kernels import group_columns, group_interleave, int8_interleave, interleave_columns
+from gpt_fast.kernels import triton_matmul
+from gpt_fast.quant.products import group_columns, group_interleave, int8_interleave, interleave_columns
 from gpt_fast.quant.schemes import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 worst = {}
 for m, n, k, group in [(20, 48, 256, 32), (5, 40, 200, 64), (33, 24, 384, 128), (17, 16, 512, 256)]:
@@ -92,7 +92,7 @@ def test_the_matmul_compiles_for_an_h200_in_each_tile(dtype, rows, n, group):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from gpt_fast.quant.triton_matmul import _words_matmul, tile_for
+    from gpt_fast.kernels.triton_matmul import _words_matmul, tile_for
 
     tile = tile_for(rows, n, group)
     pointers = {"x_ptr": dtype, "w_ptr": "i32", "s_ptr": dtype, "z_ptr": dtype, "y_ptr": dtype}

@@ -7,12 +7,12 @@ import re
 import pytest
 import torch
 
-from gpt_fast.checkpoint import check_checkpoint
-from gpt_fast.cli import main
-from gpt_fast.config import QuantConfig, load_checkpoint_config
+from gpt_fast.checkpoint.load import check_checkpoint
+from gpt_fast.cli.main import main
 from gpt_fast.convert.random_init import make_random_checkpoint
-from gpt_fast.engine import Engine, EngineOptions
-from gpt_fast.shapes import get_shape
+from gpt_fast.engine.engine import Engine, EngineOptions
+from gpt_fast.model.config import QuantConfig, load_checkpoint_config
+from gpt_fast.model.shapes import get_shape
 from tests.tiny import our_greedy, save_hf_llama
 
 SCHEMES = {

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from gpt_fast.sampling import (
+from gpt_fast.generation.sampling import (
     SamplingConfig,
     candidates,
     cumulative_sum,

@@ -28,12 +28,12 @@ import pytest
 import torch
 
 from gpt_fast import Engine, SamplingConfig
-from gpt_fast.cli import main
-from gpt_fast.config import load_checkpoint_config
+from gpt_fast.cli.main import main
 from gpt_fast.convert.random_init import make_random_checkpoint
+from gpt_fast.model.config import load_checkpoint_config
+from gpt_fast.model.shapes import get_shape
 from gpt_fast.serve.server import signals_call
-from gpt_fast.shapes import get_shape
-from gpt_fast.textstream import TextStream
+from gpt_fast.text.textstream import TextStream
 
 REPO = Path(__file__).resolve().parent.parent
 KEY = "test-key"

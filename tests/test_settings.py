@@ -8,7 +8,7 @@ import sys
 import pytest
 
 REPORT = "import os; print(os.environ.get('TRITON_PTXAS_PATH'))"
-OURS = f"from gpt_fast.settings import apply_torch_settings; apply_torch_settings(); {REPORT}"
+OURS = f"from gpt_fast.util.settings import apply_torch_settings; apply_torch_settings(); {REPORT}"
 WORKERS = f"from torch._inductor.runtime import compile_tasks as t; t._set_triton_ptxas_path(); {REPORT}"
 
 
@@ -30,14 +30,15 @@ def test_a_ptxas_the_user_chose_is_kept():
 
 def test_inductor_flags():
     code = (
-        "import torch._inductor.config as c; from gpt_fast.settings import apply_torch_settings as a; a(); "
+        "import torch._inductor.config as c; from gpt_fast.util.settings import apply_torch_settings as a; a(); "
         "print(c.coordinate_descent_tuning, c.triton.unique_kernel_names, c.fx_graph_cache)"
     )
     assert _run(code) == "True True True"
 
 
 def test_importing_changes_nothing():
-    code = f"import torch._inductor.config as c; import gpt_fast.settings; {REPORT}; print(c.coordinate_descent_tuning)"
+    code = "import torch._inductor.config as c; import gpt_fast.util.settings; "
+    code += f"{REPORT}; print(c.coordinate_descent_tuning)"
     assert _run(code).split() == ["None", "False"]
 
 
@@ -78,7 +79,7 @@ def test_a_cached_kernel_keeps_its_tuned_configuration_as_newer_torch_does(monke
     found_by_coordesc flag, so that the kernel is not tuned again at its first call."""
     from torch._inductor.runtime import triton_heuristics
 
-    from gpt_fast.settings import recheck_autotune_cache
+    from gpt_fast.util.settings import recheck_autotune_cache
 
     compiled, cached = CASES[case]
     outcomes = []
@@ -97,7 +98,7 @@ def test_the_cache_fixes_are_made_on_torch_2_11_only(monkeypatch, version, repla
     import torch._inductor.config as inductor_config
     from torch._inductor.runtime import triton_heuristics
 
-    from gpt_fast import settings
+    from gpt_fast.util import settings
 
     tuner = triton_heuristics.CachingAutotuner
     monkeypatch.setattr(tuner, "recheck_autotune_cache", tuner.recheck_autotune_cache)  # restored afterwards

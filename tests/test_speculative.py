@@ -13,21 +13,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpt_fast.config import ModelConfig
 from gpt_fast.convert.random_init import make_random_checkpoint
-from gpt_fast.drafters import DraftModel, PromptLookup, Replay
-from gpt_fast.engine import Engine, EngineOptions
-from gpt_fast.generate import drain, generate, make_steps
-from gpt_fast.model import Transformer
-from gpt_fast.sampling import SamplingConfig
-from gpt_fast.shapes import get_shape
-from gpt_fast.speculative import (
+from gpt_fast.engine.engine import Engine, EngineOptions
+from gpt_fast.generation.decode import drain, generate, make_steps
+from gpt_fast.generation.drafters import DraftModel, PromptLookup, Replay
+from gpt_fast.generation.sampling import SamplingConfig
+from gpt_fast.generation.speculative import (
     SpeculativeOptions,
     accept_sampled,
     make_speculative_steps,
     speculative_cache_length,
     speculative_stream,
 )
+from gpt_fast.model.config import ModelConfig
+from gpt_fast.model.shapes import get_shape
+from gpt_fast.model.transformer import Transformer
 
 GREEDY = SamplingConfig(temperature=0)
 PROMPTS = Path(__file__).resolve().parent.parent / "prompts"

@@ -2,7 +2,7 @@
 
 import pytest
 
-from gpt_fast.textstream import StopStrings, TextStream
+from gpt_fast.text.textstream import StopStrings, TextStream
 
 
 class Bytes:

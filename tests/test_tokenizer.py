@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from gpt_fast.config import TokenizerConfig
 from gpt_fast.convert.hf_tokenizer import tokenizer_from_hf_dir
-from gpt_fast.tokenizer import HuggingFaceTokenizer, SentencePieceTokenizer, TiktokenTokenizer, load_tokenizer
+from gpt_fast.model.config import TokenizerConfig
+from gpt_fast.text.tokenizer import HuggingFaceTokenizer, SentencePieceTokenizer, TiktokenTokenizer, load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -22,8 +22,8 @@ from tiny import hf_greedy, hf_llama_config, our_greedy, random_llama
 
 from gpt_fast.convert.hf import convert_hf
 from gpt_fast.convert.hf_tokenizer import tokenizer_from_hf_dir
-from gpt_fast.engine import Engine
-from gpt_fast.tokenizer import SentencePieceTokenizer, load_tokenizer
+from gpt_fast.engine.engine import Engine
+from gpt_fast.text.tokenizer import SentencePieceTokenizer, load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,5 +1,6 @@
-"""The decode steps' top-k sampling kernel (gpt_fast/kernels/top_k.py, triton_top_k.py): which kernel is chosen
-and refused, when :func:`gpt_fast.sampling.sample` hands the logits to it, and the kernels in Triton's interpreter
+"""The decode steps' top-k sampling kernel (gpt_fast/accel/top_k.py, triton_top_k.py): which kernel is chosen
+and refused, when :func:`gpt_fast.generation.sampling.sample` hands the logits to it, and the kernels in Triton's
+interpreter
 against the PyTorch reference of their semantics (tests/top_k_reference.py)."""
 
 import json
@@ -11,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpt_fast.engine import Engine, EngineOptions
-from gpt_fast.kernels.top_k import resolve_sampling_kernel
-from gpt_fast.sampling import SamplingConfig, sample
-from gpt_fast.shapes import get_shape
+from gpt_fast.accel.top_k import resolve_sampling_kernel
+from gpt_fast.engine.engine import Engine, EngineOptions
+from gpt_fast.generation.sampling import SamplingConfig, sample
+from gpt_fast.model.shapes import get_shape
 from tests.interpreter import needs_triton, old_numpy
 from tests.top_k_reference import reference
 
@@ -38,7 +39,7 @@ def test_triton_needs_a_cuda_gpu():
     ],
 )
 def test_auto_takes_the_kernel_where_our_gemv_is_taken(monkeypatch, pretend_gpu, mode, capability, expected):
-    from gpt_fast.kernels import top_k
+    from gpt_fast.accel import top_k
 
     gpu = pretend_gpu(capability)
     monkeypatch.setattr(top_k, "register_triton_ops", lambda: None)

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from gpt_fast.convert.random_init import random_weights
-from gpt_fast.engine import Engine, EngineOptions
-from gpt_fast.quant.kernels import triton_usable
-from gpt_fast.sampling import SamplingConfig
-from gpt_fast.shapes import get_shape
+from gpt_fast.engine.engine import Engine, EngineOptions
+from gpt_fast.generation.sampling import SamplingConfig
+from gpt_fast.model.shapes import get_shape
+from gpt_fast.quant.products import triton_usable
 from tests.top_k_reference import mismatches, reference
 
 pytestmark = [
@@ -30,7 +30,7 @@ def test_the_kernels_draw_the_references_tokens():
 
 @pytest.mark.parametrize("vocab", [32000, 49152, 128256])
 def test_the_operator_replayed_in_a_cuda_graph_draws_the_references_tokens(vocab):
-    from gpt_fast.kernels.top_k import register_triton_ops, triton_top_k
+    from gpt_fast.accel.top_k import register_triton_ops, triton_top_k
 
     register_triton_ops()
     torch.manual_seed(vocab)

@@ -1,4 +1,4 @@
-"""Tests for gpt_fast.trace_summary on synthetic kineto-style traces and a real CPU trace."""
+"""Tests for gpt_fast.jobs.trace_summary on synthetic kineto-style traces and a real CPU trace."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from gpt_fast import trace_summary
-from gpt_fast.cli import main
-from gpt_fast.trace_summary import (
+from gpt_fast.bench import trace_summary
+from gpt_fast.cli.main import main
+from gpt_fast.jobs.trace_summary import (
     DECODE_MARK,
     DRAFT_MARK,
     PREFILL_MARK,
@@ -412,10 +412,10 @@ def test_speculative_trace_counts_verify_steps(tmp_path):
 def test_real_cpu_trace_of_a_speculative_run(tmp_path):
     torch = pytest.importorskip("torch")
     from gpt_fast.convert.random_init import random_weights
-    from gpt_fast.engine import Engine, EngineOptions
-    from gpt_fast.sampling import SamplingConfig
-    from gpt_fast.shapes import get_shape
-    from gpt_fast.speculative import SpeculativeOptions
+    from gpt_fast.engine.engine import Engine, EngineOptions
+    from gpt_fast.generation.sampling import SamplingConfig
+    from gpt_fast.generation.speculative import SpeculativeOptions
+    from gpt_fast.model.shapes import get_shape
 
     shape = get_shape("tiny")
     options = EngineOptions(device="cpu", speculative=SpeculativeOptions(prompt_lookup=2, k=3))

@@ -172,6 +172,6 @@ def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
 
 def our_greedy(engine, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Our greedy continuation of ``prompt`` through the engine's API, with no stop token."""
-    from gpt_fast.sampling import SamplingConfig
+    from gpt_fast.generation.sampling import SamplingConfig
 
     return engine.generate_ids(prompt, max_new_tokens, SamplingConfig(temperature=0), ignore_eos=True).tokens[0]

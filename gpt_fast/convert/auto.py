@@ -5,12 +5,12 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from gpt_fast.config import QuantConfig
 from gpt_fast.convert.gguf_file import convert_gguf
 from gpt_fast.convert.hf import convert_hf
 from gpt_fast.convert.writer import output_lock
-from gpt_fast.fileio import regular_file
-from gpt_fast.paths import CHECKPOINTS_DIR, HF_SUBDIR
+from gpt_fast.model.config import QuantConfig
+from gpt_fast.util.fileio import regular_file
+from gpt_fast.util.paths import CHECKPOINTS_DIR, HF_SUBDIR
 
 GGUF_MAGIC = b"GGUF"
 

@@ -22,17 +22,17 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
-from gpt_fast.checkpoint import check_tokenizer_size
-from gpt_fast.config import CheckpointConfig, ModelConfig, QuantConfig, RopeScaling
+from gpt_fast.checkpoint.load import check_tokenizer_size
 from gpt_fast.convert.gguf_header import check_gguf_header
 from gpt_fast.convert.gguf_quant import exact_int4_parts
 from gpt_fast.convert.gguf_tokenizer import tokenizer_from_gguf
 from gpt_fast.convert.layout import check_tensors, fuse_tensors
 from gpt_fast.convert.weight_files import TensorInfo
 from gpt_fast.convert.writer import check_checkpoint_output, write_checkpoint
-from gpt_fast.device import dtype_name, parse_dtype
-from gpt_fast.fileio import first_line, regular_file
+from gpt_fast.model.config import CheckpointConfig, ModelConfig, QuantConfig, RopeScaling
 from gpt_fast.quant.layout import quantize_state
+from gpt_fast.util.device import dtype_name, parse_dtype
+from gpt_fast.util.fileio import first_line, regular_file
 
 GGUF_TO_HF = [
     (re.compile(r"token_embd\.weight"), "model.embed_tokens.weight"),

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from gpt_fast.config import ModelConfig, QuantConfig
 from gpt_fast.convert.layout import hf_layout
+from gpt_fast.model.config import ModelConfig, QuantConfig
 from gpt_fast.quant.schemes import INT4_MID, pack_int4
 
 BLOCK = 32  # values per Q4_0 / Q4_1 block: the group size they map to

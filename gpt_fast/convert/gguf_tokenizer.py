@@ -12,7 +12,6 @@ import gguf
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
-from gpt_fast.config import TokenizerConfig
 from gpt_fast.convert.tokenizer_common import (
     CONTROL,
     LLAMA3_PATTERN,
@@ -21,7 +20,8 @@ from gpt_fast.convert.tokenizer_common import (
     bytes_to_unicode,
     with_template_stop_id,
 )
-from gpt_fast.tokenizer import SPACE_MARK, check_encodes_text
+from gpt_fast.model.config import TokenizerConfig
+from gpt_fast.text.tokenizer import SPACE_MARK, check_encodes_text
 
 # Pre-tokenizer regexes by ``tokenizer.ggml.pre``: the ones transformers knows. Other names fall back to the
 # GPT-2 split of a plain byte-level pre-tokenizer, as in transformers.

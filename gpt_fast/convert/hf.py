@@ -9,17 +9,17 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from gpt_fast.checkpoint import check_tokenizer_size
-from gpt_fast.config import CheckpointConfig, QuantConfig
+from gpt_fast.checkpoint.load import check_tokenizer_size
 from gpt_fast.convert.hf_config import architecture, architecture_name, model_config_from_hf
 from gpt_fast.convert.hf_tokenizer import tokenizer_from_hf_dir
 from gpt_fast.convert.layout import check_tensors, fuse_tensors, max_source_tensors, naming, source_dtype
 from gpt_fast.convert.weight_files import iter_tensors, tensor_infos, weight_files
 from gpt_fast.convert.writer import check_checkpoint_output, write_checkpoint
-from gpt_fast.device import dtype_name, parse_dtype
-from gpt_fast.fileio import read_json_object
+from gpt_fast.model.config import CheckpointConfig, QuantConfig
 from gpt_fast.quant.layout import quantize_state
-from gpt_fast.tokenizer import load_tokenizer
+from gpt_fast.text.tokenizer import load_tokenizer
+from gpt_fast.util.device import dtype_name, parse_dtype
+from gpt_fast.util.fileio import read_json_object
 
 
 def convert_hf(src: Path, out_dir: Path, dtype: str | None = None, quantization: QuantConfig | None = None) -> Path:

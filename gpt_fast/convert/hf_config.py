@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpt_fast.config import ModelConfig, RopeScaling
+from gpt_fast.model.config import ModelConfig, RopeScaling
 
 
 @dataclass(frozen=True)

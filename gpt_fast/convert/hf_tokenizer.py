@@ -9,7 +9,6 @@ from typing import Any
 
 import tokenizers
 
-from gpt_fast.config import TokenizerConfig
 from gpt_fast.convert.tokenizer_common import (
     CONTROL,
     LLAMA3_PATTERN,
@@ -18,8 +17,9 @@ from gpt_fast.convert.tokenizer_common import (
     USER_DEFINED,
     with_template_stop_id,
 )
-from gpt_fast.fileio import read_json_object
-from gpt_fast.tokenizer import NotTiktokenError, read_sentencepiece_proto, read_tiktoken_ranks, read_tokenizer_json
+from gpt_fast.model.config import TokenizerConfig
+from gpt_fast.text.tokenizer import NotTiktokenError, read_sentencepiece_proto, read_tiktoken_ranks, read_tokenizer_json
+from gpt_fast.util.fileio import read_json_object
 
 TOKENIZER_MODEL = "tokenizer.model"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"

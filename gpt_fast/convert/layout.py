@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from gpt_fast.checkpoint import check_finite, check_shapes, check_tensor_count
-from gpt_fast.config import ModelConfig
+from gpt_fast.checkpoint.load import check_finite, check_shapes, check_tensor_count
 from gpt_fast.convert.weight_files import TensorInfo
-from gpt_fast.device import DTYPES
-from gpt_fast.model import weight_shapes
+from gpt_fast.model.config import ModelConfig
+from gpt_fast.model.transformer import weight_shapes
+from gpt_fast.util.device import DTYPES
 
 IGNORED = re.compile(
     r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq|rope_freqs\.weight"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from gpt_fast.chat_template import ChatTemplateError, render_chat
-from gpt_fast.config import TokenizerConfig
+from gpt_fast.model.config import TokenizerConfig
+from gpt_fast.text.chat_template import ChatTemplateError, render_chat
 
 # The pre-tokenizer regex of Meta's Llama 3 tiktoken tokenizer: the default for tiktoken-format files.
 LLAMA3_PATTERN = (

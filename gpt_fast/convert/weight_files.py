@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from gpt_fast.checkpoint import load_torch_weights
-from gpt_fast.fileio import first_line, inside_folder, read_json_object, regular_file
+from gpt_fast.checkpoint.load import load_torch_weights
+from gpt_fast.util.fileio import first_line, inside_folder, read_json_object, regular_file
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"

@@ -5,7 +5,7 @@ The complete checkpoint is staged in a hidden sibling of the output folder NAME 
 atomic), loaded back with the loader's own checks, then swapped in:
 
 1. ``.NAME.gpt-fast-staging-XXXXXXXX`` (unpredictable, created exclusively and private by ``mkdtemp``) receives
-   the tokenizer, ``config.json`` and the weights, and must pass :func:`gpt_fast.checkpoint.check_checkpoint`;
+   the tokenizer, ``config.json`` and the weights, and must pass :func:`gpt_fast.checkpoint.load.check_checkpoint`;
    it is then renamed ``.NAME.gpt-fast-new-XXXXXXXX``.
 2. The entries of an existing NAME that are not its checkpoint's files nor the new one's (``hf/``, where the blog's
    layout keeps the downloaded source: ``convert checkpoints/ORG/NAME/hf --output_dir checkpoints/ORG/NAME``; a
@@ -46,10 +46,10 @@ from pathlib import Path
 
 import torch
 
-from gpt_fast.checkpoint import check_checkpoint
-from gpt_fast.config import CONFIG_FILE, FORMAT_NAME, WEIGHTS_FILE, CheckpointConfig
-from gpt_fast.fileio import check_output_dir, default_mode, file_lock, read_json_object
-from gpt_fast.paths import HF_SUBDIR
+from gpt_fast.checkpoint.load import check_checkpoint
+from gpt_fast.model.config import CONFIG_FILE, FORMAT_NAME, WEIGHTS_FILE, CheckpointConfig
+from gpt_fast.util.fileio import check_output_dir, default_mode, file_lock, read_json_object
+from gpt_fast.util.paths import HF_SUBDIR
 
 STAGING, NEW, OLD = "staging", "new", "old"  # the steps' folder kinds, in the order clean-up handles them
 LEGACY_STAGING = re.compile(r"\.gpt-fast-staging-[a-z0-9_]{8}")  # inside NAME, left by versions before this one

@@ -1,1 +1,1 @@
-"""Hand-written kernels the model can be given in place of its PyTorch code (the model does not import them)."""
+"""Every Triton kernel, as plain tensor functions; imports nothing of gpt-fast outside this package."""

@@ -24,10 +24,11 @@ attends over the cache up to its own position, its own key included. A query's p
 in the same order, with the same compiled code, whether it is a decode step's only position or one of a verify
 step's k + 1: its result does not depend on the others.
 
-Rounding follows the PyTorch path (:func:`gpt_fast.model.apply_rope`, :func:`gpt_fast.model.attend_one_query`):
+Rounding follows the PyTorch path (:func:`gpt_fast.model.transformer.apply_rope`,
+:func:`gpt_fast.model.transformer.attend_one_query`):
 the rotation in float32, rounded to the model's dtype, then scores, softmax and sums in float32.
 
-Imported only where Triton is (:mod:`gpt_fast.kernels.decode_attention` decides); the launchers run on CUDA
+Imported only where Triton is (:mod:`gpt_fast.accel.decode_attention` decides); the launchers run on CUDA
 tensors, and in Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors for the tests.
 """
 
@@ -40,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpt_fast.triton_pdl import NO_PDL, Wrap, pdl_launch, unwrapped, wait_for_inputs
+from gpt_fast.kernels.pdl import NO_PDL, Wrap, pdl_launch, unwrapped, wait_for_inputs
 
 SPLIT_STEPS = 4  # decode steps of models with many kv heads: loop_step()s per split, as one step (decode_launch)
 WIDE_WARPS = 8  # decode steps of models with many kv heads: warps per program
@@ -327,7 +328,7 @@ def _decode_attention_split(
     up to the query's position is read from the cache, where :func:`_write_rotated` put them.
 
     The first loop step's cached keys and values are loaded before the kernel waits for the one before it
-    (:mod:`gpt_fast.triton_pdl`), as a GEMV's first weights are: earlier steps wrote them, and the position is an
+    (:mod:`gpt_fast.kernels.pdl`), as a GEMV's first weights are: earlier steps wrote them, and the position is an
     input of the whole step. With ``FROM_CACHE`` the kernel before writes keys, so it is launched without PDL. On an
     H200 (BENCHMARKS.md, thirty-ninth session) Llama-2-7B's 200-token generations went from 286.4 to 290.3 tok/s,
     SmolLM2's from 1834 to 1927: the attention's end after ``wqkv``'s from 5.8-7.5 to 5.0-5.1 µs per layer."""
@@ -490,7 +491,7 @@ def _attend(
     pdl: dict[str, Any],
 ) -> torch.Tensor:
     """Launch the attention kernel (and the combination of its splits) over ``rows``, with the launch keywords
-    ``pdl`` (:func:`gpt_fast.triton_pdl.pdl_launch`); returns [R, H, D]."""
+    ``pdl`` (:func:`gpt_fast.kernels.pdl.pdl_launch`); returns [R, H, D]."""
     n_rows, n_head, head_dim = rows.q.shape
     _, _, n_kv, max_len, _ = kv.shape
     assert rows.q.stride(-1) == rows.k.stride(-1) == rows.v.stride(-1) == 1 and kv.is_contiguous()
@@ -589,7 +590,7 @@ def decode_attention(
     ``first_row`` to ``first_row + B - 1`` are these rows (written in place at the position); ``input_pos`` [1]
     (shared) or [B, 1]. Scores are scaled by ``scale``, soft-capped by ``softcap`` when given, and only the last
     ``window`` positions are seen when given. ``pdl``: the kernels are launched with programmatic dependent launch
-    where the GPU has it, each waiting for its inputs before it reads any (:mod:`gpt_fast.triton_pdl`).
+    where the GPU has it, each waiting for its inputs before it reads any (:mod:`gpt_fast.kernels.pdl`).
     Returns [B, 1, H, D] in ``q``'s dtype."""
     half = q.shape[-1] // 2
     rows = _Rows(

@@ -1,8 +1,8 @@
 """Triton kernel for a gated MLP's hidden state in a decode step: ``act(gate) * up`` from ``w13``'s output.
 
-Rounding follows the PyTorch code (:func:`gpt_fast.triton_row.gated`).
+Rounding follows the PyTorch code (:func:`gpt_fast.kernels.row.gated`).
 
-Imported only where Triton is (:mod:`gpt_fast.kernels.gated_activation` decides); the launcher runs on CUDA tensors,
+Imported only where Triton is (:mod:`gpt_fast.accel.gated_activation` decides); the launcher runs on CUDA tensors,
 and in Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors for the tests.
 """
 
@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from gpt_fast.triton_pdl import Wrap, unwrapped
-from gpt_fast.triton_row import ACTIVATIONS, gated
+from gpt_fast.kernels.pdl import Wrap, unwrapped
+from gpt_fast.kernels.row import ACTIVATIONS, gated
 
 BLOCK = 1024  # hidden units per program
 

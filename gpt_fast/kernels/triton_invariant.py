@@ -11,7 +11,7 @@ row and column whatever the other rows hold. A verify step's rows then read each
 single row does; the fourteenth session's kernel, one program per row, read them once per row (a 7B verify step over
 5 positions cost 2.5 decode steps: BENCHMARKS.md).
 
-Imported only where Triton is (:mod:`gpt_fast.kernels.invariant` decides); the launchers run on CUDA tensors, and in
+Imported only where Triton is (:mod:`gpt_fast.accel.invariant` decides); the launchers run on CUDA tensors, and in
 Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors for the tests.
 """
 
@@ -129,7 +129,7 @@ def rows_linear(
 @triton.jit
 def _rows_rms_norm(x_ptr, w_ptr, y_ptr, dim, eps, offset, OFFSET: tl.constexpr, BLOCK: tl.constexpr):
     """Program ``row``: the row normalized in float32; times the weight after rounding (Llama) or times
-    ``offset + weight`` in float32 (``OFFSET``, Gemma), as :class:`gpt_fast.model.RMSNorm` rounds."""
+    ``offset + weight`` in float32 (``OFFSET``, Gemma), as :class:`gpt_fast.model.transformer.RMSNorm` rounds."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     inside = cols < dim

@@ -2,7 +2,7 @@
 
 Each program owns ``BLOCK_N`` output channels and walks the input dimension in steps of ``BLOCK_K`` columns,
 keeping a float32 partial product per loaded weight and reducing once at the end. The first step's weights are
-loaded before the kernel waits for its activations (:mod:`gpt_fast.triton_pdl`), so that in a CUDA graph
+loaded before the kernel waits for its activations (:mod:`gpt_fast.kernels.pdl`), so that in a CUDA graph
 the loads start while the kernel before it drains. The tile, 4 channels × 1024 columns × 4 warps, was the fastest
 of seven in a chain of a Llama-2-7B layer's four GEMVs each after a small kernel, in a CUDA graph on an H200:
 102 µs per layer (3961 GB/s) against 117 µs for cuBLAS (BENCHMARKS.md, twentieth session).
@@ -11,7 +11,7 @@ A gated MLP's ``w13`` (gate rows, then up rows) has a kernel of its own, :func:`
 ``BLOCK_N / 2`` hidden units, reads their gate and up rows (the same tile, so the same loads as the plain GEMV)
 and writes ``act(gate) * up`` itself, so that the activation is no kernel of its own.
 
-Imported only where Triton is (:mod:`gpt_fast.kernels.linear` decides); the launcher runs on CUDA tensors, and in
+Imported only where Triton is (:mod:`gpt_fast.accel.linear` decides); the launcher runs on CUDA tensors, and in
 Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors for the tests.
 """
 
@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from gpt_fast.triton_pdl import pdl_launch, wait_for_inputs
-from gpt_fast.triton_row import ACTIVATIONS, checked_norm_weight, gated, inverse_rms
+from gpt_fast.kernels.pdl import pdl_launch, wait_for_inputs
+from gpt_fast.kernels.row import ACTIVATIONS, checked_norm_weight, gated, inverse_rms
 
 BLOCK_N = 4  # output channels per program
 BLOCK_K = 1024  # input columns per step (fewer for a narrower matrix)
@@ -53,7 +53,8 @@ def _activations(x_ptr, kk, K, EVEN: tl.constexpr):
 @triton.jit
 def _inputs(x_ptr, g_ptr, kk, K, inv_rms, EVEN: tl.constexpr, NORM: tl.constexpr):
     """The product's inputs [BLOCK_K] of columns ``kk`` in float32: the activations, or with ``NORM`` their RMSNorm
-    with weight ``g``, rounded where :func:`gpt_fast.model.rms_norm` rounds (the normed row, then its product with
+    with weight ``g``, rounded where :func:`gpt_fast.model.transformer.rms_norm` rounds (the normed row, then its
+    product with
     the weight, each to the activations' dtype)."""
     x = _activations(x_ptr, kk, K, EVEN)
     if NORM:

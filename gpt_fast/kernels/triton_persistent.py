@@ -39,10 +39,10 @@ import torch
 import triton
 import triton.language as tl
 
-from gpt_fast.kernels import persistent
+from gpt_fast.kernels import persistent_table
 
 PHASES = tl.constexpr(5)  # per layer
-TABLE_COLUMNS = tl.constexpr(persistent.TABLE_COLUMNS)
+TABLE_COLUMNS = tl.constexpr(persistent_table.TABLE_COLUMNS)
 
 
 @triton.jit
@@ -346,7 +346,7 @@ def decode_layers(
     warps: int = WARPS,
 ) -> torch.Tensor:
     """The residual ``x`` [1, 1, DIM] after the layers in ``table`` [L, TABLE_COLUMNS] (data pointers, see
-    :func:`gpt_fast.kernels.persistent.fill_pointer_table`), for the token at ``input_pos`` [1]; ``cos``/``sin``
+    :func:`gpt_fast.accel.persistent.fill_pointer_table`), for the token at ``input_pos`` [1]; ``cos``/``sin``
     [S, HEAD_DIM / 2] float32; ``shape`` (n_head, n_kv, head_dim, intermediate size, cache length). ``programs``:
     the grid (every one resident at once); ``phase_by_phase``: a launch per phase and layer, no barrier (Triton's
     interpreter); ``warps`` per program."""

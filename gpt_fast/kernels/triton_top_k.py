@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpt_fast.triton_pdl import pdl_launch, wait_for_inputs
+from gpt_fast.kernels.pdl import pdl_launch, wait_for_inputs
 
 BINS = 1 << 16  # one per 16-bit key
 STATE = 8  # per row, after its histogram (a workspace zeroed per call): the words below

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from gpt_fast.config import ModelConfig, QuantConfig
-from gpt_fast.model import Transformer
+from gpt_fast.model.config import ModelConfig, QuantConfig
+from gpt_fast.model.transformer import Transformer
 from gpt_fast.quant.gptq import DAMP, asymmetric_target, gptq_int4, hessian
 from gpt_fast.quant.layout import OUTPUT, quantized_linears
 from gpt_fast.quant.schemes import dequantize_int4

@@ -18,8 +18,8 @@ from collections.abc import Mapping
 import torch
 from tqdm import tqdm
 
-from gpt_fast.config import QUANTIZABLE_LINEAR, ModelConfig, QuantConfig
-from gpt_fast.model import weight_count, weight_shapes
+from gpt_fast.model.config import QUANTIZABLE_LINEAR, ModelConfig, QuantConfig
+from gpt_fast.model.transformer import weight_count, weight_shapes
 from gpt_fast.quant.schemes import n_groups, quantize_int4, quantize_int8
 
 Shape = tuple[int, ...]
@@ -76,7 +76,7 @@ def _bytes(specs: dict[str, tuple[Shape, torch.dtype]]) -> int:
 
 def stored_size(config: ModelConfig, quant: QuantConfig | None, dtype: torch.dtype) -> tuple[int, int]:
     """``(tensors, bytes)`` a checkpoint of ``config`` holds, computed without listing every tensor (cheap however
-    many layers the config claims; see :func:`gpt_fast.model.weight_count`)."""
+    many layers the config claims; see :func:`gpt_fast.model.transformer.weight_count`)."""
     tensors, parameters = weight_count(config)
     size = parameters * dtype.itemsize
     if quant is None:

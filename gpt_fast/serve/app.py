@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from gpt_fast.batching import Batcher, Delta, Failed, Finished, QueueFull, TokenLogprob
+from gpt_fast.engine.batcher import Batcher, Delta, Failed, Finished, QueueFull, TokenLogprob
 from gpt_fast.serve.openai_api import APIError, Call, Context, Responder, parse_chat, parse_completion
 from gpt_fast.serve.sse import DONE, Bridge, EventStream, event
 

@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gpt_fast.batching import MAX_STOP_TEXTS, Finished, Request, TokenLogprob
-from gpt_fast.sampling import SamplingConfig
+from gpt_fast.engine.batcher import MAX_STOP_TEXTS, Finished, Request, TokenLogprob
+from gpt_fast.generation.sampling import SamplingConfig
 
 MAX_TEMPERATURE = 2.0  # OpenAI's range is 0..2
 CHAT_TOP_LOGPROBS = 20  # OpenAI's limits for top_logprobs (chat) and logprobs (completions)

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from gpt_fast.batching import Batcher, BatchOptions
-from gpt_fast.engine import Engine
+from gpt_fast.engine.batcher import Batcher, BatchOptions
+from gpt_fast.engine.engine import Engine
 from gpt_fast.serve.app import OpenAIServer
 from gpt_fast.serve.openai_api import Context
 

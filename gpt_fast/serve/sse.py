@@ -11,7 +11,7 @@ from typing import Any
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from gpt_fast.batching import Event
+from gpt_fast.engine.batcher import Event
 
 DONE = b"data: [DONE]\n\n"
 

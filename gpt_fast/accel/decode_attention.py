@@ -1,0 +1,126 @@
+"""The attention of a decode step (one query position per row) as one fused kernel, or the model's PyTorch code.
+
+- ``triton``: :mod:`gpt_fast.kernels.triton_decode_attention`, on CUDA GPUs: rotary embedding of the step's query
+  and key, the cache write and the attention over the positions seen, in one kernel per layer (a second, small one
+  combines the splits of a long cache), where inductor makes six of the PyTorch code. Wrapped as the
+  ``torch.library.triton_op`` ``gpt_fast::decode_attention`` (it mutates the cache), so that ``torch.compile``
+  places it in its own generated code and CUDA graphs capture it.
+- ``torch``: the model's own code (:func:`gpt_fast.model.transformer.apply_rope`,
+:meth:`gpt_fast.model.cache.KVCache.update`,
+  :func:`gpt_fast.model.transformer.attend_one_query`): runs everywhere, ROCm and the CPU included.
+
+The model calls the kernel only in compiled decode steps: eager steps keep PyTorch's SDPA, which
+:func:`gpt_fast.model.transformer.attend_one_query`'s docstring explains, and which makes eager decoding an independent
+reference for the compiled modes' greedy tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from gpt_fast.accel.linear import pdl_kernels_measured, steps_with_pdl
+from gpt_fast.model.transformer import Attention
+from gpt_fast.quant.products import resolve_kernel_choice
+
+ATTENTION_KERNELS = ("auto", "triton", "torch")
+
+
+def resolve_attention_kernel(
+    kernel: str,
+    device: torch.device,
+    compile_mode: str,
+    *,
+    regional_compile: bool = False,
+) -> str:
+    """``auto``: the fused kernel where our GEMV is taken (:func:`gpt_fast.accel.linear.pdl_kernels_measured`),
+    and so launched with PDL (:func:`attention_pdl`), but not with ``regional_compile`` (see
+    :func:`check_regional_compile`); elsewhere the PyTorch code. On an H200, with our GEMVs and
+    sampling kernel, heuristic tuning, one machine (BENCHMARKS.md, thirtieth session): SmolLM2 1822 tok/s with it
+    against 1576 with inductor's attention, Llama-3-8B 244.0 against 237.0; Llama-2-7B 271.1 against 258.9
+    (twenty-first session). Before the thirtieth session's short splits for models of few kv heads
+    (:func:`gpt_fast.kernels.triton_decode_attention.decode_launch`) it was slower for GQA. Choosing Triton (a CUDA
+    GPU with Triton installed, not ROCm) registers its operators (:func:`register_triton_ops`), before anything is
+    compiled."""
+    check_regional_compile(kernel, regional_compile)
+    measured = pdl_kernels_measured(device, compile_mode)
+    auto = "triton" if measured and not regional_compile else "torch"
+    return resolve_kernel_choice(kernel, ATTENTION_KERNELS, "attention kernel", device, auto, register_triton_ops)
+
+
+def check_regional_compile(kernel: str, regional_compile: bool) -> None:
+    """Refuse the fused kernel with regional compilation: the kernel writes the cache, and PyTorch cannot yet
+    compile an operator that mutates its input inside a reused region (``torch.compiler.nested_compile_region``
+    raises "Found a custom (non-ATen) operator whose output has alias annotations", pytorch/pytorch#186807; seen
+    with torch 2.11 on an H200 and 2.13 on the CPU)."""
+    if kernel == "triton" and regional_compile:
+        raise ValueError("--regional_compile does not combine with the triton attention kernel yet")
+
+
+def attention_pdl(kernel: str, device: torch.device, compile_mode: str) -> bool:
+    """Whether the kernel ``kernel`` (a name :func:`resolve_attention_kernel` returned) is the fused one launched
+    with PDL (``gpt_fast::decode_attention_pdl``, an opaque ``custom_op`` that launches its kernels itself): in
+    decode steps in CUDA graphs on GPUs that launch with PDL (:func:`gpt_fast.accel.linear.steps_with_pdl`).
+    Elsewhere the fused kernel is ``gpt_fast::decode_attention``, which inductor launches without PDL."""
+    return kernel == "triton" and steps_with_pdl(device, compile_mode)
+
+
+@functools.cache
+def register_triton_ops() -> None:
+    """Register the kernel as the operators ``torch.ops.gpt_fast.decode_attention`` and ``decode_attention_pdl``,
+    eagerly: ``torch.compile`` cannot trace a registration (see :func:`gpt_fast.quant.products.register_triton_ops`).
+    Nothing happens at import."""
+    from torch.library import triton_op, wrap_triton
+
+    from gpt_fast.kernels import triton_decode_attention
+
+    def decode_attention(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: torch.Tensor,
+        input_pos: torch.Tensor,
+        first_row: int,
+        scale: float,
+        softcap: float | None,
+        window: int | None,
+    ) -> torch.Tensor:
+        return triton_decode_attention.decode_attention(
+            q, k, v, cos, sin, kv, input_pos, first_row, scale, softcap, window, wrap=wrap_triton
+        )
+
+    def decode_attention_pdl(*args: object) -> torch.Tensor:
+        return triton_decode_attention.decode_attention(*args, pdl=True)
+
+    triton_op("gpt_fast::decode_attention", decode_attention, mutates_args=("kv",))
+    schema = torch.library.infer_schema(decode_attention, mutates_args=("kv",))  # the same arguments
+    pdl = torch.library.custom_op(
+        "gpt_fast::decode_attention_pdl", decode_attention_pdl, mutates_args=("kv",), schema=schema
+    )
+    pdl.register_fake(lambda q, *_args: q.new_empty(q.shape))
+
+
+def fused_decode_attention(*args: object) -> torch.Tensor:
+    """What :class:`gpt_fast.model.transformer.Attention` calls as its ``decode_kernel``: the operator, with the
+    arguments of
+    :func:`gpt_fast.kernels.triton_decode_attention.decode_attention` (but ``launch``, ``wrap`` and ``pdl``)."""
+    return torch.ops.gpt_fast.decode_attention(*args)
+
+
+def fused_decode_attention_pdl(*args: object) -> torch.Tensor:
+    """:func:`fused_decode_attention` launched with PDL (:mod:`gpt_fast.kernels.pdl`)."""
+    return torch.ops.gpt_fast.decode_attention_pdl(*args)
+
+
+def use_attention_kernel(model: nn.Module, kernel: str, pdl: bool = False) -> None:
+    """Give every attention layer of ``model`` the decode kernel ``kernel`` (a name :func:`resolve_attention_kernel`
+    returned): ``triton``, the fused kernel (launched with PDL with ``pdl``: see :func:`attention_pdl`); ``torch``,
+    none (the model's PyTorch code)."""
+    fused = fused_decode_attention_pdl if pdl else fused_decode_attention
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.decode_kernel = fused if kernel == "triton" else None

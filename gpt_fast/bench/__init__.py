@@ -1,0 +1,1 @@
+"""Benchmarks: compile modes, decode against peers, the server under load, speculation, tensor parallelism."""

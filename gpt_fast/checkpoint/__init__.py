@@ -1,0 +1,1 @@
+"""Reading a checkpoint safely into a model."""

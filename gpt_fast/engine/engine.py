@@ -1,0 +1,747 @@
+"""The engine: gpt-fast as a Python library, and the one boundary every command sits on.
+
+    from gpt_fast import Engine, SamplingConfig
+    engine = Engine.load("checkpoints/ORG/NAME", compile="reduce-overhead", device="cuda")  # or Engine.load()
+    for piece in engine.stream("def quicksort(arr):", max_new_tokens=200, sampling=SamplingConfig(0.8, 200)):
+        print(piece, end="")
+
+An engine is opened in two steps so that a command can refuse a bad request before any weights are read:
+:meth:`Engine.open` reads the checkpoint's ``config.json`` (once) and its tokenizer and resolves the device;
+:meth:`Engine.load_weights` then reads the weights. :meth:`Engine.load` does both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from gpt_fast.accel.decode_attention import (
+    ATTENTION_KERNELS,
+    attention_pdl,
+    check_regional_compile,
+    resolve_attention_kernel,
+    use_attention_kernel,
+)
+from gpt_fast.accel.gated_activation import ACTIVATION_KERNELS, resolve_activation_kernel, use_activation_kernel
+from gpt_fast.accel.invariant import INVARIANT_ROWS, check_invariant, use_invariant_kernels
+from gpt_fast.accel.linear import LINEAR_KERNELS, resolve_linear_kernel, use_linear_kernel
+from gpt_fast.accel.persistent import (
+    LAYERS_KERNELS,
+    check_layers_kernel,
+    programs_for,
+    resolve_layers_kernel,
+    use_layers_kernel,
+)
+from gpt_fast.accel.top_k import SAMPLING_KERNELS, resolve_sampling_kernel, use_sampling_kernel
+from gpt_fast.checkpoint.load import checkpoint_tokenizer, load_model, model_from_state
+from gpt_fast.convert.default_model import ensure_default_checkpoint
+from gpt_fast.engine.batcher import MAX_BATCH, Batcher, BatchOptions, Event, Finished, Request
+from gpt_fast.generation.decode import (
+    COMPILE_MODES,
+    COORDINATE_DESCENT,
+    KERNEL_TUNINGS,
+    CompileCacheUse,
+    GenerationResult,
+    cache_length,
+    compile_cache_use,
+    drain,
+    generate_stream,
+    make_steps,
+)
+from gpt_fast.generation.drafters import Drafter
+from gpt_fast.generation.precompile import PrecompiledStep
+from gpt_fast.generation.profiling import record_trace
+from gpt_fast.generation.sampling import SamplingConfig
+from gpt_fast.generation.scoring import token_log_likelihoods
+from gpt_fast.generation.slots import SlotSteps, make_slot_steps
+from gpt_fast.generation.speculative import (
+    SpeculativeOptions,
+    SpeculativeSteps,
+    check_draft_config,
+    make_drafter,
+    make_speculative_steps,
+    speculative_stream,
+)
+from gpt_fast.model.config import (
+    CheckpointConfig,
+    ModelConfig,
+    QuantConfig,
+    load_checkpoint_config,
+    resolve_checkpoint_dir,
+)
+from gpt_fast.model.transformer import Transformer, weight_bytes_per_token
+from gpt_fast.parallel.tensor_parallel import TensorParallel, check_tensor_parallel, device_of, env_ranks, join
+from gpt_fast.quant.layers import launch_with_pdl
+from gpt_fast.quant.products import KERNELS
+from gpt_fast.text.chat_template import chat_prompt_ids
+from gpt_fast.text.textstream import TextStream
+from gpt_fast.text.tokenizer import Tokenizer
+from gpt_fast.util.device import DTYPE_CHOICES, device_name, dtype_name, resolve_device, resolve_dtype
+from gpt_fast.util.paths import CHECKPOINTS_DIR
+
+DEFAULT_MAX_NEW_TOKENS = 200
+Message = dict[str, str]  # {"role": ..., "content": ...}
+_REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How a checkpoint runs: compile mode (``none`` = eager), whether the prefill is compiled too, device
+    (None: the GPU if there is one), dtype (``auto``: bfloat16 on a GPU, float32 on the CPU), speculative
+    decoding (None: plain decoding), the kernels of a quantized checkpoint's layers (``auto``: see
+    :func:`gpt_fast.quant.products.resolve_kernel`), the attention kernel of compiled decode steps (``auto``: see
+    :func:`gpt_fast.accel.decode_attention.resolve_attention_kernel`), the gated MLPs' activation kernel of
+    compiled decode steps (``auto``: see :func:`gpt_fast.accel.gated_activation.resolve_activation_kernel`),
+    the kernel of every layer of a compiled one-token step of one sequence (``layers_kernel``: see
+    :mod:`gpt_fast.accel.persistent`), the decoder layers' unquantized linear layers in such steps
+    (``linear_kernel``: see :mod:`gpt_fast.accel.linear`), the decode steps' top-k sampling (``sampling_kernel``:
+    see :mod:`gpt_fast.accel.top_k`),
+    the ranks of tensor parallelism (``tp``: the model split over that many processes started by ``torchrun``,
+    one GPU each; see :mod:`gpt_fast.parallel.tensor_parallel`), regional compilation (one layer compiled and reused
+    for all: see
+    :func:`gpt_fast.model.transformer.layer_region`), how inductor picks its kernels' configurations (``kernel_tuning``:
+    :data:`gpt_fast.generation.decode.KERNEL_TUNINGS`; no effect without compilation), and whether the decode step is
+    compiled ahead of time and kept on disk for the next process (``aot_precompile``:
+    :mod:`gpt_fast.generation.precompile`;
+    one prompt's plain decoding in one process), and whether every decode and verify step computes each token's
+    row on its own, so that speculative decoding gives plain decoding's tokens in any dtype (``batch_invariant``:
+    :mod:`gpt_fast.accel.invariant`)."""
+
+    compile: str = "none"
+    compile_prefill: bool = False
+    device: str | None = None
+    dtype: str = "auto"
+    speculative: SpeculativeOptions | None = None
+    quant_kernel: str = "auto"
+    tp: int = 1
+    attention_kernel: str = "auto"
+    activation_kernel: str = "auto"
+    layers_kernel: str = "auto"
+    linear_kernel: str = "auto"
+    sampling_kernel: str = "auto"
+    regional_compile: bool = False
+    kernel_tuning: str = COORDINATE_DESCENT
+    aot_precompile: bool = False
+    batch_invariant: bool = False
+
+    def __post_init__(self) -> None:
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"--compile {self.compile!r} is not one of {', '.join(COMPILE_MODES)}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPE_CHOICES)}")
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeOptions):
+            raise ValueError(f"speculative must be a SpeculativeOptions or None, got {self.speculative!r}")
+        if self.quant_kernel not in KERNELS:
+            raise ValueError(f"quant_kernel {self.quant_kernel!r} is not one of {', '.join(KERNELS)}")
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"--tp must be an integer >= 1, got {self.tp!r}")
+        if self.tp > 1 and self.speculative is not None:
+            raise ValueError("speculative decoding does not run with tensor parallelism (--tp) yet")
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"attention_kernel {self.attention_kernel!r} is not one of {', '.join(ATTENTION_KERNELS)}")
+        if self.activation_kernel not in ACTIVATION_KERNELS:
+            kernels = ", ".join(ACTIVATION_KERNELS)
+            raise ValueError(f"activation_kernel {self.activation_kernel!r} is not one of {kernels}")
+        if self.layers_kernel not in LAYERS_KERNELS:
+            raise ValueError(f"--layers_kernel {self.layers_kernel!r} is not one of {', '.join(LAYERS_KERNELS)}")
+        if self.linear_kernel not in LINEAR_KERNELS:
+            raise ValueError(f"--linear_kernel {self.linear_kernel!r} is not one of {', '.join(LINEAR_KERNELS)}")
+        if self.sampling_kernel not in SAMPLING_KERNELS:
+            kernels = ", ".join(SAMPLING_KERNELS)
+            raise ValueError(f"--sampling_kernel {self.sampling_kernel!r} is not one of {kernels}")
+        if self.layers_kernel == "triton" and (self.tp > 1 or self.speculative is not None):
+            raise ValueError("--layers_kernel triton runs plain decoding on one GPU (no --tp, no speculation)")
+        if self.kernel_tuning not in KERNEL_TUNINGS:
+            raise ValueError(f"--kernel_tuning {self.kernel_tuning!r} is not one of {', '.join(KERNEL_TUNINGS)}")
+        if self.regional_compile and self.tp > 1:  # collectives inside a reused region: not tried on GPUs yet
+            raise ValueError("--regional_compile does not run with tensor parallelism (--tp) yet")
+        check_regional_compile(self.attention_kernel, self.regional_compile)
+        self._check_aot_precompile()
+        self._check_batch_invariant()
+
+    def _check_batch_invariant(self) -> None:
+        if not self.batch_invariant:
+            return
+        others = {
+            "--tp": self.tp > 1,
+            "--aot_precompile": self.aot_precompile,
+            "--attention_kernel triton": self.attention_kernel == "triton",
+            "--activation_kernel triton": self.activation_kernel == "triton",
+            "--layers_kernel triton": self.layers_kernel == "triton",
+            "--linear_kernel triton": self.linear_kernel == "triton",
+        }
+        for name, used in others.items():
+            if used:
+                raise ValueError(f"--batch_invariant does not combine with {name}")
+
+    def _check_aot_precompile(self) -> None:
+        if not self.aot_precompile:
+            return
+        if self.compile == "none":
+            raise ValueError("--aot_precompile keeps a compiled decode step: give it a --compile mode")
+        others = {
+            "--regional_compile": self.regional_compile,
+            "--tp": self.tp > 1,
+            "speculative decoding": self.speculative is not None,
+            "--layers_kernel triton": self.layers_kernel == "triton",
+        }
+        for name, used in others.items():
+            if used:
+                raise ValueError(f"--aot_precompile does not combine with {name} yet")
+
+    def check_parallel(self, config: ModelConfig, quantization: QuantConfig | None) -> None:
+        """A model that does not split over ``tp`` ranks is refused before any weights are read."""
+        check_tensor_parallel(config, quantization, self.tp)
+
+    def check_batching(self) -> None:
+        """Continuous batching (several prompts, `gpt-fast serve`) decodes without speculation: a verify step keeps
+        one accepted length for all its rows, which independent requests do not share."""
+        if self.speculative is not None:
+            raise ValueError(
+                "speculative decoding (--prompt_lookup, --draft_checkpoint_path) takes one prompt; several prompts "
+                "are decoded together without it"
+            )
+        if self.tp > 1:  # the batcher's host-side decisions follow the device's timing, which differs by rank
+            raise ValueError("several prompts (continuous batching, serve) do not run with tensor parallelism yet")
+        if self.aot_precompile:  # the batcher's slot steps are other functions, compiled as usual
+            raise ValueError("--aot_precompile keeps one prompt's decode step; several prompts (serve) do not use it")
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One generated continuation."""
+
+    prompt_ids: list[int]
+    ids: list[int]  # the new tokens, a stop token included
+    text: str  # their text, special tokens left out
+    finish_reason: str  # "stop" (a stop token) or "length" (max_new_tokens reached)
+    seconds: float  # prefill + decode, wall time
+    ttft_seconds: float  # time to the first new token
+
+    @property
+    def tokens_per_sec(self) -> float:
+        return len(self.ids) / self.seconds
+
+
+def find_checkpoint(checkpoint: str | Path | None) -> Path:
+    """The checkpoint folder for a path (the folder or its ``model.pth``), an ``ORG/NAME`` prepared under
+    ``checkpoints/``, or None: the embedded default model (prepared on first use)."""
+    if checkpoint is None:
+        return ensure_default_checkpoint().parent
+    path = Path(checkpoint)
+    if path.exists():
+        return resolve_checkpoint_dir(path)
+    name = str(checkpoint)
+    if _REPO_ID.fullmatch(name):
+        prepared = CHECKPOINTS_DIR / name
+        if prepared.is_dir():
+            return prepared
+        raise FileNotFoundError(
+            f"checkpoint not found: {name} (nor {prepared}); prepare it with: gpt-fast prepare {name}"
+        )
+    raise FileNotFoundError(f"checkpoint not found: {path}")
+
+
+class Engine:
+    """A checkpoint ready to generate: config, tokenizer, device, dtype, the (compiled) step functions and, once
+    :meth:`load_weights` has run, the model."""
+
+    def __init__(
+        self,
+        options: EngineOptions,
+        model_config: ModelConfig,
+        *,
+        checkpoint_dir: Path | None = None,
+        config: CheckpointConfig | None = None,
+        state: Mapping[str, torch.Tensor] | None = None,
+        quantization: QuantConfig | None = None,
+        draft: Engine | None = None,
+        sharded: bool = False,
+    ) -> None:
+        """Use :meth:`open`, :meth:`load` or :meth:`from_state`."""
+        self.options = options
+        self.model_config = model_config
+        self.checkpoint_dir = checkpoint_dir
+        self.config = config  # the checkpoint's config.json; None for weights given in memory
+        self.quantization = config.quantization if config is not None else quantization
+        options.check_parallel(model_config, self.quantization)
+        if options.batch_invariant:
+            check_invariant(model_config, self.quantization)
+        self.ranks = env_ranks() if options.tp > 1 else None  # None: one process (or the launcher of the ranks)
+        self.device = resolve_device(options.device)
+        if options.tp > 1:
+            self.device = device_of(self.device, self.ranks)
+        self.dtype = resolve_dtype(options.dtype, self.device)
+        self.layers_kernel = resolve_layers_kernel(options.layers_kernel, self.device)
+        if self.layers_kernel == "triton":
+            check_layers_kernel(model_config, self.quantization, programs_for(self.device))
+        self.activation_kernel = "torch"  # batch-invariant steps: the same elementwise code for any number of rows
+        self.linear_kernel = "torch"  # and their own linear layers
+        self.attention_kernel = "torch"  # and attention (Attention.rows_kernel)
+        if not options.batch_invariant:  # each resolved before compiling
+            self.attention_kernel = resolve_attention_kernel(
+                options.attention_kernel, self.device, options.compile, regional_compile=options.regional_compile
+            )
+            self.activation_kernel = resolve_activation_kernel(options.activation_kernel, self.device, model_config)
+            self.linear_kernel = resolve_linear_kernel(options.linear_kernel, self.device, options.compile)
+        self.sampling_kernel = resolve_sampling_kernel(options.sampling_kernel, self.device, options.compile)
+        self._tokenizer = checkpoint_tokenizer(checkpoint_dir, config) if config is not None else None
+        self._state = state
+        self._sharded = sharded  # the state is this rank's part already
+        self._parallel: TensorParallel | None = None  # the group, once joined (load_weights)
+        self._folder_id = folder_identity(checkpoint_dir)
+        self._steps = make_steps(
+            options.compile,
+            options.compile_prefill,
+            options.kernel_tuning,
+            options.aot_precompile,
+            exact=options.batch_invariant,
+            graph_prefill=options.tp == 1,  # no GPU run has captured a prefill's collectives yet
+        )
+        self._slot_steps: SlotSteps | None = None  # made on first use of a batcher
+        self._model: Transformer | None = None
+        self._draft = draft  # the draft checkpoint's engine, for speculative decoding with a draft model
+        self._drafter: Drafter | None = None  # made from options.speculative once the weights are loaded
+        self._spec_steps: SpeculativeSteps | None = None
+        self._profile_marks = False
+        self.load_seconds: float | None = None
+
+    @classmethod
+    def open(cls, checkpoint: str | Path | None = None, options: EngineOptions | None = None) -> Engine:
+        """Everything but the weights: every check that needs no weights happens here."""
+        directory = find_checkpoint(checkpoint)
+        config = load_checkpoint_config(directory)
+        options = options or EngineOptions()
+        draft = None
+        if options.speculative is not None and options.speculative.draft_checkpoint is not None:
+            draft_options = replace(options, speculative=None, batch_invariant=False)  # its rounding does not matter
+            draft = cls.open(options.speculative.draft_checkpoint, draft_options)
+            check_draft_config(config, draft.config, draft.checkpoint_dir)
+        return cls(options, config.model, checkpoint_dir=directory, config=config, draft=draft)
+
+    @classmethod
+    def load(
+        cls,
+        checkpoint: str | Path | None = None,
+        *,
+        compile: str = "none",
+        compile_prefill: bool = False,
+        device: str | None = None,
+        dtype: str = "auto",
+        speculative: SpeculativeOptions | None = None,
+        tp: int = 1,
+    ) -> Engine:
+        """Open ``checkpoint`` (None: the default model) and read its weights (and the draft's); with ``tp``, this
+        rank's part of them (run under ``torchrun --nproc_per_node TP``)."""
+        options = EngineOptions(compile, compile_prefill, device, dtype, speculative, tp=tp)
+        engine = cls.open(checkpoint, options)
+        engine.load_weights()
+        return engine
+
+    @classmethod
+    def from_state(
+        cls,
+        model_config: ModelConfig,
+        state: Mapping[str, torch.Tensor],
+        options: EngineOptions | None = None,
+        quantization: QuantConfig | None = None,
+        *,
+        sharded: bool = False,
+    ) -> Engine:
+        """An engine over weights already in memory (benchmarks on random weights; ``quantization`` says how
+        ``state`` is quantized, as a checkpoint's config.json would). It has no tokenizer: it takes and gives
+        token ids only (:meth:`generate_ids`), and never stops early. It speculates with prompt lookup or a drafter
+        given to :meth:`generate_ids`, not with a draft checkpoint. With tensor parallelism (``options.tp``) each
+        rank takes its part of the whole model's ``state``, or, ``sharded``, ``state`` is that part already
+        (shapes: :meth:`gpt_fast.parallel.tensor_parallel.Shard.shard_shapes`)."""
+        options = options or EngineOptions()
+        if options.speculative is not None and options.speculative.draft_checkpoint is not None:
+            raise ValueError("an engine over weights in memory cannot open a draft checkpoint: pass a drafter")
+        engine = cls(options, model_config, state=state, quantization=quantization, sharded=sharded)
+        engine.load_weights()
+        return engine
+
+    def load_weights(self) -> None:
+        """Read the weights (with tensor parallelism, join the ranks' group first and read this rank's part)."""
+        start = time.perf_counter()
+        if self.options.tp > 1 and self._parallel is None:
+            self._parallel = join(self.options.tp, self.device)
+        shard = self._parallel.shard if self._parallel is not None else None
+        if self._state is not None:
+            state = self._state if shard is None or self._sharded else shard.slice_state(self._state, self.model_config)
+            self._model = model_from_state(
+                self.model_config,
+                state,
+                self.device,
+                self.dtype,
+                self.quantization,
+                self.options.quant_kernel,
+                shard,
+            )
+            self._state = None
+        else:
+            if folder_identity(self.checkpoint_dir) != self._folder_id:
+                raise ValueError(f"checkpoint {self.checkpoint_dir} was replaced since it was opened; run again")
+            self._model = load_model(
+                self.checkpoint_dir,
+                self.config,
+                self.device,
+                self.dtype,
+                self.options.quant_kernel,
+                shard,
+            )
+        pdl = attention_pdl(self.attention_kernel, self.device, self.options.compile)
+        use_attention_kernel(self._model, self.attention_kernel, pdl)
+        use_activation_kernel(self._model, self.activation_kernel)
+        use_layers_kernel(self._model, self.layers_kernel)
+        use_linear_kernel(self._model, self.linear_kernel)
+        launch_with_pdl(self._model.layers, self.linear_kernel == "triton")
+        use_sampling_kernel(self._model, self.sampling_kernel)
+        if self._parallel is not None:
+            self._parallel.connect(self._model, self.model_config)
+        if self.options.batch_invariant:
+            use_invariant_kernels(self._model, self.device)
+        self._model.regional_compile = self.options.regional_compile
+        if self._draft is not None:
+            self._draft.load_weights()
+        if self.options.speculative is not None:
+            self._drafter = make_drafter(self.options.speculative, self._draft.model if self._draft else None)
+        self.load_seconds = time.perf_counter() - start
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            raise RuntimeError("this engine has no tokenizer (its weights were given in memory): use token ids")
+        return self._tokenizer
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return self._tokenizer.stop_ids if self._tokenizer is not None else ()
+
+    @property
+    def model(self) -> Transformer:
+        if self._model is None:
+            raise RuntimeError("the engine's weights are not loaded yet: call load_weights() first")
+        return self._model
+
+    @property
+    def compile(self) -> str:
+        return self.options.compile
+
+    @property
+    def parallel(self) -> TensorParallel | None:
+        """This rank's part in tensor parallelism, once the weights are loaded; None in a single process."""
+        return self._parallel
+
+    @property
+    def world_size(self) -> int:
+        """The processes the model is split over (``options.tp``)."""
+        return self.options.tp
+
+    @property
+    def rank(self) -> int:
+        """This process's rank (0 in a single process): only rank 0 prints and writes files."""
+        return self.ranks.rank if self.ranks is not None else 0
+
+    @staticmethod
+    def compile_cache_use() -> CompileCacheUse:
+        """How the compilations so far used the on-disk compile cache (``.label``: warm, cold or partly warm)."""
+        return compile_cache_use()
+
+    @property
+    def aot_package(self) -> str | None:
+        """With ``aot_precompile``: how the decode step's latest package was obtained (loaded from disk, or
+        compiled and saved, and where); None otherwise or before the first decode step."""
+        decode = self._steps.decode
+        return decode.outcome if isinstance(decode, PrecompiledStep) else None
+
+    @property
+    def device_name(self) -> str:
+        return device_name(self.device)
+
+    @property
+    def dtype_name(self) -> str:
+        return dtype_name(self.dtype)
+
+    @property
+    def drafter(self) -> Drafter | None:
+        """What proposes tokens for speculative decoding (None: plain decoding), once the weights are loaded."""
+        return self._drafter
+
+    @property
+    def speculative_steps(self) -> SpeculativeSteps:
+        """The steps of a speculative round, compiled as the engine's compile mode says (made on first use)."""
+        if self._spec_steps is None:
+            self._spec_steps = make_speculative_steps(
+                self.options.compile, self.options.kernel_tuning, exact=self.options.batch_invariant
+            )
+        return self._spec_steps
+
+    @property
+    def weight_bytes_per_token(self) -> int:
+        """Bytes of weights one decode step reads (see :func:`gpt_fast.model.transformer.weight_bytes_per_token`)."""
+        return weight_bytes_per_token(self.model)
+
+    # --- text ---------------------------------------------------------------------------------------------------
+
+    def encode(self, text: str, *, chat: bool = False, system: str | None = None) -> list[int]:
+        """Prompt ids of ``text``: as written (special-token strings in it become their ids, BOS added as the
+        checkpoint says) or, with ``chat``, as one user turn (after an optional system message) through the
+        checkpoint's chat template."""
+        if chat:
+            return self.chat_ids(user_turn(text, system))
+        if system is not None:
+            raise ValueError("--system goes with --chat (a system message is part of a chat)")
+        return self.tokenizer.encode(text, bos=True)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.config.chat_template if self.config is not None else None
+
+    def chat_ids(self, messages: Sequence[Message]) -> list[int]:
+        """Prompt ids of a conversation rendered with the checkpoint's chat template, ready for the answer."""
+        return chat_prompt_ids(self.tokenizer, self.chat_template, list(messages))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``, special tokens left out."""
+        return self.tokenizer.decode(ids, skip_special=True)
+
+    def check_fits(self, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
+        """Raise ValueError (before any allocation) if the request does not fit the model's context."""
+        if max_new_tokens < 1:
+            raise ValueError(f"--max_new_tokens must be >= 1, got {max_new_tokens}")
+        if not prompt_ids:
+            raise ValueError("the prompt encodes to no tokens")
+        cache_length(len(prompt_ids), max_new_tokens, self.model_config.block_size)
+
+    # --- scoring ------------------------------------------------------------------------------------------------
+
+    def log_likelihoods(self, ids: Sequence[int]) -> torch.Tensor:
+        """``log p(ids[i] | ids[:i])`` for ``i = 1 .. len(ids) - 1`` under the model, float32 on the CPU: one
+        window of text scored in one forward pass (perplexity, :mod:`gpt_fast.jobs.evaluate`)."""
+        if len(ids) < 2:
+            raise ValueError(f"a window to score needs at least 2 tokens, got {len(ids)}")
+        if len(ids) > self.model_config.block_size:
+            raise ValueError(
+                f"a window of {len(ids)} tokens exceeds the model's context of {self.model_config.block_size} tokens"
+            )
+        return token_log_likelihoods(self.model, ids)
+
+    # --- generation ---------------------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: str | Sequence[str],
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        sampling: SamplingConfig | None = None,
+        *,
+        chat: bool = False,
+        system: str | None = None,
+        ignore_eos: bool = False,
+    ) -> list[Completion]:
+        """A completion for each prompt; several prompts are generated together (:meth:`generate_many_ids`), or,
+        with speculative decoding, one after another. Every prompt is encoded and checked against the context
+        before the first is generated."""
+        texts = [prompts] if isinstance(prompts, str) else list(prompts)
+        all_ids = [self.encode(text, chat=chat, system=system) for text in texts]
+        for ids in all_ids:
+            self.check_fits(ids, max_new_tokens)
+        sampling = sampling or SamplingConfig()
+        if len(all_ids) > 1 and self.options.speculative is None:
+            return self.generate_many_ids(all_ids, max_new_tokens, sampling, ignore_eos=ignore_eos)
+        return [self._complete(ids, max_new_tokens, sampling, ignore_eos) for ids in all_ids]
+
+    def _complete(self, ids: list[int], max_new_tokens: int, sampling: SamplingConfig, ignore_eos: bool) -> Completion:
+        result = self.generate_ids(ids, max_new_tokens, sampling, ignore_eos=ignore_eos)
+        new = result.tokens[0]
+        finish = "stop" if new and new[-1] in self.stop_ids and not ignore_eos else "length"
+        return Completion(ids, new, self.decode(new), finish, result.seconds, result.ttft_seconds)
+
+    def stream(
+        self,
+        prompt: str,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        sampling: SamplingConfig | None = None,
+        *,
+        chat: bool = False,
+        system: str | None = None,
+    ) -> Iterator[str]:
+        """The continuation's text, piece by piece as it is generated (a piece is held back until it is whole
+        UTF-8). Stops at a stop token or after ``max_new_tokens``."""
+        ids = self.encode(prompt, chat=chat, system=system)
+        return self.stream_ids(ids, max_new_tokens, sampling or SamplingConfig())
+
+    def stream_ids(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingConfig) -> Iterator[str]:
+        """:meth:`stream` for prompt ids already encoded."""
+        self.check_fits(prompt_ids, max_new_tokens)
+        pieces: list[str] = []
+        text = TextStream(self.tokenizer, prompt_ids, pieces.append)
+        for step_tokens in self._token_stream(prompt_ids, max_new_tokens, sampling, stop_ids=self.stop_ids):
+            text.push(step_tokens[0])
+            yield from pieces
+            pieces.clear()
+
+    def generate_ids(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        sampling: SamplingConfig,
+        *,
+        batch_size: int = 1,
+        ignore_eos: bool = False,
+        on_text: Callable[[str], None] | None = None,
+        drafter: Drafter | None = None,
+    ) -> GenerationResult:
+        """The lower-level call the commands use: ``batch_size`` copies of one prompt already encoded; the first
+        row's text goes to ``on_text`` as it is generated. With speculative decoding (the engine's options, or
+        ``drafter``: benchmarks pass their own) the result is a
+        :class:`gpt_fast.generation.speculative.SpeculativeResult`."""
+        self.check_fits(prompt_ids, max_new_tokens)
+        on_tokens = None
+        if on_text is not None:
+            text = TextStream(self.tokenizer, prompt_ids, on_text)
+
+            def on_tokens(step_tokens: list[int]) -> None:
+                text.push(step_tokens[0])
+
+        stream = self._token_stream(
+            prompt_ids,
+            max_new_tokens,
+            sampling,
+            batch_size=batch_size,
+            stop_ids=() if ignore_eos else self.stop_ids,
+            emit=on_tokens is not None,
+            drafter=drafter,
+        )
+        return drain(stream, on_tokens)
+
+    def _token_stream(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        sampling: SamplingConfig,
+        *,
+        stop_ids: Sequence[int],
+        batch_size: int = 1,
+        emit: bool = True,
+        drafter: Drafter | None = None,
+    ) -> Generator[list[int], None, GenerationResult]:
+        """Plain decoding, or speculative decoding with ``drafter`` or the engine's own."""
+        drafter = drafter if drafter is not None else self._drafter
+        common = {
+            "max_new_tokens": max_new_tokens,
+            "sampling": sampling,
+            "steps": self._steps,
+            "batch_size": batch_size,
+            "stop_ids": stop_ids,
+            "emit": emit,
+            "profile_marks": self._profile_marks,
+        }
+        if drafter is None:
+            stream = generate_stream(self.model, prompt_ids, **common)
+            return stream if self._parallel is None else self._same_on_every_rank(stream)
+        if self.options.batch_invariant and batch_size * (drafter.k + 1) > INVARIANT_ROWS:
+            raise ValueError(
+                f"--batch_invariant verifies up to {INVARIANT_ROWS} rows per step: batch {batch_size} x "
+                f"(k {drafter.k} + 1) is more"
+            )
+        return speculative_stream(self.model, drafter, prompt_ids, spec_steps=self.speculative_steps, **common)
+
+    def _same_on_every_rank(
+        self, stream: Generator[list[int], None, GenerationResult]
+    ) -> Generator[list[int], None, GenerationResult]:
+        result = yield from stream
+        self._parallel.check_same_tokens(result.tokens)
+        return result
+
+    def generate_many_ids(
+        self,
+        prompts_ids: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        sampling: SamplingConfig,
+        *,
+        ignore_eos: bool = False,
+    ) -> list[Completion]:
+        """A completion for each of several prompts already encoded, generated together by continuous batching (up
+        to MAX_BATCH at once; more wait for a slot). Each row samples with its own seed, drawn from torch's
+        generator, so that :func:`set_seed` makes the whole batch reproducible."""
+        for ids in prompts_ids:
+            self.check_fits(ids, max_new_tokens)
+        longest = max(len(ids) for ids in prompts_ids)
+        options = BatchOptions(
+            max_batch=min(len(prompts_ids), MAX_BATCH),
+            max_seq_length=cache_length(longest, max_new_tokens, self.model_config.block_size),
+            max_queue=len(prompts_ids),
+        )
+        batcher = self.batcher(options)
+        finished: dict[int, Finished] = {}
+        seeds = torch.randint(2**62, (len(prompts_ids),)).tolist()
+        for row, (ids, seed) in enumerate(zip(prompts_ids, seeds, strict=True)):
+
+            def keep(event: Event, row: int = row) -> None:
+                if isinstance(event, Finished):
+                    finished[row] = event
+
+            request = Request(tuple(ids), max_new_tokens, sampling, seed=seed, ignore_eos=ignore_eos)
+            batcher.submit(request, keep)
+        batcher.run()
+        return [self._completion(list(ids), finished[row]) for row, ids in enumerate(prompts_ids)]
+
+    def _completion(self, prompt_ids: list[int], done: Finished) -> Completion:
+        text = self.decode(done.ids) if self._tokenizer is not None else ""
+        return Completion(prompt_ids, list(done.ids), text, done.finish_reason, done.seconds, done.ttft_seconds or 0.0)
+
+    def batcher(self, options: BatchOptions | None = None) -> Batcher:
+        """A :class:`~gpt_fast.engine.batcher.Batcher` over this engine's model: requests from many clients decoded
+        together, each in its own slot of the cache (what `gpt-fast serve` runs). It takes over the model's cache:
+        run one batcher, or single-stream generation, at a time."""
+        self.options.check_batching()
+        if self._slot_steps is None:
+            opts = self.options
+            self._slot_steps = make_slot_steps(opts.compile, opts.compile_prefill, opts.kernel_tuning)
+        return Batcher(
+            self.model, self._slot_steps, options or BatchOptions(), tokenizer=self._tokenizer, stop_ids=self.stop_ids
+        )
+
+    @contextlib.contextmanager
+    def profiled(self, trace_path: Path) -> Iterator[None]:
+        """Record the generations inside the block with the PyTorch profiler into ``trace_path`` (Perfetto), with the
+        prefill and every decode step marked for ``gpt-fast trace-summary``."""
+        self._profile_marks = True
+        try:
+            with record_trace(trace_path, self.device):
+                yield
+        finally:
+            self._profile_marks = False
+
+
+def folder_identity(folder: Path | None) -> tuple[int, int] | None:
+    """Which folder is at ``folder`` now: a conversion replaces a checkpoint by swapping in a new folder, and the
+    weights must come from the folder whose config was read."""
+    if folder is None:
+        return None
+    info = folder.stat()
+    return info.st_dev, info.st_ino
+
+
+def launched_world_size() -> int:
+    """The number of processes ``torchrun`` started this one among (1 outside torchrun)."""
+    ranks = env_ranks()
+    return ranks.world_size if ranks is not None else 1
+
+
+def user_turn(text: str, system: str | None = None) -> list[Message]:
+    """A conversation of one user message, after a system message if one is given."""
+    return ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": text}]
+
+
+def set_seed(seed: int | None) -> None:
+    """Seed sampling (torch's global generator, on every device) when ``seed`` is given."""
+    if seed is not None:
+        torch.manual_seed(seed)

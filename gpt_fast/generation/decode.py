@@ -1,0 +1,470 @@
+"""Prefill and token-by-token decode over a static KV cache.
+
+The decode loop never waits for the device: tokens are copied to pinned host memory asynchronously and read back
+(for streaming and for stopping at EOS) only once the device has produced them, a step or two behind. A few
+tokens may be decoded past a stop token; they are dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gpt_fast.generation.precompile import PrecompiledStep
+from gpt_fast.generation.profiling import DECODE_MARK, PREFILL_MARK
+from gpt_fast.generation.sampling import SamplingConfig, sample
+from gpt_fast.model.transformer import Transformer
+from gpt_fast.util.device import device_synchronize
+
+COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
+# How inductor picks each generated kernel's block sizes and warps: coordinate-descent tuning benchmarks neighbouring
+# configurations at the first run (the faster kernels; most of a cold compile), heuristic takes its own choice.
+COORDINATE_DESCENT, HEURISTIC = "coordinate-descent", "heuristic"
+KERNEL_TUNINGS = (COORDINATE_DESCENT, HEURISTIC)  # the first is the default
+CACHE_LENGTH_MULTIPLE = 64  # round cache lengths up so nearby request lengths share one compiled graph
+
+TokenCallback = Callable[[list[int]], None]  # receives one decoded token per batch row, in order
+
+
+def prefill(model: Transformer, idx: torch.Tensor, sampling: SamplingConfig) -> None:
+    """Run the prompt ``idx`` [B, T] through the model and leave the decode state at its first new token."""
+    state, length = model.decode_state, idx.shape[1]
+    input_pos = torch.arange(length, device=idx.device)
+    logits = model(idx, input_pos, last_only=True, from_start=True)  # [B, 1, V]
+    state.tokens[:, :length] = idx
+    state.tokens[:, length] = sample(logits[:, -1], sampling, model.top_k_sampler)
+    state.input_pos.fill_(length)
+
+
+def prefill_padded(model: Transformer, idx: torch.Tensor, length: torch.Tensor, sampling: SamplingConfig) -> None:
+    """:func:`prefill` of a prompt padded at its end: ``idx`` [B, P] holds the prompt in its first ``length`` [1]
+    positions (a device tensor, so that one CUDA graph serves every prompt padded to P). The padding's keys and
+    values land in the cache after the prompt, where each decode step overwrites its own position's before
+    attending to it (attention is causal), and its tokens where the decode steps write theirs."""
+    state, padded = model.decode_state, idx.shape[1]
+    input_pos = torch.arange(padded, device=idx.device)
+    logits = model(idx, input_pos, from_start=True, last_index=length - 1)  # [B, 1, V]
+    state.tokens[:, :padded] = idx
+    state.tokens.index_copy_(1, length, sample(logits[:, -1], sampling, model.top_k_sampler)[:, None])
+    state.input_pos.copy_(length)
+
+
+def decode_one_token(model: Transformer, sampling: SamplingConfig) -> None:
+    """One decode step, entirely on the device: the token at ``input_pos`` goes in, the next one is written
+    after it, and ``input_pos`` advances."""
+    state = model.decode_state
+    cur = state.tokens.index_select(1, state.input_pos)  # [B, 1]
+    # every keyword is spelled out: torch 2.11 cannot load an ahead-of-time package that guards a default argument
+    # ("DefaultsSource.__init__() takes from 3 to 4 positional arguments"); tests/test_generate.py checks it
+    logits = model(cur, state.input_pos, last_only=False, first_row=0, from_start=False, last_index=None)  # [B, 1, V]
+    state.tokens.index_copy_(1, state.input_pos + 1, sample(logits[:, -1], sampling, model.top_k_sampler)[:, None])
+    state.input_pos.add_(1)
+
+
+# A prompt is padded to a multiple of this many tokens, so that few graphs serve all; the caches' multiple, so that
+# a padded prompt fits the cache its request allocated.
+PREFILL_GRAPH_MULTIPLE = CACHE_LENGTH_MULTIPLE
+PREFILL_GRAPH_TOKENS = 256  # longer prompts prefill eagerly: their kernels take longer to run than to launch
+# A compiled prefill launches far fewer kernels, but replaying them from a graph still saved 1.2 ms of a 1024-token
+# prompt's 24.6 ms TTFT on the Llama-2-7B shape (BENCHMARKS.md, thirty-eighth session); past 2048 tokens the same
+# saving would be under 3 % of the GPU's work (an estimate, not measured).
+COMPILED_PREFILL_GRAPH_TOKENS = 2048
+PREFILL_GRAPHS = 8  # at most this many graphs per GraphedPrefill, never destroyed (see GraphedPrefill)
+
+
+@dataclass(frozen=True)
+class PrefillGraph:
+    """One captured :func:`prefill_padded` and its fixed-address inputs."""
+
+    graph: torch.cuda.CUDAGraph
+    idx: torch.Tensor  # [B, P]: the prompt, then whatever tokens an earlier prompt left (valid ids, never read)
+    length: torch.Tensor  # [1]
+
+    def replay(self, idx: torch.Tensor) -> None:
+        self.idx[:, : idx.shape[1]].copy_(idx)
+        self.length.fill_(idx.shape[1])
+        self.graph.replay()
+
+
+# decode state (its caches), rows, padded length, sampling settings
+PrefillKey = tuple[torch.nn.Module, int, int, SamplingConfig]
+Prefill = Callable[[Transformer, torch.Tensor, SamplingConfig], None]  # prefill's signature
+PaddedPrefill = Callable[[Transformer, torch.Tensor, torch.Tensor, SamplingConfig], None]  # prefill_padded's
+
+
+class GraphedPrefill:
+    """The prefill of prompts up to ``max_tokens`` tokens on a CUDA GPU, padded and replayed from a CUDA graph per
+    (caches, rows, padded length, sampling settings); other prompts and devices, and every key after the first
+    :data:`PREFILL_GRAPHS`, take the prefill unpadded. Eager by default (prompts up to
+    :data:`PREFILL_GRAPH_TOKENS`); :func:`make_steps` passes both prefills compiled with ``--compile_prefill``
+    (prompts up to :data:`COMPILED_PREFILL_GRAPH_TOKENS`).
+
+    Why: an eager prefill launches about 1300 kernels one by one from Python, about 25 ms on an H200 whatever the
+    model (Llama-2-7B and SmolLM2-135M shapes alike), while the GPU work of a short prompt takes 3.5 ms on the 7B
+    and far less on the small model. The first prefill of each key runs as it is (the warm-up capture needs)
+    and then captures. A graph is kept for as long as this object lives, even once the model has allocated new
+    caches (its key then never matches again): on torch 2.11 destroying a captured graph released cuBLAS workspace
+    that graphs captured later still used, and their replays read freed memory (an illegal memory access on an H200,
+    BENCHMARKS.md, twenty-sixth session). The graphs share one memory pool, so they hold about one prefill's
+    temporaries, not one each.
+    """
+
+    def __init__(
+        self,
+        padded: PaddedPrefill = prefill_padded,
+        unpadded: Prefill = prefill,
+        max_tokens: int = PREFILL_GRAPH_TOKENS,
+    ) -> None:
+        self.padded, self.unpadded, self.max_tokens = padded, unpadded, max_tokens  # eager, or both compiled
+        self.graphs: dict[PrefillKey, PrefillGraph] = {}
+        self.pool: tuple[int, int] | None = None  # one memory pool: the graphs never run at the same time
+
+    def __call__(self, model: Transformer, idx: torch.Tensor, sampling: SamplingConfig) -> None:
+        rows, length = idx.shape
+        padded = round_up(length, PREFILL_GRAPH_MULTIPLE)
+        key = (model.decode_state, rows, padded, sampling)  # the state object: new caches never match old graphs
+        if key in self.graphs:
+            self.graphs[key].replay(idx)
+        elif (
+            idx.device.type != "cuda"
+            or padded > min(self.max_tokens, model.max_seq_length)
+            or len(self.graphs) >= PREFILL_GRAPHS
+        ):
+            self.unpadded(model, idx, sampling)
+        else:
+            self.graphs[key] = self.capture(model, idx, padded, sampling)
+
+    def capture(self, model: Transformer, idx: torch.Tensor, padded: int, sampling: SamplingConfig) -> PrefillGraph:
+        """Prefill ``idx`` eagerly on a side stream (capture needs a warm-up run), then capture the same call."""
+        static_idx = torch.zeros((idx.shape[0], padded), dtype=idx.dtype, device=idx.device)
+        static_idx[:, : idx.shape[1]] = idx
+        length = torch.full((1,), idx.shape[1], dtype=torch.long, device=idx.device)
+        side = torch.cuda.Stream(idx.device)
+        side.wait_stream(torch.cuda.current_stream(idx.device))
+        with torch.cuda.stream(side):
+            self.padded(model, static_idx, length, sampling)
+        torch.cuda.current_stream(idx.device).wait_stream(side)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            self.padded(model, static_idx, length, sampling)
+        return PrefillGraph(graph, static_idx, length)
+
+
+@dataclass(frozen=True)
+class Steps:
+    """The prefill and decode functions, compiled or not."""
+
+    prefill: Callable[..., torch.Tensor]
+    decode: Callable[..., torch.Tensor]
+    mode: str
+
+
+def make_steps(
+    mode: str,
+    compile_prefill: bool = False,
+    tuning: str = COORDINATE_DESCENT,
+    aot_precompile: bool = False,
+    *,
+    exact: bool = False,
+    graph_prefill: bool = True,
+) -> Steps:
+    """Wrap the step functions for a compile mode (``none`` = eager). The decode step has fixed shapes, so it is
+    compiled whole (``fullgraph=True``); ``reduce-overhead`` and ``max-autotune`` also capture it as a CUDA graph,
+    and, with ``graph_prefill``, the prefill of short prompts, eager or (``compile_prefill``) compiled
+    (:class:`GraphedPrefill`). With ``aot_precompile`` the decode step is compiled ahead of time and kept on disk
+    (:mod:`gpt_fast.generation.precompile`); with ``exact``, with eager rounding (:func:`compile_options`)."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile mode {mode!r} is not one of {', '.join(COMPILE_MODES)}")
+    if mode == "none":
+        return Steps(prefill, decode_one_token, mode)
+    options = compile_options(mode, tuning, exact=exact)
+    if aot_precompile:
+        decode: Callable[..., None] = PrecompiledStep(decode_one_token, options)
+    else:
+        decode = torch.compile(decode_one_token, options=options, fullgraph=True)
+    graphs = graph_prefill and bool(options.get("triton.cudagraphs"))
+    if compile_prefill:
+        unpadded = compiled_prefill(tuning)
+        if not graphs:
+            return Steps(unpadded, decode, mode)
+        padded = compiled_prefill(tuning, prefill_padded)
+        return Steps(GraphedPrefill(padded, unpadded, COMPILED_PREFILL_GRAPH_TOKENS), decode, mode)
+    return Steps(GraphedPrefill() if graphs else prefill, decode, mode)
+
+
+def tuning_options(tuning: str) -> dict[str, Any]:
+    """The inductor option of a kernel tuning (one of :data:`KERNEL_TUNINGS`)."""
+    if tuning not in KERNEL_TUNINGS:
+        raise ValueError(f"kernel tuning {tuning!r} is not one of {', '.join(KERNEL_TUNINGS)}")
+    return {"coordinate_descent_tuning": tuning == COORDINATE_DESCENT}
+
+
+def compile_options(mode: str, tuning: str = COORDINATE_DESCENT, *, exact: bool = False) -> dict[str, Any]:
+    """Inductor options for the decode step in a compile mode: the mode's own, the kernel tuning's
+    (:func:`tuning_options`), and programmatic dependent launch (PDL) in the CUDA-graph modes. With PDL each
+    kernel's blocks are scheduled while the kernel before it drains, which shortens the gaps between the few
+    hundred small kernels of a decode step. On an H100 it decoded the SmolLM2-135M shape 8 % faster and left the
+    GEMV-bound Llama-2-7B shape unchanged (BENCHMARKS.md, 2026-11-22). Inductor emits it only for CUDA GPUs of
+    compute capability 9 and up, never on ROCm. ``default`` mode, which launches every kernel from the host, keeps
+    inductor's launcher as it is.
+
+    ``exact``: fused elementwise operations round to the model's dtype wherever eager PyTorch would
+    (``emulate_precision_casts``), so that the same operations round alike however inductor fuses them in one
+    graph or another: batch-invariant steps need it (:mod:`gpt_fast.accel.invariant`)."""
+    import torch._inductor
+
+    options: dict[str, Any] = dict(torch._inductor.list_mode_options(mode)) | tuning_options(tuning)
+    if options.get("triton.cudagraphs") and hasattr(torch._inductor.config.triton, "enable_pdl"):
+        options["triton.enable_pdl"] = True
+    if exact:
+        options["emulate_precision_casts"] = True
+    return options
+
+
+@dataclass(frozen=True)
+class CompileCacheUse:
+    """Graphs inductor loaded from its on-disk cache, and graphs it compiled afresh, in this process so far."""
+
+    hits: int
+    misses: int
+
+    @property
+    def label(self) -> str:
+        """ "warm" (every graph from the cache), "cold" (none) or "partly warm"."""
+        if self.misses == 0 and self.hits:
+            return "warm"
+        return "cold" if self.hits == 0 else "partly warm"
+
+    @property
+    def description(self) -> str:
+        """In words, for a report (no graph passes through the cache when the decode step came from an
+        ahead-of-time package)."""
+        if self.hits + self.misses == 0:
+            return "no graph went through inductor's compile cache"
+        return f"compile cache {self.label}: {self.hits} of {self.hits + self.misses} graphs loaded from it"
+
+
+def compile_cache_use() -> CompileCacheUse:
+    """How this process's compilations used inductor's FX graph cache (torch's own counters)."""
+    from torch._dynamo.utils import counters
+
+    return CompileCacheUse(counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"])
+
+
+def compiled_prefill(tuning: str = COORDINATE_DESCENT, step: Callable[..., None] = prefill) -> Callable[..., None]:
+    """The prefill (:func:`prefill`, or :func:`prefill_padded`) compiled once for every prompt length: the length
+    dimension is marked dynamic (and only it: ``dynamic=True`` would also make the sampling settings symbolic), and
+    no CUDA graphs of inductor's own (:class:`GraphedPrefill` captures the padded one)."""
+    compiled = torch.compile(step, fullgraph=True, options=tuning_options(tuning))
+
+    def prefill_any_length(model: Transformer, idx: torch.Tensor, *rest: Any) -> None:
+        torch._dynamo.maybe_mark_dynamic(idx, 1)
+        compiled(model, idx, *rest)
+
+    return prefill_any_length
+
+
+def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is at least ``n``."""
+    return -(-n // multiple) * multiple
+
+
+def cache_length(prompt_length: int, max_new_tokens: int, block_size: int) -> int:
+    """KV-cache length for a request, rounded up (but never beyond the model's context)."""
+    needed = prompt_length + max_new_tokens
+    if needed > block_size:
+        raise ValueError(
+            f"prompt ({prompt_length} tokens) + max_new_tokens ({max_new_tokens}) = {needed} exceeds the model's "
+            f"context of {block_size} tokens"
+        )
+    return min(round_up(needed, CACHE_LENGTH_MULTIPLE), block_size)
+
+
+class HostTokens:
+    """Host copies of each step's tokens [B], handed out once the device has written them (never blocking it)."""
+
+    def __init__(self, device: torch.device, batch_size: int, capacity: int) -> None:
+        self.on_gpu = device.type == "cuda"
+        self.host = torch.empty((capacity, batch_size), dtype=torch.long, pin_memory=self.on_gpu)
+        self.events: list[torch.cuda.Event | None] = []
+        self.next_step = 0
+
+    def push(self, tokens: torch.Tensor) -> None:
+        """Queue a copy of ``tokens`` [B] from the device."""
+        self.host[len(self.events)].copy_(tokens, non_blocking=self.on_gpu)
+        event = torch.cuda.Event() if self.on_gpu else None
+        if event is not None:
+            event.record()
+        self.events.append(event)
+
+    @property
+    def pending(self) -> int:
+        """Steps queued and not handed out yet."""
+        return len(self.events) - self.next_step
+
+    def wait_next(self) -> None:
+        """Block until the oldest step not handed out yet has arrived (the later ones may still be running)."""
+        event = self.events[self.next_step]
+        if event is not None:
+            event.synchronize()
+
+    def ready(self, wait: bool = False) -> list[list[int]]:
+        """Steps whose tokens have arrived, in order; with ``wait``, all queued steps."""
+        rows = []
+        while self.next_step < len(self.events):
+            event = self.events[self.next_step]
+            if event is not None and not event.query():
+                if not wait:
+                    break
+                event.synchronize()
+            rows.append(self.host[self.next_step].tolist())
+            self.next_step += 1
+        return rows
+
+
+class StopTracker:
+    """Which batch rows have emitted a stop token, and where."""
+
+    def __init__(self, batch_size: int, stop_ids: Sequence[int]) -> None:
+        self.stop_ids = frozenset(stop_ids)
+        self.stopped_at: list[int | None] = [None] * batch_size
+        self.steps_seen = 0
+
+    def observe(self, step_tokens: list[int]) -> None:
+        for row, token in enumerate(step_tokens):
+            if self.stopped_at[row] is None and token in self.stop_ids:
+                self.stopped_at[row] = self.steps_seen
+        self.steps_seen += 1
+
+    def admit(self, steps: list[list[int]]) -> list[list[int]]:
+        """Observe each step's tokens in turn; return the steps that came before every row had stopped."""
+        admitted = []
+        for step_tokens in steps:
+            if self.all_stopped:
+                break
+            self.observe(step_tokens)
+            admitted.append(step_tokens)
+        return admitted
+
+    @property
+    def all_stopped(self) -> bool:
+        return all(s is not None for s in self.stopped_at)
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    tokens: list[list[int]]  # per batch row: the new tokens, up to and including a stop token
+    seconds: float  # prefill + decode, wall time
+    ttft_seconds: float  # time to the first new token
+
+    @property
+    def new_tokens(self) -> int:
+        """New tokens per row (the longest row)."""
+        return max(len(row) for row in self.tokens)
+
+
+def generate(
+    model: Transformer,
+    prompt_ids: Sequence[int],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    steps: Steps,
+    batch_size: int = 1,
+    stop_ids: Sequence[int] = (),
+    on_tokens: TokenCallback | None = None,
+    profile_marks: bool = False,
+) -> GenerationResult:
+    """Generate up to ``max_new_tokens`` for ``batch_size`` copies of the prompt; stop early once every row has
+    produced one of ``stop_ids`` (pass none to always generate ``max_new_tokens``). ``on_tokens`` receives each
+    step's tokens as they arrive."""
+    stream = generate_stream(
+        model,
+        prompt_ids,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        steps=steps,
+        batch_size=batch_size,
+        stop_ids=stop_ids,
+        emit=on_tokens is not None,
+        profile_marks=profile_marks,
+    )
+    return drain(stream, on_tokens)
+
+
+def drain(stream: Generator[list[int], None, GenerationResult], on_tokens: TokenCallback | None) -> GenerationResult:
+    """Run a generation stream to its end, handing each step's tokens to ``on_tokens``; its result."""
+    while True:
+        try:
+            step_tokens = next(stream)
+        except StopIteration as done:
+            return done.value
+        on_tokens(step_tokens)
+
+
+@torch.no_grad()
+def generate_stream(
+    model: Transformer,
+    prompt_ids: Sequence[int],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    steps: Steps,
+    batch_size: int = 1,
+    stop_ids: Sequence[int] = (),
+    emit: bool = True,
+    profile_marks: bool = False,
+) -> Generator[list[int], None, GenerationResult]:
+    """:func:`generate` as a generator: yields each step's tokens (one per batch row) once the device has produced
+    them (with ``emit``; else nothing), and returns the :class:`GenerationResult`."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    device = model.tok_embeddings.weight.device
+    length = len(prompt_ids)
+    model.setup_caches(batch_size, cache_length(length, max_new_tokens, model.config.block_size))
+    sequence = model.decode_state.tokens  # [B, S]: the prompt, then the new tokens
+    mark = torch.profiler.record_function if profile_marks else (lambda _name: contextlib.nullcontext())
+    # every row built on the host, then one copy: no `repeat` on the device (BENCHMARKS.md, thirty-ninth session)
+    prompt = torch.tensor([list(prompt_ids)] * batch_size, dtype=torch.long).to(device)  # [B, T]
+    host = HostTokens(device, batch_size, max_new_tokens) if stop_ids or emit else None
+    stops = StopTracker(batch_size, stop_ids)
+
+    device_synchronize(device)
+    start = time.perf_counter()
+    with mark(PREFILL_MARK):
+        steps.prefill(model, prompt, sampling)
+    device_synchronize(device)
+    ttft = time.perf_counter() - start
+    produced = 1
+    while produced < max_new_tokens:
+        if host is not None:
+            host.push(sequence[:, length + produced - 1])
+            for step_tokens in stops.admit(host.ready()):
+                if emit:
+                    yield step_tokens
+            if stops.all_stopped:
+                break
+        with mark(DECODE_MARK):
+            torch.compiler.cudagraph_mark_step_begin()
+            steps.decode(model, sampling)
+        produced += 1
+    if host is not None and not stops.all_stopped:
+        host.push(sequence[:, length + produced - 1])
+        for step_tokens in stops.admit(host.ready(wait=True)):
+            if emit:
+                yield step_tokens
+    device_synchronize(device)
+    seconds = time.perf_counter() - start
+    rows = sequence[:, length : length + produced].tolist()
+    return GenerationResult(
+        [row if end is None else row[: end + 1] for row, end in zip(rows, stops.stopped_at, strict=True)], seconds, ttft
+    )

@@ -1,0 +1,49 @@
+"""Recording a Chrome/Perfetto trace of generation with the PyTorch profiler.
+
+The generator marks the prefill and each decode step with the names below, so that a trace can be read
+phase by phase (``gpt-fast trace-summary``); speculative decoding marks each round's draft phase and its verify
+step instead of decode steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from gpt_fast.util.fileio import atomic_path, check_output_dir, check_output_file
+
+PREFILL_MARK = "gpt_fast::prefill"
+DECODE_MARK = "gpt_fast::decode"
+DRAFT_MARK = "gpt_fast::draft"
+VERIFY_MARK = "gpt_fast::verify"
+
+
+def trace_file(profile: str | os.PathLike, name: str = "trace", variant: str = "") -> Path:
+    """The trace file ``--profile PATH`` names, after checking that it can be written: a folder (an existing one, or
+    PATH ending in ``/``, then created) holds ``NAME.json``; any other PATH is the file itself, ``.json`` added unless
+    present. ``variant`` tells apart the files of several runs (one per compile mode): ``PATH_VARIANT.json``."""
+    text = os.fspath(profile)
+    if text.endswith(("/", os.sep)):
+        check_output_dir(Path(text), "--profile").mkdir(parents=True, exist_ok=True)
+    if Path(text).is_dir():
+        return check_output_file(Path(text) / f"{name}.json", "--profile")
+    stem = text.removesuffix(".json")
+    return check_output_file(Path(f"{stem}_{variant}.json" if variant else f"{stem}.json"), "--profile")
+
+
+@contextlib.contextmanager
+def record_trace(path: Path, device: torch.device) -> Iterator[None]:
+    """Profile the enclosed code on the CPU and, on a GPU, its kernels and runtime calls (CUDA-graph launches
+    appear as ``cudaGraphLaunch`` / ``hipGraphLaunch``); write the trace to ``path`` atomically."""
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities, acc_events=True) as prof:  # one cycle; also quiets a warning about cycles
+        yield
+    with atomic_path(path) as tmp:
+        prof.export_chrome_trace(str(tmp))

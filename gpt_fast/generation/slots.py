@@ -1,0 +1,112 @@
+"""The two steps of continuous batching over a static KV cache of ``N`` slots (rows): prefill one slot's prompt while
+the others wait, and decode the first ``rows`` slots together, each at its own position, with its own sampling
+settings and seed.
+
+Every slot's state (its last token, its position, its sampling settings, the log-probabilities of its last step) is
+a buffer of :class:`SlotState` with a fixed address, so that the decode step is one CUDA graph in the CUDA-graph
+compile modes: its shapes depend only on ``rows``, and a scheduler uses two values of it (slot 0 alone, or all
+slots), each compiled once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from gpt_fast.generation.decode import COORDINATE_DESCENT, compile_options, tuning_options
+from gpt_fast.generation.sampling import SamplingConfig, sample_rows
+from gpt_fast.model.transformer import Transformer
+
+TOP_LOGPROBS = 20  # the most alternatives a step reports per token (OpenAI's limit for top_logprobs)
+
+
+class SlotState(nn.Module):
+    """What the steps read and write for each slot, one row per slot."""
+
+    def __init__(self, slots: int, vocab_size: int, device: torch.device | str) -> None:
+        super().__init__()
+        top = min(TOP_LOGPROBS, vocab_size)
+
+        def buffer(name: str, value: float, *shape: int, dtype: torch.dtype = torch.long) -> None:
+            self.register_buffer(name, torch.full((slots, *shape), value, dtype=dtype, device=device), persistent=False)
+
+        buffer("tokens", 0)  # [N]: the slot's last token, the next decode step's input
+        buffer("input_pos", 0)  # [N]: that token's position
+        buffer("temperature", 1.0, dtype=torch.float32)  # [N]
+        buffer("top_k", vocab_size)  # [N]: the vocabulary size when unlimited
+        buffer("top_p", 1.0, dtype=torch.float32)  # [N]
+        buffer("keys", 0)  # [N]: the noise key, from the request's seed (sampling.seed_key)
+        buffer("logprobs", 0.0, 1 + top, dtype=torch.float32)  # [N, 1 + K]: the last token's, then the K best's
+        buffer("top_ids", 0, top)  # [N, K]: the K most likely tokens of the last step
+        self.vocab_size = vocab_size
+
+    def configure(self, slot: int, sampling: SamplingConfig, key: int) -> None:
+        """Set a slot's sampling settings before its prompt is prefilled."""
+        self.temperature[slot] = sampling.temperature
+        self.top_k[slot] = self.vocab_size if sampling.top_k is None else min(sampling.top_k, self.vocab_size)
+        self.top_p[slot] = sampling.top_p
+        self.keys[slot] = key
+
+
+def sample_into(state: SlotState, rows: slice, logits: torch.Tensor, positions: torch.Tensor) -> None:
+    """Sample the next token of the slots ``rows`` from their ``logits`` [n, V], for ``positions`` [n], into the
+    state, with the model's log-probabilities (before temperature and filtering) of it and of the K best tokens."""
+    tokens = sample_rows(
+        logits, state.temperature[rows], state.top_k[rows], state.top_p[rows], state.keys[rows], positions
+    )  # [n]
+    logprobs = logits.float().log_softmax(dim=-1)  # [n, V]
+    best, best_ids = logprobs.topk(state.top_ids.shape[1], dim=-1)  # [n, K]
+    state.tokens[rows] = tokens
+    state.logprobs[rows] = torch.cat((logprobs.gather(1, tokens[:, None]), best), dim=1)
+    state.top_ids[rows] = best_ids
+
+
+def prefill_slot(model: Transformer, state: SlotState, slot: int, idx: torch.Tensor) -> None:
+    """Run the prompt ``idx`` [1, T] through the model into the cache row of ``slot`` and sample its first token;
+    the other slots are left as they are."""
+    length = idx.shape[1]
+    positions = torch.arange(length, device=idx.device)
+    logits = model(idx, positions, last_only=True, first_row=slot, from_start=True)  # [1, 1, V]
+    state.input_pos[slot] = length
+    sample_into(state, slice(slot, slot + 1), logits[:, -1], state.input_pos[slot : slot + 1])
+
+
+def decode_slots(model: Transformer, state: SlotState, rows: int) -> None:
+    """One decode step of slots ``0 .. rows - 1``, entirely on the device: each slot's last token goes in at its
+    position, the next one is sampled, and the position advances. A slot with no request decodes too, harmlessly;
+    positions stop at the cache's end, so that no slot ever writes outside it."""
+    positions = state.input_pos[:rows]  # [n]
+    logits = model(state.tokens[:rows, None], positions[:, None])  # [n, 1, V]
+    following = positions + 1
+    sample_into(state, slice(0, rows), logits[:, -1], following)
+    state.input_pos[:rows] = following.clamp(max=model.max_seq_length - 1)
+
+
+@dataclass(frozen=True)
+class SlotSteps:
+    """The two steps, compiled or not."""
+
+    prefill: Callable[[Transformer, SlotState, int, torch.Tensor], None]
+    decode: Callable[[Transformer, SlotState, int], None]
+    mode: str
+
+
+def make_slot_steps(mode: str, compile_prefill: bool = False, tuning: str = COORDINATE_DESCENT) -> SlotSteps:
+    """The steps for a compile mode (``none`` = eager). The decode step is compiled whole and specialized on
+    ``rows`` (``dynamic=False``): each value is its own graph with fixed shapes. A compiled prefill takes any prompt
+    length (the length dimension is marked dynamic), as the single-stream one does."""
+    if mode == "none":
+        return SlotSteps(prefill_slot, decode_slots, mode)
+    decode = torch.compile(decode_slots, options=compile_options(mode, tuning), fullgraph=True, dynamic=False)
+    prefill = prefill_slot
+    if compile_prefill:
+        compiled = torch.compile(prefill_slot, fullgraph=True, options=tuning_options(tuning))
+
+        def prefill(model: Transformer, state: SlotState, slot: int, idx: torch.Tensor) -> None:
+            torch._dynamo.maybe_mark_dynamic(idx, 1)
+            compiled(model, state, slot, idx)
+
+    return SlotSteps(prefill, decode, mode)

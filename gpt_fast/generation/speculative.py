@@ -1,0 +1,385 @@
+"""Speculative decoding: a drafter proposes k tokens, the target checks them all in one forward over k + 1
+positions, keeps the longest prefix it agrees with and adds one token of its own. The output is the target's own:
+
+* greedy: a proposal is kept when it is the target's argmax at its position, so every token written is the argmax
+  plain decoding would have produced, token for token;
+* sampling (Leviathan et al. 2023, Chen et al. 2023): proposal ``d`` drawn from the draft's distribution ``q`` is kept
+  with probability min(1, p(d) / q(d)), where ``p`` is the target's distribution; at the first rejection the token is
+  drawn from max(0, p - q) renormalized, and after k kept proposals from ``p``. Each token is then distributed as
+  ``p``, the distribution plain decoding samples from, after the same temperature, top-k and top-p (p and q are the
+  filtered distributions). A drafter without a distribution (prompt lookup, replay) is a ``q`` that puts all its mass
+  on its proposal.
+
+Rows of a batch share one position, so a round keeps the shortest accepted prefix over the rows: with that prefix
+each row's tokens are still its own target's (a prefix of a correct sample, cut where the other rows stop, is one).
+
+The round runs on the device from end to end: the proposals, the verify forward (one compiled step, one CUDA graph
+in ``reduce-overhead``), the accept rule, the tokens written into the decode state and the position moved past the
+kept ones. Rejected positions are not rolled back by copying: the position moves only as far as the kept tokens,
+and the next round writes over the KV entries beyond. The host reads each round's outcome back asynchronously, a
+round or two behind, and waits only for a round it has run :data:`MAX_ROUNDS_AHEAD` rounds ahead of.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpt_fast.generation.decode import (
+    CACHE_LENGTH_MULTIPLE,
+    COORDINATE_DESCENT,
+    GenerationResult,
+    HostTokens,
+    Steps,
+    StopTracker,
+    cache_length,
+    compile_options,
+    round_up,
+)
+from gpt_fast.generation.drafters import (
+    Drafter,
+    DraftModel,
+    PromptLookup,
+    SpeculativeState,
+    check_k,
+    check_ngram,
+    draft_first,
+    draft_next,
+    propose_step,
+)
+from gpt_fast.generation.metrics import SpeculativeMetrics
+from gpt_fast.generation.profiling import DRAFT_MARK, PREFILL_MARK, VERIFY_MARK
+from gpt_fast.generation.sampling import SamplingConfig, probabilities, sample_weights
+from gpt_fast.model.config import CheckpointConfig
+from gpt_fast.model.transformer import Transformer
+from gpt_fast.util.device import device_synchronize
+
+DEFAULT_SPECULATE_K = 4
+MAX_ROUNDS_AHEAD = 2  # rounds the host may have started beyond those it has read back
+
+
+@dataclass(frozen=True)
+class SpeculativeOptions:
+    """Speculative decoding with one drafter: ``draft_checkpoint`` (a smaller model that shares the target's
+    tokenizer) or ``prompt_lookup`` (n-grams of up to that many tokens looked up in the prompt and the text so
+    far), proposing ``k`` tokens per verify step."""
+
+    draft_checkpoint: str | None = None
+    prompt_lookup: int | None = None
+    k: int = DEFAULT_SPECULATE_K
+
+    def __post_init__(self) -> None:
+        if (self.draft_checkpoint is None) == (self.prompt_lookup is None):
+            raise ValueError("speculative decoding takes one drafter: --draft_checkpoint_path or --prompt_lookup")
+        if self.draft_checkpoint is not None and not str(self.draft_checkpoint):
+            raise ValueError("--draft_checkpoint_path is empty")
+        check_k(self.k)
+        if self.prompt_lookup is not None:
+            check_ngram(self.prompt_lookup)
+
+    @classmethod
+    def from_flags(
+        cls, draft_checkpoint: str | None, prompt_lookup: int | None, k: int | None
+    ) -> SpeculativeOptions | None:
+        """The options the command-line flags ask for; None without a drafter (and then no ``--speculate_k``)."""
+        if draft_checkpoint is None and prompt_lookup is None:
+            if k is not None:
+                raise ValueError("--speculate_k goes with --draft_checkpoint_path or --prompt_lookup")
+            return None
+        return cls(draft_checkpoint, prompt_lookup, DEFAULT_SPECULATE_K if k is None else k)
+
+
+# What must be equal for a draft's token ids to mean what the target's mean: the checkpoints' config.json.
+_SHARED_TOKENIZER_FIELDS = ("kind", "bos_id", "add_bos", "special_tokens", "pattern")
+
+
+def check_draft_config(target: CheckpointConfig, draft: CheckpointConfig, draft_where: Path) -> None:
+    """Raise ValueError (one line, naming the draft's config.json and the field) unless the draft checkpoint shares
+    the target's tokenizer and vocabulary."""
+    where = draft_where / "config.json"
+    if draft.model.vocab_size != target.model.vocab_size:
+        raise ValueError(
+            f"{where}: model.vocab_size {draft.model.vocab_size} differs from the target's "
+            f"{target.model.vocab_size}; a draft model must share the target's tokenizer and vocabulary"
+        )
+    names = {f.name for f in fields(target.tokenizer)}
+    for name in _SHARED_TOKENIZER_FIELDS:
+        assert name in names, name
+        if getattr(draft.tokenizer, name) != getattr(target.tokenizer, name):
+            raise ValueError(
+                f"{where}: tokenizer.{name} differs from the target's; a draft model must share the target's tokenizer"
+            )
+
+
+def make_drafter(options: SpeculativeOptions, draft_model: Transformer | None) -> Drafter:
+    """The drafter ``options`` ask for (``draft_model``: the loaded draft checkpoint, if they name one)."""
+    if options.prompt_lookup is not None:
+        return PromptLookup(options.prompt_lookup, options.k)
+    assert draft_model is not None, "the draft checkpoint is not loaded"
+    return DraftModel(draft_model, options.k)
+
+
+# --- the round on the device ----------------------------------------------------------------------------------------
+
+
+def verify_step(model: Transformer, spec: SpeculativeState, sampling: SamplingConfig) -> None:
+    """The target's forward over its current token and the k proposals at positions ``input_pos`` ..
+    ``input_pos + k``, the accept rule, and the decode state moved past the kept tokens: all on the device."""
+    state = model.decode_state
+    positions = state.input_pos + torch.arange(spec.k + 1, device=state.input_pos.device)  # [K + 1]
+    ids = torch.cat([state.tokens.index_select(1, state.input_pos), spec.drafts], dim=1)  # [B, K + 1]
+    logits = model(ids, positions)  # [B, K + 1, V]
+    if sampling.greedy:
+        out, accepted = accept_greedy(logits, spec.drafts)
+    else:
+        out, accepted = accept_sampled(logits, spec.drafts, spec.probs if spec.has_probs else None, sampling)
+    kept = accepted.min()  # the rows share one position
+    state.tokens.index_copy_(1, positions + 1, out)  # beyond the kept ones: overwritten by the next round
+    state.input_pos.add_(kept + 1)
+    spec.out[:, : spec.k + 1] = out
+    spec.out[:, spec.k + 1] = kept + 1
+
+
+def accept_greedy(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification of ``drafts`` [B, K] against the target's ``logits`` [B, K + 1, V]: the tokens to write
+    [B, K + 1] (the target's argmax at every position) and how many proposals each row keeps [B]."""
+    target = logits.argmax(dim=-1)  # [B, K + 1]
+    agree = drafts == target[:, :-1]
+    return target, agree.long().cumprod(dim=1).sum(dim=1)
+
+
+def accept_sampled(
+    logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor | None, sampling: SamplingConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling of ``drafts`` [B, K] drawn from ``draft_probs`` [B, K, V] (None: the drafter proposes
+    without a distribution, all its mass on the proposal) against the target's ``logits`` [B, K + 1, V]. Returns
+    the tokens to write [B, K + 1] (the kept proposals, then the token drawn at the first rejection, or after k kept
+    proposals the target's own) and how many proposals each row keeps [B]."""
+    k = drafts.shape[1]
+    p = probabilities(logits, sampling)  # [B, K + 1, V]
+    p_at = p[:, :k]  # [B, K, V]: the target's distribution where each proposal stands
+    index = drafts[..., None]  # [B, K, 1]
+    p_draft = p_at.gather(-1, index).squeeze(-1)  # [B, K]: p(d)
+    if draft_probs is None:
+        q_draft = torch.ones_like(p_draft)
+        residual = p_at.scatter(-1, index, 0.0)  # max(0, p - q) for q all on d
+    else:
+        q_draft = draft_probs.gather(-1, index).squeeze(-1)  # [B, K]: q(d) > 0, as d was drawn from q
+        residual = (p_at - draft_probs).clamp_min(0.0)
+    keep = torch.rand_like(p_draft) * q_draft < p_draft  # probability min(1, p(d) / q(d))
+    accepted = keep.long().cumprod(dim=1).sum(dim=1)  # [B]
+    fallback = sample_weights(torch.cat([residual, p[:, k:]], dim=1))  # [B, K + 1]: sample_weights normalizes
+    proposed = torch.cat([drafts, fallback[:, k:]], dim=1)  # [B, K + 1]
+    position = torch.arange(k + 1, device=drafts.device)
+    return torch.where(position < accepted[:, None], proposed, fallback), accepted
+
+
+@dataclass(frozen=True)
+class SpeculativeSteps:
+    """The step functions of a round, compiled or not (``make_speculative_steps``)."""
+
+    verify: Callable[..., None]
+    propose: Callable[..., None]
+    draft_first: Callable[..., None]
+    draft_next: Callable[..., None]
+    mode: str
+
+
+def make_speculative_steps(mode: str, tuning: str = COORDINATE_DESCENT, *, exact: bool = False) -> SpeculativeSteps:
+    """The round's steps for a compile mode (``none`` = eager). Each has fixed shapes for a fixed k and batch, so
+    each compiles whole; ``reduce-overhead`` and ``max-autotune`` capture each as a CUDA graph. ``exact``: with
+    eager rounding (:func:`gpt_fast.generation.decode.compile_options`)."""
+    functions = (verify_step, propose_step, draft_first, draft_next)
+    if mode == "none":
+        return SpeculativeSteps(*functions, mode)
+    options = compile_options(mode, tuning, exact=exact)
+    return SpeculativeSteps(*(torch.compile(f, options=options, fullgraph=True) for f in functions), mode)
+
+
+# --- the loop on the host -------------------------------------------------------------------------------------------
+
+
+def speculative_cache_length(prompt_length: int, max_new_tokens: int, k: int, block_size: int) -> int:
+    """KV-cache length for a speculative request: the request must fit the context, and the cache holds a few
+    rounds more, which the host may start before it has read that the request is done. Those positions may lie
+    beyond the model's context: their tokens are dropped."""
+    cache_length(prompt_length, max_new_tokens, block_size)
+    needed = prompt_length + max_new_tokens + (MAX_ROUNDS_AHEAD + 1) * (k + 1)
+    return round_up(needed, CACHE_LENGTH_MULTIPLE)
+
+
+class RoundTimer:
+    """The draft and verify time of every round: CUDA events on a GPU, read once at the end (recording one never
+    waits for the device); the host clock on the CPU, whose work is done when each call returns."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.rounds: list[tuple[Any, Any, Any]] = []
+
+    def stamp(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def add(self, start: Any, drafted: Any, verified: Any) -> None:
+        self.rounds.append((start, drafted, verified))
+
+    def totals(self) -> tuple[float, float]:
+        """Seconds of drafting and of verifying over all rounds (once the device has finished them)."""
+
+        def seconds(a: Any, b: Any) -> float:
+            return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+
+        return sum(seconds(s, d) for s, d, _ in self.rounds), sum(seconds(d, v) for _, d, v in self.rounds)
+
+
+@dataclass(frozen=True)
+class SpeculativeResult(GenerationResult):
+    speculative: SpeculativeMetrics
+
+
+class Rounds:
+    """The host's side of the rounds: starting one (its draft phase, then its verify step), reading back the
+    outcomes the device has written (one pinned host row per round, the first holding the prefill's token), and the
+    figures of them all."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        drafter: Drafter,
+        spec_steps: SpeculativeSteps,
+        sampling: SamplingConfig,
+        capacity: int,
+        mark: Callable[[str], contextlib.AbstractContextManager],
+    ) -> None:
+        self.model, self.drafter, self.spec_steps, self.sampling, self.mark = model, drafter, spec_steps, sampling, mark
+        device = model.tok_embeddings.weight.device
+        self.spec = drafter.spec
+        self.batch_size = self.spec.drafts.shape[0]
+        self.host = HostTokens(device, self.spec.out.numel(), capacity)  # rows of [B * (K + 2)]
+        self.timer = RoundTimer(device)
+        self.counts: list[int] = []  # new tokens of each round read back
+
+    def prefill(self, prompt: torch.Tensor, steps: Steps) -> None:
+        """The target's prefill and the drafter's; the first token goes to the host as a round of one token."""
+        steps.prefill(self.model, prompt, self.sampling)
+        self.drafter.prefill(prompt)
+        self.spec.out[:, 0] = self.model.decode_state.tokens[:, prompt.shape[1]]
+        self.spec.out[:, -1] = 1
+        self.host.push(self.spec.out.view(-1))
+
+    @property
+    def pending(self) -> int:
+        """Rounds started (the prefill's included) whose outcome has not been read back."""
+        return self.host.pending
+
+    def wait_oldest(self) -> None:
+        """Block until the oldest pending round's outcome has arrived."""
+        self.host.wait_next()
+
+    def start(self) -> None:
+        began = self.timer.stamp()
+        with self.mark(DRAFT_MARK):
+            self.drafter.draft(self.spec_steps, self.model.decode_state, self.sampling)
+        drafted = self.timer.stamp()
+        with self.mark(VERIFY_MARK):
+            torch.compiler.cudagraph_mark_step_begin()
+            self.spec_steps.verify(self.model, self.spec, self.sampling)
+        self.timer.add(began, drafted, self.timer.stamp())
+        self.host.push(self.spec.out.view(-1))
+
+    def read_back(self, wait: bool = False) -> list[list[list[int]]]:
+        """The new tokens of the rounds the device has finished (with ``wait``: of all), per round and position."""
+        rounds = unpack_rounds(self.host.ready(wait), self.batch_size)
+        self.counts.extend(len(r) for r in rounds)
+        return rounds
+
+    def metrics(self) -> SpeculativeMetrics:
+        """The figures of every round started, once the device has finished them all."""
+        self.read_back(wait=True)
+        draft_seconds, verify_seconds = self.timer.totals()
+        rounds = len(self.timer.rounds)
+        return SpeculativeMetrics.of(
+            self.drafter.name,
+            self.drafter.k,
+            rounds=rounds,
+            accepted=sum(self.counts[1:]) - rounds,
+            verify_seconds=verify_seconds,
+            draft_seconds=draft_seconds,
+        )
+
+
+@torch.no_grad()
+def speculative_stream(
+    model: Transformer,
+    drafter: Drafter,
+    prompt_ids: Sequence[int],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    steps: Steps,
+    spec_steps: SpeculativeSteps,
+    batch_size: int = 1,
+    stop_ids: Sequence[int] = (),
+    emit: bool = True,
+    profile_marks: bool = False,
+) -> Generator[list[int], None, SpeculativeResult]:
+    """:func:`gpt_fast.generation.decode.generate_stream` with speculative decoding: yields each new position's tokens
+    (one
+    per batch row) as the rounds that made them are read back (with ``emit``), and returns a
+    :class:`SpeculativeResult`. ``steps`` gives the prefill, ``spec_steps`` the round's steps."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    device = model.tok_embeddings.weight.device
+    cache = speculative_cache_length(len(prompt_ids), max_new_tokens, drafter.k, model.config.block_size)
+    model.setup_caches(batch_size, cache)
+    drafter.setup(batch_size, cache, model.config.vocab_size, sampling, device)
+    mark = torch.profiler.record_function if profile_marks else (lambda _name: contextlib.nullcontext())
+    rounds = Rounds(model, drafter, spec_steps, sampling, max_new_tokens + MAX_ROUNDS_AHEAD + 1, mark)
+    prompt = torch.tensor(prompt_ids, dtype=torch.long, device=device).repeat(batch_size, 1)  # [B, T]
+    stops = StopTracker(batch_size, stop_ids)
+    kept: list[list[int]] = []  # the new tokens, per position
+
+    device_synchronize(device)
+    start = time.perf_counter()
+    with mark(PREFILL_MARK):
+        rounds.prefill(prompt, steps)
+    device_synchronize(device)
+    ttft = time.perf_counter() - start
+    while len(kept) < max_new_tokens and not stops.all_stopped:
+        if rounds.pending >= MAX_ROUNDS_AHEAD or len(kept) + rounds.pending >= max_new_tokens:
+            rounds.wait_oldest()  # far enough ahead (each pending round gives at least one token)
+        else:
+            rounds.start()
+        for round_tokens in rounds.read_back():
+            for step_tokens in stops.admit(round_tokens[: max_new_tokens - len(kept)]):
+                kept.append(step_tokens)
+                if emit:
+                    yield step_tokens
+    device_synchronize(device)
+    seconds = time.perf_counter() - start
+    rows = [list(row) for row in zip(*kept, strict=True)]
+    tokens = [row if end is None else row[: end + 1] for row, end in zip(rows, stops.stopped_at, strict=True)]
+    return SpeculativeResult(tokens, seconds, ttft, rounds.metrics())
+
+
+def unpack_rounds(rounds: list[list[int]], batch_size: int) -> list[list[list[int]]]:
+    """Each round's new tokens, per position (one per batch row), from its flattened outcome
+    [B * (K + 2)]: per row K + 1 tokens then the count of new ones."""
+    unpacked = []
+    for flat in rounds:
+        width = len(flat) // batch_size
+        rows = [flat[b * width : (b + 1) * width] for b in range(batch_size)]
+        count = rows[0][-1]
+        unpacked.append([[row[i] for row in rows] for i in range(count)])
+    return unpacked

@@ -1,0 +1,226 @@
+"""Quantized linear layers, and the swap that puts them in a model.
+
+The model is built as usual (on the meta device) and :func:`quantize_linears` replaces the linear layers that a
+checkpoint's ``config.json`` says are quantized, before the weights are loaded; the model's code is unchanged.
+Quantized tensors are parameters that need no gradient, so the model's parameters are still exactly the bytes a
+decode step reads (``gpt_fast.model.transformer.weight_bytes_per_token``). Once the model is on its device,
+:func:`prepare_quantized` picks each layer's kernel (:mod:`gpt_fast.quant.products`) and repacks the weights where
+a kernel wants its own layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from gpt_fast.model.config import ModelConfig, QuantConfig
+from gpt_fast.quant.layout import quantized_linears, quantized_tensors
+from gpt_fast.quant.products import (
+    FEW_ROWS,
+    INT4_GEMV_ROWS,
+    INT8_BLOCK,
+    SIXTEEN_BITS,
+    group_columns,
+    group_interleave,
+    int4_aten_linear,
+    int4_linear,
+    int4_triton_linear,
+    int4_words_linear,
+    int8_interleave,
+    int8_linear,
+    resolve_kernel,
+    takes_matmul,
+)
+from gpt_fast.quant.schemes import INT4_MID, unpack_int4
+
+CPU_INT4_ROWS = 16  # torch's CPU int4 kernel takes matrices of a multiple of 16 rows
+TINYGEMM_K_TILES = (8, 4, 2)  # inner k tiles of the CUDA int4 layout, the largest that divides the columns
+
+
+def _frozen(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+
+
+class QuantizedLinear(nn.Module):
+    """The tensors of one quantized [out, in] weight (:func:`gpt_fast.quant.layout.quantized_tensors`), and the
+    float ``bias`` [out] of the layer it replaces, if that had one (q/k/v biases), which stays as it was."""
+
+    def __init__(self, in_features: int, out_features: int, quant: QuantConfig, bias: bool) -> None:
+        super().__init__()
+        for name, (shape, dtype) in quantized_tensors(out_features, in_features, quant, torch.float32).items():
+            setattr(self, name, _frozen(shape, dtype))
+        self.bias = _frozen((out_features,), torch.float32) if bias else None
+        self.in_features = in_features
+        self.kernel = "dequant"
+        self.pdl = False  # compiled steps launch the triton kernel with PDL (launch_with_pdl)
+
+    def prepare(self, kernel: str) -> None:
+        """Compute with ``kernel`` as :func:`gpt_fast.quant.products.resolve_kernel` resolved it."""
+        self.kernel = kernel
+
+    def biased(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.bias is None else y + self.bias
+
+    def fuses_row(self) -> bool:
+        """Whether :meth:`row` computes this layer's products of a decode step's row."""
+        return False
+
+    def row(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        norm_weight: torch.Tensor | None = None,
+        eps: float = 0.0,
+        activation: str | None = None,
+    ) -> torch.Tensor:
+        """The product of one row ``x`` [1, K] of a compiled decode step (where :meth:`fuses_row`) in one kernel
+        with its neighbours, so that none is a kernel of its own: the RMSNorm of ``x`` before it (``norm_weight``
+        [K], ``eps``), and after it ``residual`` [1, N] added or, for a gated MLP's ``w13`` (``activation``), the
+        activation of its gate rows times its up rows: [1, N] or [1, N / 2], each rounded as the model rounds. A
+        bias is added after the kernel: the layers that have one (Qwen2's q, k and v) take a norm only."""
+        assert self.fuses_row() and (self.bias is None or (residual is None and activation is None))
+        operator, weights = self._row_kernel()
+        return self.biased(operator(x, *weights, residual, norm_weight, eps, activation))
+
+    def _row_kernel(self) -> tuple[Callable[..., torch.Tensor], tuple[torch.Tensor | int, ...]]:
+        """The operator of :meth:`row` and this layer's weights it takes before the row's neighbours."""
+        raise NotImplementedError
+
+    def launch_pdl(self) -> bool:
+        """Whether this call's ``triton`` kernel is launched with PDL: asked for, and in a compiled step (eager
+        steps and prefills are not captured in CUDA graphs, where launching from Python would cost time)."""
+        return self.pdl and torch.compiler.is_compiling()
+
+
+class Int8Linear(QuantizedLinear):
+    """``y = x @ (weight * scales[:, None]).T``: int8 weights [out, in], one scale per output channel."""
+
+    def prepare(self, kernel: str) -> None:
+        """``triton``, for a 16-bit model (its scales' dtype) whose inputs are a multiple of 64: the weights
+        repacked for our float16-pairs kernel (:func:`gpt_fast.quant.products.int8_interleave`) into ``words``,
+        which replaces ``weight`` (prefills read it too): one copy of the weights in memory. Otherwise
+        ``weight`` stays, read as it is."""
+        self.kernel = kernel
+        sixteen_bits = self.scales.dtype in SIXTEEN_BITS
+        if kernel == "triton" and sixteen_bits and self.weight.shape[1] % INT8_BLOCK == 0:
+            self.words = nn.Parameter(int8_interleave(self.weight), requires_grad=False)
+            self.weight = None
+
+    def fuses_row(self) -> bool:
+        """The ``triton`` kernel on the repacked words (16-bit models): see :meth:`QuantizedLinear.row`."""
+        return self.kernel == "triton" and self.weight is None
+
+    def _row_kernel(self) -> tuple[Callable[..., torch.Tensor], tuple[torch.Tensor | int, ...]]:
+        return torch.ops.gpt_fast.int8_row, (self.words, self.scales)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.words if self.weight is None else self.weight
+        return self.biased(int8_linear(x, weight, self.scales, self.kernel, self.launch_pdl()))
+
+
+class Int4Linear(QuantizedLinear):
+    """int4 weights [out, in / 2] (two per byte), a scale and a zero point per group of ``group_size`` inputs."""
+
+    def __init__(self, in_features: int, out_features: int, quant: QuantConfig, bias: bool) -> None:
+        super().__init__(in_features, out_features, quant, bias)
+        self.group_size = quant.group_size
+
+    def prepare(self, kernel: str) -> None:
+        """``aten`` repacks a copy of the weights for PyTorch's own int4 kernel of the device, used for few rows:
+        on the CPU ``_weight_int4pack_mm_for_cpu``; on CUDA (bf16 only) tinygemm, ``_weight_int4pack_mm``; where
+        that kernel does not take the shape or dtype, ``aten`` means ``dequant``. ``triton`` repacks the weights for
+        our Triton kernel (:func:`gpt_fast.quant.products.group_interleave`) into ``words``, which replaces
+        ``weight`` (prefills read it too): one copy of the weights in memory."""
+        repack = {"cpu": self._repack_cpu, "cuda": self._repack_cuda}.get(self.weight.device.type)
+        if kernel == "aten" and repack is not None and repack():
+            self.kernel = "aten"
+        else:
+            self.kernel = "dequant" if kernel == "aten" else kernel
+        if self.kernel == "triton":
+            self.words = nn.Parameter(group_interleave(self.weight, self.group_size), requires_grad=False)
+            self.weight = None
+
+    def _repack_cpu(self) -> bool:
+        """Scales and zeros as one [groups, out, 2] tensor; columns padded to whole groups."""
+        if self.weight.shape[0] % CPU_INT4_ROWS:
+            return False
+        levels = unpack_int4(self.weight).to(torch.int32)  # [N, K]
+        padded = self.scales.shape[1] * self.group_size
+        levels = nn.functional.pad(levels, (0, padded - levels.shape[1]), value=INT4_MID)
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 1), persistent=False)
+        self._stack_scales_and_zeros()
+        return True
+
+    def _repack_cuda(self) -> bool:
+        """tinygemm's tiles: bf16, whole groups, rows a multiple of 8, columns of ``TINYGEMM_K_TILES`` x 16; its
+        bytes hold column 2j in the high nibble (ours: the low one)."""
+        out_features, cols = self.weight.shape[0], self.weight.shape[1] * 2
+        tiles = next((t for t in TINYGEMM_K_TILES if cols % (16 * t) == 0), None)
+        if self.scales.dtype != torch.bfloat16 or out_features % 8 or cols % self.group_size or tiles is None:
+            return False
+        swapped = (self.weight << 4) | (self.weight >> 4)  # [N, K/2] uint8
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack(swapped, tiles), persistent=False)
+        self._stack_scales_and_zeros()
+        return True
+
+    def _stack_scales_and_zeros(self) -> None:
+        stacked = torch.stack([self.scales, self.zeros], dim=-1).transpose(0, 1).contiguous()  # [groups, N, 2]
+        self.register_buffer("scales_and_zeros", stacked, persistent=False)
+
+    def fuses_row(self) -> bool:
+        """The ``triton`` kernel summing in float16 pairs (16-bit models, columns a multiple of 4): see
+        :meth:`QuantizedLinear.row`."""
+        return self.kernel == "triton" and self.scales.dtype in SIXTEEN_BITS and self.in_features % 4 == 0
+
+    def _row_kernel(self) -> tuple[Callable[..., torch.Tensor], tuple[torch.Tensor | int, ...]]:
+        return torch.ops.gpt_fast.int4_row, (self.words, self.scales, self.zeros, self.group_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])  # [M, K]
+        few = rows.shape[0] <= FEW_ROWS
+        if self.kernel == "triton" and takes_matmul(rows, INT4_GEMV_ROWS):
+            group = self.group_size
+            out = torch.ops.gpt_fast.int4_matmul(group_columns(rows, group), self.words, self.scales, self.zeros, group)
+        elif self.kernel == "aten" and few:
+            out = int4_aten_linear(rows, self.packed, self.scales_and_zeros, self.group_size)
+        elif self.kernel == "triton" and few:
+            out = int4_triton_linear(rows, self.words, self.scales, self.zeros, self.group_size, self.launch_pdl())
+        elif self.kernel == "triton":
+            out = int4_words_linear(rows, self.words, self.scales, self.zeros, self.group_size)
+        else:
+            out = int4_linear(rows, self.weight, self.scales, self.zeros, self.group_size)
+        return self.biased(out.reshape(*x.shape[:-1], out.shape[-1]))
+
+
+LINEARS = {"int8": Int8Linear, "int4": Int4Linear}
+
+
+def quantize_linears(model: nn.Module, config: ModelConfig, quant: QuantConfig) -> None:
+    """Replace the linear layers ``quant`` quantizes by empty quantized ones (build ``model`` on the meta device,
+    call this, then load the quantized state)."""
+    for prefix, (out_features, in_features) in quantized_linears(config, quant).items():
+        parent, _, attr = prefix.rpartition(".")
+        module = model.get_submodule(parent)
+        bias = getattr(getattr(module, attr, None), "bias", None) is not None
+        setattr(module, attr, LINEARS[quant.mode](in_features, out_features, quant, bias))
+
+
+def prepare_quantized(model: nn.Module, device: torch.device, kernel: str = "auto") -> None:
+    """Choose the kernels of every quantized layer for ``device`` (``auto``: see
+    :func:`gpt_fast.quant.products.resolve_kernel` and each layer's ``prepare``), once the weights are there."""
+    resolved = resolve_kernel(kernel, device)
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            module.prepare(resolved)
+
+
+def launch_with_pdl(root: nn.Module, pdl: bool) -> None:
+    """Whether the quantized layers inside ``root`` that compute with our Triton kernel launch it with PDL in
+    compiled steps (:func:`gpt_fast.quant.products.register_triton_ops`): the engine asks for it in a model's
+    decoder layers where its unquantized GEMVs are ours (``linear_kernel`` ``triton``: CUDA-graph steps on a GPU
+    that launches with PDL), measured faster there (BENCHMARKS.md, twenty-third session)."""
+    for module in root.modules():
+        if isinstance(module, QuantizedLinear):
+            module.pdl = pdl and module.kernel == "triton"

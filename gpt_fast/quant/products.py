@@ -1,0 +1,352 @@
+"""The products of activations with quantized weights, one function per scheme, each with the kernels it can use.
+
+A decode step multiplies a few rows of activations (up to :data:`FEW_ROWS`) by each weight matrix, and its time
+is the time to read the weights: that is what the specialized kernels are for. More rows (a prompt, a perplexity
+window, a batch) are a matrix product: on a CUDA GPU with our kernels' words, our Triton product
+(:mod:`gpt_fast.kernels.triton_matmul`, see :func:`takes_matmul`), elsewhere ``dequant`` whatever the kernel:
+PyTorch's own weight-only kernels were measured 25 to 50 times slower than dequantize-then-``F.linear`` on the CPU
+for 1024 rows.
+
+- ``triton``: our Triton kernels (:mod:`gpt_fast.kernels.triton_gemv`), on CUDA GPUs. Wrapped as
+  ``torch.library.triton_op`` so that ``torch.compile`` places them in its own generated code (and CUDA graphs
+  capture them). The choice on CUDA, compiled or not. int8: in a compiled 7B step it was measured faster than
+  inductor's own dequantizing GEMV (which folds the RMSNorm into its prologue), and the same in every build, where
+  inductor's varies with its coordinate-descent tuning (BENCHMARKS.md, eighteenth session); in 16-bit models its
+  weights are repacked (:func:`int8_interleave`) and summed in float16 pairs, 3 % faster again (twenty-fifth
+  session). int4: with 16-bit activations its products are summed in float16 pairs, which made it faster than
+  tinygemm on the wide Llama-2-7B matrices and the 7B step 3 % faster, 9 % with PDL (twenty-third session). In
+  the decode steps where our bf16 GEMVs run a layer's norms and residual adds inside (``FusedRow``), both kernels
+  do too, and the gated activation (``int8_row``, ``int4_row``): on an H200, 7B step int8 373.9 -> 384.8 tok/s,
+  int4 417.0 -> 427.5 (thirty-second session).
+- ``aten``: PyTorch's own weight-only kernels, ``torch.ops.aten._weight_int8pack_mm``, and for int4
+  ``_weight_int4pack_mm_for_cpu`` or CUDA's tinygemm ``_weight_int4pack_mm`` (on a copy of the weights repacked
+  once at load, :mod:`gpt_fast.quant.layers`). The CPU's choice: they read the weights as they are, where
+  ``dequant`` makes a float copy of them per call.
+- ``dequant``: plain PyTorch, dequantize then ``F.linear``: runs everywhere (ROCm included, where our kernels are
+  not used) and in every compile mode; inductor fuses it into a dequantizing matrix-vector kernel for one row.
+  For int8 it is upstream gpt-fast's ``WeightOnlyInt8Linear`` formula, ``F.linear(x, w.to(x.dtype)) * scales``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from gpt_fast.quant.schemes import INT4_MID, pack_int4, unpack_int4
+
+KERNELS = ("auto", "triton", "aten", "dequant")
+SIXTEEN_BITS = (torch.float16, torch.bfloat16)  # what our float16-pairs kernels and the tensor cores multiply
+FEW_ROWS = 16  # activation rows the specialized kernels take; more are a matrix product
+
+
+def triton_usable(device: torch.device) -> bool:
+    """Our Triton kernels run on CUDA GPUs (not ROCm builds: untested there) where Triton is installed."""
+    return device.type == "cuda" and torch.version.hip is None and importlib.util.find_spec("triton") is not None
+
+
+def resolve_kernel_choice(
+    kernel: str, choices: tuple[str, ...], what: str, device: torch.device, auto: str, register: Callable[[], None]
+) -> str:
+    """The kernel a ``what`` (e.g. "attention kernel") computes with: ``kernel``, or ``auto`` where it is ``auto``.
+    Refuses a ``kernel`` that is not one of ``choices``, or ``triton`` where :func:`triton_usable` says no; a
+    ``triton`` choice calls ``register`` (its operators' registration) before anything is compiled."""
+    if kernel not in choices:
+        raise ValueError(f"{what} {kernel!r} is not one of {', '.join(choices)}")
+    if kernel == "triton" and not triton_usable(device):
+        raise ValueError(f"the triton {what} needs a CUDA GPU with Triton installed, not {device}")
+    chosen = auto if kernel == "auto" else kernel
+    if chosen == "triton":
+        register()
+    return chosen
+
+
+def resolve_kernel(kernel: str, device: torch.device) -> str:
+    """``auto``: Triton on a CUDA GPU, PyTorch's own kernels on the CPU, plain PyTorch elsewhere. Choosing Triton
+    registers its operators (:func:`register_triton_ops`), before anything is compiled."""
+    if kernel not in KERNELS:
+        raise ValueError(f"quantized kernel {kernel!r} is not one of {', '.join(KERNELS)}")
+    if kernel == "triton" and not triton_usable(device):
+        raise ValueError(f"the triton quantized kernels need a CUDA GPU with Triton installed, not {device}")
+    if kernel == "auto":
+        kernel = "triton" if triton_usable(device) else "aten" if device.type == "cpu" else "dequant"
+    if kernel == "triton":
+        register_triton_ops()
+    return kernel
+
+
+@functools.cache
+def register_triton_ops() -> None:
+    """Register the Triton kernels as the operators ``torch.ops.gpt_fast.int8_gemv`` and ``int4_gemv`` (and the
+    matrix products ``int8_matmul`` and ``int4_matmul``), and as
+    ``int8_gemv_pdl`` and ``int4_gemv_pdl``, launched with programmatic dependent launch
+    (:mod:`gpt_fast.kernels.pdl`).
+
+    The first four are ``triton_op``: inductor places their kernels in its own generated code, and launches them
+    without PDL. The ``_pdl`` ones are opaque ``custom_op`` that launch their kernels themselves, for the decode
+    steps captured in CUDA graphs (:func:`gpt_fast.quant.layers.launch_with_pdl` asks for them), where
+    launching from Python costs nothing per step. So are ``int8_row`` and ``int4_row``, the products of a decode
+    step's row with the norm before them, the residual add or the gated activation after them inside
+    (:meth:`gpt_fast.quant.layers.QuantizedLinear.row`).
+
+    Called when a layer is given the ``triton`` kernel, eagerly, before any compilation: ``torch.compile`` cannot
+    trace a registration (it graph-breaks on it, and a CUDA-graph mode then fails), so the forward pass only
+    calls the registered operators. Nothing happens at import."""
+    from torch.library import custom_op, triton_op, wrap_triton
+
+    from gpt_fast.kernels import triton_gemv, triton_matmul
+
+    @triton_op("gpt_fast::int8_gemv", mutates_args=())
+    def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return triton_gemv.int8_gemv(x, weight, scales, wrap=wrap_triton)
+
+    @triton_op("gpt_fast::int4_gemv", mutates_args=())
+    def int4_gemv(
+        x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+    ) -> torch.Tensor:
+        return triton_gemv.int4_gemv(x, words, scales, zeros, group_size, wrap=wrap_triton)
+
+    @triton_op("gpt_fast::int8_matmul", mutates_args=())
+    def int8_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return triton_matmul.words_matmul(x, words, scales, None, 0, wrap=wrap_triton)
+
+    @triton_op("gpt_fast::int4_matmul", mutates_args=())
+    def int4_matmul(
+        x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+    ) -> torch.Tensor:
+        return triton_matmul.words_matmul(x, words, scales, zeros, group_size, wrap=wrap_triton)
+
+    @custom_op("gpt_fast::int8_gemv_pdl", mutates_args=())
+    def int8_gemv_pdl(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return triton_gemv.int8_gemv(x, weight, scales, pdl=True)
+
+    @int8_gemv_pdl.register_fake
+    def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((x.shape[0], weight.shape[0]))
+
+    @custom_op("gpt_fast::int4_gemv_pdl", mutates_args=())
+    def int4_gemv_pdl(
+        x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+    ) -> torch.Tensor:
+        return triton_gemv.int4_gemv(x, words, scales, zeros, group_size, pdl=True)
+
+    @int4_gemv_pdl.register_fake
+    def _(
+        x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+    ) -> torch.Tensor:
+        return x.new_empty((x.shape[0], scales.shape[0]))
+
+    @custom_op("gpt_fast::int8_row", mutates_args=())
+    def int8_row(
+        x: torch.Tensor,
+        words: torch.Tensor,
+        scales: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor | None,
+        eps: float,
+        activation: str | None,
+    ) -> torch.Tensor:
+        inside = triton_gemv.Inside(norm_weight, eps, residual, activation)
+        return triton_gemv.int8_gemv(x, words, scales, pdl=True, inside=inside)
+
+    @int8_row.register_fake
+    def _(
+        x: torch.Tensor,
+        words: torch.Tensor,
+        scales: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor | None,
+        eps: float,
+        activation: str | None,
+    ) -> torch.Tensor:
+        return x.new_empty((x.shape[0], triton_gemv.outputs(words.shape[0], activation)))
+
+    @custom_op("gpt_fast::int4_row", mutates_args=())
+    def int4_row(
+        x: torch.Tensor,
+        words: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        group_size: int,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor | None,
+        eps: float,
+        activation: str | None,
+    ) -> torch.Tensor:
+        inside = triton_gemv.Inside(norm_weight, eps, residual, activation)
+        return triton_gemv.int4_gemv(x, words, scales, zeros, group_size, pdl=True, inside=inside)
+
+    @int4_row.register_fake
+    def _(
+        x: torch.Tensor,
+        words: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        group_size: int,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor | None,
+        eps: float,
+        activation: str | None,
+    ) -> torch.Tensor:
+        return x.new_empty((x.shape[0], triton_gemv.outputs(scales.shape[0], activation)))
+
+
+# Rows our GEMVs take where the matrix product of the words can (more take it: it reads each block of weights
+# once for all of them): the crossovers measured on an H200 over a Llama-2-7B layer (BENCHMARKS.md, thirty-third
+# session: int8 4 rows 160 us against 172, int4 12 rows 328 against 329)
+INT8_GEMV_ROWS = 3
+INT4_GEMV_ROWS = 11
+# Compiled, a prefill of more rows dequantizes the words in inductor's fused kernel and multiplies in cuBLAS: the
+# 7B int4 model's 1024-token prefill takes 29.8 ms so, where our product's kernels alone sum to about 82 ms; at 64
+# rows ours matches what a whole-matrix dequantization plus cuBLAS would cost (estimated from the bytes, the cut
+# itself not measured; thirty-third session). Eager, ours was faster at every length measured (4 to 1024 rows)
+COMPILED_MATMUL_ROWS = 64
+
+
+def takes_matmul(rows: torch.Tensor, gemv_rows: int) -> bool:
+    """Whether the product of ``rows`` [M, K] with weights kept as words (our kernels': those words exist only
+    where they run, see :func:`resolve_kernel`) is our Triton matrix product
+    (:mod:`gpt_fast.kernels.triton_matmul`): 16-bit activations (the tensor cores' inputs) on a CUDA GPU, more than
+    ``gemv_rows`` of them, at most :data:`COMPILED_MATMUL_ROWS` in a compiled prefill."""
+    m = rows.shape[0]
+    compiled_rows = m <= COMPILED_MATMUL_ROWS or not torch.compiler.is_compiling()
+    return rows.is_cuda and rows.dtype in SIXTEEN_BITS and m > gemv_rows and compiled_rows
+
+
+def int8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, kernel: str, pdl: bool = False
+) -> torch.Tensor:
+    """``x`` [..., K] times the int8 ``weight`` [N, K] (or, for the ``triton`` kernel, its words [N, K / 4] from
+    :func:`int8_interleave`) with per-channel ``scales`` [N] (in ``x``'s dtype); ``pdl``: the ``triton`` kernel's
+    operator launched with PDL (see :func:`register_triton_ops`)."""
+    rows = x.reshape(-1, x.shape[-1])
+    few = rows.shape[0] <= FEW_ROWS
+    words = weight.dtype == torch.int32
+    if kernel == "triton" and words and takes_matmul(rows, INT8_GEMV_ROWS):
+        out = torch.ops.gpt_fast.int8_matmul(interleave_columns(rows), weight, scales)
+    elif kernel == "triton" and few:
+        gemv = torch.ops.gpt_fast.int8_gemv_pdl if pdl else torch.ops.gpt_fast.int8_gemv
+        out = gemv(rows.contiguous(), weight, scales)
+    elif kernel == "aten" and few:
+        out = torch.ops.aten._weight_int8pack_mm(rows, weight, scales)
+    elif words:  # the words' bytes are the columns in interleaved order: so are the rows'
+        out = F.linear(interleave_columns(rows), weight.view(torch.uint8).to(x.dtype) - 128) * scales
+    else:
+        out = F.linear(rows, weight.to(x.dtype)) * scales
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+INT8_BLOCK = 64  # columns of a block of int8_interleave: 8 elements of two words
+
+
+def interleave_columns(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [..., K] (K a multiple of :data:`INT8_BLOCK`) with its columns in :func:`int8_interleave`'s order: in
+    each block of 64, ``4 e`` to ``4 e + 3`` then ``32 + 4 e`` to ``32 + 4 e + 3``, for e = 0 to 7."""
+    halves = t.reshape(*t.shape[:-1], -1, 2, INT8_BLOCK // 8, 4)  # [..., blocks, half, element, column]
+    return halves.transpose(-3, -2).reshape(t.shape)
+
+
+def int8_interleave(weight: torch.Tensor) -> torch.Tensor:
+    """The int8 ``weight`` [N, K] (K a multiple of :data:`INT8_BLOCK`) as the 32-bit words [N, K / 4] that
+    :func:`gpt_fast.kernels.triton_gemv.int8_gemv` reads two at a time: in each block of 64 columns, words ``2 e``
+    and ``2 e + 1`` hold columns ``4 e`` to ``4 e + 3`` and ``32 + 4 e`` to ``32 + 4 e + 3``, lowest byte first,
+    each byte ``q + 128`` (unsigned). A prefill multiplies these bytes as they lie by its rows' columns put in
+    the same order (:func:`interleave_columns`, a few megabytes where undoing the interleave reads every
+    weight)."""
+    offset = weight.view(torch.uint8) ^ 0x80  # [N, K]: q + 128
+    return interleave_columns(offset).contiguous().view(torch.int32)
+
+
+def int4_dequantize(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The [N, K] matrix in ``scales``' dtype, written in plain PyTorch for inductor to fuse."""
+    return _dequantize_levels(unpack_int4(weight), scales, zeros, group_size)
+
+
+def _dequantize_levels(
+    levels: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """The levels [N, K] (uint8) with ``scales`` and ``zeros`` [N, groups] as the [N, K] matrix."""
+    out_features, n_groups = scales.shape
+    cols = levels.shape[1]
+    pad = n_groups * group_size - cols
+    if pad:  # the shorter last group, padded for the reshape below
+        levels = F.pad(levels, (0, pad), value=INT4_MID)
+    grouped = levels.reshape(out_features, n_groups, group_size).to(scales.dtype)
+    w = (grouped - INT4_MID) * scales[..., None] + zeros[..., None]
+    return w.reshape(out_features, -1)[:, :cols]
+
+
+def int4_linear(
+    rows: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """``rows`` [M, K] times the int4 ``weight`` [N, K / 2] with ``scales`` and ``zeros`` [N, groups], dequantized
+    (the ``dequant`` kernel, and every kernel's path for more than :data:`FEW_ROWS` rows)."""
+    return F.linear(rows, int4_dequantize(weight, scales, zeros, group_size).to(rows.dtype))
+
+
+def group_interleave(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The int4 ``weight`` [N, K/2] (uint8, two columns per byte) as the 32-bit words [N, G * group_size / 8]
+    that :func:`gpt_fast.kernels.triton_gemv.int4_gemv` reads (G whole groups; a shorter last group padded): word
+    ``j`` of group ``g`` holds, in its nibble ``k`` (bits 4k to 4k+3, k < 4), column ``g * group_size + 2 (k *
+    group_size / 8 + j)``, and in nibble ``k + 4`` the column after it."""
+    nibbles = group_columns(unpack_int4(weight), group_size)  # [N, G * group_size]: word w's nibble i at 8 w + i
+    words = pack_int4(nibbles.reshape(-1, 8))  # [N * G * words, 4]: each word's bytes, lowest first
+    return words.contiguous().view(torch.int32).reshape(weight.shape[0], -1)
+
+
+def group_columns(t: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``t`` [R, K] padded with zeros to whole groups, its columns in the order of :func:`group_interleave`'s
+    nibbles (word ``w``'s nibble ``i`` at ``8 w + i``): the levels that become the words, and the activations that
+    our matrix product multiplies by them as they lie (:mod:`gpt_fast.kernels.triton_matmul`)."""
+    rows, k = t.shape
+    groups = -(-k // group_size)
+    padded = F.pad(t, (0, groups * group_size - k))  # [R, G * group_size]
+    pairs = padded.reshape(rows, groups, 4, group_size // 8, 2)  # [R, G, k, words, column of the pair]
+    return pairs.permute(0, 1, 3, 4, 2).reshape(rows, -1)  # [R, G, words, 8]: nibble 4 * (column of the pair) + k
+
+
+def group_deinterleave(words: torch.Tensor, group_size: int, cols: int) -> torch.Tensor:
+    """The levels [N, cols] (uint8) that :func:`group_interleave` put into ``words``."""
+    nibbles = unpack_int4(words.view(torch.uint8))  # [N, G * group_size]: word w's nibble i at 8 w + i
+    pairs = nibbles.reshape(words.shape[0], -1, group_size // 8, 2, 4)  # [N, G, words, column of the pair, k]
+    return pairs.permute(0, 1, 4, 2, 3).reshape(words.shape[0], -1)[:, :cols]
+
+
+def int4_words_linear(
+    rows: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """``rows`` [M, K] (many) times the weight repacked for our Triton kernel, dequantized (the prefill of a layer
+    that keeps only that copy, :class:`gpt_fast.quant.layers.Int4Linear`, where :func:`takes_matmul` says no)."""
+    levels = group_deinterleave(words, group_size, rows.shape[-1])
+    return F.linear(rows, _dequantize_levels(levels, scales, zeros, group_size).to(rows.dtype))
+
+
+def int4_triton_linear(
+    rows: torch.Tensor,
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """``rows`` [M, K] (few) times a weight repacked for our Triton kernel (:func:`group_interleave`, see
+    :class:`gpt_fast.quant.layers.Int4Linear`); ``pdl`` as for :func:`int8_linear`."""
+    gemv = torch.ops.gpt_fast.int4_gemv_pdl if pdl else torch.ops.gpt_fast.int4_gemv
+    return gemv(rows.contiguous(), words, scales, zeros, group_size)
+
+
+def int4_aten_linear(
+    rows: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """``rows`` [M, K] (few) times a weight repacked for PyTorch's own int4 kernel of its device (see
+    :class:`gpt_fast.quant.layers.Int4Linear`): ``_weight_int4pack_mm_for_cpu`` (columns padded to a whole number
+    of groups: ``rows`` are padded with zeros to match) or, on CUDA, tinygemm's ``_weight_int4pack_mm``."""
+    padded = scales_and_zeros.shape[0] * group_size
+    if padded != rows.shape[1]:
+        rows = F.pad(rows, (0, padded - rows.shape[1]))
+    if rows.device.type == "cpu":
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group_size, scales_and_zeros)
+    return torch.ops.aten._weight_int4pack_mm(rows.contiguous(), packed, group_size, scales_and_zeros)

@@ -1,0 +1,1 @@
+"""Text: tokenizers, chat templates and the Jinja sandbox they run in, text streams and stop strings."""

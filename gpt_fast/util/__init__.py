@@ -1,0 +1,1 @@
+"""Shared helpers that know nothing of models: devices and dtypes, files, paths, global torch settings, the hub."""
