@@ -15,8 +15,9 @@ import torch
 
 from gpt_fast.convert.random_init import make_random_checkpoint
 from gpt_fast.engine.engine import Engine, EngineOptions
-from gpt_fast.generation.decode import drain, generate, make_steps
+from gpt_fast.generation.decode import generate, make_steps
 from gpt_fast.generation.drafters import DraftModel, PromptLookup, Replay
+from gpt_fast.generation.loop import drain
 from gpt_fast.generation.sampling import SamplingConfig
 from gpt_fast.generation.speculative import (
     SpeculativeOptions,

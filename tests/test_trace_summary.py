@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from gpt_fast.bench import trace_summary
 from gpt_fast.cli.main import main
+from gpt_fast.jobs import trace_summary
 from gpt_fast.jobs.trace_summary import (
     DECODE_MARK,
     DRAFT_MARK,

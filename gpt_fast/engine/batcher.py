@@ -6,8 +6,9 @@ its own sampling settings and seed. A request that finishes (a stop token, a sto
 cancelled (its client went away) frees its slot at once, for the next request in the queue.
 
 The decode step runs all slots, or slot 0 alone while it is the only busy one (a single client decodes as fast as
-a single stream), with fixed shapes either way. As in the single-stream loop, the host never waits for the step it
-has just launched: each step's tokens are copied to host memory and handed out once the device has produced them,
+a single stream), with fixed shapes either way. The batcher is a step producer of the one decode loop
+(:mod:`gpt_fast.generation.loop`), as plain and speculative decoding are: the host never waits for the step it has
+just launched; each step's tokens are copied to host memory and handed out once the device has produced them,
 while the next step runs; a slot whose request has just finished may decode once more, harmlessly, before the host
 frees it.
 
@@ -28,11 +29,12 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from gpt_fast.generation.loop import Readbacks, Record, run_steps, turn
 from gpt_fast.generation.sampling import SamplingConfig, seed_key
 from gpt_fast.generation.slots import TOP_LOGPROBS, SlotState, SlotSteps
 from gpt_fast.model.transformer import Transformer
@@ -185,24 +187,6 @@ class Job:
         self.on_event(Finished(reason, prompt_tokens, tuple(self.ids), "".join(self.texts), ttft, seconds))
 
 
-@dataclass
-class Readback:
-    """One step's results for the slots ``first_row`` onwards, on their way to host memory."""
-
-    first_row: int
-    owners: tuple[Job | None, ...]  # the slots' requests when the step was launched
-    buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # host tokens [N], logprobs [N, 1 + K], top ids [N, K]
-    with_logprobs: bool
-    event: torch.cuda.Event | None  # recorded after the copies (None on the CPU: they are done)
-
-    def wait(self) -> None:
-        if self.event is not None:
-            self.event.synchronize()
-
-    def ready(self) -> bool:
-        return self.event is None or self.event.query()
-
-
 class Batcher:
     """Requests decoded together in the slots of ``model``'s cache (see the module's docstring)."""
 
@@ -226,8 +210,7 @@ class Batcher:
         self.state = SlotState(options.max_batch, model.config.vocab_size, self.device)
         self.slots: list[Job | None] = [None] * options.max_batch
         self.waiting: deque[Job] = deque()
-        self.in_flight: deque[Readback] = deque()
-        self.spare_buffers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.readbacks = Readbacks(self.device)  # the steps launched and not handed out yet
         self.lock = threading.Condition(threading.RLock())  # reentrant: close() may run in a signal handler
         self.closed = False
         self.tokens_generated = 0
@@ -342,17 +325,29 @@ class Batcher:
             raise errors[0]
 
     def run(self) -> None:
-        """Step until every submitted request has finished."""
-        while self.has_work():
-            self.step()
+        """Run the decode loop until every submitted request has finished."""
+        for _ in run_steps(self, self.readbacks):
+            pass
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.in_flight) or self.busy > 0
+        return not self.finished() or self.readbacks.pending > 0
 
     @torch.no_grad()
     def step(self) -> None:
-        """Free the slots of cancelled requests, prefill waiting requests into free slots, launch one decode step
-        of the busy slots, and hand out the tokens that have arrived (waiting for all but the newest step)."""
+        """One turn of the decode loop (:func:`gpt_fast.generation.loop.turn`): launch a step (:meth:`launch`) if
+        fewer than :data:`IN_FLIGHT_STEPS` are in flight, else wait for the oldest; then hand out the tokens that
+        have arrived."""
+        for _ in turn(self, self.readbacks):
+            pass
+
+    # --- the batcher as the loop's step producer ----------------------------------------------------------------
+
+    def can_launch(self, pending: int) -> bool:
+        return pending < IN_FLIGHT_STEPS
+
+    def launch(self, readbacks: Readbacks) -> None:
+        """Free the slots of cancelled requests, prefill waiting requests into free slots, and launch one decode
+        step of the busy slots."""
         self._drop_cancelled()
         self._admit()
         rows = self._rows()
@@ -360,7 +355,24 @@ class Batcher:
             torch.compiler.cudagraph_mark_step_begin()
             self.steps.decode(self.model, self.state, rows)
             self._read_back(0, rows)
-        self._hand_out(keep=IN_FLIGHT_STEPS - 1 if rows else 0)
+
+    def deliver(self, record: Record) -> Iterator[None]:
+        """Give each request its token of a step (its events go to its callback): nothing is yielded."""
+        owners, with_logprobs = record.tag
+        tokens = record.host[0][: len(owners)].tolist()
+        for row, job in enumerate(owners):
+            if job is None or job.done or job.cancelled:
+                continue
+            logprob = self._logprob(record, row, job) if with_logprobs else None
+            self.tokens_generated += 1
+            reason = job.accept(tokens[row], logprob)
+            if reason is not None:
+                self._free(job)
+                job.finish(reason)
+        yield from ()
+
+    def finished(self) -> bool:
+        return not self.waiting and self.busy == 0
 
     @torch.no_grad()
     def warm_up(self) -> None:
@@ -415,56 +427,17 @@ class Batcher:
         """Queue the copies of a step's results for slots ``first_row`` onwards to host memory."""
         owners = tuple(self.slots[first_row : first_row + rows])
         with_logprobs = any(job is not None and job.request.top_logprobs is not None for job in owners)
-        buffers = self.spare_buffers.pop() if self.spare_buffers else self._host_buffers()
-        on_gpu = self.device.type == "cuda"
         state, end = self.state, first_row + rows
         results = (state.tokens, state.logprobs, state.top_ids) if with_logprobs else (state.tokens,)
-        for host, device in zip(buffers, results, strict=False):
-            host[:rows].copy_(device[first_row:end], non_blocking=on_gpu)
-        event = torch.cuda.Event() if on_gpu else None
-        if event is not None:
-            event.record()
-        self.in_flight.append(Readback(first_row, owners, buffers, with_logprobs, event))
+        self.readbacks.push([t[first_row:end] for t in results], (owners, with_logprobs))
 
-    def _host_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        pinned = self.device.type == "cuda"
-        return (
-            torch.empty_like(self.state.tokens, device="cpu", pin_memory=pinned),
-            torch.empty_like(self.state.logprobs, device="cpu", pin_memory=pinned),
-            torch.empty_like(self.state.top_ids, device="cpu", pin_memory=pinned),
-        )
-
-    def _hand_out(self, keep: int) -> None:
-        """Hand out the results that have arrived, in order, waiting for all but the newest ``keep``."""
-        while self.in_flight:
-            record = self.in_flight[0]
-            if len(self.in_flight) > keep:
-                record.wait()
-            elif not record.ready():
-                return
-            self.in_flight.popleft()
-            self._deliver(record)
-            self.spare_buffers.append(record.buffers)
-
-    def _deliver(self, record: Readback) -> None:
-        tokens = record.buffers[0][: len(record.owners)].tolist()
-        for row, job in enumerate(record.owners):
-            if job is None or job.done or job.cancelled:
-                continue
-            logprob = self._logprob(record, row, job) if record.with_logprobs else None
-            self.tokens_generated += 1
-            reason = job.accept(tokens[row], logprob)
-            if reason is not None:
-                self._free(job)
-                job.finish(reason)
-
-    def _logprob(self, record: Readback, row: int, job: Job) -> TokenLogprob | None:
+    def _logprob(self, record: Record, row: int, job: Job) -> TokenLogprob | None:
         count = job.request.top_logprobs
         if count is None:
             return None
-        token = int(record.buffers[0][row])
-        logprobs = record.buffers[1][row].tolist()
-        top_ids = record.buffers[2][row, :count].tolist()
+        token = int(record.host[0][row])
+        logprobs = record.host[1][row].tolist()
+        top_ids = record.host[2][row, :count].tolist()
         top = tuple((t, self._token_text(t), lp) for t, lp in zip(top_ids, logprobs[1 : 1 + count], strict=True))
         return TokenLogprob(token, self._token_text(token), logprobs[0], top)
 
@@ -473,7 +446,7 @@ class Batcher:
 
     def _fail_busy(self, message: str) -> None:
         """After a failed step: every request in a slot fails, and the results in flight are dropped."""
-        self.in_flight.clear()
+        self.readbacks.clear()
         for job in self.slots:
             if job is not None:
                 self._free(job)

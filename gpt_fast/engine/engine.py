@@ -47,14 +47,13 @@ from gpt_fast.generation.decode import (
     COORDINATE_DESCENT,
     KERNEL_TUNINGS,
     CompileCacheUse,
-    GenerationResult,
     cache_length,
     compile_cache_use,
-    drain,
     generate_stream,
     make_steps,
 )
 from gpt_fast.generation.drafters import Drafter
+from gpt_fast.generation.loop import GenerationResult, drain
 from gpt_fast.generation.precompile import PrecompiledStep
 from gpt_fast.generation.profiling import record_trace
 from gpt_fast.generation.sampling import SamplingConfig

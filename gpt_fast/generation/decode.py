@@ -1,25 +1,30 @@
-"""Prefill and token-by-token decode over a static KV cache.
-
-The decode loop never waits for the device: tokens are copied to pinned host memory asynchronously and read back
-(for streaming and for stopping at EOS) only once the device has produced them, a step or two behind. A few
-tokens may be decoded past a stop token; they are dropped.
+"""Prefill and token-by-token decode over a static KV cache: the step functions, their compilation (compile modes,
+inductor options, CUDA-graph prefills) and plain decoding's step producer for the one loop
+(:mod:`gpt_fast.generation.loop`), which reads tokens back a step or two behind the device; a few tokens may be
+decoded past a stop token, and are dropped.
 """
 
 from __future__ import annotations
 
-import contextlib
-import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from gpt_fast.generation.loop import (
+    GenerationResult,
+    Mark,
+    Record,
+    TokenCallback,
+    decode_rows,
+    drain,
+    profile_mark,
+)
 from gpt_fast.generation.precompile import PrecompiledStep
-from gpt_fast.generation.profiling import DECODE_MARK, PREFILL_MARK
+from gpt_fast.generation.profiling import DECODE_MARK
 from gpt_fast.generation.sampling import SamplingConfig, sample
 from gpt_fast.model.transformer import Transformer
-from gpt_fast.util.device import device_synchronize
 
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
 # How inductor picks each generated kernel's block sizes and warps: coordinate-descent tuning benchmarks neighbouring
@@ -27,8 +32,6 @@ COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
 COORDINATE_DESCENT, HEURISTIC = "coordinate-descent", "heuristic"
 KERNEL_TUNINGS = (COORDINATE_DESCENT, HEURISTIC)  # the first is the default
 CACHE_LENGTH_MULTIPLE = 64  # round cache lengths up so nearby request lengths share one compiled graph
-
-TokenCallback = Callable[[list[int]], None]  # receives one decoded token per batch row, in order
 
 
 def prefill(model: Transformer, idx: torch.Tensor, sampling: SamplingConfig) -> None:
@@ -287,87 +290,53 @@ def cache_length(prompt_length: int, max_new_tokens: int, block_size: int) -> in
     return min(round_up(needed, CACHE_LENGTH_MULTIPLE), block_size)
 
 
-class HostTokens:
-    """Host copies of each step's tokens [B], handed out once the device has written them (never blocking it)."""
+class PlainSteps:
+    """Plain decoding as a step producer of the one loop (:func:`gpt_fast.generation.loop.decode_rows`):
+    ``batch_size`` copies of one prompt, one token per row and step."""
 
-    def __init__(self, device: torch.device, batch_size: int, capacity: int) -> None:
-        self.on_gpu = device.type == "cuda"
-        self.host = torch.empty((capacity, batch_size), dtype=torch.long, pin_memory=self.on_gpu)
-        self.events: list[torch.cuda.Event | None] = []
-        self.next_step = 0
+    always_read = False
 
-    def push(self, tokens: torch.Tensor) -> None:
-        """Queue a copy of ``tokens`` [B] from the device."""
-        self.host[len(self.events)].copy_(tokens, non_blocking=self.on_gpu)
-        event = torch.cuda.Event() if self.on_gpu else None
-        if event is not None:
-            event.record()
-        self.events.append(event)
+    def __init__(
+        self,
+        model: Transformer,
+        prompt_ids: Sequence[int],
+        sampling: SamplingConfig,
+        steps: Steps,
+        batch_size: int,
+        mark: Mark,
+    ) -> None:
+        self.model, self.sampling, self.steps, self.batch_size = model, sampling, steps, batch_size
+        self.length = len(prompt_ids)
+        device = model.tok_embeddings.weight.device
+        # every row built on the host, then one copy: no `repeat` on the device
+        self.prompt = torch.tensor([list(prompt_ids)] * batch_size, dtype=torch.long).to(device)  # [B, T]
+        self.produced = 0
+        self.mark = mark  # the profiler's range around each decode step
 
-    @property
-    def pending(self) -> int:
-        """Steps queued and not handed out yet."""
-        return len(self.events) - self.next_step
+    def prefill(self) -> None:
+        self.steps.prefill(self.model, self.prompt, self.sampling)
+        self.produced = 1
 
-    def wait_next(self) -> None:
-        """Block until the oldest step not handed out yet has arrived (the later ones may still be running)."""
-        event = self.events[self.next_step]
-        if event is not None:
-            event.synchronize()
+    def step(self) -> None:
+        with self.mark(DECODE_MARK):
+            torch.compiler.cudagraph_mark_step_begin()
+            self.steps.decode(self.model, self.sampling)
+        self.produced += 1
 
-    def ready(self, wait: bool = False) -> list[list[int]]:
-        """Steps whose tokens have arrived, in order; with ``wait``, all queued steps."""
-        rows = []
-        while self.next_step < len(self.events):
-            event = self.events[self.next_step]
-            if event is not None and not event.query():
-                if not wait:
-                    break
-                event.synchronize()
-            rows.append(self.host[self.next_step].tolist())
-            self.next_step += 1
-        return rows
+    def latest(self) -> tuple[torch.Tensor]:
+        return (self.model.decode_state.tokens[:, self.length + self.produced - 1],)  # [B]
 
+    def may_run_ahead(self, pending: int, budget_left: int) -> bool:
+        return pending < budget_left  # each step gives one token per row
 
-class StopTracker:
-    """Which batch rows have emitted a stop token, and where."""
+    def unpack(self, record: Record) -> list[list[int]]:
+        return [record.host[0].tolist()]
 
-    def __init__(self, batch_size: int, stop_ids: Sequence[int]) -> None:
-        self.stop_ids = frozenset(stop_ids)
-        self.stopped_at: list[int | None] = [None] * batch_size
-        self.steps_seen = 0
+    def all_tokens(self, produced: int) -> list[list[int]]:
+        return self.model.decode_state.tokens[:, self.length : self.length + produced].tolist()
 
-    def observe(self, step_tokens: list[int]) -> None:
-        for row, token in enumerate(step_tokens):
-            if self.stopped_at[row] is None and token in self.stop_ids:
-                self.stopped_at[row] = self.steps_seen
-        self.steps_seen += 1
-
-    def admit(self, steps: list[list[int]]) -> list[list[int]]:
-        """Observe each step's tokens in turn; return the steps that came before every row had stopped."""
-        admitted = []
-        for step_tokens in steps:
-            if self.all_stopped:
-                break
-            self.observe(step_tokens)
-            admitted.append(step_tokens)
-        return admitted
-
-    @property
-    def all_stopped(self) -> bool:
-        return all(s is not None for s in self.stopped_at)
-
-
-@dataclass(frozen=True)
-class GenerationResult:
-    tokens: list[list[int]]  # per batch row: the new tokens, up to and including a stop token
-    seconds: float  # prefill + decode, wall time
-    ttft_seconds: float  # time to the first new token
-
-    @property
-    def new_tokens(self) -> int:
-        """New tokens per row (the longest row)."""
-        return max(len(row) for row in self.tokens)
+    def result(self, tokens: list[list[int]], seconds: float, ttft: float) -> GenerationResult:
+        return GenerationResult(tokens, seconds, ttft)
 
 
 def generate(
@@ -399,14 +368,12 @@ def generate(
     return drain(stream, on_tokens)
 
 
-def drain(stream: Generator[list[int], None, GenerationResult], on_tokens: TokenCallback | None) -> GenerationResult:
-    """Run a generation stream to its end, handing each step's tokens to ``on_tokens``; its result."""
-    while True:
-        try:
-            step_tokens = next(stream)
-        except StopIteration as done:
-            return done.value
-        on_tokens(step_tokens)
+def check_request(prompt_ids: Sequence[int], max_new_tokens: int) -> None:
+    """Refuse an empty prompt or a token budget below one."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
 
 
 @torch.no_grad()
@@ -424,47 +391,12 @@ def generate_stream(
 ) -> Generator[list[int], None, GenerationResult]:
     """:func:`generate` as a generator: yields each step's tokens (one per batch row) once the device has produced
     them (with ``emit``; else nothing), and returns the :class:`GenerationResult`."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if not prompt_ids:
-        raise ValueError("the prompt is empty")
+    check_request(prompt_ids, max_new_tokens)
+    model.setup_caches(batch_size, cache_length(len(prompt_ids), max_new_tokens, model.config.block_size))
+    plain = PlainSteps(model, prompt_ids, sampling, steps, batch_size, profile_mark(profile_marks))
     device = model.tok_embeddings.weight.device
-    length = len(prompt_ids)
-    model.setup_caches(batch_size, cache_length(length, max_new_tokens, model.config.block_size))
-    sequence = model.decode_state.tokens  # [B, S]: the prompt, then the new tokens
-    mark = torch.profiler.record_function if profile_marks else (lambda _name: contextlib.nullcontext())
-    # every row built on the host, then one copy: no `repeat` on the device (BENCHMARKS.md, thirty-ninth session)
-    prompt = torch.tensor([list(prompt_ids)] * batch_size, dtype=torch.long).to(device)  # [B, T]
-    host = HostTokens(device, batch_size, max_new_tokens) if stop_ids or emit else None
-    stops = StopTracker(batch_size, stop_ids)
-
-    device_synchronize(device)
-    start = time.perf_counter()
-    with mark(PREFILL_MARK):
-        steps.prefill(model, prompt, sampling)
-    device_synchronize(device)
-    ttft = time.perf_counter() - start
-    produced = 1
-    while produced < max_new_tokens:
-        if host is not None:
-            host.push(sequence[:, length + produced - 1])
-            for step_tokens in stops.admit(host.ready()):
-                if emit:
-                    yield step_tokens
-            if stops.all_stopped:
-                break
-        with mark(DECODE_MARK):
-            torch.compiler.cudagraph_mark_step_begin()
-            steps.decode(model, sampling)
-        produced += 1
-    if host is not None and not stops.all_stopped:
-        host.push(sequence[:, length + produced - 1])
-        for step_tokens in stops.admit(host.ready(wait=True)):
-            if emit:
-                yield step_tokens
-    device_synchronize(device)
-    seconds = time.perf_counter() - start
-    rows = sequence[:, length : length + produced].tolist()
-    return GenerationResult(
-        [row if end is None else row[: end + 1] for row, end in zip(rows, stops.stopped_at, strict=True)], seconds, ttft
+    return (
+        yield from decode_rows(
+            plain, device, max_new_tokens=max_new_tokens, stop_ids=stop_ids, emit=emit, profile_marks=profile_marks
+        )
     )

@@ -22,7 +22,6 @@ round or two behind, and waits only for a round it has run :data:`MAX_ROUNDS_AHE
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, fields
@@ -34,11 +33,9 @@ import torch
 from gpt_fast.generation.decode import (
     CACHE_LENGTH_MULTIPLE,
     COORDINATE_DESCENT,
-    GenerationResult,
-    HostTokens,
     Steps,
-    StopTracker,
     cache_length,
+    check_request,
     compile_options,
     round_up,
 )
@@ -53,12 +50,12 @@ from gpt_fast.generation.drafters import (
     draft_next,
     propose_step,
 )
+from gpt_fast.generation.loop import GenerationResult, Mark, Record, decode_rows, profile_mark
 from gpt_fast.generation.metrics import SpeculativeMetrics
-from gpt_fast.generation.profiling import DRAFT_MARK, PREFILL_MARK, VERIFY_MARK
+from gpt_fast.generation.profiling import DRAFT_MARK, VERIFY_MARK
 from gpt_fast.generation.sampling import SamplingConfig, probabilities, sample_weights
 from gpt_fast.model.config import CheckpointConfig
 from gpt_fast.model.transformer import Transformer
-from gpt_fast.util.device import device_synchronize
 
 DEFAULT_SPECULATE_K = 4
 MAX_ROUNDS_AHEAD = 2  # rounds the host may have started beyond those it has read back
@@ -246,46 +243,42 @@ class SpeculativeResult(GenerationResult):
     speculative: SpeculativeMetrics
 
 
-class Rounds:
-    """The host's side of the rounds: starting one (its draft phase, then its verify step), reading back the
-    outcomes the device has written (one pinned host row per round, the first holding the prefill's token), and the
-    figures of them all."""
+class SpeculativeRounds:
+    """Speculative decoding as a step producer of the one loop (:func:`gpt_fast.generation.loop.decode_rows`): a step
+    is a round (its draft phase, then its verify step), whose outcome is read back as one row of
+    ``B * (K + 2)`` values (per row K + 1 tokens, then the count of new ones); the prefill's token is read back as a
+    round of one token. The host runs at most :data:`MAX_ROUNDS_AHEAD` rounds ahead of those it has read."""
+
+    always_read = True  # a round's token count is known only once it is read back
 
     def __init__(
         self,
         model: Transformer,
         drafter: Drafter,
+        prompt_ids: Sequence[int],
+        steps: Steps,
         spec_steps: SpeculativeSteps,
         sampling: SamplingConfig,
-        capacity: int,
-        mark: Callable[[str], contextlib.AbstractContextManager],
+        mark: Mark,
     ) -> None:
-        self.model, self.drafter, self.spec_steps, self.sampling, self.mark = model, drafter, spec_steps, sampling, mark
-        device = model.tok_embeddings.weight.device
+        self.model, self.drafter, self.steps, self.spec_steps = model, drafter, steps, spec_steps
+        self.sampling, self.mark = sampling, mark
         self.spec = drafter.spec
         self.batch_size = self.spec.drafts.shape[0]
-        self.host = HostTokens(device, self.spec.out.numel(), capacity)  # rows of [B * (K + 2)]
+        device = model.tok_embeddings.weight.device
+        # every row built on the host, then one copy: no `repeat` on the device
+        self.prompt = torch.tensor([list(prompt_ids)] * self.batch_size, dtype=torch.long).to(device)  # [B, T]
         self.timer = RoundTimer(device)
-        self.counts: list[int] = []  # new tokens of each round read back
+        self.counts: list[int] = []  # new tokens of each round read back, the prefill's first
 
-    def prefill(self, prompt: torch.Tensor, steps: Steps) -> None:
-        """The target's prefill and the drafter's; the first token goes to the host as a round of one token."""
-        steps.prefill(self.model, prompt, self.sampling)
-        self.drafter.prefill(prompt)
-        self.spec.out[:, 0] = self.model.decode_state.tokens[:, prompt.shape[1]]
+    def prefill(self) -> None:
+        """The target's prefill and the drafter's; the first token is written as a round of one token."""
+        self.steps.prefill(self.model, self.prompt, self.sampling)
+        self.drafter.prefill(self.prompt)
+        self.spec.out[:, 0] = self.model.decode_state.tokens[:, self.prompt.shape[1]]
         self.spec.out[:, -1] = 1
-        self.host.push(self.spec.out.view(-1))
 
-    @property
-    def pending(self) -> int:
-        """Rounds started (the prefill's included) whose outcome has not been read back."""
-        return self.host.pending
-
-    def wait_oldest(self) -> None:
-        """Block until the oldest pending round's outcome has arrived."""
-        self.host.wait_next()
-
-    def start(self) -> None:
+    def step(self) -> None:
         began = self.timer.stamp()
         with self.mark(DRAFT_MARK):
             self.drafter.draft(self.spec_steps, self.model.decode_state, self.sampling)
@@ -294,17 +287,26 @@ class Rounds:
             torch.compiler.cudagraph_mark_step_begin()
             self.spec_steps.verify(self.model, self.spec, self.sampling)
         self.timer.add(began, drafted, self.timer.stamp())
-        self.host.push(self.spec.out.view(-1))
 
-    def read_back(self, wait: bool = False) -> list[list[list[int]]]:
-        """The new tokens of the rounds the device has finished (with ``wait``: of all), per round and position."""
-        rounds = unpack_rounds(self.host.ready(wait), self.batch_size)
-        self.counts.extend(len(r) for r in rounds)
-        return rounds
+    def latest(self) -> tuple[torch.Tensor]:
+        return (self.spec.out.view(-1),)  # [B * (K + 2)]
+
+    def may_run_ahead(self, pending: int, budget_left: int) -> bool:
+        return pending < MAX_ROUNDS_AHEAD and pending < budget_left  # each pending round gives at least one token
+
+    def unpack(self, record: Record) -> list[list[int]]:
+        (positions,) = unpack_rounds([record.host[0].tolist()], self.batch_size)
+        self.counts.append(len(positions))
+        return positions
+
+    def all_tokens(self, produced: int) -> list[list[int]]:
+        raise AssertionError("speculative rounds are always read back")
+
+    def result(self, tokens: list[list[int]], seconds: float, ttft: float) -> SpeculativeResult:
+        return SpeculativeResult(tokens, seconds, ttft, self.metrics())
 
     def metrics(self) -> SpeculativeMetrics:
-        """The figures of every round started, once the device has finished them all."""
-        self.read_back(wait=True)
+        """The figures of every round started (the loop has read them all back)."""
         draft_seconds, verify_seconds = self.timer.totals()
         rounds = len(self.timer.rounds)
         return SpeculativeMetrics.of(
@@ -332,45 +334,20 @@ def speculative_stream(
     emit: bool = True,
     profile_marks: bool = False,
 ) -> Generator[list[int], None, SpeculativeResult]:
-    """:func:`gpt_fast.generation.decode.generate_stream` with speculative decoding: yields each new position's tokens
-    (one
-    per batch row) as the rounds that made them are read back (with ``emit``), and returns a
+    """:func:`gpt_fast.generation.decode.generate_stream` with speculative decoding: yields each new position's
+    tokens (one per batch row) as the rounds that made them are read back (with ``emit``), and returns a
     :class:`SpeculativeResult`. ``steps`` gives the prefill, ``spec_steps`` the round's steps."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if not prompt_ids:
-        raise ValueError("the prompt is empty")
+    check_request(prompt_ids, max_new_tokens)
     device = model.tok_embeddings.weight.device
     cache = speculative_cache_length(len(prompt_ids), max_new_tokens, drafter.k, model.config.block_size)
     model.setup_caches(batch_size, cache)
     drafter.setup(batch_size, cache, model.config.vocab_size, sampling, device)
-    mark = torch.profiler.record_function if profile_marks else (lambda _name: contextlib.nullcontext())
-    rounds = Rounds(model, drafter, spec_steps, sampling, max_new_tokens + MAX_ROUNDS_AHEAD + 1, mark)
-    prompt = torch.tensor(prompt_ids, dtype=torch.long, device=device).repeat(batch_size, 1)  # [B, T]
-    stops = StopTracker(batch_size, stop_ids)
-    kept: list[list[int]] = []  # the new tokens, per position
-
-    device_synchronize(device)
-    start = time.perf_counter()
-    with mark(PREFILL_MARK):
-        rounds.prefill(prompt, steps)
-    device_synchronize(device)
-    ttft = time.perf_counter() - start
-    while len(kept) < max_new_tokens and not stops.all_stopped:
-        if rounds.pending >= MAX_ROUNDS_AHEAD or len(kept) + rounds.pending >= max_new_tokens:
-            rounds.wait_oldest()  # far enough ahead (each pending round gives at least one token)
-        else:
-            rounds.start()
-        for round_tokens in rounds.read_back():
-            for step_tokens in stops.admit(round_tokens[: max_new_tokens - len(kept)]):
-                kept.append(step_tokens)
-                if emit:
-                    yield step_tokens
-    device_synchronize(device)
-    seconds = time.perf_counter() - start
-    rows = [list(row) for row in zip(*kept, strict=True)]
-    tokens = [row if end is None else row[: end + 1] for row, end in zip(rows, stops.stopped_at, strict=True)]
-    return SpeculativeResult(tokens, seconds, ttft, rounds.metrics())
+    rounds = SpeculativeRounds(model, drafter, prompt_ids, steps, spec_steps, sampling, profile_mark(profile_marks))
+    return (
+        yield from decode_rows(
+            rounds, device, max_new_tokens=max_new_tokens, stop_ids=stop_ids, emit=emit, profile_marks=profile_marks
+        )
+    )
 
 
 def unpack_rounds(rounds: list[list[int]], batch_size: int) -> list[list[list[int]]]:

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from gpt_fast.engine.engine import DEFAULT_MAX_NEW_TOKENS, Engine, EngineOptions, set_seed
-from gpt_fast.generation.decode import HEURISTIC, GenerationResult
+from gpt_fast.generation.decode import HEURISTIC
+from gpt_fast.generation.loop import GenerationResult
 from gpt_fast.generation.metrics import RunMetrics, SampleMetrics, SpeculativeMetrics, averages_label, timed_samples
 from gpt_fast.generation.profiling import trace_file
 from gpt_fast.generation.sampling import SamplingConfig
