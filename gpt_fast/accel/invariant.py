@@ -3,8 +3,8 @@ else the step computes, so that speculative decoding gives plain decoding's text
 
 A verify step runs the model over k + 1 positions where a decode step runs it over one. With the usual kernels the
 two round differently (a matrix product over k + 1 rows is not k + 1 matrix-vector products; inductor fuses and
-tunes the two graphs apart), and in bfloat16 that flips near-ties: the fourth and eighth sessions measured prompt
-lookup at 3.01x plain decoding on an H200 with the text leaving plain decoding's at token 93 (BENCHMARKS.md). In a
+tunes the two graphs apart), and in bfloat16 that flips near-ties: on an H200, prompt lookup at 3.01x plain
+decoding gives a text that leaves plain decoding's at token 93 (BENCHMARKS.md, 2026-11-22). In a
 batch-invariant step each reduction over a row (the linear layers, the RMSNorms, the attention of a query) is an
 operator whose result for a row does not depend on the other rows:
 
@@ -20,8 +20,7 @@ Each is a ``torch.library.custom_op``, opaque to ``torch.compile``: inductor nei
 nor re-tunes it per graph. What remains to inductor between them is elementwise (residual additions, the gated
 activation, the embedding), which rounds each element alike in every graph once the compiled steps emulate eager
 rounding (:func:`gpt_fast.generation.decode.compile_options`, ``exact``). The prefill of a prompt, and any product of
-more
-than :data:`INVARIANT_ROWS` rows, keeps the usual kernels: plain and speculative decoding share the prefill.
+more than :data:`INVARIANT_ROWS` rows, keeps the usual kernels: plain and speculative decoding share the prefill.
 
 Not covered, and refused by the engine: mixtures of experts, quantized checkpoints, tensor parallelism.
 """
