@@ -29,7 +29,7 @@ from gpt_fast.quant.products import resolve_kernel_choice, triton_usable
 
 ACTIVATION_KERNELS = ("auto", "triton", "torch")
 # ``auto`` takes the kernel for w2 matrices of at least this many weights (Llama-2-7B's has 45M, SmolLM2-135M's 0.9M;
-# nothing between was measured)
+# sizes between are not measured)
 LARGE_FFN = 2**24
 
 

@@ -50,7 +50,7 @@ def resolve_linear_kernel(kernel: str, device: torch.device, compile_mode: str) 
 
 
 def pdl_kernels_measured(device: torch.device, compile_mode: str) -> bool:
-    """Where our decode kernels launched with PDL were measured faster than the model's code (``auto``'s choice of
+    """Where our decode kernels launched with PDL measure faster than the model's code (``auto``'s choice of
     this GEMV, of :mod:`gpt_fast.accel.decode_attention`'s kernel and of :mod:`gpt_fast.accel.top_k`'s): the
     CUDA-graph modes on a GPU that launches with PDL (:func:`steps_with_pdl`), with or without ``--aot_precompile``
     (a package calls the registered operators by name; the engine registers them before it loads one), on one GPU

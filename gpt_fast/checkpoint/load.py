@@ -208,9 +208,9 @@ def load_model(
     path = inside_folder(checkpoint_dir, config.weights, f"{checkpoint_dir / CONFIG_FILE}: weights")
     state = checkpoint_weights(path, config)
     if device.type == "cpu":
-        # On the CPU, computing from a private file mapping was measured 8x slower than from ordinary memory
-        # (SmolLM2-135M decode), and copying out of the mapping page by page 4x slower than reading the file
-        # again; checked, the file is now read in whole.
+        # On the CPU, computing from a private file mapping is 8x slower than from ordinary memory (SmolLM2-135M
+        # decode), and copying out of the mapping page by page 4x slower than reading the file again: once checked,
+        # the file is read in whole.
         state = torch.load(path, map_location="cpu", weights_only=True)
     if shard is not None:
         state = shard.slice_state(state, config.model)

@@ -327,9 +327,9 @@ def leave() -> None:
     """Leave the group at exit (a process that ends without it may abort while its communicator's threads run).
 
     The group must be unreferenced then, so that destroying it joins its backend's threads here, at exit, while the
-    interpreter is whole: a group still held (by a compiled graph, by a default argument: :func:`join`) was destroyed
-    only in the interpreter's finalization, and a gloo rank sometimes aborted there ("terminate called without an
-    active exception") after its work was done.
+    interpreter is whole: a group still held (by a compiled graph, by a default argument: :func:`join`) is destroyed
+    only in the interpreter's finalization, where a gloo rank sometimes aborts ("terminate called without an active
+    exception") after its work is done.
 
     A CUDA graph that captured a collective holds a reference on NCCL's communicator, and destroying the
     communicator waits until every such graph is gone (pytorch/pytorch#115388): with `reduce-overhead` the ranks

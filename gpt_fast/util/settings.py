@@ -24,9 +24,9 @@ def apply_torch_settings() -> None:
 def _use_workers_ptxas() -> None:
     """Point Triton at the ptxas inductor's compile workers use (the one inside torch's wheel, where there is one).
 
-    The workers set it for themselves, this process did not: coordinate-descent tuning, which compiles here, then
-    built its winning kernels with Triton's own ptxas, whose version is part of Triton's cache key — so the next
-    process, which loads kernels the workers' way, missed the cache and compiled every tuned kernel again
+    The workers set it for themselves, this process does not: coordinate-descent tuning, which compiles here, would
+    build its winning kernels with Triton's own ptxas, whose version is part of Triton's cache key — so the next
+    process, which loads kernels the workers' way, would miss the cache and compile every tuned kernel again
     (measured on an H200 with torch 2.11: 24 kernels, +2.4 s, on the first warm start of the SmolLM2 shape)."""
     from torch._inductor.runtime import compile_tasks
 
