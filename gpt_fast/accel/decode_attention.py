@@ -6,8 +6,8 @@
   ``torch.library.triton_op`` ``gpt_fast::decode_attention`` (it mutates the cache), so that ``torch.compile``
   places it in its own generated code and CUDA graphs capture it.
 - ``torch``: the model's own code (:func:`gpt_fast.model.transformer.apply_rope`,
-:meth:`gpt_fast.model.cache.KVCache.update`,
-  :func:`gpt_fast.model.transformer.attend_one_query`): runs everywhere, ROCm and the CPU included.
+  :meth:`gpt_fast.model.cache.KVCache.update`, :func:`gpt_fast.model.transformer.attend_one_query`): runs
+  everywhere, ROCm and the CPU included.
 
 The model calls the kernel only in compiled decode steps: eager steps keep PyTorch's SDPA, which
 :func:`gpt_fast.model.transformer.attend_one_query`'s docstring explains, and which makes eager decoding an independent
@@ -106,8 +106,8 @@ def register_triton_ops() -> None:
 
 def fused_decode_attention(*args: object) -> torch.Tensor:
     """What :class:`gpt_fast.model.transformer.Attention` calls as its ``decode_kernel``: the operator, with the
-    arguments of
-    :func:`gpt_fast.kernels.triton_decode_attention.decode_attention` (but ``launch``, ``wrap`` and ``pdl``)."""
+    arguments of :func:`gpt_fast.kernels.triton_decode_attention.decode_attention` (but ``launch``, ``wrap`` and
+    ``pdl``)."""
     return torch.ops.gpt_fast.decode_attention(*args)
 
 

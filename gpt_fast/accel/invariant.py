@@ -141,8 +141,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 def invariant_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
     """:func:`gpt_fast.model.transformer.rms_norm` of each row of ``x`` [B, T, ..., D] (T positions of B sequences: up
-    to
-    :data:`INVARIANT_ROWS` of them; a q/k norm's heads are rows too) on its own."""
+    to :data:`INVARIANT_ROWS` of them; a q/k norm's heads are rows too) on its own."""
     if x.shape[0] * x.shape[1] > INVARIANT_ROWS:
         return rms_norm(x, weight, eps, offset)
     rows = x.reshape(-1, x.shape[-1])
@@ -151,8 +150,7 @@ def invariant_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset
 
 def invariant_attention(*args: object) -> torch.Tensor:
     """What :class:`gpt_fast.model.transformer.Attention` calls as its ``rows_kernel``: the operator, with the
-    arguments of
-    :func:`reference_attention`."""
+    arguments of :func:`reference_attention`."""
     return torch.ops.gpt_fast.invariant_attention(*args)
 
 

@@ -178,8 +178,7 @@ def computes_row(product: nn.Module) -> bool:
 
 def fuses_row(block: TransformerBlock) -> bool:
     """Whether :meth:`gpt_fast.model.transformer.TransformerBlock.one_row` computes ``block``: a gated MLP, no
-    post-norms, four
-    products :func:`computes_row` takes, norms without an offset and without a kernel of their own."""
+    post-norms, four products :func:`computes_row` takes, norms without an offset and without a kernel of their own."""
     attention, mlp = block.attention, block.feed_forward
     if not isinstance(mlp, FeedForward) or block.post_attention_norm is not None:
         return False

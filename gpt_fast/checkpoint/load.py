@@ -246,11 +246,10 @@ def model_from_state(
     kernel: str = "auto",
     shard: Shard | None = None,
 ) -> Transformer:
-    """The model for ``config`` holding ``state``'s tensors (no copy where they already have ``device`` and
-    ``dtype``), ready for inference; with ``quantization``, its quantized layers compute with ``kernel``. With
-    ``shard``, ``state`` is a rank's (:meth:`~gpt_fast.parallel.tensor_parallel.Shard.slice_state`) and the model that
-    rank's part,
-    without its collectives (:meth:`gpt_fast.parallel.tensor_parallel.TensorParallel.connect`)."""
+    """The model for ``config`` holding ``state``'s tensors (no copy where they already have ``device`` and ``dtype``),
+    ready for inference; with ``quantization``, its quantized layers compute with ``kernel``. With ``shard``, ``state``
+    is a rank's (:meth:`~gpt_fast.parallel.tensor_parallel.Shard.slice_state`) and the model that rank's part, without
+    its collectives (:meth:`gpt_fast.parallel.tensor_parallel.TensorParallel.connect`)."""
     local = config if shard is None else shard.local_config(config)
     with torch.device("meta"):
         model = Transformer(local)

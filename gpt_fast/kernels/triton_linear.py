@@ -52,10 +52,9 @@ def _activations(x_ptr, kk, K, EVEN: tl.constexpr):
 
 @triton.jit
 def _inputs(x_ptr, g_ptr, kk, K, inv_rms, EVEN: tl.constexpr, NORM: tl.constexpr):
-    """The product's inputs [BLOCK_K] of columns ``kk`` in float32: the activations, or with ``NORM`` their RMSNorm
-    with weight ``g``, rounded where :func:`gpt_fast.model.transformer.rms_norm` rounds (the normed row, then its
-    product with
-    the weight, each to the activations' dtype)."""
+    """The product's inputs [BLOCK_K] of columns ``kk`` in float32: the activations, or with ``NORM`` their RMSNorm with
+    weight ``g``, rounded where :func:`gpt_fast.model.transformer.rms_norm` rounds (the normed row, then its product
+    with the weight, each to the activations' dtype)."""
     x = _activations(x_ptr, kk, K, EVEN)
     if NORM:
         dtype = x_ptr.dtype.element_ty

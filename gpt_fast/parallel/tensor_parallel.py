@@ -9,14 +9,13 @@ its rows' logits and one all-gather joins them. The embedding table stays whole 
 one row of it, and splitting it would cost a collective for nothing read.
 
 Processes are started by ``torchrun`` (``gpt-fast generate --tp N`` starts it: :mod:`gpt_fast.parallel.launch`), which
-sets
-``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``; the local rank picks the GPU, so that the same command runs over
+sets ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``; the local rank picks the GPU, so that the same command runs over
 several hosts. The collectives are PyTorch's: the all-reduce ``dist.all_reduce`` inside an opaque operator
 (:func:`register_all_reduce`), the head's all-gather a functional collective; ``torch.compile`` puts both into the
 decode step's graph (the CUDA-graph modes capture them too); NCCL on GPUs (RCCL on ROCm, under the same name),
 gloo on the CPU. With our fused GEMVs a layer's residual adds and norms stay inside them (:class:`ParallelRow`).
 
-The model knows none of this (``model.py`` imports no ``torch.distributed``): :meth:`TensorParallel.connect`
+The model knows none of this (:mod:`gpt_fast.model` imports no ``torch.distributed``): :meth:`TensorParallel.connect`
 wraps its row-parallel layers and its head, after the weights are loaded, in modules that add the collective.
 """
 
