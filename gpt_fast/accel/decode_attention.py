@@ -38,9 +38,9 @@ def resolve_attention_kernel(
     """``auto``: the fused kernel where our GEMV is taken (:func:`gpt_fast.accel.linear.pdl_kernels_measured`),
     and so launched with PDL (:func:`attention_pdl`), but not with ``regional_compile`` (see
     :func:`check_regional_compile`); elsewhere the PyTorch code. On an H200, with our GEMVs and
-    sampling kernel, heuristic tuning, one machine (BENCHMARKS.md, 2026-11-25): SmolLM2 1822 tok/s with it
+    sampling kernel, heuristic tuning, one machine (docs/bench/HISTORY.md, 2026-11-25a): SmolLM2 1822 tok/s with it
     against 1576 with inductor's attention, Llama-3-8B 244.0 against 237.0; Llama-2-7B 271.1 against 258.9
-    (BENCHMARKS.md, 2026-11-24). GQA models of few kv heads gain through the kernel's short splits
+    (docs/bench/HISTORY.md, 2026-11-24c). GQA models of few kv heads gain through the kernel's short splits
     (:func:`gpt_fast.kernels.triton_decode_attention.decode_launch`), without which it is slower for them. Choosing
     Triton (a CUDA GPU with Triton installed, not ROCm) registers its operators (:func:`register_triton_ops`), before
     anything is compiled."""

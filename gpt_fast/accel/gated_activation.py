@@ -7,7 +7,7 @@
 - ``triton``: :mod:`gpt_fast.kernels.triton_gated_activation`, one small kernel per layer writing the hidden state
   once, wrapped as the ``torch.library.triton_op`` ``gpt_fast::gated_activation`` so that inductor cannot fold it
   into the GEMV. On an H200 the 7B shape decodes 246.7 tok/s with an equivalent operator against 230.7 without
-  (BENCHMARKS.md, 2026-11-23). For small models the evidence is mixed (the SmolLM2-135M shape's MLP alone:
+  (docs/bench/HISTORY.md, 2026-11-23e). For small models the evidence is mixed (the SmolLM2-135M shape's MLP alone:
   6.9 µs with it, 6.0 without; its whole decode, one run each: 1168 tok/s with it, 1108 without), so ``auto`` keeps
   their code.
 

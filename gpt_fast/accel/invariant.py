@@ -1,12 +1,12 @@
 """Batch-invariant decode and verify steps (``--batch_invariant``): every token's row computed the same way whatever
 else the step computes, so that speculative decoding gives plain decoding's text token for token in any dtype.
 
-A verify step runs the model over k + 1 positions where a decode step runs it over one. With the usual kernels the
-two round differently (a matrix product over k + 1 rows is not k + 1 matrix-vector products; inductor fuses and
-tunes the two graphs apart), and in bfloat16 that flips near-ties: on an H200, prompt lookup at 3.01x plain
-decoding gives a text that leaves plain decoding's at token 93 (BENCHMARKS.md, 2026-11-22). In a
-batch-invariant step each reduction over a row (the linear layers, the RMSNorms, the attention of a query) is an
-operator whose result for a row does not depend on the other rows:
+A verify step runs the model over k + 1 positions where a decode step runs it over one. With the usual kernels the two
+round differently (a matrix product over k + 1 rows is not k + 1 matrix-vector products; inductor fuses and tunes the
+two graphs apart), and in bfloat16 that flips near-ties: on an H200, prompt lookup at 3.01x plain decoding gives a text
+that leaves plain decoding's at token 93 (docs/bench/HISTORY.md, 2026-11-22c and 2026-11-22g). In a batch-invariant step
+each reduction over a row (the linear layers, the RMSNorms, the attention of a query) is an operator whose result for a
+row does not depend on the other rows:
 
 - on a CUDA GPU with Triton (not ROCm), Triton kernels whose compiled code and order for a row do not depend on
   the number of rows: the linear layers multiply a fixed 16 rows at a time on the tensor cores (rows past the last

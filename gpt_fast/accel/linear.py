@@ -4,13 +4,13 @@
 - ``triton``: :mod:`gpt_fast.kernels.triton_linear`, a GEMV launched with programmatic dependent launch, whose
   weight loads begin while the kernel before it drains. It is registered as the opaque operator
   ``gpt_fast::linear_gemv`` (``torch.library.custom_op``, not ``triton_op``): inductor launches the kernels of a
-  ``triton_op`` itself, without PDL. On an H200, Llama-2-7B shape, one machine (BENCHMARKS.md, 2026-11-24):
+  ``triton_op`` itself, without PDL. On an H200, Llama-2-7B shape, one machine (docs/bench/HISTORY.md, 2026-11-24b):
   245.6 tok/s against 217.2 with inductor's heuristic configurations (the kernel without PDL: 239.5-241.8), 244.1
   against 241.1 with coordinate-descent tuning (whose builds spread more); Llama-3-8B shape 224.5 against 203.7.
 
 A gated MLP's ``w13`` and its activation are one kernel, ``gpt_fast::gated_gemv`` (set as
 :attr:`gpt_fast.model.transformer.FeedForward.gated_kernel`), so that the activation is no kernel of its own: on the
-same H200, 7B shape 258.9 tok/s against 249.3 with the activation apart (BENCHMARKS.md, 2026-11-24).
+same H200, 7B shape 258.9 tok/s against 249.3 with the activation apart (docs/bench/HISTORY.md, 2026-11-24c).
 
 In a layer :func:`fuses_row` takes, the norms and residual adds are no kernels of their own either
 (:class:`FusedRow`, set as :attr:`gpt_fast.model.transformer.TransformerBlock.row_kernels`): each norm is computed
@@ -22,7 +22,7 @@ The figures behind these choices are in BENCHMARKS.md and docs/bench/HISTORY.md.
 or more with Triton, on one GPU or split over several (each rank's shards;
 :class:`gpt_fast.parallel.tensor_parallel.ParallelRow`); elsewhere the model's code. Small models take it too,
 with the norms inside it: SmolLM2-135M shape 1572-1624 tok/s against 1235-1332, int8 1392 against 1077, int4 1214
-against 894 (BENCHMARKS.md, 2026-11-24). The model calls the kernel only in compiled steps with one row of
+against 894 (docs/bench/HISTORY.md, 2026-11-24j). The model calls the kernel only in compiled steps with one row of
 activations (batch 1, one position); prefills, batches and eager steps keep ``nn.Linear``.
 """
 
@@ -55,7 +55,7 @@ def pdl_kernels_measured(device: torch.device, compile_mode: str) -> bool:
     CUDA-graph modes on a GPU that launches with PDL (:func:`steps_with_pdl`), with or without ``--aot_precompile``
     (a package calls the registered operators by name; the engine registers them before it loads one), on one GPU
     or split over several (Llama-2-7B shape on two H200s: 322.9 tok/s with the GEMV and the attention against
-    284.3 without; BENCHMARKS.md, 2026-11-24)."""
+    284.3 without; docs/bench/HISTORY.md, 2026-11-24k)."""
     return steps_with_pdl(device, compile_mode)
 
 
@@ -143,7 +143,7 @@ class FusedRow:
     kernel) and :attr:`gpt_fast.model.transformer.TransformerBlock.row_kernels` (with the norm before a product and
     the residual add after it inside the kernel, so that neither is a kernel of its own: on an H200, Llama-2-7B
     shape, a norm as a kernel of its own takes about 2 µs between two GEMVs, during which no weights stream;
-    BENCHMARKS.md, 2026-11-24)."""
+    docs/bench/HISTORY.md, 2026-11-24h and 2026-11-24i)."""
 
     @staticmethod
     def linear(

@@ -111,9 +111,9 @@ def measure(
 ) -> Row:
     """``builds`` times: build the row's runs anew (compiled again, from inductor's caches after the first) and
     :func:`measure_build` them. One build's timed runs agree within about 1 %, but on an H200 two builds of one
-    configuration in one process can differ by 21 % (BENCHMARKS.md, 2026-11-23): with ``builds`` > 1 a row's tok/s and
-    TTFT are the medians over its builds, and the builds' tok/s range is kept. The compile time and memory are the first
-    build's."""
+    configuration in one process can differ by 21 % (docs/bench/HISTORY.md, 2026-11-23i): with ``builds`` > 1 a row's
+    tok/s and TTFT are the medians over its builds, and the builds' tok/s range is kept. The compile time and memory are
+    the first build's."""
     rows = []
     for index in range(builds):
         if index:

@@ -5,7 +5,7 @@ keeping a float32 partial product per loaded weight and reducing once at the end
 loaded before the kernel waits for its activations (:mod:`gpt_fast.kernels.pdl`), so that in a CUDA graph
 the loads start while the kernel before it drains. The tile, 4 channels × 1024 columns × 4 warps, is the fastest
 of seven in a chain of a Llama-2-7B layer's four GEMVs each after a small kernel, in a CUDA graph on an H200:
-102 µs per layer (3961 GB/s) against 117 µs for cuBLAS (BENCHMARKS.md, 2026-11-24).
+102 µs per layer (3961 GB/s) against 117 µs for cuBLAS (docs/bench/HISTORY.md, 2026-11-24b).
 
 A gated MLP's ``w13`` (gate rows, then up rows) has a kernel of its own, :func:`gated_gemv`: each program owns
 ``BLOCK_N / 2`` hidden units, reads their gate and up rows (the same tile, so the same loads as the plain GEMV)

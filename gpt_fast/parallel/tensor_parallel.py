@@ -201,7 +201,7 @@ def register_all_reduce() -> None:
 
     Not the functional all-reduce, which runs NCCL's kernel on the process group's own stream: in a captured decode
     step each one then waits for the switch of streams, 4-10 µs before each of the 64 all-reduces of a Llama-2-7B
-    token on two H200s (BENCHMARKS.md, 2026-11-24). ``dist.all_reduce`` without ``async_op`` launches on the
+    token on two H200s (docs/bench/HISTORY.md, 2026-11-24k). ``dist.all_reduce`` without ``async_op`` launches on the
     current stream (as it does with torch 2.11)."""
     import torch.distributed as dist
 

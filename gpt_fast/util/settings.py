@@ -39,7 +39,7 @@ def _keep_tuned_configs_on_load() -> None:
     """torch 2.11 only: make a kernel loaded from a cache (an ``--aot_precompile`` package, or inductor's FX graph
     cache) run the configuration coordinate-descent tuning found for it in an earlier process instead of tuning it
     again at its first call, which in 2.11 happens to 1-5 of the Llama-2-7B step's 24 kernels per warm start
-    (1.5-11.6 s; BENCHMARKS.md, 2026-11-23). Two causes, both upstream bugs (pytorch/pytorch#172819, #181292):
+    (1.5-11.6 s; docs/bench/HISTORY.md, 2026-11-23d). Two causes, both upstream bugs (pytorch/pytorch#172819, #181292):
 
     - ``CachingAutotuner.recheck_autotune_cache`` drops the cache entry's "found by coordinate descent" mark
       when the configuration it names is one the kernel compiled already, or its only one: replaced by
