@@ -1,8 +1,7 @@
 """The latency of a decode step's all-reduce (one token's hidden state: 4096 bf16 values, 8 KB) between the GPUs of
 one host, in a CUDA graph, as tensor parallelism runs it: NCCL's all-reduce (what ``gpt_fast.parallel.tensor_parallel``
-uses) against
-PyTorch's one-shot all-reduce over symmetric memory (``torch.ops.symm_mem.one_shot_all_reduce``: each rank reads
-its partners' buffers directly and adds them). Each is timed as a chain of 64 all-reduces, each followed by a
+uses) against PyTorch's one-shot all-reduce over symmetric memory (``torch.ops.symm_mem.one_shot_all_reduce``: each
+rank reads its partners' buffers directly and adds them). Each is timed as a chain of 64 all-reduces, each followed by a
 small elementwise kernel as in a decode step, captured once and replayed 50 times; µs per all-reduce, rank 0's.
 
     torchrun --standalone --nproc_per_node 2 scripts/allreduce_latency.py

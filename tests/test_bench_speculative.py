@@ -99,7 +99,7 @@ CONTEXT = 4096  # the stand-in model's context
 
 class CacheLengthText:
     """A stand-in for the benchmark's setup whose target's greedy text depends on its KV cache's length, as the
-    batch-invariant Llama-2-7B shape's did on an H200 (BENCHMARKS.md, fifteenth session): new token i is i, plus 1000
+    batch-invariant Llama-2-7B shape's can on an H200 (docs/bench/HISTORY.md, 2026-11-23g): new token i is i, plus 1000
     from token 10 on when the cache holds 320 positions or more. Speculative requests give the target's text whatever
     the proposals, and their caches hold the host's run-ahead rounds too."""
 

@@ -102,7 +102,7 @@ def test_a_decode_steps_short_cache_spreads_over_programs_where_kv_heads_are_few
 @pytest.mark.parametrize(("shape", "splits"), [("smollm2-135m", 128), ("llama-3-8b", 32), ("llama-2-7b", 16)])
 def test_a_long_caches_splits_are_capped_per_kv_head(shape, splits):
     """An 8192-position cache (a server's) splits into at most ``splits`` per kv head, so that a row has a few
-    hundred programs at most (SmolLM2 had 512 per kv head, each reading 16 positions)."""
+    hundred programs at most (uncapped, SmolLM2 would have 512 per kv head, each reading 16 positions)."""
     from gpt_fast.kernels.triton_decode_attention import SPLIT_PROGRAMS, decode_launch
 
     config = get_shape(shape)

@@ -141,7 +141,7 @@ def readme_python_example() -> str:
 
 @pytest.mark.slow
 def test_readme_python_example_runs_as_written(smollm2_gguf, tmp_path):
-    """On the default model (prepared in this session's cache, as a user's first `Engine.load()` would)."""
+    """On the default model (prepared in the test run's own cache, as a user's first `Engine.load()` would)."""
     result = subprocess.run(
         [sys.executable, "-c", readme_python_example()], capture_output=True, text=True, cwd=tmp_path, timeout=600
     )

@@ -1,7 +1,6 @@
 """GPU-only checks (CUDA or ROCm): every compile mode runs, and the traces show what each mode launches (the PyTorch
-attention code in every mode by default);
-speculative decoding gives plain decoding's greedy tokens in every mode, its verify step is one CUDA graph launch in
-``reduce-overhead``, and sampling with it runs.
+attention code in every mode by default); speculative decoding gives plain decoding's greedy tokens in every mode, its
+verify step is one CUDA graph launch in ``reduce-overhead``, and sampling with it runs.
 
 Run on a GPU machine with `python -m pytest -q -m gpu tests/test_gpu.py`; skipped without one."""
 

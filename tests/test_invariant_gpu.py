@@ -1,7 +1,7 @@
 """GPU checks of batch-invariant steps (CUDA with Triton; elsewhere the CPU tests cover the reference operators): the
 Triton kernels against the reference operators, each row of a many-row launch equal to the row launched alone; and
 speculative decoding in bfloat16 on random weights of real model shapes (crowded logits, where a verify step with the
-usual kernels leaves plain decoding within a few tokens: BENCHMARKS.md, fourth session) giving plain decoding's
+usual kernels leaves plain decoding within a few tokens: docs/bench/HISTORY.md, 2026-11-22c) giving plain decoding's
 tokens, eager and in CUDA graphs.
 
     python -m pytest -q -m gpu tests/test_invariant_gpu.py

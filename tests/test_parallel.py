@@ -241,7 +241,7 @@ def test_llama_2_7b_split_over_the_gpus_decodes_as_one_gpu(compile_mode, kernel,
 @pytest.mark.gpu
 def test_the_ranks_leave_after_decoding_in_cuda_graphs(tmp_path):
     """A CUDA graph that captured a collective keeps NCCL's communicator, and leaving the group waits for it: the
-    ranks hung at exit until the compiled graphs were released first. A small model, so that the hang shows in
+    ranks hang at exit unless the compiled graphs are released first. A small model, so that the hang shows in
     seconds (the timeout fails the test)."""
     if GPUS < 2:
         pytest.skip(f"needs 2 CUDA or ROCm GPUs, {GPUS} here")

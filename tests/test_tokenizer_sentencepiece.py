@@ -1,6 +1,6 @@
 """SentencePiece models against sentencepiece itself, for every normalizer setting found in the wild.
 
-Each tiny model is trained once per session (in milliseconds). The reference is sentencepiece's own ``encode`` and
+Each tiny model is trained once per test run (in milliseconds). The reference is sentencepiece's own ``encode`` and
 ``decode`` of the unmodified model file: that is how the models were trained and how Meta's and open_llama's code
 tokenize. At special-token boundaries the reference is sentencepiece's handling of a user-defined symbol, which it
 matches in the text as an opaque piece, less the dummy prefix transformers never puts next to a special token.
@@ -185,7 +185,7 @@ class Trained:
 
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory: pytest.TempPathFactory):
-    """``trained(settings)``: the tiny model for ``settings``, trained on first use in the session."""
+    """``trained(settings)``: the tiny model for ``settings``, trained on first use in the test run."""
     models: dict[Settings, Trained] = {}
 
     def get(settings: Settings) -> Trained:

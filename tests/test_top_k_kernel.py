@@ -1,7 +1,6 @@
-"""The decode steps' top-k sampling kernel (gpt_fast/accel/top_k.py, triton_top_k.py): which kernel is chosen
-and refused, when :func:`gpt_fast.generation.sampling.sample` hands the logits to it, and the kernels in Triton's
-interpreter
-against the PyTorch reference of their semantics (tests/top_k_reference.py)."""
+"""The decode steps' top-k sampling kernel (gpt_fast/accel/top_k.py, triton_top_k.py): which kernel is chosen and
+refused, when :func:`gpt_fast.generation.sampling.sample` hands the logits to it, and the kernels in Triton's
+interpreter against the PyTorch reference of their semantics (tests/top_k_reference.py)."""
 
 import json
 import os

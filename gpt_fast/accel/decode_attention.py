@@ -6,8 +6,8 @@
   ``torch.library.triton_op`` ``gpt_fast::decode_attention`` (it mutates the cache), so that ``torch.compile``
   places it in its own generated code and CUDA graphs capture it.
 - ``torch``: the model's own code (:func:`gpt_fast.model.transformer.apply_rope`,
-:meth:`gpt_fast.model.cache.KVCache.update`,
-  :func:`gpt_fast.model.transformer.attend_one_query`): runs everywhere, ROCm and the CPU included.
+  :meth:`gpt_fast.model.cache.KVCache.update`, :func:`gpt_fast.model.transformer.attend_one_query`): runs
+  everywhere, ROCm and the CPU included.
 
 The model calls the kernel only in compiled decode steps: eager steps keep PyTorch's SDPA, which
 :func:`gpt_fast.model.transformer.attend_one_query`'s docstring explains, and which makes eager decoding an independent
@@ -38,12 +38,12 @@ def resolve_attention_kernel(
     """``auto``: the fused kernel where our GEMV is taken (:func:`gpt_fast.accel.linear.pdl_kernels_measured`),
     and so launched with PDL (:func:`attention_pdl`), but not with ``regional_compile`` (see
     :func:`check_regional_compile`); elsewhere the PyTorch code. On an H200, with our GEMVs and
-    sampling kernel, heuristic tuning, one machine (BENCHMARKS.md, thirtieth session): SmolLM2 1822 tok/s with it
+    sampling kernel, heuristic tuning, one machine (docs/bench/HISTORY.md, 2026-11-25a): SmolLM2 1822 tok/s with it
     against 1576 with inductor's attention, Llama-3-8B 244.0 against 237.0; Llama-2-7B 271.1 against 258.9
-    (twenty-first session). Before the thirtieth session's short splits for models of few kv heads
-    (:func:`gpt_fast.kernels.triton_decode_attention.decode_launch`) it was slower for GQA. Choosing Triton (a CUDA
-    GPU with Triton installed, not ROCm) registers its operators (:func:`register_triton_ops`), before anything is
-    compiled."""
+    (docs/bench/HISTORY.md, 2026-11-24c). GQA models of few kv heads gain through the kernel's short splits
+    (:func:`gpt_fast.kernels.triton_decode_attention.decode_launch`), without which it is slower for them. Choosing
+    Triton (a CUDA GPU with Triton installed, not ROCm) registers its operators (:func:`register_triton_ops`), before
+    anything is compiled."""
     check_regional_compile(kernel, regional_compile)
     measured = pdl_kernels_measured(device, compile_mode)
     auto = "triton" if measured and not regional_compile else "torch"
@@ -106,8 +106,8 @@ def register_triton_ops() -> None:
 
 def fused_decode_attention(*args: object) -> torch.Tensor:
     """What :class:`gpt_fast.model.transformer.Attention` calls as its ``decode_kernel``: the operator, with the
-    arguments of
-    :func:`gpt_fast.kernels.triton_decode_attention.decode_attention` (but ``launch``, ``wrap`` and ``pdl``)."""
+    arguments of :func:`gpt_fast.kernels.triton_decode_attention.decode_attention` (but ``launch``, ``wrap`` and
+    ``pdl``)."""
     return torch.ops.gpt_fast.decode_attention(*args)
 
 

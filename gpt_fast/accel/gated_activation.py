@@ -1,14 +1,13 @@
 """A gated MLP's hidden state in a decode step, ``act(gate) * up``, as a kernel of its own or inside the next GEMV.
 
 - ``torch``: the model's code (:func:`gpt_fast.model.transformer.gated`). Inductor then computes the hidden state
-inside the
-  ``w2`` GEMV, once for every block of its output rows, from ``w13``'s output kept in float32: on the Llama-2-7B
-  shape each decode step's ``w2`` re-reads 88 KB per block, and coordinate-descent tuning of that kernel lands on
-  blocks that ran at 29-57 µs in the model, where the same GEMV over a ready hidden state runs at 24-29 µs.
+  inside the ``w2`` GEMV, once for every block of its output rows, from ``w13``'s output kept in float32: on the
+  Llama-2-7B shape each decode step's ``w2`` re-reads 88 KB per block, and coordinate-descent tuning of that kernel
+  lands on blocks that run at 29-57 µs in the model, where the same GEMV over a ready hidden state runs at 24-29 µs.
 - ``triton``: :mod:`gpt_fast.kernels.triton_gated_activation`, one small kernel per layer writing the hidden state
   once, wrapped as the ``torch.library.triton_op`` ``gpt_fast::gated_activation`` so that inductor cannot fold it
-  into the GEMV. On an H200 the 7B shape decoded 246.7 tok/s with an equivalent operator against 230.7 without
-  (BENCHMARKS.md, thirteenth session). For small models the evidence is mixed (the SmolLM2-135M shape's MLP alone:
+  into the GEMV. On an H200 the 7B shape decodes 246.7 tok/s with an equivalent operator against 230.7 without
+  (docs/bench/HISTORY.md, 2026-11-23e). For small models the evidence is mixed (the SmolLM2-135M shape's MLP alone:
   6.9 µs with it, 6.0 without; its whole decode, one run each: 1168 tok/s with it, 1108 without), so ``auto`` keeps
   their code.
 
@@ -30,7 +29,7 @@ from gpt_fast.quant.products import resolve_kernel_choice, triton_usable
 
 ACTIVATION_KERNELS = ("auto", "triton", "torch")
 # ``auto`` takes the kernel for w2 matrices of at least this many weights (Llama-2-7B's has 45M, SmolLM2-135M's 0.9M;
-# nothing between was measured)
+# sizes between are not measured)
 LARGE_FFN = 2**24
 
 

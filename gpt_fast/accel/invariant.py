@@ -1,12 +1,12 @@
 """Batch-invariant decode and verify steps (``--batch_invariant``): every token's row computed the same way whatever
 else the step computes, so that speculative decoding gives plain decoding's text token for token in any dtype.
 
-A verify step runs the model over k + 1 positions where a decode step runs it over one. With the usual kernels the
-two round differently (a matrix product over k + 1 rows is not k + 1 matrix-vector products; inductor fuses and
-tunes the two graphs apart), and in bfloat16 that flips near-ties: the fourth and eighth sessions measured prompt
-lookup at 3.01x plain decoding on an H200 with the text leaving plain decoding's at token 93 (BENCHMARKS.md). In a
-batch-invariant step each reduction over a row (the linear layers, the RMSNorms, the attention of a query) is an
-operator whose result for a row does not depend on the other rows:
+A verify step runs the model over k + 1 positions where a decode step runs it over one. With the usual kernels the two
+round differently (a matrix product over k + 1 rows is not k + 1 matrix-vector products; inductor fuses and tunes the
+two graphs apart), and in bfloat16 that flips near-ties: on an H200, prompt lookup at 3.01x plain decoding gives a text
+that leaves plain decoding's at token 93 (docs/bench/HISTORY.md, 2026-11-22c and 2026-11-22g). In a batch-invariant step
+each reduction over a row (the linear layers, the RMSNorms, the attention of a query) is an operator whose result for a
+row does not depend on the other rows:
 
 - on a CUDA GPU with Triton (not ROCm), Triton kernels whose compiled code and order for a row do not depend on
   the number of rows: the linear layers multiply a fixed 16 rows at a time on the tensor cores (rows past the last
@@ -20,8 +20,7 @@ Each is a ``torch.library.custom_op``, opaque to ``torch.compile``: inductor nei
 nor re-tunes it per graph. What remains to inductor between them is elementwise (residual additions, the gated
 activation, the embedding), which rounds each element alike in every graph once the compiled steps emulate eager
 rounding (:func:`gpt_fast.generation.decode.compile_options`, ``exact``). The prefill of a prompt, and any product of
-more
-than :data:`INVARIANT_ROWS` rows, keeps the usual kernels: plain and speculative decoding share the prefill.
+more than :data:`INVARIANT_ROWS` rows, keeps the usual kernels: plain and speculative decoding share the prefill.
 
 Not covered, and refused by the engine: mixtures of experts, quantized checkpoints, tensor parallelism.
 """
@@ -142,8 +141,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 def invariant_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
     """:func:`gpt_fast.model.transformer.rms_norm` of each row of ``x`` [B, T, ..., D] (T positions of B sequences: up
-    to
-    :data:`INVARIANT_ROWS` of them; a q/k norm's heads are rows too) on its own."""
+    to :data:`INVARIANT_ROWS` of them; a q/k norm's heads are rows too) on its own."""
     if x.shape[0] * x.shape[1] > INVARIANT_ROWS:
         return rms_norm(x, weight, eps, offset)
     rows = x.reshape(-1, x.shape[-1])
@@ -152,8 +150,7 @@ def invariant_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset
 
 def invariant_attention(*args: object) -> torch.Tensor:
     """What :class:`gpt_fast.model.transformer.Attention` calls as its ``rows_kernel``: the operator, with the
-    arguments of
-    :func:`reference_attention`."""
+    arguments of :func:`reference_attention`."""
     return torch.ops.gpt_fast.invariant_attention(*args)
 
 

@@ -4,14 +4,13 @@
 - ``triton``: :mod:`gpt_fast.kernels.triton_linear`, a GEMV launched with programmatic dependent launch, whose
   weight loads begin while the kernel before it drains. It is registered as the opaque operator
   ``gpt_fast::linear_gemv`` (``torch.library.custom_op``, not ``triton_op``): inductor launches the kernels of a
-  ``triton_op`` itself, without PDL. On an H200, Llama-2-7B shape, one machine (BENCHMARKS.md, twentieth session):
+  ``triton_op`` itself, without PDL. On an H200, Llama-2-7B shape, one machine (docs/bench/HISTORY.md, 2026-11-24b):
   245.6 tok/s against 217.2 with inductor's heuristic configurations (the kernel without PDL: 239.5-241.8), 244.1
   against 241.1 with coordinate-descent tuning (whose builds spread more); Llama-3-8B shape 224.5 against 203.7.
 
 A gated MLP's ``w13`` and its activation are one kernel, ``gpt_fast::gated_gemv`` (set as
 :attr:`gpt_fast.model.transformer.FeedForward.gated_kernel`), so that the activation is no kernel of its own: on the
-same H200,
-7B shape 249.3 -> 258.9 tok/s (twenty-first session).
+same H200, 7B shape 258.9 tok/s against 249.3 with the activation apart (docs/bench/HISTORY.md, 2026-11-24c).
 
 In a layer :func:`fuses_row` takes, the norms and residual adds are no kernels of their own either
 (:class:`FusedRow`, set as :attr:`gpt_fast.model.transformer.TransformerBlock.row_kernels`): each norm is computed
@@ -21,9 +20,9 @@ The figures behind these choices are in BENCHMARKS.md and docs/bench/HISTORY.md.
 
 ``auto`` takes the kernel in the CUDA-graph compile modes (where PDL applies) on CUDA GPUs of compute capability 9
 or more with Triton, on one GPU or split over several (each rank's shards;
-:class:`gpt_fast.parallel.tensor_parallel.ParallelRow`); elsewhere the model's code. Small models take it too
-since the norms moved inside it: SmolLM2-135M shape 1572-1624 tok/s against 1235-1332, int8 1392 against 1077, int4
-1214 against 894 (twenty-eighth session). The model calls the kernel only in compiled steps with one row of
+:class:`gpt_fast.parallel.tensor_parallel.ParallelRow`); elsewhere the model's code. Small models take it too,
+with the norms inside it: SmolLM2-135M shape 1572-1624 tok/s against 1235-1332, int8 1392 against 1077, int4 1214
+against 894 (docs/bench/HISTORY.md, 2026-11-24j). The model calls the kernel only in compiled steps with one row of
 activations (batch 1, one position); prefills, batches and eager steps keep ``nn.Linear``.
 """
 
@@ -51,12 +50,12 @@ def resolve_linear_kernel(kernel: str, device: torch.device, compile_mode: str) 
 
 
 def pdl_kernels_measured(device: torch.device, compile_mode: str) -> bool:
-    """Where our decode kernels launched with PDL were measured faster than the model's code (``auto``'s choice of
+    """Where our decode kernels launched with PDL measure faster than the model's code (``auto``'s choice of
     this GEMV, of :mod:`gpt_fast.accel.decode_attention`'s kernel and of :mod:`gpt_fast.accel.top_k`'s): the
     CUDA-graph modes on a GPU that launches with PDL (:func:`steps_with_pdl`), with or without ``--aot_precompile``
     (a package calls the registered operators by name; the engine registers them before it loads one), on one GPU
     or split over several (Llama-2-7B shape on two H200s: 322.9 tok/s with the GEMV and the attention against
-    284.3 without; BENCHMARKS.md, twenty-ninth session)."""
+    284.3 without; docs/bench/HISTORY.md, 2026-11-24k)."""
     return steps_with_pdl(device, compile_mode)
 
 
@@ -141,12 +140,10 @@ class FusedRow:
     ``gated_gemv`` for :class:`DecodeLinear`, ``int8_row`` and ``int4_row`` for a quantized layer that
     :meth:`gpt_fast.quant.layers.QuantizedLinear.fuses_row`): what :class:`DecodeLinear` calls,
     :attr:`gpt_fast.model.transformer.FeedForward.gated_kernel` (:meth:`gated`, ``w13`` and the activation in one
-    kernel) and
-    :attr:`gpt_fast.model.transformer.TransformerBlock.row_kernels` (with the norm before a product and the residual
-    add after
-    it inside the kernel, so that neither is a kernel of its own: on an H200, Llama-2-7B shape, each norm was a
-    kernel of about 2 µs between two GEMVs, during which no weights streamed; BENCHMARKS.md, twenty-sixth and
-    twenty-seventh sessions)."""
+    kernel) and :attr:`gpt_fast.model.transformer.TransformerBlock.row_kernels` (with the norm before a product and
+    the residual add after it inside the kernel, so that neither is a kernel of its own: on an H200, Llama-2-7B
+    shape, a norm as a kernel of its own takes about 2 µs between two GEMVs, during which no weights stream;
+    docs/bench/HISTORY.md, 2026-11-24h and 2026-11-24i)."""
 
     @staticmethod
     def linear(
@@ -181,8 +178,7 @@ def computes_row(product: nn.Module) -> bool:
 
 def fuses_row(block: TransformerBlock) -> bool:
     """Whether :meth:`gpt_fast.model.transformer.TransformerBlock.one_row` computes ``block``: a gated MLP, no
-    post-norms, four
-    products :func:`computes_row` takes, norms without an offset and without a kernel of their own."""
+    post-norms, four products :func:`computes_row` takes, norms without an offset and without a kernel of their own."""
     attention, mlp = block.attention, block.feed_forward
     if not isinstance(mlp, FeedForward) or block.post_attention_norm is not None:
         return False

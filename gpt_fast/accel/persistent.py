@@ -120,9 +120,8 @@ def layer_weights(model: Transformer) -> list[torch.Tensor]:
 
 
 def persistent_layers(model: Transformer, x: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-    """What :class:`gpt_fast.model.transformer.Transformer` calls as its ``layers_kernel``: the residual ``x`` [1, 1,
-    D] after
-    every layer, for the token at ``input_pos`` [1]."""
+    """What :class:`gpt_fast.model.transformer.Transformer` calls as its ``layers_kernel``: the residual ``x`` [1, 1, D]
+    after every layer, for the token at ``input_pos`` [1]."""
     cfg = model.config
     kv = [layer.attention.kv_cache.kv for layer in model.layers]
     shape = [cfg.n_head, cfg.n_local_heads, cfg.head_dim, cfg.intermediate_size, model.max_seq_length]

@@ -4,15 +4,15 @@
   kernels on a GPU), the softmax and the exponential race over the k candidates.
 - ``triton``: :mod:`gpt_fast.kernels.triton_top_k`, a histogram of the logits' 16-bit keys and the race over the
   candidates in two kernels of many programs each, registered as the opaque operator ``gpt_fast::top_k_sample``
-  (it launches itself, with PDL in the CUDA-graph modes where the device has it). On an H200 (BENCHMARKS.md,
-  twenty-eighth session, one row, k = 200, in a CUDA graph, the noise draw included): 20.6 µs against 44.3 for
+  (it launches itself, with PDL in the CUDA-graph modes where the device has it). On an H200 (docs/bench/HISTORY.md,
+  2026-11-24j, one row, k = 200, in a CUDA graph, the noise draw included): 20.6 µs against 44.3 for
   32000 logits, 16.9 against 50.7 for 49152, 49.5 against 61.4 for 128256.
 
 It samples from the same distribution as ``torch`` with other draws: one Exp(1) draw per vocabulary id rather than
 per candidate, and of logits tied at the k-th largest the lowest ids are the candidates (``torch.topk`` leaves that
 order unspecified). It serves 16-bit logits under top-k without top-p, with ``k`` below the vocabulary size; any
 other setting keeps the PyTorch code. ``auto`` takes it where it takes our GEMV: in the CUDA-graph modes on GPUs
-that launch with PDL (BENCHMARKS.md, twenty-eighth session, heuristic tuning: SmolLM2 shape 1727.1 tok/s against
+that launch with PDL (docs/bench/HISTORY.md, 2026-11-24j, heuristic tuning: SmolLM2 shape 1727.1 tok/s against
 1603.0, Llama-2-7B 281.5 against 280.2).
 """
 

@@ -111,9 +111,9 @@ def measure(
 ) -> Row:
     """``builds`` times: build the row's runs anew (compiled again, from inductor's caches after the first) and
     :func:`measure_build` them. One build's timed runs agree within about 1 %, but on an H200 two builds of one
-    configuration in one process have differed by 21 % (BENCHMARKS.md, seventeenth session): with
-    ``builds`` > 1 a row's tok/s and TTFT are the medians over its builds, and the builds' tok/s range is kept.
-    The compile time and memory are the first build's."""
+    configuration in one process can differ by 21 % (docs/bench/HISTORY.md, 2026-11-23i): with ``builds`` > 1 a row's
+    tok/s and TTFT are the medians over its builds, and the builds' tok/s range is kept. The compile time and memory are
+    the first build's."""
     rows = []
     for index in range(builds):
         if index:
@@ -445,8 +445,7 @@ def torchao_runs(subject: Subject, scheme: QuantConfig) -> tuple[tuple[Run, Run]
 def scheme_bytes_per_token(shape: ModelConfig, scheme: QuantConfig, dtype: torch.dtype) -> int:
     """The weight bytes a decode step of ``shape`` quantized with ``scheme`` reads, counted as
     :func:`gpt_fast.model.transformer.weight_bytes_per_token` counts them: all but an embedding table that is not the
-    output
-    projection."""
+    output projection."""
     stored = stored_size(shape, scheme, dtype)[1]
     table_is_output = shape.tie_embeddings and not scheme.output
     return stored if table_is_output else stored - shape.vocab_size * shape.dim * dtype.itemsize

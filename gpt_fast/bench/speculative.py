@@ -138,8 +138,8 @@ def record_for_replay(setup: Setup, k: int) -> list[int]:
     round differently from a one-position decode step (in bfloat16, without ``--batch_invariant``) and flip a near-tie,
     after which every replayed proposal is off. So the timed request itself is replayed and its output recorded until
     it produces what it proposes: each pass keeps the agreed prefix and extends it past at least one flip. Every pass
-    is the timed request: a longer one would have a longer cache, and a token must not hang on that (on a GPU the
-    batch-invariant steps once did: BENCHMARKS.md, fifteenth session; fixed in the sixteenth)."""
+    is the timed request: a longer one would have a longer cache, and a token must not hang on that
+    (``scripts/invariant_cache_length.py`` checks that it does not in the batch-invariant steps on a GPU)."""
     slack = (MAX_ROUNDS_AHEAD + 1) * (k + 1)
     recorded = setup.generate(None, setup.new_tokens + slack)().tokens[0]
     replay = Replay(setup.prompt + recorded, k)

@@ -1,11 +1,10 @@
 """Tensor-parallel decode speed over world sizes, in one invocation: for each world size N it starts N ranks with
-torchrun (:mod:`gpt_fast.parallel.launch`), each of which makes its own part of a random model of a named shape
-directly in
-its GPU's memory (no checkpoint on disk: a Llama-2-70B shape is 138 GB), decodes as ``gpt-fast generate`` does, and
+torchrun (:mod:`gpt_fast.parallel.launch`), each of which makes its own part of a random model of a named shape directly
+in its GPU's memory (no checkpoint on disk: a Llama-2-70B shape is 138 GB), decodes as ``gpt-fast generate`` does, and
 profiles one more generation on rank 0. Prints one table: tok/s, the speed-up over 1 GPU measured in the same
 invocation, weights read per GPU, the share of the summed copy bandwidth of the N GPUs (each measured as
-``gpt-fast bench`` does), and the collectives' GPU time per token from the trace (NCCL's kernels; their time
-includes waiting for the slowest rank). A world size whose part does not fit a GPU comfortably (its weights over
+``gpt-fast bench`` does), and the collectives' GPU time per token from the trace (NCCL's kernels; their time includes
+waiting for the slowest rank). A world size whose part does not fit a GPU comfortably (its weights over
 :data:`FIT_SHARE` of the GPU's memory) is skipped.
 
     python -m gpt_fast.bench.tp --shape llama-2-7b --tp 1,2,4

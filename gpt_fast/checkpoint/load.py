@@ -208,9 +208,9 @@ def load_model(
     path = inside_folder(checkpoint_dir, config.weights, f"{checkpoint_dir / CONFIG_FILE}: weights")
     state = checkpoint_weights(path, config)
     if device.type == "cpu":
-        # On the CPU, computing from a private file mapping was measured 8x slower than from ordinary memory
-        # (SmolLM2-135M decode), and copying out of the mapping page by page 4x slower than reading the file
-        # again; checked, the file is now read in whole.
+        # On the CPU, computing from a private file mapping is 8x slower than from ordinary memory (SmolLM2-135M
+        # decode), and copying out of the mapping page by page 4x slower than reading the file again: once checked,
+        # the file is read in whole.
         state = torch.load(path, map_location="cpu", weights_only=True)
     if shard is not None:
         state = shard.slice_state(state, config.model)
@@ -246,11 +246,10 @@ def model_from_state(
     kernel: str = "auto",
     shard: Shard | None = None,
 ) -> Transformer:
-    """The model for ``config`` holding ``state``'s tensors (no copy where they already have ``device`` and
-    ``dtype``), ready for inference; with ``quantization``, its quantized layers compute with ``kernel``. With
-    ``shard``, ``state`` is a rank's (:meth:`~gpt_fast.parallel.tensor_parallel.Shard.slice_state`) and the model that
-    rank's part,
-    without its collectives (:meth:`gpt_fast.parallel.tensor_parallel.TensorParallel.connect`)."""
+    """The model for ``config`` holding ``state``'s tensors (no copy where they already have ``device`` and ``dtype``),
+    ready for inference; with ``quantization``, its quantized layers compute with ``kernel``. With ``shard``, ``state``
+    is a rank's (:meth:`~gpt_fast.parallel.tensor_parallel.Shard.slice_state`) and the model that rank's part, without
+    its collectives (:meth:`gpt_fast.parallel.tensor_parallel.TensorParallel.connect`)."""
     local = config if shard is None else shard.local_config(config)
     with torch.device("meta"):
         model = Transformer(local)

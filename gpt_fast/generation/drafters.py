@@ -4,10 +4,9 @@ continuation (replay, for benchmarks).
 
 A drafter writes its proposals into a :class:`SpeculativeState` on the device; the verify step
 (:mod:`gpt_fast.generation.speculative`) reads them there. Nothing a drafter does waits for the device: prompt lookup
-and
-replay are tensor operations over the token buffer, and a draft model's steps read their input from the buffer
-the previous step wrote, as the plain decode step does. Drafters are modules so that their buffers, like the KV
-caches, have fixed addresses that a CUDA graph can capture.
+and replay are tensor operations over the token buffer, and a draft model's steps read their input from the buffer the
+previous step wrote, as the plain decode step does. Drafters are modules so that their buffers, like the KV caches, have
+fixed addresses that a CUDA graph can capture.
 
 Every drafter's proposals are checked by the target, so a drafter only decides the speed, never the text.
 """

@@ -2,7 +2,7 @@
 runs it without Dynamo tracing the model again.
 
 A warm start with ``torch.compile`` still traces the whole step in Python (3–4 s on an H200 for the SmolLM2 and
-Llama-2-7B shapes, BENCHMARKS.md, eleventh session) before inductor's on-disk cache can serve the kernels. torch's
+Llama-2-7B shapes, docs/bench/HISTORY.md, 2026-11-23c) before inductor's on-disk cache can serve the kernels. torch's
 experimental ``aot_compile`` saves the traced and compiled step with its guards and Triton kernels;
 ``torch.compiler.load_compiled_function`` brings it back with no tracing at all.
 

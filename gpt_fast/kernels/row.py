@@ -31,9 +31,8 @@ def inverse_rms(x_ptr, K, eps, ROW_K: tl.constexpr, NORM: tl.constexpr) -> tl.te
 def gated(gate, up, dtype, GELU: tl.constexpr) -> tl.tensor:
     """``act(gate) * up`` in ``dtype`` from ``gate`` and ``up`` in float32 (values of ``dtype``), rounded as
     :func:`gpt_fast.model.transformer.gated` rounds: the activation in float32, rounded to ``dtype``, then the product
-    in float32,
-    rounded again. ``gelu_tanh`` is GeLU's tanh approximation, written through ``exp`` (Triton has no portable
-    tanh)."""
+    in float32, rounded again. ``gelu_tanh`` is GeLU's tanh approximation, written through ``exp`` (Triton has no
+    portable tanh)."""
     if GELU:  # x (1 + tanh(z)) / 2 = x sigmoid(2z), z = sqrt(2 / pi) (x + 0.044715 x^3): no cancellation for x < 0
         inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
         act = gate / (1.0 + tl.exp(-2.0 * inner))

@@ -72,8 +72,8 @@ def _span(pos, SPLIT_LEN: tl.constexpr, MAX_SPLITS: tl.constexpr, CAPPED: tl.con
     """The positions per split of a query at position ``pos`` (it sees positions 0 to ``pos``): ``SPLIT_LEN``, or
     the smallest multiple of it that covers them in ``MAX_SPLITS`` splits. A function of the query's position
     alone, never of the cache's length. Without ``CAPPED`` (a cache of at most ``MAX_SPLITS`` splits, so no query
-    in it needs more) that is ``SPLIT_LEN``, a constant the compiler sees: the split's loop as it was before the
-    cap (thirty-second session)."""
+    in it needs more) that is ``SPLIT_LEN``, a constant the compiler sees: computing the span from the position
+    costs a short cache 0.5-1 µs per layer on an H200 (docs/bench/HISTORY.md, 2026-11-25c)."""
     if CAPPED:
         span = SPLIT_LEN * tl.cdiv(tl.cdiv(pos + 1, SPLIT_LEN), MAX_SPLITS)
     else:
@@ -83,10 +83,10 @@ def _span(pos, SPLIT_LEN: tl.constexpr, MAX_SPLITS: tl.constexpr, CAPPED: tl.con
 
 def max_splits(n_kv: int) -> int:
     """Splits per row and kv head, at most: the power of two that keeps a row's programs within
-    :data:`SPLIT_PROGRAMS`, 16 at least. On an H200, 8192-position caches (BENCHMARKS.md, thirty-first session):
+    :data:`SPLIT_PROGRAMS`, 16 at least. On an H200, 8192-position caches (docs/bench/HISTORY.md, 2026-11-25b):
     SmolLM2 (3 kv heads) with a query at position 8000, 56.6 µs with 32 splits, 37.5 with 64, 28.3 with 128 (the
-    splits over the whole cache before: 40.9); Llama-3-8B (8 kv heads) at position 2040, 29.2 µs with 32, 33.4
-    with 64, 34.6 with 128 (at position 8000: 94.9, 96.2, 87.2; before: 59.7 and 105.9)."""
+    splits over the whole cache, uncapped: 40.9); Llama-3-8B (8 kv heads) at position 2040, 29.2 µs with 32, 33.4
+    with 64, 34.6 with 128 (at position 8000: 94.9, 96.2, 87.2; uncapped: 59.7 and 105.9)."""
     return max(16, 1 << (SPLIT_PROGRAMS // n_kv).bit_length() - 1)
 
 
@@ -102,15 +102,15 @@ def decode_launch(group: int, head_dim: int, n_kv: int) -> Launch:
       head_dim / 2] products at :data:`SHORT_TILE_ELEMENTS` (16 to 64), 4 warps, and a second kernel combines the
       splits.
 
-    Either way a long cache has at most :func:`max_splits` splits per kv head. On an H200 (BENCHMARKS.md,
-    thirtieth session), the kernel alone (query at position 250 of 256; Llama-3-8B at 105): SmolLM2 14.4 -> 5.5 µs
-    with one-step splits, Llama-3-8B 18.1 -> 8.5 µs, Llama-2-7B 10.9 -> 7.0 µs; the whole decode step (heuristic
-    tuning, our GEMVs and sampling kernel): SmolLM2 1250 -> 1822 tok/s, Llama-3-8B 244.0 (inductor's attention:
-    237.0), but Llama-2-7B 278.1 -> 271.4, hence its long splits. Those were four loop steps of 64 positions over
-    4 warps until the thirty-sixth session. As one step of 256 positions over 8 warps, Llama-2-7B's 200-token
-    generation went from 279.1 to 282.8 and 283.2 tok/s on one H200; per layer, the attention's end after
-    ``wqkv``'s went from 13.5 to 7.4 µs at position 202, but from 4.6 to 5.8 µs at position 7 (BENCHMARKS.md:
-    four steps of 64 over 8 warps, two of 128, one of 256 over 16 warps were slower; so was a narrow first step).
+    Either way a long cache has at most :func:`max_splits` splits per kv head. On an H200 (docs/bench/HISTORY.md,
+    2026-11-25a), the kernel alone (query at position 250 of 256; Llama-3-8B at 105), long splits against one-step
+    splits: SmolLM2 14.4 against 5.5 µs, Llama-3-8B 18.1 against 8.5 µs, Llama-2-7B 10.9 against 7.0 µs; the whole
+    decode step (heuristic tuning, our GEMVs and sampling kernel): SmolLM2 1250 against 1822 tok/s, Llama-3-8B 244.0
+    with one-step splits (inductor's attention: 237.0), but Llama-2-7B 278.1 against 271.4, hence its long splits. Its
+    split as one step of 256 positions over 8 warps rather than four steps of 64 over 4 warps: Llama-2-7B's 200-token
+    generation at 282.8 and 283.2 tok/s against 279.1 on one H200; per layer, the attention's end after ``wqkv``'s
+    7.4 µs against 13.5 at position 202, but 5.8 against 4.6 µs at position 7 (docs/bench/HISTORY.md, 2026-11-25g: four
+    steps of 64 over 8 warps, two of 128, one of 256 over 16 warps are slower; so is a narrow first step).
     ``scripts/decode_attention_bench.py`` times the kernel alone."""
     if n_kv >= MANY_KV_HEADS:
         split_len = SPLIT_STEPS * loop_step(group, head_dim)
@@ -128,14 +128,14 @@ def loop_step(group: int, head_dim: int) -> int:
 
 
 def rows_launch(group: int, head_dim: int, n_kv: int) -> Launch:
-    """The tile of the batch-invariant attention: :func:`loop_step` positions per loop step, 4 warps, and splits
-    shorter for fewer kv heads: the multiple of the loop step nearest :data:`SPLIT_KEYS` x ``n_kv`` /
-    :data:`FULL_KV_HEADS` positions (one loop step at least, :data:`SPLIT_KEYS` at most), so that a query row
-    spreads over as many programs as a model with 32 kv heads. With SmolLM2's 3 kv heads, splits of four steps left
-    a one-row step six programs over a 704-position cache, each running its loop steps one after another (15.6 µs
-    per layer on an H200, against 8.5 µs with one step per split: fifteenth session). A function of the model
-    alone: never of the number of rows, nor of the cache's length, which a request's token count sets (a token's
-    result must not depend on how many tokens were asked for)."""
+    """The tile of the batch-invariant attention: :func:`loop_step` positions per loop step, 4 warps, and splits shorter
+    for fewer kv heads: the multiple of the loop step nearest :data:`SPLIT_KEYS` x ``n_kv`` / :data:`FULL_KV_HEADS`
+    positions (one loop step at least, :data:`SPLIT_KEYS` at most), so that a query row spreads over as many programs as
+    a model with 32 kv heads. With SmolLM2's 3 kv heads, splits of four steps leave a one-row step six programs over a
+    704-position cache, each running its loop steps one after another (15.6 µs per layer on an H200, against 8.5 µs with
+    one step per split: docs/bench/HISTORY.md, 2026-11-23g). A function of the model alone: never of the number of rows,
+    nor of the cache's length, which a request's token count sets (a token's result must not depend on how many tokens
+    were asked for)."""
     block_s = loop_step(group, head_dim)
     steps = max(1, min(SPLIT_KEYS // block_s, round(SPLIT_KEYS * n_kv / FULL_KV_HEADS / block_s)))
     return Launch(block_s, steps * block_s, 4, max_splits(n_kv))
@@ -328,10 +328,11 @@ def _decode_attention_split(
     up to the query's position is read from the cache, where :func:`_write_rotated` put them.
 
     The first loop step's cached keys and values are loaded before the kernel waits for the one before it
-    (:mod:`gpt_fast.kernels.pdl`), as a GEMV's first weights are: earlier steps wrote them, and the position is an
-    input of the whole step. With ``FROM_CACHE`` the kernel before writes keys, so it is launched without PDL. On an
-    H200 (BENCHMARKS.md, thirty-ninth session) Llama-2-7B's 200-token generations went from 286.4 to 290.3 tok/s,
-    SmolLM2's from 1834 to 1927: the attention's end after ``wqkv``'s from 5.8-7.5 to 5.0-5.1 µs per layer."""
+    (:mod:`gpt_fast.kernels.pdl`), as a GEMV's first weights are: earlier steps wrote them, and the position is an input
+    of the whole step. With ``FROM_CACHE`` the kernel before writes keys, so it is launched without PDL. On an H200
+    (docs/bench/HISTORY.md, 2026-11-25j) Llama-2-7B's 200-token generations run at 290.3 tok/s with these early loads
+    against 286.4 without, SmolLM2's at 1927 against 1834: the attention's end after ``wqkv``'s 5.0-5.1 µs per layer
+    against 5.8-7.5."""
     b = tl.program_id(0) // H_KV
     h = tl.program_id(0) % H_KV
     split = tl.program_id(1)
@@ -425,8 +426,8 @@ def _combine_splits(
     request's cache is: split i is added into slot i % CHUNK of a fixed [CHUNK] accumulator, one chunk of splits
     after the other, and the slots are summed last in one fixed-shape reduction. ``splits`` is a runtime argument,
     not specialized, so every cache length runs the same compiled code. (A reduction over all splits at once,
-    padded to a power of two, changed its order and where the compiler fused a multiply into an add with the padded
-    size, i.e. with the cache's length: sixteenth session.)"""
+    padded to a power of two, would change its order and where the compiler fuses a multiply into an add with the
+    padded size, i.e. with the cache's length: docs/bench/HISTORY.md, 2026-11-23h.)"""
     wait_for_inputs(PDL)
     row = tl.program_id(0)
     used = splits

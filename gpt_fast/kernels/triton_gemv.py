@@ -798,18 +798,18 @@ def int8_launch(n: int, k: int, interleaved: bool = False, inside: Inside = NOTH
     """The tile for an [n, k] int8 matrix:
 
     - as it is: 8 rows of up to 2048 columns per program (read as int32 words), 4 warps; the best single tile of
-      ``scripts/quant_gemv.py --sweep`` on an H200 (BENCHMARKS.md, fifth session's raw sweep): 70.4 us for a
-      Llama-2-7B layer's four GEMVs against 94.2 us for the tile used before (2 rows of 1024 columns), and within
-      10 % of each matrix's own best tile;
-    - ``interleaved`` (:func:`gpt_fast.quant.products.int8_interleave`, 16-bit activations): 4 rows of 2048
-      columns per step, 4 warps (each thread reading 16 bytes of each row per step), the best single tile of the
-      twenty-fifth session's sweep: in one run, 62.5 us for a Llama-2-7B layer against 64.7 for the matrix as it
-      is, 57.2 against 60.4 for Llama-3-8B's three largest; within 8 % of each matrix's own best tile but for the
-      7B ``w2`` (17.1 us in the sweep, against 14.7 with 4096 columns per step);
-    - interleaved with a norm ``inside``: each program normalizes its activations itself, so more rows share that
-      work: 8 rows, or 16 for a gated MLP's ``w13`` (half of them gate rows). On an H200 (thirty-second session),
-      Llama-2-7B ``wqkv`` with the norm 15.4 us against 17.4 with 4 rows (14.1 without the norm), ``w13`` with the
-      norm and the activation 26.0 against 29.9 (23.3 without either)."""
+      ``scripts/quant_gemv.py --sweep`` on an H200 (docs/bench/HISTORY.md, 2026-11-22d, its raw sweep): 70.4 us for a
+      Llama-2-7B layer's four GEMVs against 94.2 us for 2 rows of 1024 columns, and within 10 % of each matrix's own
+      best tile;
+    - ``interleaved`` (:func:`gpt_fast.quant.products.int8_interleave`, 16-bit activations): 4 rows of 2048 columns per
+      step, 4 warps (each thread reading 16 bytes of each row per step), the best single tile of the sweep in
+      docs/bench/HISTORY.md, 2026-11-24g: in one run, 62.5 us for a Llama-2-7B layer against 64.7 for the matrix as it
+      is, 57.2 against 60.4 for Llama-3-8B's three largest; within 8 % of each matrix's own best tile but for the 7B
+      ``w2`` (17.1 us in the sweep, against 14.7 with 4096 columns per step);
+    - interleaved with a norm ``inside``: each program normalizes its activations itself, so more rows share that work:
+      8 rows, or 16 for a gated MLP's ``w13`` (half of them gate rows). On an H200 (docs/bench/HISTORY.md, 2026-11-25c),
+      Llama-2-7B ``wqkv`` with the norm 15.4 us against 17.4 with 4 rows (14.1 without the norm), ``w13`` with the norm
+      and the activation 26.0 against 29.9 (23.3 without either)."""
     if interleaved and inside.norm_weight is not None:
         return Launch(16 if inside.activation else 8, 2048, 4)
     if interleaved:
@@ -895,14 +895,16 @@ STEP_COLUMNS_PER_WARP = 1024  # int4: each warp's share of a step's columns (int
 
 def int4_launch(n: int, group_size: int, half2: bool = True) -> Launch:
     """The tile for an int4 matrix of n rows, from ``scripts/quant_gemv.py --sweep`` on an H200 with groups of 128
-    (BENCHMARKS.md, twenty-fourth session):
+    (docs/bench/HISTORY.md, 2026-11-24f):
 
     - ``half2`` (16-bit activations): 8 rows per program; 2 warps for a matrix of at least :data:`WIDE_ROWS` rows,
       else 4 (more programs' worth of warps for a narrow one); 1024 columns per step for each warp, so that a
       step's activations fill every thread as the weights do and both keep one layout. 43.4 us for a Llama-2-7B
-      layer's four matrices, against 57.1 for the kernel before;
-    - float32 activations: 8 rows, 1024 columns per step, one warp (103 us for the same layer: the activations,
-      read one column at a time, do not keep the weights' layout; 69.7 before)."""
+      layer's four matrices, against 57.1 for a kernel that converts activations loaded in a layout of their own to
+      the tile's;
+    - float32 activations: 8 rows, 1024 columns per step, one warp (103 us for the same layer, against 69.7 with a
+      weight interleave made for them: the activations, read one column at a time, do not keep the weights' layout,
+      which serves the 16-bit path)."""
     if not half2:
         return Launch(8, STEP_COLUMNS_PER_WARP, 1)
     warps = 2 if n >= WIDE_ROWS else 4

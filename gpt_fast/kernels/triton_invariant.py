@@ -8,8 +8,8 @@ seventeen. So a verify step over k + 1 positions rounds each position exactly as
 The linear layer multiplies :data:`ROWS_PER_PROGRAM` rows at a time on the tensor cores (``tl.dot``), rows past the
 step's last one loaded as zeros: one element of the result is one sequence of matrix-multiply instructions over its
 row and column whatever the other rows hold. A verify step's rows then read each weight once, as a decode step's
-single row does; the fourteenth session's kernel, one program per row, read them once per row (a 7B verify step over
-5 positions cost 2.5 decode steps: BENCHMARKS.md).
+single row does; a kernel of one program per row reads them once per row (a 7B verify step over 5 positions then
+costs 2.5 decode steps: docs/bench/HISTORY.md, 2026-11-23f).
 
 Imported only where Triton is (:mod:`gpt_fast.accel.invariant` decides); the launchers run on CUDA tensors, and in
 Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors for the tests.
@@ -39,8 +39,9 @@ class Launch:
 def linear_launch(k: int) -> Launch:
     """The tile for a weight of ``k`` input columns (never the row count): 32 output channels per program, 4
     warps; 128 columns per step in 5 stages, or from 2048 columns on 256 in 4. Measured on an H200 over a grid of
-    tiles (``scripts/invariant_kernels.py --sweep``, fifteenth session): at the SmolLM2 and Llama-2-7B shapes, the
-    best single tile for the sum over a step's linear layers, and within 6 % of each matrix's best tile."""
+    tiles (``scripts/invariant_kernels.py --sweep``, docs/bench/HISTORY.md, 2026-11-23g): at the SmolLM2 and Llama-2-7B
+    shapes, the best single tile for the sum over a step's linear layers, and within 6 % of each matrix's best
+    tile."""
     return Launch(32, 256, 4, 4) if k >= 2048 else Launch(32, 128, 4, 5)
 
 

@@ -3,9 +3,9 @@
 Each program owns ``BLOCK_N`` output channels and walks the input dimension in steps of ``BLOCK_K`` columns,
 keeping a float32 partial product per loaded weight and reducing once at the end. The first step's weights are
 loaded before the kernel waits for its activations (:mod:`gpt_fast.kernels.pdl`), so that in a CUDA graph
-the loads start while the kernel before it drains. The tile, 4 channels × 1024 columns × 4 warps, was the fastest
+the loads start while the kernel before it drains. The tile, 4 channels × 1024 columns × 4 warps, is the fastest
 of seven in a chain of a Llama-2-7B layer's four GEMVs each after a small kernel, in a CUDA graph on an H200:
-102 µs per layer (3961 GB/s) against 117 µs for cuBLAS (BENCHMARKS.md, twentieth session).
+102 µs per layer (3961 GB/s) against 117 µs for cuBLAS (docs/bench/HISTORY.md, 2026-11-24b).
 
 A gated MLP's ``w13`` (gate rows, then up rows) has a kernel of its own, :func:`gated_gemv`: each program owns
 ``BLOCK_N / 2`` hidden units, reads their gate and up rows (the same tile, so the same loads as the plain GEMV)
@@ -52,10 +52,9 @@ def _activations(x_ptr, kk, K, EVEN: tl.constexpr):
 
 @triton.jit
 def _inputs(x_ptr, g_ptr, kk, K, inv_rms, EVEN: tl.constexpr, NORM: tl.constexpr):
-    """The product's inputs [BLOCK_K] of columns ``kk`` in float32: the activations, or with ``NORM`` their RMSNorm
-    with weight ``g``, rounded where :func:`gpt_fast.model.transformer.rms_norm` rounds (the normed row, then its
-    product with
-    the weight, each to the activations' dtype)."""
+    """The product's inputs [BLOCK_K] of columns ``kk`` in float32: the activations, or with ``NORM`` their RMSNorm with
+    weight ``g``, rounded where :func:`gpt_fast.model.transformer.rms_norm` rounds (the normed row, then its product
+    with the weight, each to the activations' dtype)."""
     x = _activations(x_ptr, kk, K, EVEN)
     if NORM:
         dtype = x_ptr.dtype.element_ty

@@ -3,8 +3,8 @@ decode kernels keep them: int8 in the words of :func:`gpt_fast.quant.products.in
 :func:`gpt_fast.quant.products.group_interleave`. Each program dequantizes a tile of words in registers and
 multiplies it on the tensor cores (``tl.dot``), so a prefill reads the packed weights once. The alternative, a
 16-bit copy of each matrix per call then ``F.linear``, writes and reads two bytes per weight besides; in eager
-PyTorch (a graphed prefill is eager) the int4 copy took six passes over each matrix (BENCHMARKS.md,
-thirty-third session).
+PyTorch (a graphed prefill is eager) the int4 copy takes six passes over each matrix (docs/bench/HISTORY.md,
+2026-11-25d).
 
 The activations' columns come in the words' order (:func:`gpt_fast.quant.products.int8_columns`,
 :func:`gpt_fast.quant.products.group_columns`: a few kilobytes per row), so that the ``VALUES`` values of a word,
@@ -109,11 +109,11 @@ WIDE_ROWS = 8192  # int4 weight matrices of at least this many rows take wider t
 
 
 def tile_for(rows: int, n: int, group_size: int) -> Tile:
-    """The tile for ``rows`` activation rows, ``n`` weight rows and int4 groups of ``group_size`` (0: int8), from
-    ``.gpu/mm33.py``'s sweep on an H200 over Llama-2-7B's matrices in bfloat16 (BENCHMARKS.md, thirty-third
-    session): up to 64 rows, a block of 16, 32 or 64 rows and narrow blocks of weights, for enough programs to
-    stream the weights (int4: 256 columns per step, 8 warps, 128 weight rows for a wide matrix); more rows, blocks
-    of 128 rows, 128 columns and 8 warps, 64 weight rows up to 256 activation rows, then 128."""
+    """The tile for ``rows`` activation rows, ``n`` weight rows and int4 groups of ``group_size`` (0: int8), from a
+    sweep on an H200 over Llama-2-7B's matrices in bfloat16 (docs/bench/HISTORY.md, 2026-11-25d): up to 64 rows, a block
+    of 16, 32 or 64 rows and narrow blocks of weights, for enough programs to stream the weights (int4: 256 columns per
+    step, 8 warps, 128 weight rows for a wide matrix); more rows, blocks of 128 rows, 128 columns and 8 warps, 64 weight
+    rows up to 256 activation rows, then 128."""
     block_m = min(max(16, triton.next_power_of_2(rows)), 128)
     if rows > 64:  # groups of 256 take their whole group per step: two stages of it fit in shared memory
         return Tile(block_m, 64 if rows <= 256 else 128, max(128, group_size), 8, 3 if group_size <= 128 else 2)

@@ -25,8 +25,8 @@ rotary embedding's, the norm's), and reduced in float32. A program reads what ot
 Triton's interpreter runs a launch's programs one after another, so a barrier would wait forever there: with
 ``phase`` set, a launch runs that one phase of one layer and no barrier (the CPU tests launch phase by phase);
 on a GPU one launch runs them all. Every program must be resident at once for the barrier: one program per
-multiprocessor, eight warps (on an H200, 132 programs of 8 warps ran the default model's 30 layers in 560 µs; 4 or
-16 warps, or fewer programs, were slower: BENCHMARKS.md, nineteenth session).
+multiprocessor, eight warps (on an H200, 132 programs of 8 warps run the default model's 30 layers in 560 µs; 4 or
+16 warps, or fewer programs, are slower: docs/bench/HISTORY.md, 2026-11-24a).
 
 Imported only where Triton is; the launcher runs on CUDA tensors, and in the interpreter on CPU tensors.
 """

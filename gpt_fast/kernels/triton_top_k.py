@@ -1,9 +1,9 @@
 """Triton kernels for top-k sampling of 16-bit logits, in two kernels spread over many programs per row.
 
-Why: ``torch.topk`` selects the k-th largest logit by radix select in about sixteen small kernels; with the softmax
-and the draw after it, top-k sampling took about 44-51 µs per token on an H200 for 32000-49152 logits
-(BENCHMARKS.md, twenty-eighth session), 7-8 % of a SmolLM2-sized decode step. A single-program radix select was
-slower still (twenty-seventh session): one multiprocessor walking the row several times.
+Why: ``torch.topk`` selects the k-th largest logit by radix select in about sixteen small kernels; with the softmax and
+the draw after it, top-k sampling takes about 44-51 µs per token on an H200 for 32000-49152 logits
+(docs/bench/HISTORY.md, 2026-11-24j), 7-8 % of a SmolLM2-sized decode step. A single-program radix select is slower
+still (docs/bench/HISTORY.md, 2026-11-24i): one multiprocessor walking the row several times.
 
 1. :func:`_count`: each program takes ``CHUNK`` logits of a row and adds each one's 16-bit order key (:func:`_keys`)
    to the row's histogram of 65536 bins (global atomics), and its largest key to the row's maximum. The row's last

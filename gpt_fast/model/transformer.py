@@ -113,7 +113,7 @@ def attend_one_query(
 
     Written as broadcast products and sums rather than a call to an attention kernel: inductor fuses them with
     the query's rotary embedding and the mask into a few small reductions. On an H100 this decoded the
-    SmolLM2-135M shape at 1162 tok/s against 995 with the SDPA math path (BENCHMARKS.md, 2026-11-22). Only for
+    SmolLM2-135M shape at 1162 tok/s against 995 with the SDPA math path (docs/bench/HISTORY.md, 2026-11-22). Only for
     compiled steps: run eagerly, the products are materialized, 2-4x slower than SDPA on a CPU.
     """
     bsz, n_head, _, head_dim = q.shape
@@ -444,7 +444,7 @@ class Transformer(nn.Module):
         that one sequence can be prefilled into its row while the others wait. ``from_start`` says that
         ``input_pos`` is ``0 .. T - 1`` (a prompt's prefill): the full-attention layers then attend causally over
         the new keys alone, with SDPA's causal kernels, rather than over the whole cache through a mask (a
-        1024-token prompt's first token on the Llama-2-7B shape: BENCHMARKS.md, thirteenth session)."""
+        1024-token prompt's first token on the Llama-2-7B shape: docs/bench/HISTORY.md, 2026-11-23e)."""
         assert self.max_seq_length > 0, "setup_caches() must be called before forward()"
         cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [T, D/2] or [B, T, D/2]
         x = self.tok_embeddings(idx)

@@ -9,14 +9,13 @@ its rows' logits and one all-gather joins them. The embedding table stays whole 
 one row of it, and splitting it would cost a collective for nothing read.
 
 Processes are started by ``torchrun`` (``gpt-fast generate --tp N`` starts it: :mod:`gpt_fast.parallel.launch`), which
-sets
-``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``; the local rank picks the GPU, so that the same command runs over
+sets ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``; the local rank picks the GPU, so that the same command runs over
 several hosts. The collectives are PyTorch's: the all-reduce ``dist.all_reduce`` inside an opaque operator
 (:func:`register_all_reduce`), the head's all-gather a functional collective; ``torch.compile`` puts both into the
 decode step's graph (the CUDA-graph modes capture them too); NCCL on GPUs (RCCL on ROCm, under the same name),
 gloo on the CPU. With our fused GEMVs a layer's residual adds and norms stay inside them (:class:`ParallelRow`).
 
-The model knows none of this (``model.py`` imports no ``torch.distributed``): :meth:`TensorParallel.connect`
+The model knows none of this (:mod:`gpt_fast.model` imports no ``torch.distributed``): :meth:`TensorParallel.connect`
 wraps its row-parallel layers and its head, after the weights are loaded, in modules that add the collective.
 """
 
@@ -201,9 +200,9 @@ def register_all_reduce() -> None:
     """Register ``gpt_fast::all_reduce_sum_``: ``dist.all_reduce`` of a tensor in place, as one opaque operator.
 
     Not the functional all-reduce, which runs NCCL's kernel on the process group's own stream: in a captured decode
-    step each one then waited for the switch of streams, 4-10 µs before each of the 64 all-reduces of a Llama-2-7B
-    token on two H200s (BENCHMARKS.md, twenty-ninth session). ``dist.all_reduce`` without ``async_op`` launches on
-    the current stream (so it did with torch 2.11)."""
+    step each one then waits for the switch of streams, 4-10 µs before each of the 64 all-reduces of a Llama-2-7B
+    token on two H200s (docs/bench/HISTORY.md, 2026-11-24k). ``dist.all_reduce`` without ``async_op`` launches on the
+    current stream (as it does with torch 2.11)."""
     import torch.distributed as dist
 
     @torch.library.custom_op("gpt_fast::all_reduce_sum_", mutates_args=("x",))
@@ -327,9 +326,9 @@ def leave() -> None:
     """Leave the group at exit (a process that ends without it may abort while its communicator's threads run).
 
     The group must be unreferenced then, so that destroying it joins its backend's threads here, at exit, while the
-    interpreter is whole: a group still held (by a compiled graph, by a default argument: :func:`join`) was destroyed
-    only in the interpreter's finalization, and a gloo rank sometimes aborted there ("terminate called without an
-    active exception") after its work was done.
+    interpreter is whole: a group still held (by a compiled graph, by a default argument: :func:`join`) is destroyed
+    only in the interpreter's finalization, where a gloo rank sometimes aborts ("terminate called without an active
+    exception") after its work is done.
 
     A CUDA graph that captured a collective holds a reference on NCCL's communicator, and destroying the
     communicator waits until every such graph is gone (pytorch/pytorch#115388): with `reduce-overhead` the ranks

@@ -53,9 +53,9 @@ def asymmetric_target(
     the partly quantized one (the same tokens), and ``r`` is ``ridge`` times the mean diagonal of ``X̃ X̃ᵀ``:
     ``W' = W (X X̃ᵀ + r I)(X̃ X̃ᵀ + r I)⁻¹``. The ridge keeps the target near ``W`` along the directions the
     calibration inputs barely span, where a least-squares fit on a few thousand tokens is mostly noise (with 0.01
-    of the mean diagonal and 4096 tokens, the default model's perplexity was far worse than plain GPTQ's: +18 %
+    of the mean diagonal and 4096 tokens, the default model's perplexity is far worse than plain GPTQ's: +18 %
     against +10 %; with 1, +6.4 %; docs/bench/quant_gptaq_cpu_s18.txt). In float64, as measured there: the same
-    target in float32, different by rounding alone, gave +8.1 % (roundings near ties flip, and the sequential
+    target in float32, different by rounding alone, gives +8.1 % (roundings near ties flip, and the sequential
     calibration carries each flip into the later layers, so one run of that gate is one draw from a spread of a
     point or two)."""
     x = float_inputs.reshape(-1, float_inputs.shape[-1]).double()
@@ -70,7 +70,7 @@ def _inverse_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
     """The upper Cholesky factor [K, K] of the inverse of ``h`` damped by ``damp`` times its mean diagonal."""
     h = h.clone()
     h.diagonal().add_(damp * h.diagonal().mean().clamp_min(1e-8))
-    # cholesky_solve against the identity: the same inverse as cholesky_inverse, which was measured 30x slower
+    # cholesky_solve against the identity: the same inverse as cholesky_inverse, which is 30x slower
     # on the CPU (LAPACK's potri), 4.8 s for a [1536, 1536] matrix
     identity = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
     inverse = torch.cholesky_solve(identity, torch.linalg.cholesky(h))
@@ -155,7 +155,7 @@ def _refit_rows(
     w: torch.Tensor, h: torch.Tensor, levels: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`refit_grids` of a few rows, in float64 (the normal equations are ill-conditioned: in float32 the
-    solution was measured a few percent off a direct least-squares solve). The design of row n has a scale
+    solution is a few percent off a direct least-squares solve). The design of row n has a scale
     column per group (the levels minus 8 there, zero elsewhere) and a zero column per group (one there)."""
     w, h = w.double(), h.double()
     rows, cols = w.shape

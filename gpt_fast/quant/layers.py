@@ -220,7 +220,7 @@ def launch_with_pdl(root: nn.Module, pdl: bool) -> None:
     """Whether the quantized layers inside ``root`` that compute with our Triton kernel launch it with PDL in
     compiled steps (:func:`gpt_fast.quant.products.register_triton_ops`): the engine asks for it in a model's
     decoder layers where its unquantized GEMVs are ours (``linear_kernel`` ``triton``: CUDA-graph steps on a GPU
-    that launches with PDL), measured faster there (BENCHMARKS.md, twenty-third session)."""
+    that launches with PDL), measured faster there (docs/bench/HISTORY.md, 2026-11-24e)."""
     for module in root.modules():
         if isinstance(module, QuantizedLinear):
             module.pdl = pdl and module.kernel == "triton"

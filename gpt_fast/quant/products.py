@@ -4,20 +4,20 @@ A decode step multiplies a few rows of activations (up to :data:`FEW_ROWS`) by e
 is the time to read the weights: that is what the specialized kernels are for. More rows (a prompt, a perplexity
 window, a batch) are a matrix product: on a CUDA GPU with our kernels' words, our Triton product
 (:mod:`gpt_fast.kernels.triton_matmul`, see :func:`takes_matmul`), elsewhere ``dequant`` whatever the kernel:
-PyTorch's own weight-only kernels were measured 25 to 50 times slower than dequantize-then-``F.linear`` on the CPU
+PyTorch's own weight-only kernels are 25 to 50 times slower than dequantize-then-``F.linear`` on the CPU
 for 1024 rows.
 
 - ``triton``: our Triton kernels (:mod:`gpt_fast.kernels.triton_gemv`), on CUDA GPUs. Wrapped as
-  ``torch.library.triton_op`` so that ``torch.compile`` places them in its own generated code (and CUDA graphs
-  capture them). The choice on CUDA, compiled or not. int8: in a compiled 7B step it was measured faster than
-  inductor's own dequantizing GEMV (which folds the RMSNorm into its prologue), and the same in every build, where
-  inductor's varies with its coordinate-descent tuning (BENCHMARKS.md, eighteenth session); in 16-bit models its
-  weights are repacked (:func:`int8_interleave`) and summed in float16 pairs, 3 % faster again (twenty-fifth
-  session). int4: with 16-bit activations its products are summed in float16 pairs, which made it faster than
-  tinygemm on the wide Llama-2-7B matrices and the 7B step 3 % faster, 9 % with PDL (twenty-third session). In
-  the decode steps where our bf16 GEMVs run a layer's norms and residual adds inside (``FusedRow``), both kernels
-  do too, and the gated activation (``int8_row``, ``int4_row``): on an H200, 7B step int8 373.9 -> 384.8 tok/s,
-  int4 417.0 -> 427.5 (thirty-second session).
+  ``torch.library.triton_op`` so that ``torch.compile`` places them in its own generated code (and CUDA graphs capture
+  them). The choice on CUDA, compiled or not. int8: in a compiled 7B step it is faster than inductor's own dequantizing
+  GEMV (which folds the RMSNorm into its prologue), and the same in every build, where inductor's varies with its
+  coordinate-descent tuning (docs/bench/HISTORY.md, 2026-11-23j); in 16-bit models its weights are repacked
+  (:func:`int8_interleave`) and summed in float16 pairs, 3 % faster again (docs/bench/HISTORY.md, 2026-11-24g). int4:
+  with 16-bit activations its products are summed in float16 pairs, which makes it faster than tinygemm on the wide
+  Llama-2-7B matrices and the 7B step 3 % faster, 9 % with PDL (docs/bench/HISTORY.md, 2026-11-24e). In the decode steps
+  where our bf16 GEMVs run a layer's norms and residual adds inside (``FusedRow``), both kernels do too, and the gated
+  activation (``int8_row``, ``int4_row``): on an H200, 7B step int8 384.8 tok/s against 373.9 with them apart, int4
+  427.5 against 417.0 (docs/bench/HISTORY.md, 2026-11-25c).
 - ``aten``: PyTorch's own weight-only kernels, ``torch.ops.aten._weight_int8pack_mm``, and for int4
   ``_weight_int4pack_mm_for_cpu`` or CUDA's tinygemm ``_weight_int4pack_mm`` (on a copy of the weights repacked
   once at load, :mod:`gpt_fast.quant.layers`). The CPU's choice: they read the weights as they are, where
@@ -194,15 +194,15 @@ def register_triton_ops() -> None:
         return x.new_empty((x.shape[0], triton_gemv.outputs(scales.shape[0], activation)))
 
 
-# Rows our GEMVs take where the matrix product of the words can (more take it: it reads each block of weights
-# once for all of them): the crossovers measured on an H200 over a Llama-2-7B layer (BENCHMARKS.md, thirty-third
-# session: int8 4 rows 160 us against 172, int4 12 rows 328 against 329)
+# Rows our GEMVs take where the matrix product of the words can (more take it: it reads each block of weights once for
+# all of them): the crossovers measured on an H200 over a Llama-2-7B layer (docs/bench/HISTORY.md, 2026-11-25d: int8 4
+# rows 160 us against 172, int4 12 rows 328 against 329)
 INT8_GEMV_ROWS = 3
 INT4_GEMV_ROWS = 11
-# Compiled, a prefill of more rows dequantizes the words in inductor's fused kernel and multiplies in cuBLAS: the
-# 7B int4 model's 1024-token prefill takes 29.8 ms so, where our product's kernels alone sum to about 82 ms; at 64
-# rows ours matches what a whole-matrix dequantization plus cuBLAS would cost (estimated from the bytes, the cut
-# itself not measured; thirty-third session). Eager, ours was faster at every length measured (4 to 1024 rows)
+# Compiled, a prefill of more rows dequantizes the words in inductor's fused kernel and multiplies in cuBLAS: the 7B
+# int4 model's 1024-token prefill takes 29.8 ms so, where our product's kernels alone sum to about 82 ms; at 64 rows
+# ours matches what a whole-matrix dequantization plus cuBLAS would cost (estimated from the bytes, the cut itself not
+# measured; docs/bench/HISTORY.md, 2026-11-25d). Eager, ours is faster at every length measured (4 to 1024 rows)
 COMPILED_MATMUL_ROWS = 64
 
 

@@ -24,9 +24,9 @@ def apply_torch_settings() -> None:
 def _use_workers_ptxas() -> None:
     """Point Triton at the ptxas inductor's compile workers use (the one inside torch's wheel, where there is one).
 
-    The workers set it for themselves, this process did not: coordinate-descent tuning, which compiles here, then
-    built its winning kernels with Triton's own ptxas, whose version is part of Triton's cache key — so the next
-    process, which loads kernels the workers' way, missed the cache and compiled every tuned kernel again
+    The workers set it for themselves, this process does not: coordinate-descent tuning, which compiles here, would
+    build its winning kernels with Triton's own ptxas, whose version is part of Triton's cache key — so the next
+    process, which loads kernels the workers' way, would miss the cache and compile every tuned kernel again
     (measured on an H200 with torch 2.11: 24 kernels, +2.4 s, on the first warm start of the SmolLM2 shape)."""
     from torch._inductor.runtime import compile_tasks
 
@@ -38,8 +38,8 @@ def _use_workers_ptxas() -> None:
 def _keep_tuned_configs_on_load() -> None:
     """torch 2.11 only: make a kernel loaded from a cache (an ``--aot_precompile`` package, or inductor's FX graph
     cache) run the configuration coordinate-descent tuning found for it in an earlier process instead of tuning it
-    again at its first call, which in 2.11 happened to 1-5 of the Llama-2-7B step's 24 kernels per warm start
-    (1.5-11.6 s; BENCHMARKS.md, twelfth session). Two causes, both upstream bugs (pytorch/pytorch#172819, #181292):
+    again at its first call, which in 2.11 happens to 1-5 of the Llama-2-7B step's 24 kernels per warm start
+    (1.5-11.6 s; docs/bench/HISTORY.md, 2026-11-23d). Two causes, both upstream bugs (pytorch/pytorch#172819, #181292):
 
     - ``CachingAutotuner.recheck_autotune_cache`` drops the cache entry's "found by coordinate descent" mark
       when the configuration it names is one the kernel compiled already, or its only one: replaced by
