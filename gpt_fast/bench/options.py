@@ -19,7 +19,8 @@ SERVE_DTYPES = ("bfloat16", "float16", "float32")
 
 
 class OptionError(ValueError):
-    """A mistake in the value of ``options`` (field names), each named in the message (its first occurrence)."""
+    """A mistake in the values of ``options`` (field names), which the message names: :meth:`naming` renames each
+    at its first occurrence."""
 
     def __init__(self, message: str, *options: str) -> None:
         super().__init__(message)
