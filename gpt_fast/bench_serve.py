@@ -1,6 +1,6 @@
 """`python -m gpt_fast.bench_serve`: an alias of `gpt-fast bench serve` (:mod:`gpt_fast.bench.serve`)."""
 
-from gpt_fast.bench.serve import main
+from gpt_fast.cli.bench import run_alias
 
 if __name__ == "__main__":
-    main()
+    run_alias("serve")

@@ -1,6 +1,6 @@
 """`python -m gpt_fast.bench_tp`: an alias of `gpt-fast bench tp` (:mod:`gpt_fast.bench.tp`)."""
 
-from gpt_fast.bench.tp import main
+from gpt_fast.cli.bench import run_alias
 
 if __name__ == "__main__":
-    main()
+    run_alias("tp")

@@ -2,6 +2,7 @@
 it, the model knows no kernel, quantization or parallelism, and commands reach the model only through the engine."""
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,11 +36,27 @@ def module_name(path: Path) -> str:
     return ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
 
 
-def imported(path: Path) -> set[str]:
+def program_entry(node: ast.AST) -> bool:
+    """``if __name__ == "__main__":``, the block that runs a module as a program (``python -m``), never on import."""
+    return isinstance(node, ast.If) and ast.unparse(node.test) in ("__name__ == '__main__'", '__name__ == "__main__"')
+
+
+def walk(node: ast.AST, entry: bool, inside: bool = False) -> Iterator[ast.AST]:
+    """The nodes under ``node`` inside program entry blocks (``entry``) or outside them."""
+    for child in ast.iter_child_nodes(node):
+        within = inside or program_entry(child)
+        if within == entry:
+            yield child
+        yield from walk(child, entry, within)
+
+
+def imported(path: Path, entry: bool = False) -> set[str]:
     """The gpt_fast modules ``path`` imports (at any level, lazily too), without the package prefix; a name taken
-    from a module counts as ``module.name`` too, so that ``from gpt_fast.model import transformer`` is seen."""
+    from a module counts as ``module.name`` too, so that ``from gpt_fast.model import transformer`` is seen. Imports
+    in a program entry block (``if __name__ == "__main__":``) count apart, with ``entry``: that block runs the
+    command that wraps the module (``python -m gpt_fast.bench.decode`` is ``gpt-fast bench decode``)."""
     names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in walk(ast.parse(path.read_text()), entry):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gpt_fast."):
             names.add(node.module.removeprefix("gpt_fast."))
             names |= {f"{node.module.removeprefix('gpt_fast.')}.{a.name}" for a in node.names}
@@ -49,6 +66,7 @@ def imported(path: Path) -> set[str]:
 
 
 MODULES = {module_name(p): imported(p) for p in PACKAGE.rglob("*.py")}
+PROGRAM_ENTRIES = {module_name(p): imported(p, entry=True) for p in PACKAGE.rglob("*.py")}
 
 
 def package(module: str) -> str:
@@ -65,6 +83,11 @@ def test_every_module_lives_in_a_package_of_the_map():
 def test_a_package_imports_only_the_packages_below_it(name):
     reached = {package(i) for m, imports in MODULES.items() if package(m) == name for i in imports}
     assert reached - {name} <= LAYERS[name]
+
+
+def test_a_program_entry_reaches_only_the_command_line():
+    for module, imports in PROGRAM_ENTRIES.items():
+        assert {package(i) for i in imports} <= {"cli"}, module
 
 
 def test_the_layers_have_no_cycle():

@@ -1,15 +1,18 @@
 """The peer benchmark's CPU path on a tiny shape: ours and transformers on identical weights."""
 
+import re
+
 import pytest
 import torch
 
 from gpt_fast.bench.decode import (
     hf_runners,
-    parse_schemes,
+    quant_schemes,
     run_benchmark,
     scheme_bytes_per_token,
     share_repacked_weights,
 )
+from gpt_fast.bench.options import DecodeBenchOptions
 from gpt_fast.convert.hf_config import hf_config_dict
 from gpt_fast.convert.layout import split_tensors
 from gpt_fast.convert.random_init import random_weights
@@ -79,7 +82,7 @@ def test_hf_runner_generates_exactly_the_requested_tokens():
 
 def test_quantized_rows_on_the_same_weights():
     lines = []
-    schemes = parse_schemes("int8,int4", 32)
+    schemes = quant_schemes(("int8", "int4"), 32)
     rows = tiny_benchmark(lines, new_tokens=4, repeats=1, peers=False, quantize=schemes)
     names = [r.name for r in rows]
     assert names[:2] == ["gpt-fast none", "gpt-fast none int8"] and names[-1] == "gpt-fast none int4-g32"
@@ -112,11 +115,17 @@ def test_a_rows_engines_share_their_repacked_weights():
     assert [name for name, _ in models[1].named_parameters()] == ["1.scales", "1.words"]
 
 
-def test_schemes_are_checked():
-    assert parse_schemes("", 128) == []
-    assert parse_schemes("int4", 64) == [QuantConfig("int4", 64)]
-    with pytest.raises(ValueError, match="--quantize 'fp8' is not one of int8, int4"):
-        parse_schemes("int8,fp8", 128)
+def test_schemes_are_checked(capsys):
+    from gpt_fast.cli.main import main
+
+    assert quant_schemes((), 128) == []
+    assert quant_schemes(("int4",), 64) == [QuantConfig("int4", 64)]
+    with pytest.raises(ValueError, match="^quantize 'fp8' is not one of int8, int4"):
+        DecodeBenchOptions(quantize=("int8", "fp8"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "decode", "--quantize", "int8,fp8"])
+    assert exit_info.value.code == 2
+    assert re.search("--quantize 'fp8' is not one of int8, int4", capsys.readouterr().err)
 
 
 def shrunk(name: str):
@@ -253,9 +262,9 @@ def test_each_row_is_built_as_often_as_asked(monkeypatch):
 
 
 def test_builds_below_one_are_refused(capsys):
-    from gpt_fast.bench.decode import main
+    from gpt_fast.cli.main import main
 
     with pytest.raises(SystemExit) as exit_info:
-        main(["--shape", "tiny", "--device", "cpu", "--builds", "0"])
+        main(["bench", "decode", "--shape", "tiny", "--device", "cpu", "--builds", "0"])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1].endswith("error: --builds must be at least 1, not 0")

@@ -1,4 +1,4 @@
-"""`python -m gpt_fast.bench.serve` end to end on the CPU with the tiny shape: one invocation writes the checkpoint,
+"""`gpt-fast bench serve` end to end on the CPU with the tiny shape: one invocation writes the checkpoint,
 runs `gpt-fast generate`, then the server with one client and with several, and prints every figure the targets
 need; the JSON agrees with the table."""
 
@@ -9,15 +9,16 @@ import re
 
 import pytest
 
-from gpt_fast.bench.serve import main
+from gpt_fast.bench.options import ServeBenchOptions
+from gpt_fast.bench.serve import run
 
 
 @pytest.mark.slow
 def test_one_run_prints_every_figure(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     output = tmp_path / "figures.json"
-    argv = ["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--compile", "none", "--clients", "3"]
-    main([*argv, "--rounds", "1", "--max_tokens", "6", "--workdir", str(tmp_path), "--output", str(output)])
+    options = {"shape": "tiny", "device": "cpu", "dtype": "float32", "compile": "none", "clients": 3}
+    run(ServeBenchOptions(**options, rounds=1, max_tokens=6, workdir=str(tmp_path), output=str(output)))
     out = capsys.readouterr().out
     figures = json.loads(output.read_text())
     one, many = figures["one"], figures["many"]

@@ -1,4 +1,4 @@
-"""`python -m gpt_fast.bench.speculative` on the CPU with tiny models: every row, the tables, the JSON."""
+"""`gpt-fast bench speculative` on the CPU with tiny models: every row, the tables, the JSON."""
 
 import json
 from types import SimpleNamespace
@@ -6,13 +6,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gpt_fast.bench.speculative import expected_tokens_per_round, main, record_for_replay
+from gpt_fast.bench.options import SpeculativeBenchOptions
+from gpt_fast.bench.speculative import expected_tokens_per_round, record_for_replay, run
+from gpt_fast.cli.main import main
 from gpt_fast.convert.random_init import make_random_checkpoint
 from gpt_fast.generation.decode import cache_length
 from gpt_fast.generation.speculative import MAX_ROUNDS_AHEAD, speculative_cache_length
 from gpt_fast.model.shapes import get_shape
 
-COMMON = ["--device", "cpu", "--mode", "none", "--dtype", "float32", "--new_tokens", "24", "--repeats", "1"]
+COMMON = {"device": "cpu", "mode": "none", "dtype": "float32", "new_tokens": 24, "repeats": 1}
+COMMON_ARGS = ["--device", "cpu", "--mode", "none", "--dtype", "float32", "--new_tokens", "24", "--repeats", "1"]
 
 
 @pytest.fixture(autouse=True)
@@ -24,8 +27,8 @@ def one_thread():
 
 
 def test_random_shapes_with_a_draft(tmp_path, capsys):
-    args = ["--shape", "tiny", "--draft_shape", "tiny", "--prompt_lookup", "2", "--k", "2,3", "--agreements", "0.5"]
-    main([*args, *COMMON, "--json", str(tmp_path / "rows.json")])
+    args = {"shape": "tiny", "draft_shape": "tiny", "prompt_lookup": (2,), "k": (2, 3), "agreements": (0.5,)}
+    run(SpeculativeBenchOptions(**args, **COMMON, json=str(tmp_path / "rows.json")))
     out = capsys.readouterr().out
     rows = {(r["name"], r["k"]): r for r in json.loads((tmp_path / "rows.json").read_text())}
     names = ["plain decoding", "replay", "prompt lookup 2", "draft model", "replay 50% + draft steps"]
@@ -46,8 +49,8 @@ def test_random_shapes_with_a_draft(tmp_path, capsys):
 def test_a_checkpoint_with_prompt_lookup(tmp_path, capsys):
     checkpoint = make_random_checkpoint(get_shape("tiny"), tmp_path / "tiny", dtype=torch.float32)
     (tmp_path / "prompt.txt").write_text("abcabcabcabc")
-    args = ["--checkpoint_path", str(checkpoint), "--prompt_file", str(tmp_path / "prompt.txt"), "--ignore_eos"]
-    main([*args, "--prompt_lookup", "3", *COMMON, "--json", str(tmp_path / "rows.json")])
+    args = {"checkpoint_path": str(checkpoint), "prompt_file": str(tmp_path / "prompt.txt"), "ignore_eos": True}
+    run(SpeculativeBenchOptions(**args, prompt_lookup=(3,), **COMMON, json=str(tmp_path / "rows.json")))
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert [r["name"] for r in rows] == ["plain decoding", "replay", "prompt lookup 3"]
     assert all(r["tokens"] == rows[0]["tokens"] and len(r["tokens"]) == 24 for r in rows)
@@ -58,11 +61,12 @@ def test_a_checkpoint_with_prompt_lookup(tmp_path, capsys):
 def test_batch_invariant_rows_compare_with_plain_decoding_on_their_own_kernels(source, tmp_path, capsys):
     """Plain decoding with the usual kernels first (the speed-ups' baseline, on a second engine), then on the
     batch-invariant target, whose text the speculative rows are compared with."""
-    args = ["--shape", "tiny"]
+    args = {"shape": "tiny"}
     if source == "checkpoint":
         checkpoint = make_random_checkpoint(get_shape("tiny"), tmp_path / "tiny", dtype=torch.float32)
-        args = ["--checkpoint_path", str(checkpoint), "--prompt", "abcabcabcabc", "--ignore_eos"]
-    main([*args, "--batch_invariant", "--prompt_lookup", "2", *COMMON, "--json", str(tmp_path / "rows.json")])
+        args = {"checkpoint_path": str(checkpoint), "prompt": "abcabcabcabc", "ignore_eos": True}
+    rows_file = str(tmp_path / "rows.json")
+    run(SpeculativeBenchOptions(**args, batch_invariant=True, prompt_lookup=(2,), **COMMON, json=rows_file))
     rows = json.loads((tmp_path / "rows.json").read_text())
     names = ["plain decoding, usual kernels", "plain decoding, batch-invariant", "replay", "prompt lookup 2"]
     assert [r["name"] for r in rows] == names
@@ -82,7 +86,7 @@ def test_batch_invariant_rows_compare_with_plain_decoding_on_their_own_kernels(s
 )
 def test_mistakes_are_one_line(args, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["--shape", "tiny", *COMMON, *args])
+        main(["bench", "speculative", "--shape", "tiny", *COMMON_ARGS, *args])
     err = capsys.readouterr().err
     assert exit_info.value.code == 1 and len(err.strip().splitlines()) == 1
     assert __import__("re").search(message, err), err

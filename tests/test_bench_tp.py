@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from gpt_fast.bench.tp import Result, main, parse_world_sizes, table
+from gpt_fast.bench.options import TpBenchOptions
+from gpt_fast.bench.tp import Result, run, table
+from gpt_fast.cli.bench import parse_world_sizes
 
 
 def test_the_table_divides_by_the_single_gpu_and_the_summed_copy_bandwidth():
@@ -27,19 +31,19 @@ def test_world_sizes_must_be_a_list_of_positive_numbers(text):
 
 def test_a_shape_that_does_not_split_is_refused_before_any_run():
     with pytest.raises(ValueError, match="--tp 3: model.n_head"):
-        main(["--shape", "llama-2-7b", "--tp", "1,3", "--device", "cpu"])
+        run(TpBenchOptions(shape="llama-2-7b", tp=(1, 3), device="cpu"))
 
 
 def test_a_kernel_option_is_checked_before_any_run():
     with pytest.raises(ValueError, match="--linear_kernel 'cuda' is not one of auto, triton, torch"):
-        main(["--shape", "tiny", "--tp", "1,2", "--device", "cpu", "--linear_kernel", "cuda"])
+        run(TpBenchOptions(shape="tiny", tp=(1, 2), device="cpu", linear_kernel="cuda"))
 
 
 @pytest.mark.slow
 def test_one_invocation_measures_every_world_size(capsys, tmp_path):
     traces = tmp_path / "not" / "made"
-    results = main(["--shape", "tiny", "--tp", "1,2", "--device", "cpu", "--mode", "none", "--dtype", "float32"]
-                   + ["--new_tokens", "8", "--repeats", "1", "--trace_dir", str(traces)])  # fmt: skip
+    options = TpBenchOptions(shape="tiny", tp=(1, 2), device="cpu", mode="none", dtype="float32", new_tokens=8)
+    results = run(dataclasses.replace(options, repeats=1, trace_dir=str(traces)))
     assert [(r.world_size, r.skipped) for r in results] == [(1, None), (2, None)]
     assert sorted(p.name for p in traces.iterdir()) == ["trace_tp1.json", "trace_tp2.json"]
     assert results[1].bytes_per_token[0] < results[0].bytes_per_token[0] and len(results[1].copy_gbps) == 2

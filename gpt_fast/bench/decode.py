@@ -10,12 +10,11 @@ bandwidth measured in the same run, TTFT, compile time, memory; and which kernel
 times: two builds of one configuration differ more than the timed runs of one build, so tok/s is then the builds'
 median, their range beside it.
 
-    python -m gpt_fast.bench.decode --shape llama-2-7b --device cuda --quantize int8,int4
+    gpt-fast bench decode --shape llama-2-7b --device cuda --quantize int8,int4
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import gc
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from gpt_fast.bench.modes import copy_bandwidth_gbps
+from gpt_fast.bench.options import DecodeBenchOptions
 from gpt_fast.convert.hf_config import hf_config_dict
 from gpt_fast.convert.layout import MODULE_NAMING, split_tensors
 from gpt_fast.convert.random_init import random_weights
@@ -40,14 +40,14 @@ from gpt_fast.engine.engine import (
     resolve_linear_kernel,
     resolve_sampling_kernel,
 )
-from gpt_fast.generation.decode import COORDINATE_DESCENT, HEURISTIC, KERNEL_TUNINGS
+from gpt_fast.generation.decode import COORDINATE_DESCENT, HEURISTIC
 from gpt_fast.generation.sampling import SamplingConfig
-from gpt_fast.model.config import INT4_GROUP_SIZES, QUANT_MODES, ModelConfig, QuantConfig
-from gpt_fast.model.shapes import SHAPES, get_shape
+from gpt_fast.model.config import ModelConfig, QuantConfig
+from gpt_fast.model.shapes import get_shape
 from gpt_fast.quant.layers import QuantizedLinear
 from gpt_fast.quant.layout import quantize_state, stored_size
 from gpt_fast.quant.products import triton_usable
-from gpt_fast.util.device import device_name, device_synchronize, dtype_name, parse_dtype
+from gpt_fast.util.device import device_name, device_synchronize, dtype_name, parse_dtype, resolve_device
 from gpt_fast.util.settings import apply_torch_settings
 
 BLOG_SAMPLING = SamplingConfig(temperature=0.8, top_k=200)
@@ -451,96 +451,38 @@ def scheme_bytes_per_token(shape: ModelConfig, scheme: QuantConfig, dtype: torch
     return stored if table_is_output else stored - shape.vocab_size * shape.dim * dtype.itemsize
 
 
-def parse_schemes(text: str, group_size: int) -> list[QuantConfig]:
-    """``int8,int4`` -> the schemes (int4 in groups of ``group_size``)."""
-    names = [name for name in text.split(",") if name]
-    unknown = [name for name in names if name not in QUANT_MODES]
-    if unknown:
-        raise ValueError(f"--quantize {unknown[0]!r} is not one of {', '.join(QUANT_MODES)}")
+def quant_schemes(names: Sequence[str], group_size: int) -> list[QuantConfig]:
+    """``("int8", "int4")`` -> the schemes (int4 in groups of ``group_size``)."""
     return [QuantConfig(name, group_size if name == "int4" else None) for name in names]
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Decode speed of gpt-fast and its peers on identical random weights.")
-    parser.add_argument("--shape", default="llama-2-7b", choices=list(SHAPES))
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--mode", default="reduce-overhead")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--prompt_tokens", type=int, default=5)
-    parser.add_argument("--new_tokens", type=int, default=200)
-    parser.add_argument("--ttft_tokens", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument(
-        "--builds",
-        type=int,
-        default=1,
-        help="Build (and compile) each row this many times; tok/s is then the builds' median, their range beside it.",
-    )
-    parser.add_argument("--no_peers", action="store_true")
-    parser.add_argument("--quantize", default="", help="Also these schemes, comma-separated: int8, int4.")
-    parser.add_argument("--group_size", type=int, default=128, choices=INT4_GROUP_SIZES)
-    parser.add_argument(
-        "--attention_kernels",
-        default="auto",
-        help="Our rows' decode attention, comma-separated: auto, triton (fused kernel), torch (inductor).",
-    )
-    parser.add_argument(
-        "--activation_kernels",
-        default="auto",
-        help="Our rows' gated-MLP activation, comma-separated: auto, triton (own kernel), torch (inside the GEMV).",
-    )
-    parser.add_argument(
-        "--layers_kernels",
-        default="auto",
-        help="Our rows' decoder layers, comma-separated: auto, triton (one persistent kernel), torch (inductor).",
-    )
-    parser.add_argument(
-        "--linear_kernels",
-        default="auto",
-        help="Our rows' unquantized linear layers in one-row decode steps, comma-separated: auto, triton (our GEMV "
-        "with programmatic dependent launch; our quantized kernels launched with it too), torch (cuBLAS or "
-        "inductor).",
-    )
-    parser.add_argument(
-        "--sampling_kernels",
-        default="auto",
-        help="Our unquantized rows' top-k sampling, comma-separated: auto, triton (two kernels), torch (torch.topk).",
-    )
-    parser.add_argument(
-        "--regional_compile", action="store_true", help="Our rows compile one layer and reuse it for every layer."
-    )
-    parser.add_argument(
-        "--kernel_tuning",
-        choices=KERNEL_TUNINGS,
-        default=COORDINATE_DESCENT,
-        help="Our rows' kernel configurations: tuned by coordinate descent, or inductor's heuristic choice.",
-    )
-    args = parser.parse_args(argv)
-    if args.builds < 1:
-        parser.error(f"--builds must be at least 1, not {args.builds}")
-    schemes = parse_schemes(args.quantize, args.group_size)
+def run(options: DecodeBenchOptions, write: Callable[[str], None] = print) -> list[Row]:
+    """The benchmark of ``options`` (`gpt-fast bench decode`): one table, written with ``write``."""
     apply_torch_settings()
-    run_benchmark(
-        args.shape,
-        torch.device(args.device),
-        mode=args.mode,
-        dtype=parse_dtype(args.dtype),
-        prompt_tokens=args.prompt_tokens,
-        new_tokens=args.new_tokens,
-        ttft_tokens=args.ttft_tokens,
-        repeats=args.repeats,
-        builds=args.builds,
-        peers=not args.no_peers,
-        quantize=schemes,
-        attention_kernels=[name for name in args.attention_kernels.split(",") if name],
-        activation_kernels=[name for name in args.activation_kernels.split(",") if name],
-        layers_kernels=[name for name in args.layers_kernels.split(",") if name],
-        linear_kernels=[name for name in args.linear_kernels.split(",") if name],
-        sampling_kernels=[name for name in args.sampling_kernels.split(",") if name],
-        regional_compile=args.regional_compile,
-        kernel_tuning=args.kernel_tuning,
+    return run_benchmark(
+        options.shape,
+        resolve_device(options.device),
+        mode=options.mode,
+        dtype=parse_dtype(options.dtype),
+        prompt_tokens=options.prompt_tokens,
+        new_tokens=options.new_tokens,
+        ttft_tokens=options.ttft_tokens,
+        repeats=options.repeats,
+        builds=options.builds,
+        peers=options.peers,
+        quantize=quant_schemes(options.quantize, options.group_size),
+        attention_kernels=options.attention_kernels,
+        activation_kernels=options.activation_kernels,
+        layers_kernels=options.layers_kernels,
+        linear_kernels=options.linear_kernels,
+        sampling_kernels=options.sampling_kernels,
+        regional_compile=options.regional_compile,
+        kernel_tuning=options.kernel_tuning or COORDINATE_DESCENT,
+        write=write,
     )
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # python -m gpt_fast.bench.decode: `gpt-fast bench decode`
+    from gpt_fast.cli.bench import run_alias
+
+    run_alias("decode")

@@ -1,4 +1,5 @@
-"""`gpt-fast bench`: the blog's compile-mode experiment in one command.
+"""`gpt-fast bench modes` (also `gpt-fast bench` without a subcommand): the blog's compile-mode experiment in one
+command.
 
 Each mode runs the `generate` command in a fresh process (no compile state shared between modes), handed its
 options as typed objects and handing back its :class:`RunMetrics`; every mode compiles with a compile cache of its

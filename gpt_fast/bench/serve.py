@@ -2,7 +2,7 @@
 with N concurrent streaming clients, on the same checkpoint, compile mode and sampling. Prints one table: tokens/sec
 per client and in all, time to first token (p50/p99), and the issue's three ratios.
 
-    python -m gpt_fast.bench.serve --shape llama-2-7b --compile reduce-overhead
+    gpt-fast bench serve --shape llama-2-7b --compile reduce-overhead
 
 A random-weight checkpoint of ``--shape`` (byte-level tokenizer) is written to ``--workdir`` first, and kept for the
 next run. The clients are plain HTTP (``http.client``) threads in this process; the server and
@@ -12,21 +12,20 @@ next run. The clients are plain HTTP (``http.client``) threads in this process; 
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
-import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from gpt_fast.generation.decode import COMPILE_MODES, cache_length
-from gpt_fast.model.shapes import SHAPES, get_shape
+from gpt_fast.bench.options import ServeBenchOptions
+from gpt_fast.generation.decode import cache_length
+from gpt_fast.model.shapes import get_shape
 from gpt_fast.util.fileio import write_text_atomic
 
 PROMPT = "def quicksort(arr):\n    # sort the list in place, client {client:02d}, round {round:02d}\n"
@@ -134,7 +133,7 @@ def gpt_fast(*args: str) -> list[str]:
     return [sys.executable, "-m", "gpt_fast", *args]
 
 
-def ensure_checkpoint(args: argparse.Namespace) -> Path:
+def ensure_checkpoint(args: ServeBenchOptions) -> Path:
     folder = Path(args.workdir) / f"{args.shape}-{args.dtype}"
     if not (folder / "config.json").is_file():
         print(f"Writing a random {args.shape} checkpoint to {folder} ...", flush=True)
@@ -143,7 +142,7 @@ def ensure_checkpoint(args: argparse.Namespace) -> Path:
     return folder
 
 
-def generate_rate(args: argparse.Namespace, checkpoint: Path, sampling: list[str]) -> float:
+def generate_rate(args: ServeBenchOptions, checkpoint: Path, sampling: list[str]) -> float:
     """`gpt-fast generate`'s average tokens/sec on the same prompt length, budget and sampling."""
     with tempfile.TemporaryDirectory() as scratch:
         metrics = Path(scratch) / "metrics.json"
@@ -174,7 +173,7 @@ def generate_rate(args: argparse.Namespace, checkpoint: Path, sampling: list[str
 class Server:
     """`gpt-fast serve` in a subprocess, until the block ends."""
 
-    def __init__(self, args: argparse.Namespace, checkpoint: Path, max_seq_length: int) -> None:
+    def __init__(self, args: ServeBenchOptions, checkpoint: Path, max_seq_length: int) -> None:
         self.command = gpt_fast(
             "serve",
             "--checkpoint_path",
@@ -231,20 +230,10 @@ def table(generate: float, one: Load, many: Load) -> str:
     return "\n".join(rows)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-2-7b")
-    parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "gpt-fast-bench-serve"))
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--compile", default="reduce-overhead", choices=COMPILE_MODES)
-    parser.add_argument("--clients", type=int, default=8, help="Concurrent clients (and the server's slots).")
-    parser.add_argument("--rounds", type=int, default=5, help="Timed rounds of each load.")
-    parser.add_argument("--max_tokens", type=int, default=256, help="Tokens per answer.")
-    parser.add_argument("--temperature", type=float, default=0.8)
-    parser.add_argument("--top_k", type=int, default=200)
-    parser.add_argument("--output", default=None, help="Also write the figures here as JSON.")
-    args = parser.parse_args(argv)
+def run(options: ServeBenchOptions) -> None:
+    """The benchmark of ``options`` (`gpt-fast bench serve`): one table on standard output."""
+    workdir = options.workdir or str(Path(tempfile.gettempdir()) / "gpt-fast-bench-serve")
+    args = replace(options, workdir=workdir)
     checkpoint = ensure_checkpoint(args)
     prompt_tokens = len(PROMPT.format(client=0, round=0).encode()) + 1  # byte-level tokenizer, BOS
     # the cache length `generate` uses for this request, so that both attend over as many positions
@@ -272,9 +261,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(table(generate, one, many))
     if args.output:
-        figures = {"args": vars(args), "generate_tokens_per_sec": generate, "one": asdict(one), "many": asdict(many)}
+        figures = {"args": asdict(args), "generate_tokens_per_sec": generate, "one": asdict(one), "many": asdict(many)}
         write_text_atomic(Path(args.output), json.dumps(figures, indent=2) + "\n")
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # python -m gpt_fast.bench.serve: `gpt-fast bench serve`
+    from gpt_fast.cli.bench import run_alias
+
+    run_alias("serve")

@@ -2,9 +2,9 @@
 tokens/sec of each, the speed-up, whether the text is identical, acceptance and the cost of a round.
 
     # random weights of a shape: the mechanism's ceiling (replay), and a draft model of another shape
-    python -m gpt_fast.bench.speculative --shape llama-2-7b --draft_shape smollm2-135m --device cuda
+    gpt-fast bench speculative --shape llama-2-7b --draft_shape smollm2-135m --device cuda
     # a real checkpoint on a copy-heavy prompt: prompt lookup (and a draft checkpoint, if given)
-    python -m gpt_fast.bench.speculative --checkpoint_path CKPT --prompt_file prompts/rewrite_with_type_hints.txt \\
+    gpt-fast bench speculative --checkpoint_path CKPT --prompt_file prompts/rewrite_with_type_hints.txt \\
         --chat --prompt_lookup 3 --k 8
 
 Rows: plain decoding; replay (the target's own greedy continuation, recorded first: every proposal is accepted
@@ -24,11 +24,9 @@ warm-up run that compiles.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,20 +34,19 @@ from pathlib import Path
 
 import torch
 
+from gpt_fast.bench.options import SpeculativeBenchOptions
 from gpt_fast.convert.random_init import random_weights
 from gpt_fast.engine.engine import Engine, EngineOptions
-from gpt_fast.generation.decode import COMPILE_MODES
-from gpt_fast.generation.drafters import Drafter, DraftModel, PromptLookup, Replay, check_k, check_ngram
+from gpt_fast.generation.drafters import Drafter, DraftModel, PromptLookup, Replay
 from gpt_fast.generation.metrics import SpeculativeMetrics
 from gpt_fast.generation.sampling import SamplingConfig
 from gpt_fast.generation.speculative import MAX_ROUNDS_AHEAD, check_draft_config
-from gpt_fast.model.shapes import SHAPES, get_shape
-from gpt_fast.util.device import device_name, dtype_name, parse_dtype
+from gpt_fast.model.shapes import get_shape
+from gpt_fast.util.device import device_name, dtype_name, parse_dtype, resolve_device
 from gpt_fast.util.fileio import write_text_atomic
 from gpt_fast.util.settings import apply_torch_settings
 
 GREEDY = SamplingConfig(temperature=0)
-DEFAULT_AGREEMENTS = (0.5, 0.7, 0.8, 0.9)
 MAX_RECORDING_PASSES = 64  # replay recording: each pass extends the agreed prefix by at least one token
 
 
@@ -272,7 +269,7 @@ def checkpoint_engines(checkpoint: str | None, draft: str | None, options: Engin
     return target, draft_engine
 
 
-def usual_engine(engine: Engine, args: argparse.Namespace) -> Engine:
+def usual_engine(engine: Engine, args: SpeculativeBenchOptions) -> Engine:
     """A second engine over the batch-invariant ``engine``'s weights (the same tensors) with the usual kernels."""
     options = dataclasses.replace(engine.options, batch_invariant=False)
     if args.shape is not None:
@@ -282,63 +279,10 @@ def usual_engine(engine: Engine, args: argparse.Namespace) -> Engine:
     return usual
 
 
-def parse_list(text: str, kind: type, name: str) -> tuple:
-    try:
-        values = tuple(kind(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise ValueError(f"{name}: {text!r} is not a comma-separated list of {kind.__name__} values") from None
-    if not values:
-        raise ValueError(f"{name} is empty")
-    return values
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Speculative decoding against plain decoding, greedy, one engine.")
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--shape", choices=list(SHAPES), help="Random weights of this shape (no tokenizer).")
-    source.add_argument("--checkpoint_path", help="A checkpoint (default: the embedded default model).")
-    parser.add_argument("--draft_shape", choices=list(SHAPES), help="With --shape: a random draft of this shape.")
-    parser.add_argument("--draft_checkpoint_path", help="With a checkpoint: a draft checkpoint.")
-    parser.add_argument("--prompt_lookup", default="", help="Comma-separated n-gram sizes for prompt-lookup rows.")
-    parser.add_argument("--k", default="4", help="Comma-separated tokens drafted per verify step.")
-    parser.add_argument("--agreements", default=",".join(map(str, DEFAULT_AGREEMENTS)))
-    parser.add_argument("--prompt", default="def quicksort(arr):")
-    parser.add_argument("--prompt_file", type=Path, help="Read the prompt from a file (checkpoints only).")
-    parser.add_argument("--chat", action="store_true", help="Apply the checkpoint's chat template to the prompt.")
-    parser.add_argument("--prompt_tokens", type=int, default=32, help="With --shape: random prompt tokens.")
-    parser.add_argument("--new_tokens", type=int, default=200)
-    parser.add_argument("--ignore_eos", action="store_true", help="With a checkpoint: never stop at a stop token.")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--mode", default="reduce-overhead", choices=COMPILE_MODES)
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument(
-        "--batch_invariant",
-        action="store_true",
-        help="The target's steps batch-invariant (verify rounds as decode), and plain decoding with the usual kernels.",
-    )
-    parser.add_argument("--json", type=Path, help="Also write the rows as JSON here.")
-    args = parser.parse_args(argv)
-    try:
-        run(args)
-    except (ValueError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
-
-
-def run(args: argparse.Namespace, write: Callable[[str], None] = print) -> list[Row]:
-    ks = tuple(check_k(k) for k in parse_list(args.k, int, "--k"))
-    lookups = (
-        tuple(check_ngram(n) for n in parse_list(args.prompt_lookup, int, "--prompt_lookup"))
-        if args.prompt_lookup
-        else ()
-    )
-    agreements = parse_list(args.agreements, float, "--agreements")
-    if not all(0 <= a <= 1 for a in agreements):
-        raise ValueError(f"--agreements must lie in [0, 1], got {args.agreements}")
-    options = EngineOptions(
-        compile=args.mode, device=args.device, dtype=args.dtype, batch_invariant=args.batch_invariant
-    )
+def run(args: SpeculativeBenchOptions, write: Callable[[str], None] = print) -> list[Row]:
+    """The benchmark of ``args`` (`gpt-fast bench speculative`): its rows, their tables written with ``write``."""
+    device = str(resolve_device(args.device))
+    options = EngineOptions(compile=args.mode, device=device, dtype=args.dtype, batch_invariant=args.batch_invariant)
     apply_torch_settings()
     if args.shape is not None:
         options = dataclasses.replace(options, dtype="bfloat16" if args.dtype == "auto" else args.dtype)
@@ -348,14 +292,24 @@ def run(args: argparse.Namespace, write: Callable[[str], None] = print) -> list[
         what = f"{args.shape} (random weights)" + (f", draft {args.draft_shape}" if draft else "")
     else:
         engine, draft = checkpoint_engines(args.checkpoint_path, args.draft_checkpoint_path, options)
-        text = args.prompt_file.read_text(encoding="utf-8") if args.prompt_file else args.prompt
+        text = Path(args.prompt_file).read_text(encoding="utf-8") if args.prompt_file else args.prompt
         prompt = engine.encode(text, chat=args.chat)
         what = f"{engine.checkpoint_dir}" + (f", draft {args.draft_checkpoint_path}" if draft else "")
     engine.check_fits(prompt, args.new_tokens)
     usual = usual_engine(engine, args) if args.batch_invariant else None
-    setup = Setup(engine, prompt, args.new_tokens, args.repeats, args.ignore_eos, draft, lookups, agreements, usual)
+    setup = Setup(
+        engine,
+        prompt,
+        args.new_tokens,
+        args.repeats,
+        args.ignore_eos,
+        draft,
+        args.prompt_lookup,
+        args.agreements,
+        usual,
+    )
     started = time.strftime("%Y-%m-%d %H:%M")
-    rows = run_rows(setup, ks, write)
+    rows = run_rows(setup, args.k, write)
     write(
         f"\n{what}; {device_name(engine.device)}, torch {torch.__version__}, {dtype_name(engine.dtype)}, "
         f"compile {engine.compile}; {started}; greedy, prompt {len(prompt)} tokens, {args.new_tokens} new tokens, "
@@ -365,9 +319,11 @@ def run(args: argparse.Namespace, write: Callable[[str], None] = print) -> list[
     if any(r.agreement is not None for r in rows):
         write("\n" + agreement_table(rows))
     if args.json is not None:
-        write_text_atomic(args.json, json.dumps([dataclasses.asdict(r) for r in rows], indent=2) + "\n")
+        write_text_atomic(Path(args.json), json.dumps([dataclasses.asdict(r) for r in rows], indent=2) + "\n")
     return rows
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # python -m gpt_fast.bench.speculative: `gpt-fast bench speculative`
+    from gpt_fast.cli.bench import run_alias
+
+    run_alias("speculative")

@@ -7,38 +7,36 @@ invocation, weights read per GPU, the share of the summed copy bandwidth of the 
 waiting for the slowest rank). A world size whose part does not fit a GPU comfortably (its weights over
 :data:`FIT_SHARE` of the GPU's memory) is skipped.
 
-    python -m gpt_fast.bench.tp --shape llama-2-7b --tp 1,2,4
-    python -m gpt_fast.bench.tp --shape llama-2-70b --tp 2,4
+    gpt-fast bench tp --shape llama-2-7b --tp 1,2,4
+    gpt-fast bench tp --shape llama-2-70b --tp 2,4
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import sys
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 from gpt_fast.bench.decode import BLOG_SAMPLING, timed
 from gpt_fast.bench.modes import copy_bandwidth_gbps
+from gpt_fast.bench.options import TpBenchOptions
 from gpt_fast.convert.random_init import INIT_STD
 from gpt_fast.engine.engine import Engine, EngineOptions
 from gpt_fast.jobs.trace_summary import (
     summarize_trace,  # at import: a missing dependency stops the launch, not the ranks
 )
-from gpt_fast.model.shapes import SHAPES, get_shape
+from gpt_fast.model.shapes import get_shape
 from gpt_fast.parallel.launch import run_ranks
 from gpt_fast.parallel.tensor_parallel import Ranks, Shard, check_tensor_parallel, env_ranks
-from gpt_fast.util.device import device_name, parse_dtype
+from gpt_fast.util.device import device_name, parse_dtype, resolve_device
 from gpt_fast.util.settings import apply_torch_settings
 
 FIT_SHARE = 0.8  # a rank's weights may take at most this share of its GPU's memory
-RUN_TIMEOUT_S = 480  # one world size's run, start to end
 KERNEL_OPTIONS = ("linear_kernel", "attention_kernel", "kernel_tuning")  # passed on to EngineOptions as they are
 
 
@@ -82,7 +80,7 @@ def part_fits(shard: Shard, shape_name: str, dtype: torch.dtype, device: torch.d
     return None
 
 
-def measure_rank(args: argparse.Namespace, ranks: Ranks) -> Result | None:
+def measure_rank(args: TpBenchOptions, ranks: Ranks) -> Result | None:
     """This rank's run (every rank takes part in every generation); rank 0 returns the figures."""
     dtype, shard = parse_dtype(args.dtype), Shard(ranks.rank, ranks.world_size)
     device = torch.device(args.device, ranks.local_rank) if args.device == "cuda" else torch.device(args.device)
@@ -125,9 +123,10 @@ def measure_rank(args: argparse.Namespace, ranks: Ranks) -> Result | None:
     )
 
 
-def kernel_options(args: argparse.Namespace) -> dict[str, str]:
-    """The kernel choices given on the command line, as :class:`EngineOptions` fields."""
-    return {name: getattr(args, name) for name in KERNEL_OPTIONS}
+def kernel_options(args: TpBenchOptions) -> dict[str, str]:
+    """The kernel choices, as :class:`EngineOptions` fields: those given, and the engine's defaults."""
+    defaults = EngineOptions()
+    return {name: getattr(args, name) or getattr(defaults, name) for name in KERNEL_OPTIONS}
 
 
 def profile_collectives(engine: Engine, run: Callable[[], object], folder: Path) -> tuple[float, float]:
@@ -139,7 +138,7 @@ def profile_collectives(engine: Engine, run: Callable[[], object], folder: Path)
     return summary.per_unit(summary.collective_time_us), summary.per_unit(summary.collective_kernels)
 
 
-def worker(args: argparse.Namespace) -> None:
+def worker(args: TpBenchOptions) -> None:
     """One rank (torchrun's environment; a lone process is rank 0 of 1)."""
     ranks = env_ranks() or Ranks(0, 1, 0)
     apply_torch_settings()
@@ -148,7 +147,7 @@ def worker(args: argparse.Namespace) -> None:
         Path(args.result).write_text(json.dumps(asdict(result)))
 
 
-def run_world_size(args: argparse.Namespace, world_size: int, folder: Path) -> Result:
+def run_world_size(args: TpBenchOptions, world_size: int, folder: Path) -> Result:
     """Start ``world_size`` ranks of this module's worker and read rank 0's figures."""
     result = folder / f"result_tp{world_size}.json"
     passed = ["--shape", args.shape, "--mode", args.mode, "--dtype", args.dtype, "--device", args.device]
@@ -156,7 +155,8 @@ def run_world_size(args: argparse.Namespace, world_size: int, folder: Path) -> R
     passed += ["--repeats", str(args.repeats), "--trace_dir", args.trace_dir or str(folder)]
     passed += [] if args.profile else ["--no_profile"]
     passed += [item for name, value in kernel_options(args).items() for item in (f"--{name}", value)]
-    code = run_ranks(world_size, ["gpt_fast.bench.tp", "--worker", "--result", str(result), *passed], args.timeout)
+    command = ["gpt_fast", "bench", "tp", "--worker", "--result", str(result), *passed]  # `gpt-fast bench tp`
+    code = run_ranks(world_size, command, args.timeout)
     if code or not result.is_file():
         return Result(args.shape, world_size, skipped=f"failed (torchrun exit status {code}): see its output above")
     return Result(**json.loads(result.read_text()))
@@ -188,42 +188,14 @@ def table(results: Sequence[Result]) -> str:
     return "\n".join(lines)
 
 
-def parse_world_sizes(text: str) -> list[int]:
-    sizes = [int(part) for part in text.split(",") if part.strip().isdigit()]
-    if not sizes or len(sizes) != len(text.split(",")) or min(sizes) < 1:
-        raise ValueError(f"--tp {text!r} is not a comma-separated list of world sizes (1,2,4)")
-    return sizes
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Tensor-parallel decode speed over world sizes (one table).")
-    parser.add_argument("--shape", default="llama-2-7b", choices=list(SHAPES))
-    parser.add_argument("--tp", default="1,2,4", help="World sizes, comma-separated; each is run with torchrun.")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--mode", default="reduce-overhead")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--prompt_tokens", type=int, default=5)
-    parser.add_argument("--new_tokens", type=int, default=200)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--timeout", type=float, default=RUN_TIMEOUT_S, help="Seconds per world size.")
-    parser.add_argument("--trace_dir", default=None, help="Keep rank 0's trace of each world size here.")
-    parser.add_argument(
-        "--no_profile", dest="profile", action="store_false", help="No profiled generation (no collectives' time)."
-    )
-    defaults = EngineOptions()
-    for name in KERNEL_OPTIONS:
-        parser.add_argument(f"--{name}", default=getattr(defaults, name), help="As gpt-fast generate's option.")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None, write: Callable[[str], None] = print) -> list[Result]:
-    args = parse_args(argv)
+def run(args: TpBenchOptions, write: Callable[[str], None] = print) -> list[Result]:
+    """The benchmark of ``args`` (`gpt-fast bench tp`): each world size's figures, their table written with
+    ``write``; with ``args.worker``, one rank's run (under torchrun), which writes rank 0's figures to a file."""
+    args = replace(args, device=args.device or resolve_device(None).type)
     if args.worker:
         worker(args)
         return []
-    sizes = parse_world_sizes(args.tp)
+    sizes = args.tp
     EngineOptions(compile=args.mode, dtype=args.dtype, **kernel_options(args))  # refuses a bad choice before any run
     for size in sizes:
         check_tensor_parallel(get_shape(args.shape), None, size)
@@ -247,8 +219,7 @@ def main(argv: list[str] | None = None, write: Callable[[str], None] = print) ->
     return results
 
 
-if __name__ == "__main__":
-    try:
-        main()
-    except ValueError as err:
-        sys.exit(f"error: {err}")
+if __name__ == "__main__":  # python -m gpt_fast.bench.tp: `gpt-fast bench tp`
+    from gpt_fast.cli.bench import run_alias
+
+    run_alias("tp")

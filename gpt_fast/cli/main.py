@@ -15,6 +15,7 @@ from typing import Any
 import click
 
 from gpt_fast import __version__
+from gpt_fast.cli.bench import bench
 from gpt_fast.engine.engine import (
     LAYERS_KERNELS,
     LINEAR_KERNELS,
@@ -458,7 +459,10 @@ def enable_line_editing() -> None:
         return
 
 
-@cli.command()
+cli.add_command(bench)
+
+
+@bench.command("modes")
 @checkpoint_option
 @option(
     "--modes",
@@ -495,7 +499,7 @@ def enable_line_editing() -> None:
     help="Where bench.md/.json/.csv/.png and logs go.",
 )
 @option("--title", default=None, help="Chart title (default: the checkpoint folder's name).")
-def bench(
+def bench_modes(
     checkpoint_path: str | None,
     modes: str,
     prompt: str,

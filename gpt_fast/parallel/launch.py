@@ -1,4 +1,4 @@
-"""Starting the ranks of tensor parallelism on this host: ``gpt-fast generate --tp N`` and ``bench_tp`` run the
+"""Starting the ranks of tensor parallelism on this host: ``gpt-fast generate --tp N`` and ``gpt-fast bench tp`` run the
 command again as N processes under PyTorch's own launcher, ``python -m torch.distributed.run`` (``torchrun``),
 with ``--standalone`` (a rendezvous on a free local port). ``torchrun`` sets each process's ``RANK``,
 ``WORLD_SIZE`` and ``LOCAL_RANK``, watches them, and stops them all when one fails or is interrupted.

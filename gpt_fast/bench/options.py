@@ -1,0 +1,214 @@
+"""The benchmarks' options: one object per benchmark, which checks its own values when made. Importing this module
+imports no torch, so that the command line takes its defaults from these classes without loading the benchmarks.
+
+A mistake raises :class:`OptionError`, whose message names the options as their fields are named (``builds must be
+at least 1, not 0``); the command line names its flags instead (``--builds must be …``)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from gpt_fast.model.config import INT4_GROUP_SIZES, QUANT_MODES
+from gpt_fast.model.shapes import SHAPES
+
+DEFAULT_AGREEMENTS = (0.5, 0.7, 0.8, 0.9)
+RUN_TIMEOUT_S = 480.0  # one world size's run of the tensor-parallel benchmark, start to end
+SERVE_DTYPES = ("bfloat16", "float16", "float32")
+
+
+class OptionError(ValueError):
+    """A mistake in the values of ``options`` (field names), which the message names: :meth:`naming` renames each
+    at its first occurrence."""
+
+    def __init__(self, message: str, *options: str) -> None:
+        super().__init__(message)
+        self.options = options
+
+    def naming(self, name: Callable[[str], str]) -> str:
+        """The message with each option named by ``name(option)`` (a flag, for a command line)."""
+        text = str(self)
+        for option in self.options:
+            flag = name(option)
+            text = re.sub(rf"(?<![\w-]){re.escape(option)}(?![\w-])", lambda _, flag=flag: flag, text, count=1)
+        return text
+
+
+def check_at_least(option: str, value: int | float, low: int | float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < low:
+        raise OptionError(f"{option} must be at least {low}, not {value!r}", option)
+
+
+def check_one_of(option: str, value: object, choices: Sequence[object]) -> None:
+    if value not in choices:
+        raise OptionError(f"{option} {value!r} is not one of {', '.join(map(str, choices))}", option)
+
+
+def check_names(option: str, values: Sequence[str], choices: Sequence[str] | None = None) -> None:
+    """A list option: at least one value, each among ``choices`` where given."""
+    if not values:
+        raise OptionError(f"{option} is empty", option)
+    for value in values if choices is not None else ():
+        check_one_of(option, value, choices)
+
+
+def compile_modes() -> tuple[str, ...]:
+    from gpt_fast.generation.decode import COMPILE_MODES
+
+    return COMPILE_MODES
+
+
+def kernel_tunings() -> tuple[str, ...]:
+    from gpt_fast.generation.decode import KERNEL_TUNINGS
+
+    return KERNEL_TUNINGS
+
+
+@dataclass(frozen=True)
+class DecodeBenchOptions:
+    """:mod:`gpt_fast.bench.decode`: our decode speed and the peers', on identical random weights of ``shape``.
+    ``device`` None: the GPU when there is one; ``kernel_tuning`` None: the engine's default."""
+
+    shape: str = "llama-2-7b"
+    device: str | None = None
+    mode: str = "reduce-overhead"
+    dtype: str = "bfloat16"
+    prompt_tokens: int = 5
+    new_tokens: int = 200
+    ttft_tokens: int = 1024
+    repeats: int = 5
+    builds: int = 1
+    peers: bool = True
+    quantize: tuple[str, ...] = ()
+    group_size: int = 128
+    attention_kernels: tuple[str, ...] = ("auto",)
+    activation_kernels: tuple[str, ...] = ("auto",)
+    layers_kernels: tuple[str, ...] = ("auto",)
+    linear_kernels: tuple[str, ...] = ("auto",)
+    sampling_kernels: tuple[str, ...] = ("auto",)
+    regional_compile: bool = False
+    kernel_tuning: str | None = None
+
+    def __post_init__(self) -> None:
+        check_one_of("shape", self.shape, tuple(SHAPES))
+        check_one_of("mode", self.mode, compile_modes())
+        for name in ("prompt_tokens", "new_tokens", "ttft_tokens", "repeats", "builds"):
+            check_at_least(name, getattr(self, name), 1)
+        for name in self.quantize:
+            check_one_of("quantize", name, QUANT_MODES)
+        check_one_of("group_size", self.group_size, INT4_GROUP_SIZES)
+        for name in ("attention_kernels", "activation_kernels", "layers_kernels", "linear_kernels", "sampling_kernels"):
+            check_names(name, getattr(self, name))
+        if self.kernel_tuning is not None:
+            check_one_of("kernel_tuning", self.kernel_tuning, kernel_tunings())
+
+
+@dataclass(frozen=True)
+class ServeBenchOptions:
+    """:mod:`gpt_fast.bench.serve`: `gpt-fast generate`, then the server with one client and with ``clients``.
+    ``workdir`` None: ``gpt-fast-bench-serve`` in the temporary folder."""
+
+    shape: str = "llama-2-7b"
+    workdir: str | None = None
+    dtype: str = "bfloat16"
+    device: str = "cuda"
+    compile: str = "reduce-overhead"
+    clients: int = 8
+    rounds: int = 5
+    max_tokens: int = 256
+    temperature: float = 0.8
+    top_k: int = 200
+    output: str | None = None
+
+    def __post_init__(self) -> None:
+        check_one_of("shape", self.shape, tuple(SHAPES))
+        check_one_of("dtype", self.dtype, SERVE_DTYPES)
+        check_one_of("compile", self.compile, compile_modes())
+        for name in ("clients", "rounds", "max_tokens", "top_k"):
+            check_at_least(name, getattr(self, name), 1)
+        check_at_least("temperature", self.temperature, 0)
+
+
+@dataclass(frozen=True)
+class SpeculativeBenchOptions:
+    """:mod:`gpt_fast.bench.speculative`: speculative decoding against plain decoding, on random weights of
+    ``shape`` or on a checkpoint (``checkpoint_path``; neither: the embedded default model). ``device`` None: the
+    GPU when there is one."""
+
+    shape: str | None = None
+    checkpoint_path: str | None = None
+    draft_shape: str | None = None
+    draft_checkpoint_path: str | None = None
+    prompt_lookup: tuple[int, ...] = ()
+    k: tuple[int, ...] = (4,)
+    agreements: tuple[float, ...] = DEFAULT_AGREEMENTS
+    prompt: str = "def quicksort(arr):"
+    prompt_file: str | None = None
+    chat: bool = False
+    prompt_tokens: int = 32
+    new_tokens: int = 200
+    ignore_eos: bool = False
+    repeats: int = 3
+    device: str | None = None
+    mode: str = "reduce-overhead"
+    dtype: str = "auto"
+    batch_invariant: bool = False
+    json: str | None = None
+
+    def __post_init__(self) -> None:
+        from gpt_fast.generation.drafters import check_k, check_ngram
+
+        if self.shape is not None and self.checkpoint_path is not None:
+            raise OptionError("shape and checkpoint_path exclude each other", "shape", "checkpoint_path")
+        for name in ("shape", "draft_shape"):
+            if getattr(self, name) is not None:
+                check_one_of(name, getattr(self, name), tuple(SHAPES))
+        check_names("k", self.k)
+        for k in self.k:
+            check_k(k)
+        for n in self.prompt_lookup:
+            check_ngram(n)
+        check_names("agreements", self.agreements)
+        if not all(0 <= a <= 1 for a in self.agreements):
+            values = ",".join(map(str, self.agreements))
+            raise OptionError(f"agreements must lie in [0, 1], got {values}", "agreements")
+        for name in ("prompt_tokens", "new_tokens", "repeats"):
+            check_at_least(name, getattr(self, name), 1)
+        check_one_of("mode", self.mode, compile_modes())
+
+
+@dataclass(frozen=True)
+class TpBenchOptions:
+    """:mod:`gpt_fast.bench.tp`: decode speed of random weights of ``shape`` split over each world size of ``tp``.
+    ``device`` None: the GPU when there is one; a kernel choice None: the engine's default. ``worker`` and
+    ``result``: one rank's run, started by the benchmark, writing its figures to ``result``."""
+
+    shape: str = "llama-2-7b"
+    tp: tuple[int, ...] = (1, 2, 4)
+    device: str | None = None
+    mode: str = "reduce-overhead"
+    dtype: str = "bfloat16"
+    prompt_tokens: int = 5
+    new_tokens: int = 200
+    repeats: int = 5
+    timeout: float = RUN_TIMEOUT_S
+    trace_dir: str | None = None
+    profile: bool = True
+    linear_kernel: str | None = None
+    attention_kernel: str | None = None
+    kernel_tuning: str | None = None
+    worker: bool = False
+    result: str | None = None
+
+    def __post_init__(self) -> None:
+        check_one_of("shape", self.shape, tuple(SHAPES))
+        check_one_of("mode", self.mode, compile_modes())
+        check_names("tp", self.tp)
+        for size in self.tp:
+            check_at_least("tp", size, 1)
+        for name in ("prompt_tokens", "new_tokens", "repeats"):
+            check_at_least(name, getattr(self, name), 1)
+        check_at_least("timeout", self.timeout, 0)
+        if self.worker and self.result is None:
+            raise OptionError("worker writes its figures to result: give one", "worker", "result")
