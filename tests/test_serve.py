@@ -225,10 +225,10 @@ def test_chat_on_the_default_model_equals_gpt_fast_generate(smol_server, smollm2
     assert text == expected_text and reasons == [answer.choices[0].finish_reason] and usage is None
 
 
-def test_the_readme_client_example_runs_as_written(smol_server, capsys):
-    section = (REPO / "README.md").read_text().split("## Serving", 1)[1]
+def test_the_serving_guides_client_example_runs_as_written(smol_server, capsys):
+    section = (REPO / "docs" / "serving.md").read_text()
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    exec(code.replace("http://127.0.0.1:8000", smol_server.url), {})  # the README's own code
+    exec(code.replace("http://127.0.0.1:8000", smol_server.url), {})  # the guide's own code
     out = capsys.readouterr().out
     assert re.search(r"\n\d+ tokens\n$", out) and len(out) > 40
 

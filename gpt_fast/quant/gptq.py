@@ -54,7 +54,7 @@ def asymmetric_target(
     ``W' = W (X X̃ᵀ + r I)(X̃ X̃ᵀ + r I)⁻¹``. The ridge keeps the target near ``W`` along the directions the
     calibration inputs barely span, where a least-squares fit on a few thousand tokens is mostly noise (with 0.01
     of the mean diagonal and 4096 tokens, the default model's perplexity is far worse than plain GPTQ's: +18 %
-    against +10 %; with 1, +6.4 %; docs/bench/quant_gptaq_cpu_s18.txt). In float64, as measured there: the same
+    against +10 %; with 1, +6.4 %; docs/bench/2026-11-23j_quant_gptaq_cpu.txt). In float64, as measured there: the same
     target in float32, different by rounding alone, gives +8.1 % (roundings near ties flip, and the sequential
     calibration carries each flip into the later layers, so one run of that gate is one draw from a spread of a
     point or two)."""
