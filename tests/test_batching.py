@@ -213,7 +213,7 @@ def test_batch_options_check_themselves(options, message):
 
 
 def test_a_cache_longer_than_the_context_is_refused(engine):
-    with pytest.raises(ValueError, match="--max_seq_length 513 exceeds the model's context of 512"):
+    with pytest.raises(ValueError, match="max_seq_length 513 exceeds the model's context of 512"):
         engine.batcher(BatchOptions(max_seq_length=513))
 
 

@@ -30,12 +30,12 @@ def test_world_sizes_must_be_a_list_of_positive_numbers(text):
 
 
 def test_a_shape_that_does_not_split_is_refused_before_any_run():
-    with pytest.raises(ValueError, match="--tp 3: model.n_head"):
+    with pytest.raises(ValueError, match="tp 3: model.n_head"):
         run(TpBenchOptions(shape="llama-2-7b", tp=(1, 3), device="cpu"))
 
 
 def test_a_kernel_option_is_checked_before_any_run():
-    with pytest.raises(ValueError, match="--linear_kernel 'cuda' is not one of auto, triton, torch"):
+    with pytest.raises(ValueError, match="kernels.linear 'cuda' is not one of auto, triton, torch"):
         run(TpBenchOptions(shape="tiny", tp=(1, 2), device="cpu", linear_kernel="cuda"))
 
 

@@ -19,6 +19,7 @@ from gpt_fast.accel.decode_attention import (
     resolve_attention_kernel,
     use_attention_kernel,
 )
+from gpt_fast.accel.options import KernelOptions
 from gpt_fast.convert.random_init import random_weights
 from gpt_fast.engine.engine import Engine, EngineOptions
 from gpt_fast.model.shapes import get_shape
@@ -76,12 +77,12 @@ def test_auto_takes_the_kernel_where_it_was_measured_faster(
 
 
 def test_engine_options_check_the_attention_kernel():
-    with pytest.raises(ValueError, match="attention_kernel 'flash' is not one of auto, triton, torch"):
-        EngineOptions(attention_kernel="flash")
+    with pytest.raises(ValueError, match="kernels.attention 'flash' is not one of auto, triton, torch"):
+        EngineOptions(kernels=KernelOptions(attention="flash"))
     with pytest.raises(ValueError, match="the triton attention kernel needs a CUDA GPU"):
-        Engine.from_state(get_shape("tiny"), {}, EngineOptions(device="cpu", attention_kernel="triton"))
-    with pytest.raises(ValueError, match="--regional_compile does not combine with the triton attention kernel"):
-        EngineOptions(compile="reduce-overhead", regional_compile=True, attention_kernel="triton")
+        Engine.from_state(get_shape("tiny"), {}, EngineOptions(device="cpu", kernels=KernelOptions(attention="triton")))
+    with pytest.raises(ValueError, match="regional_compile does not combine with the triton attention kernel"):
+        EngineOptions(compile="reduce-overhead", regional_compile=True, kernels=KernelOptions(attention="triton"))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
@@ -119,7 +120,7 @@ def test_every_attention_layer_gets_the_kernel_and_its_window():
     shape = shrunk("gemma-2-9b")  # a sliding layer, a full one, then the last (full)
     engine = Engine.from_state(shape, random_weights(shape, torch.float32, seed=0), EngineOptions(device="cpu"))
     layers = [layer.attention for layer in engine.model.layers]
-    assert engine.attention_kernel == "torch" and all(a.decode_kernel is None for a in layers)
+    assert engine.kernels.attention == "torch" and all(a.decode_kernel is None for a in layers)
     assert [a.window for a in layers] == [shape.sliding_window, None, None]
     use_attention_kernel(engine.model, "triton")
     assert all(a.decode_kernel is fused_decode_attention for a in layers)

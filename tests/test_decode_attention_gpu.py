@@ -9,10 +9,11 @@ import pytest
 import torch
 from decode_attention_reference import CASES, kernel_errors, model_configs, model_errors
 
+from gpt_fast.accel.options import KernelOptions
 from gpt_fast.convert.random_init import random_weights
 from gpt_fast.engine.engine import Engine, EngineOptions
 from gpt_fast.generation.sampling import SamplingConfig
-from gpt_fast.quant.products import triton_usable
+from gpt_fast.kernels.available import triton_usable
 
 pytestmark = [
     pytest.mark.gpu,
@@ -63,9 +64,11 @@ def test_compiled_decoding_with_the_kernel_gives_eagers_greedy_tokens(name):
     prompts = [list(range(1, 21)), list(range(5, 12)), list(range(30, 63))]
     tokens = {}
     for compile_mode, kernel in (("none", "torch"), (mode, "triton")):
-        options = EngineOptions(compile=compile_mode, device="cuda", dtype="float32", attention_kernel=kernel)
+        options = EngineOptions(
+            compile=compile_mode, device="cuda", dtype="float32", kernels=KernelOptions(attention=kernel)
+        )
         engine = Engine.from_state(shape, state, options)
-        assert engine.attention_kernel == kernel
+        assert engine.kernels.attention == kernel
         single = [engine.generate_ids(prompts[0], 24, GREEDY).tokens[0] for _ in range(2)]  # compile, then replay
         assert single[0] == single[1]
         tokens[compile_mode] = single[0], [c.ids for c in engine.generate_many_ids(prompts, 24, GREEDY)]

@@ -15,6 +15,7 @@ import torch
 import gpt_fast.accel.gated_activation as gated_activation
 import gpt_fast.quant.products as quant_kernels
 from gpt_fast.accel.gated_activation import resolve_activation_kernel, use_activation_kernel
+from gpt_fast.accel.options import KernelOptions
 from gpt_fast.convert.random_init import random_weights
 from gpt_fast.engine.engine import Engine, EngineOptions
 from gpt_fast.model.shapes import get_shape
@@ -51,9 +52,11 @@ def test_auto_takes_the_kernel_for_large_mlps_on_a_gpu_with_triton(monkeypatch):
 
 def test_engine_options_check_the_activation_kernel():
     with pytest.raises(ValueError, match="activation_kernel 'fused' is not one of auto, triton, torch"):
-        EngineOptions(activation_kernel="fused")
+        EngineOptions(kernels=KernelOptions(activation="fused"))
     with pytest.raises(ValueError, match="the triton activation kernel needs a CUDA GPU"):
-        Engine.from_state(get_shape("tiny"), {}, EngineOptions(device="cpu", activation_kernel="triton"))
+        Engine.from_state(
+            get_shape("tiny"), {}, EngineOptions(device="cpu", kernels=KernelOptions(activation="triton"))
+        )
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])

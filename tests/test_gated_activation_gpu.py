@@ -8,13 +8,14 @@ graphs and from an ahead-of-time package.
 import pytest
 import torch
 
+from gpt_fast.accel.options import KernelOptions
 from gpt_fast.convert.random_init import random_weights
 from gpt_fast.engine.engine import Engine, EngineOptions
 from gpt_fast.generation.precompile import LOADED
 from gpt_fast.generation.sampling import SamplingConfig
+from gpt_fast.kernels.available import triton_usable
 from gpt_fast.model.shapes import get_shape
 from gpt_fast.model.transformer import gated
-from gpt_fast.quant.products import triton_usable
 
 pytestmark = [
     pytest.mark.gpu,
@@ -56,10 +57,14 @@ def test_compiled_decoding_with_the_kernel_gives_eagers_greedy_tokens(aot_precom
     for mode, kernel in (("none", "torch"), ("reduce-overhead", "triton")):
         precompiled = aot_precompile and mode != "none"
         options = EngineOptions(
-            compile=mode, device="cuda", dtype="float32", activation_kernel=kernel, aot_precompile=precompiled
+            compile=mode,
+            device="cuda",
+            dtype="float32",
+            aot_precompile=precompiled,
+            kernels=KernelOptions(activation=kernel),
         )
         engine = Engine.from_state(shape, state, options)
-        assert engine.activation_kernel == kernel
+        assert engine.kernels.activation == kernel
         single = [engine.generate_ids(prompts[0], 24, GREEDY).tokens[0] for _ in range(2)]  # compile, then replay
         assert single[0] == single[1]
         many = [] if aot_precompile else [c.ids for c in engine.generate_many_ids(prompts, 24, GREEDY)]
@@ -67,7 +72,11 @@ def test_compiled_decoding_with_the_kernel_gives_eagers_greedy_tokens(aot_precom
     assert tokens["reduce-overhead"] == tokens["none"]
     if aot_precompile:  # a new engine loads the package saved above, kernel and all
         options = EngineOptions(
-            compile="reduce-overhead", device="cuda", dtype="float32", activation_kernel="triton", aot_precompile=True
+            compile="reduce-overhead",
+            device="cuda",
+            dtype="float32",
+            aot_precompile=True,
+            kernels=KernelOptions(activation="triton"),
         )
         engine = Engine.from_state(shape, state, options)
         assert engine.generate_ids(prompts[0], 24, GREEDY).tokens[0] == tokens["none"][0]

@@ -18,8 +18,8 @@ from gpt_fast.convert.random_init import random_weights
 from gpt_fast.engine.engine import Engine, EngineOptions
 from gpt_fast.generation.drafters import PromptLookup, Replay
 from gpt_fast.generation.sampling import SamplingConfig
+from gpt_fast.kernels.available import triton_usable
 from gpt_fast.model.shapes import get_shape
-from gpt_fast.quant.products import triton_usable
 
 pytestmark = [
     pytest.mark.gpu,

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from gpt_fast.accel.linear import DecodeLinear, resolve_linear_kernel, use_linear_kernel
+from gpt_fast.accel.options import KernelOptions
 from gpt_fast.checkpoint.load import model_from_state
 from gpt_fast.convert.random_init import random_weights
 from gpt_fast.engine.engine import EngineOptions
@@ -56,11 +57,13 @@ def test_auto_takes_the_kernel_where_it_was_measured_faster(pretend_gpu, mode, c
 
 
 def test_the_engine_options_refuse_what_the_kernel_does_not_combine_with():
-    with pytest.raises(ValueError, match="--linear_kernel 'x' is not one of auto, triton, torch"):
-        EngineOptions(linear_kernel="x")
-    with pytest.raises(ValueError, match="--batch_invariant does not combine with --linear_kernel triton"):
-        EngineOptions(compile="reduce-overhead", linear_kernel="triton", batch_invariant=True)
-    EngineOptions(compile="reduce-overhead", linear_kernel="triton", aot_precompile=True)  # a package calls it
+    with pytest.raises(ValueError, match="kernels.linear 'x' is not one of auto, triton, torch"):
+        EngineOptions(kernels=KernelOptions(linear="x"))
+    with pytest.raises(ValueError, match="batch_invariant does not combine with kernels.linear triton"):
+        EngineOptions(compile="reduce-overhead", batch_invariant=True, kernels=KernelOptions(linear="triton"))
+    EngineOptions(
+        compile="reduce-overhead", aot_precompile=True, kernels=KernelOptions(linear="triton")
+    )  # a package calls it
 
 
 def test_the_decoder_layers_linears_are_swapped_sharing_their_parameters():

@@ -9,11 +9,12 @@ eager's greedy tokens.
 import pytest
 import torch
 
+from gpt_fast.accel.options import KernelOptions
 from gpt_fast.convert.random_init import random_weights
 from gpt_fast.engine.engine import Engine, EngineOptions
 from gpt_fast.generation.sampling import SamplingConfig
+from gpt_fast.kernels.available import triton_usable
 from gpt_fast.model.shapes import get_shape
-from gpt_fast.quant.products import triton_usable
 
 pytestmark = [
     pytest.mark.gpu,
@@ -97,7 +98,7 @@ def greedy(state: dict, mode: str, kernel: str, attention: str = "torch") -> lis
     """float32: see tests/test_quant_gpu.py's ``greedy``."""
     torch._dynamo.reset()
     options = EngineOptions(
-        compile=mode, device="cuda", dtype="float32", linear_kernel=kernel, attention_kernel=attention
+        compile=mode, device="cuda", dtype="float32", kernels=KernelOptions(attention=attention, linear=kernel)
     )
     engine = Engine.from_state(get_shape("tiny"), state, options)
     prompt = list(range(1, 20))

@@ -21,6 +21,7 @@ from gpt_fast.convert.quantize import quantize_checkpoint
 from gpt_fast.convert.random_init import make_random_checkpoint, random_weights
 from gpt_fast.engine.engine import Engine, EngineOptions
 from gpt_fast.generation.sampling import SamplingConfig
+from gpt_fast.kernels.available import triton_usable
 from gpt_fast.model.config import QuantConfig
 from gpt_fast.model.shapes import get_shape
 from gpt_fast.model.transformer import Transformer
@@ -33,7 +34,6 @@ from gpt_fast.parallel.tensor_parallel import (
     device_of,
 )
 from gpt_fast.quant.layout import quantize_state
-from gpt_fast.quant.products import triton_usable
 from gpt_fast.quant.schemes import dequantize_int4, dequantize_int8
 from tests.interpreter import needs_triton, old_numpy
 
@@ -64,7 +64,7 @@ def torchrun(nproc: int, *args: str, timeout: float = TIMEOUT_S, **env: str) -> 
     ],
 )
 def test_models_that_do_not_split_are_refused(config, tp, quant, message):
-    with pytest.raises(ValueError, match="^--tp") as error:
+    with pytest.raises(ValueError, match="^tp") as error:
         check_tensor_parallel(config, quant, tp)
     assert message in str(error.value) and "\n" not in str(error.value)
 

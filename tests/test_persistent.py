@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from gpt_fast.accel import persistent
+from gpt_fast.accel.options import KernelOptions
 from gpt_fast.accel.persistent import check_layers_kernel, resolve_layers_kernel, use_layers_kernel
 from gpt_fast.convert.random_init import random_weights
 from gpt_fast.engine.engine import Engine, EngineOptions
@@ -32,23 +33,23 @@ def test_kernel_choice_on_the_cpu():
     assert resolve_layers_kernel("auto", cpu) == "torch"
     with pytest.raises(ValueError, match="triton layers kernel needs a CUDA GPU with Triton installed, not cpu"):
         resolve_layers_kernel("triton", cpu)
-    with pytest.raises(ValueError, match="--layers_kernel 'mega' is not one of auto, triton, torch"):
-        EngineOptions(layers_kernel="mega")
+    with pytest.raises(ValueError, match="kernels.layers 'mega' is not one of auto, triton, torch"):
+        EngineOptions(kernels=KernelOptions(layers="mega"))
     with pytest.raises(ValueError, match="the triton layers kernel needs a CUDA GPU"):
-        Engine.from_state(get_shape("tiny"), {}, EngineOptions(device="cpu", layers_kernel="triton"))
+        Engine.from_state(get_shape("tiny"), {}, EngineOptions(device="cpu", kernels=KernelOptions(layers="triton")))
 
 
 @pytest.mark.parametrize(
     "other, message",
     [
         ({"tp": 2}, "runs plain decoding on one GPU"),
-        ({"compile": "reduce-overhead", "aot_precompile": True}, "--aot_precompile does not combine with --layers"),
-        ({"batch_invariant": True}, "--batch_invariant does not combine with --layers_kernel triton"),
+        ({"compile": "reduce-overhead", "aot_precompile": True}, "aot_precompile does not combine with kernels.layers"),
+        ({"batch_invariant": True}, "batch_invariant does not combine with kernels.layers triton"),
     ],
 )
 def test_options_it_does_not_combine_with(other, message):
     with pytest.raises(ValueError, match=message):
-        EngineOptions(layers_kernel="triton", **other)
+        EngineOptions(**other, kernels=KernelOptions(layers="triton"))
 
 
 def test_which_models_it_computes():

@@ -14,10 +14,11 @@ from gpt_fast.convert.random_init import random_weights
 from gpt_fast.engine.engine import Engine, EngineOptions
 from gpt_fast.generation.decode import COMPILE_MODES
 from gpt_fast.generation.sampling import SamplingConfig
+from gpt_fast.kernels.available import triton_usable
 from gpt_fast.model.config import QuantConfig
 from gpt_fast.model.shapes import get_shape
 from gpt_fast.quant.layout import quantize_state
-from gpt_fast.quant.products import INT8_BLOCK, group_interleave, int8_interleave, resolve_kernel, triton_usable
+from gpt_fast.quant.products import INT8_BLOCK, group_interleave, int8_interleave, resolve_kernel
 from gpt_fast.quant.schemes import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 
 pytestmark = [

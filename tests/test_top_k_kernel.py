@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gpt_fast.accel.options import KernelOptions
 from gpt_fast.accel.top_k import resolve_sampling_kernel
 from gpt_fast.engine.engine import Engine, EngineOptions
 from gpt_fast.generation.sampling import SamplingConfig, sample
@@ -46,11 +47,13 @@ def test_auto_takes_the_kernel_where_our_gemv_is_taken(monkeypatch, pretend_gpu,
 
 
 def test_the_engine_options_check_the_sampling_kernel():
-    with pytest.raises(ValueError, match="--sampling_kernel 'radix' is not one of auto, triton, torch"):
-        EngineOptions(sampling_kernel="radix")
-    EngineOptions(compile="reduce-overhead", aot_precompile=True, sampling_kernel="triton")  # a package calls it
+    with pytest.raises(ValueError, match="kernels.sampling 'radix' is not one of auto, triton, torch"):
+        EngineOptions(kernels=KernelOptions(sampling="radix"))
+    EngineOptions(
+        compile="reduce-overhead", aot_precompile=True, kernels=KernelOptions(sampling="triton")
+    )  # a package calls it
     with pytest.raises(ValueError, match="the triton sampling kernel needs a CUDA GPU"):
-        Engine.from_state(get_shape("tiny"), {}, EngineOptions(device="cpu", sampling_kernel="triton"))
+        Engine.from_state(get_shape("tiny"), {}, EngineOptions(device="cpu", kernels=KernelOptions(sampling="triton")))
 
 
 class ReferenceSampler:

@@ -9,11 +9,12 @@ model decoding with them in every CUDA-graph mode: top-1 sampling gives greedy d
 import pytest
 import torch
 
+from gpt_fast.accel.options import KernelOptions
 from gpt_fast.convert.random_init import random_weights
 from gpt_fast.engine.engine import Engine, EngineOptions
 from gpt_fast.generation.sampling import SamplingConfig
+from gpt_fast.kernels.available import triton_usable
 from gpt_fast.model.shapes import get_shape
-from gpt_fast.quant.products import triton_usable
 from tests.top_k_reference import mismatches, reference
 
 pytestmark = [
@@ -63,7 +64,7 @@ def test_top_1_sampling_through_the_kernels_gives_greedy_tokens(tiny_state, mode
     """bfloat16 logits (the kernels' input); the same engine decodes greedily (the argmax, no kernel) and samples
     the top 1 through the kernels."""
     torch._dynamo.reset()
-    options = EngineOptions(compile=mode, device="cuda", dtype="bfloat16", sampling_kernel="triton")
+    options = EngineOptions(compile=mode, device="cuda", dtype="bfloat16", kernels=KernelOptions(sampling="triton"))
     engine = Engine.from_state(get_shape("tiny"), tiny_state, options)
     prompt = list(range(1, 20))
     runs = {}

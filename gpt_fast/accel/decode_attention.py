@@ -21,11 +21,11 @@ import functools
 import torch
 from torch import nn
 
+from gpt_fast.accel.choice import choose
 from gpt_fast.accel.linear import pdl_kernels_measured, steps_with_pdl
+from gpt_fast.accel.options import ATTENTION_KERNELS
 from gpt_fast.model.transformer import Attention
-from gpt_fast.quant.products import resolve_kernel_choice
-
-ATTENTION_KERNELS = ("auto", "triton", "torch")
+from gpt_fast.util.options import OptionError
 
 
 def resolve_attention_kernel(
@@ -47,7 +47,7 @@ def resolve_attention_kernel(
     check_regional_compile(kernel, regional_compile)
     measured = pdl_kernels_measured(device, compile_mode)
     auto = "triton" if measured and not regional_compile else "torch"
-    return resolve_kernel_choice(kernel, ATTENTION_KERNELS, "attention kernel", device, auto, register_triton_ops)
+    return choose(kernel, ATTENTION_KERNELS, "attention kernel", device, auto, register_triton_ops)
 
 
 def check_regional_compile(kernel: str, regional_compile: bool) -> None:
@@ -56,7 +56,7 @@ def check_regional_compile(kernel: str, regional_compile: bool) -> None:
     raises "Found a custom (non-ATen) operator whose output has alias annotations", pytorch/pytorch#186807; seen
     with torch 2.11 on an H200 and 2.13 on the CPU)."""
     if kernel == "triton" and regional_compile:
-        raise ValueError("--regional_compile does not combine with the triton attention kernel yet")
+        raise OptionError("regional_compile does not combine with the triton attention kernel yet", "regional_compile")
 
 
 def attention_pdl(kernel: str, device: torch.device, compile_mode: str) -> bool:

@@ -23,11 +23,12 @@ import functools
 import torch
 from torch import nn
 
+from gpt_fast.accel.choice import choose
+from gpt_fast.accel.options import ACTIVATION_KERNELS
+from gpt_fast.kernels.available import triton_usable
 from gpt_fast.model.config import ModelConfig
 from gpt_fast.model.transformer import FeedForward
-from gpt_fast.quant.products import resolve_kernel_choice, triton_usable
 
-ACTIVATION_KERNELS = ("auto", "triton", "torch")
 # ``auto`` takes the kernel for w2 matrices of at least this many weights (Llama-2-7B's has 45M, SmolLM2-135M's 0.9M;
 # sizes between are not measured)
 LARGE_FFN = 2**24
@@ -38,7 +39,7 @@ def resolve_activation_kernel(kernel: str, device: torch.device, config: ModelCo
     :data:`LARGE_FFN` weights, else the PyTorch code. Choosing Triton registers its operator
     (:func:`register_triton_ops`), before anything is compiled."""
     auto = "triton" if large_mlp(config) and triton_usable(device) else "torch"
-    return resolve_kernel_choice(kernel, ACTIVATION_KERNELS, "activation kernel", device, auto, register_triton_ops)
+    return choose(kernel, ACTIVATION_KERNELS, "activation kernel", device, auto, register_triton_ops)
 
 
 def large_mlp(config: ModelConfig) -> bool:

@@ -34,9 +34,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpt_fast.accel.linear import swap_linears
+from gpt_fast.kernels.available import triton_usable
 from gpt_fast.model.config import ModelConfig, QuantConfig
 from gpt_fast.model.transformer import Attention, RMSNorm, Transformer, apply_rope, attend_softcapped, rms_norm
-from gpt_fast.quant.products import triton_usable
 
 INVARIANT_ROWS = 64  # rows (batch x positions) of a step that the invariant operators take; more: the usual kernels
 

@@ -34,11 +34,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpt_fast.accel.choice import choose
+from gpt_fast.accel.options import LINEAR_KERNELS
+from gpt_fast.kernels.available import triton_usable
 from gpt_fast.model.transformer import FeedForward, RMSNorm, Transformer, TransformerBlock
 from gpt_fast.quant.layers import QuantizedLinear
-from gpt_fast.quant.products import resolve_kernel_choice, triton_usable
 
-LINEAR_KERNELS = ("auto", "triton", "torch")
 PDL_MODES = ("reduce-overhead", "max-autotune")  # the compile modes that run decode steps in CUDA graphs
 
 
@@ -46,7 +47,7 @@ def resolve_linear_kernel(kernel: str, device: torch.device, compile_mode: str) 
     """``auto``: see the module. Choosing Triton registers its operator (:func:`register_triton_ops`), before
     anything is compiled."""
     auto = "triton" if pdl_kernels_measured(device, compile_mode) else "torch"
-    return resolve_kernel_choice(kernel, LINEAR_KERNELS, "linear kernel", device, auto, register_triton_ops)
+    return choose(kernel, LINEAR_KERNELS, "linear kernel", device, auto, register_triton_ops)
 
 
 def pdl_kernels_measured(device: torch.device, compile_mode: str) -> bool:

@@ -17,12 +17,11 @@ import functools
 import torch
 from torch import nn
 
+from gpt_fast.accel.choice import choose
+from gpt_fast.accel.options import LAYERS_KERNELS
 from gpt_fast.kernels.persistent_table import TABLE_COLUMNS
 from gpt_fast.model.config import ModelConfig, QuantConfig
 from gpt_fast.model.transformer import Transformer
-from gpt_fast.quant.products import resolve_kernel_choice
-
-LAYERS_KERNELS = ("auto", "triton", "torch")
 
 
 def check_layers_kernel(config: ModelConfig, quantization: QuantConfig | None, programs: int) -> None:
@@ -61,7 +60,7 @@ def check_layers_kernel(config: ModelConfig, quantization: QuantConfig | None, p
 def resolve_layers_kernel(kernel: str, device: torch.device) -> str:
     """``auto``: the model's code. Choosing Triton (a CUDA GPU with Triton, not ROCm) registers the operator
     (:func:`register_layers_op`) before anything is compiled."""
-    return resolve_kernel_choice(kernel, LAYERS_KERNELS, "layers kernel", device, "torch", register_layers_op)
+    return choose(kernel, LAYERS_KERNELS, "layers kernel", device, "torch", register_layers_op)
 
 
 def fill_pointer_table(model: Transformer) -> None:

@@ -22,11 +22,10 @@ import functools
 
 import torch
 
+from gpt_fast.accel.choice import choose
 from gpt_fast.accel.linear import pdl_kernels_measured
+from gpt_fast.accel.options import SAMPLING_KERNELS
 from gpt_fast.model.transformer import Transformer
-from gpt_fast.quant.products import resolve_kernel_choice
-
-SAMPLING_KERNELS = ("auto", "triton", "torch")
 
 
 def resolve_sampling_kernel(kernel: str, device: torch.device, compile_mode: str) -> str:
@@ -34,7 +33,7 @@ def resolve_sampling_kernel(kernel: str, device: torch.device, compile_mode: str
     CUDA-graph modes on GPUs that launch with PDL), elsewhere ``torch``. ``triton`` needs a CUDA GPU with Triton;
     choosing it registers its operator (:func:`register_triton_ops`) before anything is compiled."""
     auto = "triton" if pdl_kernels_measured(device, compile_mode) else "torch"
-    return resolve_kernel_choice(kernel, SAMPLING_KERNELS, "sampling kernel", device, auto, register_triton_ops)
+    return choose(kernel, SAMPLING_KERNELS, "sampling kernel", device, auto, register_triton_ops)
 
 
 @functools.cache

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gpt_fast.accel.options import KernelOptions
 from gpt_fast.bench.modes import copy_bandwidth_gbps
 from gpt_fast.bench.options import DecodeBenchOptions
 from gpt_fast.convert.hf_config import hf_config_dict
@@ -42,11 +43,11 @@ from gpt_fast.engine.engine import (
 )
 from gpt_fast.generation.decode import COORDINATE_DESCENT, HEURISTIC
 from gpt_fast.generation.sampling import SamplingConfig
+from gpt_fast.kernels.available import triton_usable
 from gpt_fast.model.config import ModelConfig, QuantConfig
 from gpt_fast.model.shapes import get_shape
 from gpt_fast.quant.layers import QuantizedLinear
 from gpt_fast.quant.layout import quantize_state, stored_size
-from gpt_fast.quant.products import triton_usable
 from gpt_fast.util.device import device_name, device_synchronize, dtype_name, parse_dtype, resolve_device
 from gpt_fast.util.settings import apply_torch_settings
 
@@ -166,12 +167,7 @@ def ours_runners(
         compile=mode,
         device=str(device),
         dtype=dtype_name(dtype),
-        quant_kernel=kernel,
-        attention_kernel=attention,
-        activation_kernel=activation,
-        layers_kernel=layers,
-        linear_kernel=linear,
-        sampling_kernel=sampling,
+        kernels=KernelOptions(kernel, attention, activation, layers, linear, sampling),
         regional_compile=subject.regional_compile,
         kernel_tuning=subject.kernel_tuning,
     )

@@ -6,51 +6,15 @@ at least 1, not 0``); the command line names its flags instead (``--builds must 
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gpt_fast.model.config import INT4_GROUP_SIZES, QUANT_MODES
 from gpt_fast.model.shapes import SHAPES
+from gpt_fast.util.options import OptionError, check_at_least, check_names, check_one_of
 
 DEFAULT_AGREEMENTS = (0.5, 0.7, 0.8, 0.9)
 RUN_TIMEOUT_S = 480.0  # one world size's run of the tensor-parallel benchmark, start to end
 SERVE_DTYPES = ("bfloat16", "float16", "float32")
-
-
-class OptionError(ValueError):
-    """A mistake in the values of ``options`` (field names), which the message names: :meth:`naming` renames each
-    at its first occurrence."""
-
-    def __init__(self, message: str, *options: str) -> None:
-        super().__init__(message)
-        self.options = options
-
-    def naming(self, name: Callable[[str], str]) -> str:
-        """The message with each option named by ``name(option)`` (a flag, for a command line)."""
-        text = str(self)
-        for option in self.options:
-            flag = name(option)
-            text = re.sub(rf"(?<![\w-]){re.escape(option)}(?![\w-])", lambda _, flag=flag: flag, text, count=1)
-        return text
-
-
-def check_at_least(option: str, value: int | float, low: int | float) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < low:
-        raise OptionError(f"{option} must be at least {low}, not {value!r}", option)
-
-
-def check_one_of(option: str, value: object, choices: Sequence[object]) -> None:
-    if value not in choices:
-        raise OptionError(f"{option} {value!r} is not one of {', '.join(map(str, choices))}", option)
-
-
-def check_names(option: str, values: Sequence[str], choices: Sequence[str] | None = None) -> None:
-    """A list option: at least one value, each among ``choices`` where given."""
-    if not values:
-        raise OptionError(f"{option} is empty", option)
-    for value in values if choices is not None else ():
-        check_one_of(option, value, choices)
 
 
 def compile_modes() -> tuple[str, ...]:

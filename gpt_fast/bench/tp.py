@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from gpt_fast.accel.options import KernelOptions
 from gpt_fast.bench.decode import BLOG_SAMPLING, timed
 from gpt_fast.bench.modes import copy_bandwidth_gbps
 from gpt_fast.bench.options import TpBenchOptions
@@ -37,7 +38,7 @@ from gpt_fast.util.device import device_name, parse_dtype, resolve_device
 from gpt_fast.util.settings import apply_torch_settings
 
 FIT_SHARE = 0.8  # a rank's weights may take at most this share of its GPU's memory
-KERNEL_OPTIONS = ("linear_kernel", "attention_kernel", "kernel_tuning")  # passed on to EngineOptions as they are
+KERNEL_OPTIONS = ("linear", "attention")  # the kernel choices passed on to EngineOptions
 
 
 @dataclass(frozen=True)
@@ -87,8 +88,7 @@ def measure_rank(args: TpBenchOptions, ranks: Ranks) -> Result | None:
     reason = part_fits(shard, args.shape, dtype, device)
     if reason is not None:
         return Result(args.shape, ranks.world_size, skipped=reason)
-    kernels = kernel_options(args)
-    options = EngineOptions(compile=args.mode, device=args.device, dtype=args.dtype, tp=ranks.world_size, **kernels)
+    options = replace(engine_options(args), device=args.device, tp=ranks.world_size)
     engine = Engine.from_state(
         get_shape(args.shape), random_shard(shard, args.shape, dtype, device), options, sharded=True
     )
@@ -123,10 +123,20 @@ def measure_rank(args: TpBenchOptions, ranks: Ranks) -> Result | None:
     )
 
 
-def kernel_options(args: TpBenchOptions) -> dict[str, str]:
-    """The kernel choices, as :class:`EngineOptions` fields: those given, and the engine's defaults."""
-    defaults = EngineOptions()
-    return {name: getattr(args, name) or getattr(defaults, name) for name in KERNEL_OPTIONS}
+def engine_options(args: TpBenchOptions) -> EngineOptions:
+    """The engine options of a rank: the compile mode, dtype and kernel choices given (the engine's defaults for
+    those not given)."""
+    given = {name: getattr(args, f"{name}_kernel") for name in KERNEL_OPTIONS}
+    kernels = KernelOptions(**{name: choice for name, choice in given.items() if choice is not None})
+    tuning = {"kernel_tuning": args.kernel_tuning} if args.kernel_tuning is not None else {}
+    return EngineOptions(compile=args.mode, dtype=args.dtype, kernels=kernels, **tuning)
+
+
+def kernel_flags(args: TpBenchOptions) -> dict[str, str]:
+    """The kernel choices as the flags that hand them on to the ranks: those given, and the engine's defaults."""
+    options = engine_options(args)
+    flags = {f"{name}_kernel": getattr(options.kernels, name) for name in KERNEL_OPTIONS}
+    return flags | {"kernel_tuning": options.kernel_tuning}
 
 
 def profile_collectives(engine: Engine, run: Callable[[], object], folder: Path) -> tuple[float, float]:
@@ -154,7 +164,7 @@ def run_world_size(args: TpBenchOptions, world_size: int, folder: Path) -> Resul
     passed += ["--prompt_tokens", str(args.prompt_tokens), "--new_tokens", str(args.new_tokens)]
     passed += ["--repeats", str(args.repeats), "--trace_dir", args.trace_dir or str(folder)]
     passed += [] if args.profile else ["--no_profile"]
-    passed += [item for name, value in kernel_options(args).items() for item in (f"--{name}", value)]
+    passed += [item for name, value in kernel_flags(args).items() for item in (f"--{name}", value)]
     command = ["gpt_fast", "bench", "tp", "--worker", "--result", str(result), *passed]  # `gpt-fast bench tp`
     code = run_ranks(world_size, command, args.timeout)
     if code or not result.is_file():
@@ -196,7 +206,7 @@ def run(args: TpBenchOptions, write: Callable[[str], None] = print) -> list[Resu
         worker(args)
         return []
     sizes = args.tp
-    EngineOptions(compile=args.mode, dtype=args.dtype, **kernel_options(args))  # refuses a bad choice before any run
+    engine_options(args)  # refuses a bad choice before any run
     for size in sizes:
         check_tensor_parallel(get_shape(args.shape), None, size)
     if args.trace_dir is not None:
@@ -210,7 +220,7 @@ def run(args: TpBenchOptions, write: Callable[[str], None] = print) -> list[Resu
                 continue
             results.append(run_world_size(args, size, Path(folder)))
             write(f"measured: {results[-1]}")
-    kernels = ", ".join(f"{name} {value}" for name, value in kernel_options(args).items())
+    kernels = ", ".join(f"{name} {value}" for name, value in kernel_flags(args).items())
     write(
         f"{args.shape}, {args.device}, torch {torch.__version__}, {args.dtype}, {args.mode}, {kernels}; batch 1, "
         f"prompt {args.prompt_tokens} tokens, {args.new_tokens} new, median of {args.repeats}"

@@ -62,12 +62,12 @@ MODE_CHOICES = Listed(compile_modes)
 
 
 def engine_choices(name: str) -> Listed:
-    """The choices of an engine option (``LINEAR_KERNELS``, …)."""
+    """The choices of a kernel option (``LINEAR_KERNELS``, …: :mod:`gpt_fast.accel.options`)."""
 
     def choices() -> Sequence[str]:
-        from gpt_fast.engine import engine
+        from gpt_fast.accel import options
 
-        return getattr(engine, name)
+        return getattr(options, name)
 
     return Listed(choices)
 

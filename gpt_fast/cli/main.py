@@ -15,11 +15,9 @@ from typing import Any
 import click
 
 from gpt_fast import __version__
+from gpt_fast.accel.options import KERNEL_CHOICES, LAYERS_KERNELS, LINEAR_KERNELS, SAMPLING_KERNELS, KernelOptions
 from gpt_fast.cli.bench import bench
 from gpt_fast.engine.engine import (
-    LAYERS_KERNELS,
-    LINEAR_KERNELS,
-    SAMPLING_KERNELS,
     Engine,
     EngineOptions,
     launched_world_size,
@@ -37,6 +35,7 @@ from gpt_fast.quant.calibrate import DEFAULT_TOKENS as DEFAULT_CALIBRATION_TOKEN
 from gpt_fast.quant.calibrate import Calibration
 from gpt_fast.util.device import DTYPE_CHOICES, DTYPES, parse_dtype
 from gpt_fast.util.fileio import STDOUT, regular_file
+from gpt_fast.util.options import OptionError
 from gpt_fast.util.settings import apply_torch_settings
 
 EXIT_USER_ERROR = 1
@@ -152,9 +151,7 @@ def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
             dtype,
             regional_compile=regional_compile,
             kernel_tuning=kernel_tuning,
-            layers_kernel=layers_kernel,
-            linear_kernel=linear_kernel,
-            sampling_kernel=sampling_kernel,
+            kernels=KernelOptions(layers=layers_kernel, linear=linear_kernel, sampling=sampling_kernel),
         )
         return func(*args, engine_options=options, **kwargs)
 
@@ -162,7 +159,7 @@ def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
     decorated = option(
         "--sampling_kernel",
         type=Choice(SAMPLING_KERNELS),
-        default=ENGINE.sampling_kernel,
+        default=ENGINE.kernels.sampling,
         show_default=True,
         help="triton: top-k sampling (16-bit logits, no top-p) in two Triton kernels instead of torch.topk (CUDA "
         "GPUs); torch: torch.topk; auto: triton where the linear kernel's auto is triton.",
@@ -170,7 +167,7 @@ def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
     decorated = option(
         "--linear_kernel",
         type=Choice(LINEAR_KERNELS),
-        default=ENGINE.linear_kernel,
+        default=ENGINE.kernels.linear,
         show_default=True,
         help="triton: the decoder layers' unquantized linear layers in compiled one-token steps of one sequence are "
         "our GEMV, launched so that its weight loads overlap the kernel before it (CUDA GPUs); torch: cuBLAS or "
@@ -179,7 +176,7 @@ def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
     decorated = option(
         "--layers_kernel",
         type=Choice(LAYERS_KERNELS),
-        default=ENGINE.layers_kernel,
+        default=ENGINE.kernels.layers,
         show_default=True,
         help="triton: a compiled one-token decode step of one sequence runs every layer in one persistent kernel "
         "(small Llama-style models on CUDA GPUs; fewer launches, a compile without the layers); torch: inductor's "
@@ -832,6 +829,21 @@ def rank_prefix() -> str:
     return f"[rank {rank}] " if rank != "0" else ""
 
 
+# the options whose flag is not their name with "--" before it
+FLAGS = {f"kernels.{name}": f"--{name}_kernel" for name in KERNEL_CHOICES} | {
+    "speculative.prompt_lookup": "--prompt_lookup",
+    "speculative.draft_checkpoint": "--draft_checkpoint_path",
+    "speculative.k": "--speculate_k",
+    "draft_checkpoint": "--draft_checkpoint_path",
+    "compile": "--compile",
+}
+
+
+def flag_of(option: str) -> str:
+    """The command line's flag for a library option (``kernels.linear`` -> ``--linear_kernel``)."""
+    return FLAGS.get(option, f"--{option}")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the command, turning user errors into `error: …` on stderr."""
     args = sys.argv[1:] if argv is None else list(argv)
@@ -843,6 +855,9 @@ def main(argv: list[str] | None = None) -> None:
     except click.ClickException as err:
         click.echo(f"error: {one_line(err.format_message())}", err=True)
         sys.exit(err.exit_code)
+    except OptionError as err:
+        click.echo(f"error: {rank_prefix()}{one_line(err.naming(flag_of))}", err=True)
+        sys.exit(EXIT_USER_ERROR)
     except (ValueError, OSError) as err:
         click.echo(f"error: {rank_prefix()}{one_line(str(err)) or type(err).__name__}", err=True)
         sys.exit(EXIT_USER_ERROR)

@@ -40,6 +40,7 @@ from gpt_fast.generation.slots import TOP_LOGPROBS, SlotState, SlotSteps
 from gpt_fast.model.transformer import Transformer
 from gpt_fast.text.textstream import Decoder, StopStrings, TextStream
 from gpt_fast.util.device import device_synchronize
+from gpt_fast.util.options import OptionError
 
 MAX_BATCH = 64  # slots at most
 MAX_STOP_TEXTS = 16
@@ -53,7 +54,7 @@ class QueueFull(RuntimeError):
 def _require_int(value: object, name: str, low: int, high: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
         bounds = f">= {low}" if high is None else f"in {low}..{high}"
-        raise ValueError(f"{name} must be an integer {bounds}, got {value!r}")
+        raise OptionError(f"{name} must be an integer {bounds}, got {value!r}", name)
 
 
 @dataclass(frozen=True)
@@ -66,10 +67,10 @@ class BatchOptions:
     max_queue: int = 64
 
     def __post_init__(self) -> None:
-        _require_int(self.max_batch, "--max_batch", 1, MAX_BATCH)
-        _require_int(self.max_queue, "--max_queue", 0)
+        _require_int(self.max_batch, "max_batch", 1, MAX_BATCH)
+        _require_int(self.max_queue, "max_queue", 0)
         if self.max_seq_length is not None:
-            _require_int(self.max_seq_length, "--max_seq_length", 2)
+            _require_int(self.max_seq_length, "max_seq_length", 2)
 
 
 @dataclass(frozen=True)
@@ -201,7 +202,8 @@ class Batcher:
     ) -> None:
         block_size = model.config.block_size
         if options.max_seq_length is not None and options.max_seq_length > block_size:
-            raise ValueError(f"--max_seq_length {options.max_seq_length} exceeds the model's context of {block_size}")
+            message = f"max_seq_length {options.max_seq_length} exceeds the model's context of {block_size}"
+            raise OptionError(message, "max_seq_length")
         self.model, self.steps, self.options = model, steps, options
         self.tokenizer, self.stop_ids = tokenizer, tuple(stop_ids)
         self.max_seq_length = options.max_seq_length or block_size

@@ -16,29 +16,16 @@ import contextlib
 import re
 import time
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from gpt_fast.accel.decode_attention import (
-    ATTENTION_KERNELS,
-    attention_pdl,
-    check_regional_compile,
-    resolve_attention_kernel,
-    use_attention_kernel,
-)
-from gpt_fast.accel.gated_activation import ACTIVATION_KERNELS, resolve_activation_kernel, use_activation_kernel
+from gpt_fast.accel.choice import Context
+from gpt_fast.accel.decode_attention import check_regional_compile
 from gpt_fast.accel.invariant import INVARIANT_ROWS, check_invariant, use_invariant_kernels
-from gpt_fast.accel.linear import LINEAR_KERNELS, resolve_linear_kernel, use_linear_kernel
-from gpt_fast.accel.persistent import (
-    LAYERS_KERNELS,
-    check_layers_kernel,
-    programs_for,
-    resolve_layers_kernel,
-    use_layers_kernel,
-)
-from gpt_fast.accel.top_k import SAMPLING_KERNELS, resolve_sampling_kernel, use_sampling_kernel
+from gpt_fast.accel.options import KernelOptions
+from gpt_fast.accel.registry import install_kernels, resolve_kernels
 from gpt_fast.checkpoint.load import checkpoint_tokenizer, load_model, model_from_state
 from gpt_fast.convert.default_model import ensure_default_checkpoint
 from gpt_fast.engine.batcher import MAX_BATCH, Batcher, BatchOptions, Event, Finished, Request
@@ -76,12 +63,11 @@ from gpt_fast.model.config import (
 )
 from gpt_fast.model.transformer import Transformer, weight_bytes_per_token
 from gpt_fast.parallel.tensor_parallel import TensorParallel, check_tensor_parallel, device_of, env_ranks, join
-from gpt_fast.quant.layers import launch_with_pdl
-from gpt_fast.quant.products import KERNELS
 from gpt_fast.text.chat_template import chat_prompt_ids
 from gpt_fast.text.textstream import TextStream
 from gpt_fast.text.tokenizer import Tokenizer
 from gpt_fast.util.device import DTYPE_CHOICES, device_name, dtype_name, resolve_device, resolve_dtype
+from gpt_fast.util.options import OptionError, check_at_least, check_one_of
 from gpt_fast.util.paths import CHECKPOINTS_DIR
 
 DEFAULT_MAX_NEW_TOKENS = 200
@@ -91,76 +77,56 @@ _REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """How a checkpoint runs: compile mode (``none`` = eager), whether the prefill is compiled too, device
-    (None: the GPU if there is one), dtype (``auto``: bfloat16 on a GPU, float32 on the CPU), speculative
-    decoding (None: plain decoding), the kernels of a quantized checkpoint's layers (``auto``: see
-    :func:`gpt_fast.quant.products.resolve_kernel`), the attention kernel of compiled decode steps (``auto``: see
-    :func:`gpt_fast.accel.decode_attention.resolve_attention_kernel`), the gated MLPs' activation kernel of
-    compiled decode steps (``auto``: see :func:`gpt_fast.accel.gated_activation.resolve_activation_kernel`),
-    the kernel of every layer of a compiled one-token step of one sequence (``layers_kernel``: see
-    :mod:`gpt_fast.accel.persistent`), the decoder layers' unquantized linear layers in such steps
-    (``linear_kernel``: see :mod:`gpt_fast.accel.linear`), the decode steps' top-k sampling (``sampling_kernel``:
-    see :mod:`gpt_fast.accel.top_k`),
-    the ranks of tensor parallelism (``tp``: the model split over that many processes started by ``torchrun``,
-    one GPU each; see :mod:`gpt_fast.parallel.tensor_parallel`), regional compilation (one layer compiled and reused
-    for all: see
-    :func:`gpt_fast.model.transformer.layer_region`), how inductor picks its kernels' configurations (``kernel_tuning``:
-    :data:`gpt_fast.generation.decode.KERNEL_TUNINGS`; no effect without compilation), and whether the decode step is
-    compiled ahead of time and kept on disk for the next process (``aot_precompile``:
-    :mod:`gpt_fast.generation.precompile`;
-    one prompt's plain decoding in one process), and whether every decode and verify step computes each token's
-    row on its own, so that speculative decoding gives plain decoding's tokens in any dtype (``batch_invariant``:
-    :mod:`gpt_fast.accel.invariant`)."""
+    """How a checkpoint runs; each value is checked when the options are made (:class:`OptionError` names the
+    field).
+
+    - ``compile``: the compile mode (``none``: eager); ``compile_prefill``: the prefill compiled too;
+      ``kernel_tuning``: how inductor picks its kernels' configurations (:data:`KERNEL_TUNINGS`);
+    - ``device`` (None: the GPU if there is one) and ``dtype`` (``auto``: bfloat16 on a GPU, float32 on the CPU);
+    - ``speculative``: speculative decoding (None: plain decoding), :mod:`gpt_fast.generation.speculative`;
+    - ``kernels``: the kernel of each operation (:class:`gpt_fast.accel.options.KernelOptions`, resolved by
+      :mod:`gpt_fast.accel.registry`);
+    - ``tp``: the model split over that many processes started by ``torchrun``, one GPU each
+      (:mod:`gpt_fast.parallel.tensor_parallel`);
+    - ``regional_compile``: one layer compiled and reused for all (:func:`gpt_fast.model.transformer.layer_region`);
+    - ``aot_precompile``: the decode step compiled ahead of time and kept on disk for the next process
+      (:mod:`gpt_fast.generation.precompile`; one prompt's plain decoding in one process);
+    - ``batch_invariant``: every decode and verify step computes each token's row on its own, so that speculative
+      decoding gives plain decoding's tokens in any dtype (:mod:`gpt_fast.accel.invariant`).
+    """
 
     compile: str = "none"
     compile_prefill: bool = False
     device: str | None = None
     dtype: str = "auto"
     speculative: SpeculativeOptions | None = None
-    quant_kernel: str = "auto"
+    kernels: KernelOptions = field(default_factory=KernelOptions)
     tp: int = 1
-    attention_kernel: str = "auto"
-    activation_kernel: str = "auto"
-    layers_kernel: str = "auto"
-    linear_kernel: str = "auto"
-    sampling_kernel: str = "auto"
     regional_compile: bool = False
     kernel_tuning: str = COORDINATE_DESCENT
     aot_precompile: bool = False
     batch_invariant: bool = False
 
     def __post_init__(self) -> None:
-        if self.compile not in COMPILE_MODES:
-            raise ValueError(f"--compile {self.compile!r} is not one of {', '.join(COMPILE_MODES)}")
-        if self.dtype not in DTYPE_CHOICES:
-            raise ValueError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPE_CHOICES)}")
+        check_one_of("compile", self.compile, COMPILE_MODES)
+        check_one_of("dtype", self.dtype, DTYPE_CHOICES)
+        check_one_of("kernel_tuning", self.kernel_tuning, KERNEL_TUNINGS)
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeOptions):
-            raise ValueError(f"speculative must be a SpeculativeOptions or None, got {self.speculative!r}")
-        if self.quant_kernel not in KERNELS:
-            raise ValueError(f"quant_kernel {self.quant_kernel!r} is not one of {', '.join(KERNELS)}")
-        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
-            raise ValueError(f"--tp must be an integer >= 1, got {self.tp!r}")
+            raise OptionError(f"speculative must be a SpeculativeOptions or None, got {self.speculative!r}")
+        if not isinstance(self.kernels, KernelOptions):
+            raise OptionError(f"kernels must be a KernelOptions, got {self.kernels!r}")
+        check_at_least("tp", self.tp, 1)
         if self.tp > 1 and self.speculative is not None:
-            raise ValueError("speculative decoding does not run with tensor parallelism (--tp) yet")
-        if self.attention_kernel not in ATTENTION_KERNELS:
-            raise ValueError(f"attention_kernel {self.attention_kernel!r} is not one of {', '.join(ATTENTION_KERNELS)}")
-        if self.activation_kernel not in ACTIVATION_KERNELS:
-            kernels = ", ".join(ACTIVATION_KERNELS)
-            raise ValueError(f"activation_kernel {self.activation_kernel!r} is not one of {kernels}")
-        if self.layers_kernel not in LAYERS_KERNELS:
-            raise ValueError(f"--layers_kernel {self.layers_kernel!r} is not one of {', '.join(LAYERS_KERNELS)}")
-        if self.linear_kernel not in LINEAR_KERNELS:
-            raise ValueError(f"--linear_kernel {self.linear_kernel!r} is not one of {', '.join(LINEAR_KERNELS)}")
-        if self.sampling_kernel not in SAMPLING_KERNELS:
-            kernels = ", ".join(SAMPLING_KERNELS)
-            raise ValueError(f"--sampling_kernel {self.sampling_kernel!r} is not one of {kernels}")
-        if self.layers_kernel == "triton" and (self.tp > 1 or self.speculative is not None):
-            raise ValueError("--layers_kernel triton runs plain decoding on one GPU (no --tp, no speculation)")
-        if self.kernel_tuning not in KERNEL_TUNINGS:
-            raise ValueError(f"--kernel_tuning {self.kernel_tuning!r} is not one of {', '.join(KERNEL_TUNINGS)}")
+            raise OptionError("speculative decoding does not run with tensor parallelism (tp) yet", "tp")
+        if self.kernels.layers == "triton" and (self.tp > 1 or self.speculative is not None):
+            raise OptionError(
+                "kernels.layers triton runs plain decoding on one GPU (no tp, no speculation)", "kernels.layers", "tp"
+            )
         if self.regional_compile and self.tp > 1:  # collectives inside a reused region: not tried on GPUs yet
-            raise ValueError("--regional_compile does not run with tensor parallelism (--tp) yet")
-        check_regional_compile(self.attention_kernel, self.regional_compile)
+            raise OptionError(
+                "regional_compile does not run with tensor parallelism (tp) yet", "regional_compile", "tp"
+            )
+        check_regional_compile(self.kernels.attention, self.regional_compile)
         self._check_aot_precompile()
         self._check_batch_invariant()
 
@@ -168,31 +134,29 @@ class EngineOptions:
         if not self.batch_invariant:
             return
         others = {
-            "--tp": self.tp > 1,
-            "--aot_precompile": self.aot_precompile,
-            "--attention_kernel triton": self.attention_kernel == "triton",
-            "--activation_kernel triton": self.activation_kernel == "triton",
-            "--layers_kernel triton": self.layers_kernel == "triton",
-            "--linear_kernel triton": self.linear_kernel == "triton",
+            "tp": self.tp > 1,
+            "aot_precompile": self.aot_precompile,
         }
+        for name in self.kernels.asked_for("triton"):
+            others[f"kernels.{name} triton"] = name not in ("quant", "sampling")
         for name, used in others.items():
             if used:
-                raise ValueError(f"--batch_invariant does not combine with {name}")
+                raise OptionError(f"batch_invariant does not combine with {name}", "batch_invariant", name.split()[0])
 
     def _check_aot_precompile(self) -> None:
         if not self.aot_precompile:
             return
         if self.compile == "none":
-            raise ValueError("--aot_precompile keeps a compiled decode step: give it a --compile mode")
+            raise OptionError("aot_precompile keeps a compiled decode step: give it a compile mode", "aot_precompile")
         others = {
-            "--regional_compile": self.regional_compile,
-            "--tp": self.tp > 1,
+            "regional_compile": self.regional_compile,
+            "tp": self.tp > 1,
             "speculative decoding": self.speculative is not None,
-            "--layers_kernel triton": self.layers_kernel == "triton",
+            "kernels.layers triton": self.kernels.layers == "triton",
         }
         for name, used in others.items():
             if used:
-                raise ValueError(f"--aot_precompile does not combine with {name} yet")
+                raise OptionError(f"aot_precompile does not combine with {name} yet", "aot_precompile", name.split()[0])
 
     def check_parallel(self, config: ModelConfig, quantization: QuantConfig | None) -> None:
         """A model that does not split over ``tp`` ranks is refused before any weights are read."""
@@ -202,14 +166,17 @@ class EngineOptions:
         """Continuous batching (several prompts, `gpt-fast serve`) decodes without speculation: a verify step keeps
         one accepted length for all its rows, which independent requests do not share."""
         if self.speculative is not None:
-            raise ValueError(
-                "speculative decoding (--prompt_lookup, --draft_checkpoint_path) takes one prompt; several prompts "
-                "are decoded together without it"
+            raise OptionError(
+                "speculative decoding (speculative.prompt_lookup, speculative.draft_checkpoint) takes one prompt; "
+                "several prompts are decoded together without it",
+                "speculative.prompt_lookup",
+                "speculative.draft_checkpoint",
             )
         if self.tp > 1:  # the batcher's host-side decisions follow the device's timing, which differs by rank
             raise ValueError("several prompts (continuous batching, serve) do not run with tensor parallelism yet")
         if self.aot_precompile:  # the batcher's slot steps are other functions, compiled as usual
-            raise ValueError("--aot_precompile keeps one prompt's decode step; several prompts (serve) do not use it")
+            message = "aot_precompile keeps one prompt's decode step; several prompts (serve) do not use it"
+            raise OptionError(message, "aot_precompile")
 
 
 @dataclass(frozen=True)
@@ -277,19 +244,15 @@ class Engine:
         if options.tp > 1:
             self.device = device_of(self.device, self.ranks)
         self.dtype = resolve_dtype(options.dtype, self.device)
-        self.layers_kernel = resolve_layers_kernel(options.layers_kernel, self.device)
-        if self.layers_kernel == "triton":
-            check_layers_kernel(model_config, self.quantization, programs_for(self.device))
-        self.activation_kernel = "torch"  # batch-invariant steps: the same elementwise code for any number of rows
-        self.linear_kernel = "torch"  # and their own linear layers
-        self.attention_kernel = "torch"  # and attention (Attention.rows_kernel)
-        if not options.batch_invariant:  # each resolved before compiling
-            self.attention_kernel = resolve_attention_kernel(
-                options.attention_kernel, self.device, options.compile, regional_compile=options.regional_compile
-            )
-            self.activation_kernel = resolve_activation_kernel(options.activation_kernel, self.device, model_config)
-            self.linear_kernel = resolve_linear_kernel(options.linear_kernel, self.device, options.compile)
-        self.sampling_kernel = resolve_sampling_kernel(options.sampling_kernel, self.device, options.compile)
+        self.kernel_context = Context(
+            self.device,
+            options.compile,
+            model_config,
+            self.quantization,
+            regional_compile=options.regional_compile,
+            batch_invariant=options.batch_invariant,
+        )
+        self.kernels = resolve_kernels(options.kernels, self.kernel_context)  # before anything is compiled
         self._tokenizer = checkpoint_tokenizer(checkpoint_dir, config) if config is not None else None
         self._state = state
         self._sharded = sharded  # the state is this rank's part already
@@ -380,7 +343,7 @@ class Engine:
                 self.device,
                 self.dtype,
                 self.quantization,
-                self.options.quant_kernel,
+                self.kernels.quant,
                 shard,
             )
             self._state = None
@@ -392,16 +355,10 @@ class Engine:
                 self.config,
                 self.device,
                 self.dtype,
-                self.options.quant_kernel,
+                self.kernels.quant,
                 shard,
             )
-        pdl = attention_pdl(self.attention_kernel, self.device, self.options.compile)
-        use_attention_kernel(self._model, self.attention_kernel, pdl)
-        use_activation_kernel(self._model, self.activation_kernel)
-        use_layers_kernel(self._model, self.layers_kernel)
-        use_linear_kernel(self._model, self.linear_kernel)
-        launch_with_pdl(self._model.layers, self.linear_kernel == "triton")
-        use_sampling_kernel(self._model, self.sampling_kernel)
+        install_kernels(self._model, self.kernels, self.kernel_context)
         if self._parallel is not None:
             self._parallel.connect(self._model, self.model_config)
         if self.options.batch_invariant:
@@ -496,7 +453,7 @@ class Engine:
         if chat:
             return self.chat_ids(user_turn(text, system))
         if system is not None:
-            raise ValueError("--system goes with --chat (a system message is part of a chat)")
+            raise OptionError("system goes with chat (a system message is part of a chat)", "system", "chat")
         return self.tokenizer.encode(text, bos=True)
 
     @property
@@ -514,7 +471,7 @@ class Engine:
     def check_fits(self, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
         """Raise ValueError (before any allocation) if the request does not fit the model's context."""
         if max_new_tokens < 1:
-            raise ValueError(f"--max_new_tokens must be >= 1, got {max_new_tokens}")
+            raise OptionError(f"max_new_tokens must be >= 1, got {max_new_tokens}", "max_new_tokens")
         if not prompt_ids:
             raise ValueError("the prompt encodes to no tokens")
         cache_length(len(prompt_ids), max_new_tokens, self.model_config.block_size)
@@ -646,9 +603,10 @@ class Engine:
             stream = generate_stream(self.model, prompt_ids, **common)
             return stream if self._parallel is None else self._same_on_every_rank(stream)
         if self.options.batch_invariant and batch_size * (drafter.k + 1) > INVARIANT_ROWS:
-            raise ValueError(
-                f"--batch_invariant verifies up to {INVARIANT_ROWS} rows per step: batch {batch_size} x "
-                f"(k {drafter.k} + 1) is more"
+            raise OptionError(
+                f"batch_invariant verifies up to {INVARIANT_ROWS} rows per step: batch {batch_size} x "
+                f"(k {drafter.k} + 1) is more",
+                "batch_invariant",
             )
         return speculative_stream(self.model, drafter, prompt_ids, spec_steps=self.speculative_steps, **common)
 

@@ -56,6 +56,7 @@ from gpt_fast.generation.profiling import DRAFT_MARK, VERIFY_MARK
 from gpt_fast.generation.sampling import SamplingConfig, probabilities, sample_weights
 from gpt_fast.model.config import CheckpointConfig
 from gpt_fast.model.transformer import Transformer
+from gpt_fast.util.options import OptionError
 
 DEFAULT_SPECULATE_K = 4
 MAX_ROUNDS_AHEAD = 2  # rounds the host may have started beyond those it has read back
@@ -73,9 +74,13 @@ class SpeculativeOptions:
 
     def __post_init__(self) -> None:
         if (self.draft_checkpoint is None) == (self.prompt_lookup is None):
-            raise ValueError("speculative decoding takes one drafter: --draft_checkpoint_path or --prompt_lookup")
+            raise OptionError(
+                "speculative decoding takes one drafter: draft_checkpoint or prompt_lookup",
+                "draft_checkpoint",
+                "prompt_lookup",
+            )
         if self.draft_checkpoint is not None and not str(self.draft_checkpoint):
-            raise ValueError("--draft_checkpoint_path is empty")
+            raise OptionError("draft_checkpoint is empty", "draft_checkpoint")
         check_k(self.k)
         if self.prompt_lookup is not None:
             check_ngram(self.prompt_lookup)

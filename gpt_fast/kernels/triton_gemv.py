@@ -13,7 +13,7 @@ holding its word pairs for all the tile's channels. The scale multiplies each wo
 point the sum of its activations. With float32 activations each weight costs a shift, a logical operation and a
 float multiply-add; with 16-bit ones (``half2``) two nibbles become float16 at once and two words' products are
 summed in float16 pairs by inline PTX, about half the instructions per weight (see :func:`_int4_gemv`). The PTX is
-NVIDIA's: ROCm builds do not use these kernels (:func:`gpt_fast.quant.products.triton_usable`).
+NVIDIA's: ROCm builds do not use these kernels (:func:`gpt_fast.kernels.available.triton_usable`).
 
 int8 with 16-bit activations: the weights are repacked once (:func:`gpt_fast.quant.products.int8_interleave`, where
 the columns are a multiple of 64) into 64-bit elements of two words, each byte offset to ``q + 128``, so that a

@@ -40,6 +40,7 @@ from gpt_fast.model.config import ModelConfig, QuantConfig
 from gpt_fast.model.transformer import RMSNorm, Transformer
 from gpt_fast.quant.layers import LINEARS
 from gpt_fast.quant.layout import quantized_tensors, stored_specs
+from gpt_fast.util.options import OptionError
 
 # How long a rank waits in a collective (or for the others to join) before it gives up with an error: longer
 # than a compilation that one rank may finish before the others, short enough that a stuck rank ends the run.
@@ -83,25 +84,27 @@ def env_ranks() -> Ranks | None:
 def check_tensor_parallel(config: ModelConfig, quant: QuantConfig | None, size: int) -> None:
     """Refuse, before any weights are read, a model that does not split over ``size`` ranks (one line each)."""
     if size < 1:
-        raise ValueError(f"--tp must be >= 1, got {size}")
+        raise OptionError(f"tp must be >= 1, got {size}", "tp")
     if size == 1:
         return
     if config.is_moe:
-        raise ValueError(f"--tp {size}: tensor parallelism does not split mixture-of-experts models yet")
+        raise OptionError(f"tp {size}: tensor parallelism does not split mixture-of-experts models yet", "tp")
     if size > config.n_local_heads:
-        raise ValueError(
-            f"--tp {size} is more than the model's {config.n_local_heads} key/value heads (model.n_local_heads): "
-            "each rank holds whole key/value heads"
+        raise OptionError(
+            f"tp {size} is more than the model's {config.n_local_heads} key/value heads (model.n_local_heads): "
+            "each rank holds whole key/value heads",
+            "tp",
         )
     for field in ("n_head", "n_local_heads", "intermediate_size"):
         if getattr(config, field) % size:
-            raise ValueError(f"--tp {size}: model.{field} ({getattr(config, field)}) is not divisible by {size}")
+            raise OptionError(f"tp {size}: model.{field} ({getattr(config, field)}) is not divisible by {size}", "tp")
     if quant is not None and quant.mode == "int4":
         for name, columns in (("attention.wo", config.q_size), ("feed_forward.w2", config.intermediate_size)):
             if (columns // size) % quant.group_size:
-                raise ValueError(
-                    f"--tp {size}: {name}'s {columns // size} input columns per rank are not whole int4 groups of "
-                    f"{quant.group_size} (quantization.group_size)"
+                raise OptionError(
+                    f"tp {size}: {name}'s {columns // size} input columns per rank are not whole int4 groups of "
+                    f"{quant.group_size} (quantization.group_size)",
+                    "tp",
                 )
 
 
@@ -350,9 +353,10 @@ def join(size: int, device: torch.device) -> TensorParallel:
     ranks = env_ranks()
     if ranks is None or ranks.world_size != size:
         found = "outside torchrun" if ranks is None else f"with WORLD_SIZE={ranks.world_size}"
-        raise ValueError(
-            f"--tp {size} runs as {size} processes: start them with `torchrun --nproc_per_node {size} -m gpt_fast "
-            f"generate ...` or `gpt-fast generate --tp {size} ...` (this process runs {found})"
+        raise OptionError(
+            f"tp {size} runs as {size} processes: start them with `torchrun --nproc_per_node {size} -m gpt_fast "
+            f"generate ...` or `gpt-fast generate --tp {size} ...` (this process runs {found})",
+            "tp",
         )
     if not dist.is_initialized():
         # its collectives take the group made here as their default argument if it is imported after (Dynamo imports

@@ -30,38 +30,16 @@ for 1024 rows.
 from __future__ import annotations
 
 import functools
-import importlib.util
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from gpt_fast.kernels.available import triton_usable
+from gpt_fast.model.config import QUANT_KERNELS as KERNELS
 from gpt_fast.quant.schemes import INT4_MID, pack_int4, unpack_int4
 
-KERNELS = ("auto", "triton", "aten", "dequant")
 SIXTEEN_BITS = (torch.float16, torch.bfloat16)  # what our float16-pairs kernels and the tensor cores multiply
 FEW_ROWS = 16  # activation rows the specialized kernels take; more are a matrix product
-
-
-def triton_usable(device: torch.device) -> bool:
-    """Our Triton kernels run on CUDA GPUs (not ROCm builds: untested there) where Triton is installed."""
-    return device.type == "cuda" and torch.version.hip is None and importlib.util.find_spec("triton") is not None
-
-
-def resolve_kernel_choice(
-    kernel: str, choices: tuple[str, ...], what: str, device: torch.device, auto: str, register: Callable[[], None]
-) -> str:
-    """The kernel a ``what`` (e.g. "attention kernel") computes with: ``kernel``, or ``auto`` where it is ``auto``.
-    Refuses a ``kernel`` that is not one of ``choices``, or ``triton`` where :func:`triton_usable` says no; a
-    ``triton`` choice calls ``register`` (its operators' registration) before anything is compiled."""
-    if kernel not in choices:
-        raise ValueError(f"{what} {kernel!r} is not one of {', '.join(choices)}")
-    if kernel == "triton" and not triton_usable(device):
-        raise ValueError(f"the triton {what} needs a CUDA GPU with Triton installed, not {device}")
-    chosen = auto if kernel == "auto" else kernel
-    if chosen == "triton":
-        register()
-    return chosen
 
 
 def resolve_kernel(kernel: str, device: torch.device) -> str:

@@ -6,6 +6,8 @@ import resource
 
 import torch
 
+from gpt_fast.util.options import OptionError
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)  # auto: bfloat16 on a GPU (float16 where it has no bfloat16), float32 on the CPU
 
@@ -27,14 +29,14 @@ def resolve_device(name: str | None) -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise ValueError(f"--device {name!r} is not a device (use cpu or cuda)") from None
+        raise OptionError(f"device {name!r} is not a device (use cpu or cuda)", "device") from None
     if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device {name!r} is not supported (use cpu or cuda)")
+        raise OptionError(f"device {name!r} is not supported (use cpu or cuda)", "device")
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"--device {name}: no CUDA or ROCm GPU is available to torch {torch.__version__}")
+            raise OptionError(f"device {name}: no CUDA or ROCm GPU is available to torch {torch.__version__}", "device")
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"--device {name}: only {torch.cuda.device_count()} GPU(s) present")
+            raise OptionError(f"device {name}: only {torch.cuda.device_count()} GPU(s) present", "device")
     return device
 
 
@@ -44,7 +46,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
             return torch.float32
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if name not in DTYPES:
-        raise ValueError(f"--dtype {name!r} is not one of {', '.join(DTYPE_CHOICES)}")
+        raise OptionError(f"dtype {name!r} is not one of {', '.join(DTYPE_CHOICES)}", "dtype")
     return DTYPES[name]
 
 

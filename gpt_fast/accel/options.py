@@ -1,0 +1,53 @@
+"""Which kernel serves each operation of a decode step: :class:`KernelOptions`, one nested, self-validating options
+object of :class:`gpt_fast.engine.engine.EngineOptions`. Imports no torch, so that the command line lists the
+choices without loading it; :mod:`gpt_fast.accel.registry` resolves ``auto`` per device and installs the choice."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from gpt_fast.model.config import QUANT_KERNELS
+from gpt_fast.util.options import check_one_of
+
+TRITON_OR_TORCH = ("auto", "triton", "torch")  # our Triton kernel, or the model's PyTorch code
+ATTENTION_KERNELS = ACTIVATION_KERNELS = LAYERS_KERNELS = LINEAR_KERNELS = SAMPLING_KERNELS = TRITON_OR_TORCH
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """The kernel of each operation; ``auto`` lets :mod:`gpt_fast.accel.registry` choose for the device and
+    compile mode (docs/performance.md says where each one pays).
+
+    - ``quant``: a quantized checkpoint's products (``triton``, ``aten``: PyTorch's weight-only kernels,
+      ``dequant``: dequantize then ``F.linear``), :mod:`gpt_fast.quant.products`;
+    - ``attention``: a compiled decode step's fused attention, :mod:`gpt_fast.accel.decode_attention`;
+    - ``activation``: a gated MLP's activation in a compiled decode step, :mod:`gpt_fast.accel.gated_activation`;
+    - ``layers``: every layer of a one-token step in one persistent kernel, :mod:`gpt_fast.accel.persistent`;
+    - ``linear``: the decoder layers' unquantized products of a one-row step, :mod:`gpt_fast.accel.linear`;
+    - ``sampling``: top-k sampling of a decode step's logits, :mod:`gpt_fast.accel.top_k`.
+    """
+
+    quant: str = "auto"
+    attention: str = "auto"
+    activation: str = "auto"
+    layers: str = "auto"
+    linear: str = "auto"
+    sampling: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name, choices in KERNEL_CHOICES.items():
+            check_one_of(f"kernels.{name}", getattr(self, name), choices)
+
+    def asked_for(self, choice: str) -> tuple[str, ...]:
+        """The operations set to ``choice`` (``triton``: the ones that must run our kernels)."""
+        return tuple(f.name for f in fields(self) if getattr(self, f.name) == choice)
+
+
+KERNEL_CHOICES = {
+    "quant": QUANT_KERNELS,
+    "attention": ATTENTION_KERNELS,
+    "activation": ACTIVATION_KERNELS,
+    "layers": LAYERS_KERNELS,
+    "linear": LINEAR_KERNELS,
+    "sampling": SAMPLING_KERNELS,
+}
