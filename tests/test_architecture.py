@@ -25,7 +25,7 @@ LAYERS = {
     "serve": {"util", "generation", "engine"},
     "jobs": {"util", "text", "generation", "engine"},
     "bench": {"util", "model", "quant", "kernels", "accel", "parallel", "convert", "generation", "engine", "jobs"},
-    "cli": {"util", "model", "quant", "parallel", "convert", "generation", "engine", "serve", "jobs", "bench"},
+    "cli": {"util", "model", "quant", "accel", "parallel", "convert", "generation", "engine", "serve", "jobs", "bench"},
 }
 ALIASES = {"__init__", "__main__", "bench_decode", "bench_serve", "bench_speculative", "bench_tp"}
 ENGINE_PRIVATE = {"model.transformer", "model.cache", "checkpoint.load", "text.tokenizer"}  # reached only via engine

@@ -76,9 +76,9 @@ def test_replay_proposes_the_recording_and_spoils_at_the_asked_rate():
 @pytest.mark.parametrize(
     "make, message",
     [
-        (lambda: PromptLookup(0, 4), r"--prompt_lookup must be an integer in 1\.\.16, got 0"),
-        (lambda: PromptLookup(2, 0), r"--speculate_k must be an integer in 1\.\.16, got 0"),
-        (lambda: PromptLookup(2, True), "--speculate_k must be an integer"),
+        (lambda: PromptLookup(0, 4), r"prompt_lookup must be an integer in 1\.\.16, got 0"),
+        (lambda: PromptLookup(2, 0), r"^k must be an integer in 1\.\.16, got 0"),
+        (lambda: PromptLookup(2, True), "^k must be an integer"),
         (lambda: Replay([1], 4, agreement=1.5), r"agreement must be in \[0, 1\]"),
     ],
 )

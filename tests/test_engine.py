@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from gpt_fast import Completion, Engine, EngineOptions, SamplingConfig
+from gpt_fast.cli.main import flag_of
 from gpt_fast.convert.random_init import make_random_checkpoint, random_weights
 from gpt_fast.model.config import QuantConfig
 from gpt_fast.model.shapes import get_shape
 from gpt_fast.quant.layout import quantize_state
+from gpt_fast.util.options import OptionError
 
 GREEDY = SamplingConfig(temperature=0)
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -66,8 +68,10 @@ def test_weights_come_from_the_folder_whose_config_was_read(tiny, tmp_path):
     ],
 )
 def test_options_check_themselves(options, message):
-    with pytest.raises(ValueError, match=message):
+    """The library names its options; the command line's flags are the same names."""
+    with pytest.raises(OptionError, match=message.replace("--", "")) as error:
         EngineOptions(**options)
+    assert message in error.value.naming(flag_of)
 
 
 def test_generate_gives_text_ids_and_timings(smol):

@@ -6,6 +6,7 @@ and the draft checkpoint's checks."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gpt_fast.cli.main import flag_of
 from gpt_fast.convert.random_init import make_random_checkpoint
 from gpt_fast.engine.engine import Engine, EngineOptions
 from gpt_fast.generation.decode import generate, make_steps
@@ -29,6 +31,7 @@ from gpt_fast.generation.speculative import (
 from gpt_fast.model.config import ModelConfig
 from gpt_fast.model.shapes import get_shape
 from gpt_fast.model.transformer import Transformer
+from gpt_fast.util.options import OptionError
 
 GREEDY = SamplingConfig(temperature=0)
 PROMPTS = Path(__file__).resolve().parent.parent / "prompts"
@@ -300,8 +303,10 @@ def test_accept_rule_draws_each_position_from_the_target():
     ],
 )
 def test_options_check_themselves(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    """The library names its options; the command line's flags are the same names."""
+    with pytest.raises(OptionError) as error:
         SpeculativeOptions(**kwargs)
+    assert re.search(message, error.value.naming(flag_of))
 
 
 def test_options_from_flags():

@@ -106,6 +106,12 @@ REGISTRY = (
 assert [path.name for path in REGISTRY] == [f.name for f in fields(KernelOptions)]
 
 
+def resolve_one(name: str, choice: str, context: Context) -> str:
+    """One operation's kernel (``name``: a :class:`KernelOptions` field) for ``choice`` on ``context``'s device."""
+    (path,) = [path for path in REGISTRY if path.name == name]
+    return path.resolve(choice, context)
+
+
 def resolve_kernels(options: KernelOptions, context: Context) -> ChosenKernels:
     """Every operation's kernel on ``context``'s device, in the registry's order (refusing a choice that cannot
     run there, registering our operators before anything is compiled)."""

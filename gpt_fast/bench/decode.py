@@ -26,21 +26,15 @@ from dataclasses import dataclass
 
 import torch
 
+from gpt_fast.accel.choice import Context
 from gpt_fast.accel.options import KernelOptions
+from gpt_fast.accel.registry import resolve_one
 from gpt_fast.bench.modes import copy_bandwidth_gbps
 from gpt_fast.bench.options import DecodeBenchOptions
 from gpt_fast.convert.hf_config import hf_config_dict
 from gpt_fast.convert.layout import MODULE_NAMING, split_tensors
 from gpt_fast.convert.random_init import random_weights
-from gpt_fast.engine.engine import (
-    Engine,
-    EngineOptions,
-    resolve_activation_kernel,
-    resolve_attention_kernel,
-    resolve_layers_kernel,
-    resolve_linear_kernel,
-    resolve_sampling_kernel,
-)
+from gpt_fast.engine.engine import Engine, EngineOptions
 from gpt_fast.generation.decode import COORDINATE_DESCENT, HEURISTIC
 from gpt_fast.generation.sampling import SamplingConfig
 from gpt_fast.kernels.available import triton_usable
@@ -316,15 +310,16 @@ def run_benchmark(
     write: Callable[[str], None] = print,
 ) -> list[Row]:
     shape = get_shape(shape_name)
-    attention = list(
-        dict.fromkeys(
-            resolve_attention_kernel(k, device, mode, regional_compile=regional_compile) for k in attention_kernels
-        )
-    )
-    activation = list(dict.fromkeys(resolve_activation_kernel(k, device, shape) for k in activation_kernels))
-    layers = list(dict.fromkeys(resolve_layers_kernel(kernel, device) for kernel in layers_kernels))
-    linear = list(dict.fromkeys(resolve_linear_kernel(k, device, mode) for k in linear_kernels))
-    sampling = list(dict.fromkeys(resolve_sampling_kernel(k, device, mode) for k in sampling_kernels))
+    context = Context(device, mode, shape, regional_compile=regional_compile)
+
+    def resolved(name: str, choices: Sequence[str]) -> list[str]:
+        return list(dict.fromkeys(resolve_one(name, choice, context) for choice in choices))
+
+    attention = resolved("attention", attention_kernels)
+    activation = resolved("activation", activation_kernels)
+    layers = resolved("layers", layers_kernels)
+    linear = resolved("linear", linear_kernels)
+    sampling = resolved("sampling", sampling_kernels)
     state = random_weights(shape, dtype, seed=0, device=device)
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, shape.vocab_size, (prompt_tokens,), generator=generator).tolist()

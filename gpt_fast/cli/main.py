@@ -835,6 +835,7 @@ FLAGS = {f"kernels.{name}": f"--{name}_kernel" for name in KERNEL_CHOICES} | {
     "speculative.draft_checkpoint": "--draft_checkpoint_path",
     "speculative.k": "--speculate_k",
     "draft_checkpoint": "--draft_checkpoint_path",
+    "k": "--speculate_k",
     "compile": "--compile",
 }
 

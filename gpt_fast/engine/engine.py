@@ -147,7 +147,9 @@ class EngineOptions:
         if not self.aot_precompile:
             return
         if self.compile == "none":
-            raise OptionError("aot_precompile keeps a compiled decode step: give it a compile mode", "aot_precompile")
+            raise OptionError(
+                "aot_precompile keeps a compiled decode step: give it a compile mode", "aot_precompile", "compile"
+            )
         others = {
             "regional_compile": self.regional_compile,
             "tp": self.tp > 1,

@@ -23,22 +23,23 @@ from torch import nn
 from gpt_fast.generation.sampling import SamplingConfig, probabilities, sample_weights
 from gpt_fast.model.cache import DecodeState
 from gpt_fast.model.transformer import Transformer
+from gpt_fast.util.options import OptionError
 
 MAX_SPECULATE_K = 16  # proposals per round; past a handful the verify step stops being as cheap as a decode step
 MAX_NGRAM = 16
 
 
 def check_k(k: int) -> int:
-    return _in_range(k, 1, MAX_SPECULATE_K, "--speculate_k")
+    return _in_range(k, 1, MAX_SPECULATE_K, "k")
 
 
 def check_ngram(ngram: int) -> int:
-    return _in_range(ngram, 1, MAX_NGRAM, "--prompt_lookup")
+    return _in_range(ngram, 1, MAX_NGRAM, "prompt_lookup")
 
 
 def _in_range(value: int, low: int, high: int, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ValueError(f"{name} must be an integer in {low}..{high}, got {value!r}")
+        raise OptionError(f"{name} must be an integer in {low}..{high}, got {value!r}", name)
     return value
 
 
