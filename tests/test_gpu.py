@@ -253,35 +253,3 @@ def test_family_features_compile_to_eager_greedy_tokens(name, mode):
         engine = Engine.from_state(shape, state, EngineOptions(compile=compile_mode, device="cuda", dtype="float32"))
         tokens[compile_mode] = engine.generate_ids(list(range(1, 21)), NEW_TOKENS, greedy).tokens[0]
     assert tokens[mode] == tokens["none"]
-
-
-ENGINE_AFTER_ENGINE = """
-import gc, sys, torch
-from gpt_fast.convert.random_init import random_weights
-from gpt_fast.engine.engine import Engine, EngineOptions
-from gpt_fast.generation.sampling import SamplingConfig
-from gpt_fast.model.shapes import get_shape
-
-shape, greedy = get_shape("tiny"), SamplingConfig(temperature=0)
-state = random_weights(shape, torch.bfloat16, seed=0, device="cuda")
-short, longer = list(range(1, 6)), list(range(1, 100))
-outputs = []
-for _ in range(2):
-    engine = Engine.from_state(shape, state, EngineOptions(compile="reduce-overhead", device="cuda", dtype="bfloat16"))
-    # the short prompt's prefill is captured before the decode step's graphs are recorded, the longer one's after
-    tokens = [engine.generate_ids(p, 8, greedy).tokens[0] for p in (short, longer, short, longer)]
-    torch.cuda.synchronize()
-    outputs.append(tokens)
-    del engine
-    gc.collect()
-    torch.cuda.empty_cache()
-assert outputs[0] == outputs[1], outputs
-print("same tokens")
-"""
-
-
-def test_an_engine_after_a_freed_engine_replays_its_prefill_graphs_safely():
-    """The second engine of a process captures its prefill graphs after the first engine's graphs and memory pool
-    are gone: nothing it captures may use memory of that pool (an illegal memory access otherwise)."""
-    result = subprocess.run([sys.executable, "-c", ENGINE_AFTER_ENGINE], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0 and "same tokens" in result.stdout, result.stderr[-3000:]

@@ -73,8 +73,8 @@ def decode_one_token(model: Transformer, sampling: SamplingConfig) -> None:
 # a padded prompt fits the cache its request allocated.
 PREFILL_GRAPH_MULTIPLE = CACHE_LENGTH_MULTIPLE
 PREFILL_GRAPH_TOKENS = 256  # longer prompts prefill eagerly: their kernels take longer to run than to launch
-# A compiled prefill launches far fewer kernels, but replaying them from a graph still saved 1.2 ms of a 1024-token
-# prompt's 24.6 ms TTFT on the Llama-2-7B shape (BENCHMARKS.md, thirty-eighth session); past 2048 tokens the same
+# A compiled prefill launches far fewer kernels, and replaying them from a graph still saves 1.2 ms of a 1024-token
+# prompt's 24.6 ms TTFT on the Llama-2-7B shape (docs/bench/HISTORY.md, 2026-11-25i); past 2048 tokens the same
 # saving would be under 3 % of the GPU's work (an estimate, not measured).
 COMPILED_PREFILL_GRAPH_TOKENS = 2048
 PREFILL_GRAPHS = 8  # at most this many graphs per GraphedPrefill, never destroyed (see GraphedPrefill)
@@ -111,16 +111,10 @@ class GraphedPrefill:
     model (Llama-2-7B and SmolLM2-135M shapes alike), while the GPU work of a short prompt takes 3.5 ms on the 7B
     and far less on the small model. The first prefill of each key runs as it is (the warm-up capture needs)
     and then captures. A graph is kept for as long as this object lives, even once the model has allocated new
-    caches (its key then never matches again). The graphs share one memory pool, so they hold about one prefill's
+    caches (its key then never matches again): on torch 2.11 destroying a captured graph releases cuBLAS workspace
+    that graphs captured later still use, and their replays read freed memory (an illegal memory access on an H200,
+    docs/bench/HISTORY.md, 2026-11-24h). The graphs share one memory pool, so they hold about one prefill's
     temporaries, not one each.
-
-    cuBLAS keeps one workspace per stream, allocated at its first use: in a capture, from the graph's pool. Each
-    capture therefore starts and ends with torch's cached workspaces dropped (:func:`clear_blas_workspaces`, as
-    inductor's CUDA-graph trees do around theirs), so that a capture allocates its own workspace inside this
-    object's pool and nothing captured later reuses it. Without that, a graph captured after the engine that owned
-    the first capture was freed replays into freed memory: an illegal memory access on an H200 at the first
-    synchronize of the second engine's generation (every ``bench_decode`` row after the first quantized one,
-    docs/bench/HISTORY.md, 2026-11-24h; ``tests/test_gpu.py`` builds that case).
     """
 
     def __init__(
@@ -161,19 +155,9 @@ class GraphedPrefill:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        clear_blas_workspaces()
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             self.padded(model, static_idx, length, sampling)
-        clear_blas_workspaces()
         return PrefillGraph(graph, static_idx, length)
-
-
-def clear_blas_workspaces() -> None:
-    """Drop torch's cached cuBLAS (hipBLAS on ROCm) workspaces: the next product on each stream allocates its own.
-    A build of torch without the call has nothing to drop."""
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
-        clear()
 
 
 @dataclass(frozen=True)
@@ -230,7 +214,7 @@ def compile_options(mode: str, tuning: str = COORDINATE_DESCENT, *, exact: bool 
     (:func:`tuning_options`), and programmatic dependent launch (PDL) in the CUDA-graph modes. With PDL each
     kernel's blocks are scheduled while the kernel before it drains, which shortens the gaps between the few
     hundred small kernels of a decode step. On an H100 it decoded the SmolLM2-135M shape 8 % faster and left the
-    GEMV-bound Llama-2-7B shape unchanged (BENCHMARKS.md, 2026-11-22). Inductor emits it only for CUDA GPUs of
+    GEMV-bound Llama-2-7B shape unchanged (docs/bench/HISTORY.md, 2026-11-22). Inductor emits it only for CUDA GPUs of
     compute capability 9 and up, never on ROCm. ``default`` mode, which launches every kernel from the host, keeps
     inductor's launcher as it is.
 
