@@ -201,10 +201,10 @@ def test_requests_that_cannot_be_served(engine, change, message):
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"max_batch": 0}, "--max_batch must be an integer in 1..64"),
-        ({"max_batch": 65}, "--max_batch must be an integer in 1..64"),
-        ({"max_queue": -1}, "--max_queue must be an integer >= 0"),
-        ({"max_seq_length": 1}, "--max_seq_length must be an integer >= 2"),
+        ({"max_batch": 0}, "^max_batch must be an integer in 1..64"),
+        ({"max_batch": 65}, "^max_batch must be an integer in 1..64"),
+        ({"max_queue": -1}, "^max_queue must be an integer >= 0"),
+        ({"max_seq_length": 1}, "^max_seq_length must be an integer >= 2"),
     ],
 )
 def test_batch_options_check_themselves(options, message):

@@ -51,7 +51,7 @@ def test_auto_takes_the_kernel_for_large_mlps_on_a_gpu_with_triton(monkeypatch):
 
 
 def test_engine_options_check_the_activation_kernel():
-    with pytest.raises(ValueError, match="activation_kernel 'fused' is not one of auto, triton, torch"):
+    with pytest.raises(ValueError, match="kernels.activation 'fused' is not one of auto, triton, torch"):
         EngineOptions(kernels=KernelOptions(activation="fused"))
     with pytest.raises(ValueError, match="the triton activation kernel needs a CUDA GPU"):
         Engine.from_state(

@@ -55,7 +55,7 @@ def torchrun(nproc: int, *args: str, timeout: float = TIMEOUT_S, **env: str) -> 
 @pytest.mark.parametrize(
     "config, tp, quant, message",
     [
-        (TINY, 4, None, "--tp 4 is more than the model's 2 key/value heads (model.n_local_heads)"),
+        (TINY, 4, None, "tp 4 is more than the model's 2 key/value heads (model.n_local_heads)"),
         (dataclasses.replace(TINY, n_head=6, n_local_heads=3), 2, None, "model.n_local_heads (3) is not divisible"),
         (dataclasses.replace(TINY, n_local_heads=4, n_head=4), 3, None, "model.n_head (4) is not divisible by 3"),
         (dataclasses.replace(TINY, intermediate_size=161), 2, None, "model.intermediate_size (161) is not divisible"),
