@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import save_hf_llama
 
 from gpt_fast import __version__
 from gpt_fast.cli.main import main
@@ -597,8 +598,27 @@ def bad_hf_folder(path):
     return path
 
 
+def hf_folder_with_tokenizer_config(tokenizer_config):
+    """A tiny Hugging Face folder whose tokenizer_config.json holds ``tokenizer_config``."""
+
+    def make(path):
+        save_hf_llama(path)
+        (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+        return path
+
+    return make
+
+
 HOSTILE_SOURCES = {
     "a pipe": (lambda p: os.mkfifo(p) or p, r"source .*src is not a regular file \(a pipe, socket or device\)"),
+    "added tokens as a list": (
+        hf_folder_with_tokenizer_config({"added_tokens_decoder": [{"content": "<s>"}]}),
+        r"src/tokenizer_config.json: added_tokens_decoder must be an object of token id -> token",
+    ),
+    "an eos_token of numeric type": (
+        hf_folder_with_tokenizer_config({"eos_token": 1}),
+        r"src/tokenizer_config.json: eos_token must be a string or an object with a string content, got 1",
+    ),
     "a GGUF token of a million characters": (huge_token_gguf, r"tokenizer.ggml.tokens\[0\] is 1000000 bytes long"),
     "an HF config of the wrong types": (bad_hf_folder, r"field tie_word_embeddings has the wrong type"),
 }
@@ -609,6 +629,7 @@ HOSTILE_SOURCES = {
 def test_hostile_source_writes_nothing(name, existing, checkpoint, capsys, tmp_path):
     make, message = HOSTILE_SOURCES[name]
     source = make(tmp_path / "src")
+    capsys.readouterr()  # what making the source printed
     out = tmp_path / "out"
     if existing:
         shutil.copytree(checkpoint.parent, out)

@@ -432,6 +432,54 @@ BAD_HF_SOURCES = {
         r"tokenizer.json: the tokenizer has 320 tokens, more than the model's embedding table "
         r"\(model.vocab_size = 319\)",
     ),
+    "added_tokens_decoder a list": (
+        edit_json("tokenizer_config.json", lambda t: t.update(added_tokens_decoder=[{"content": "<s>"}])),
+        r"tokenizer_config.json: added_tokens_decoder must be an object of token id -> token",
+    ),
+    "added token of null content": (
+        edit_json("tokenizer_config.json", lambda t: t.update(added_tokens_decoder={"0": {"content": None}})),
+        r"tokenizer_config.json: added_tokens_decoder\['0'\] must be an object with a string content",
+    ),
+    "added token of numeric content": (
+        edit_json("tokenizer_config.json", lambda t: t.update(added_tokens_decoder={"0": {"content": 7}})),
+        r"added_tokens_decoder\['0'\] must be an object with a string content, got \{'content': 7\}",
+    ),
+    "added token id not a number": (
+        edit_json("tokenizer_config.json", lambda t: t.update(added_tokens_decoder={"x": {"content": "<s>"}})),
+        r"added_tokens_decoder\['x'\]: the key must be a token id",
+    ),
+    "bos_token a number": (
+        edit_json("tokenizer_config.json", lambda t: t.update(bos_token=0)),
+        r"tokenizer_config.json: bos_token must be a string or an object with a string content, got 0",
+    ),
+    "eos_token a list": (
+        edit_json("tokenizer_config.json", lambda t: t.update(eos_token=["</s>"])),
+        r"tokenizer_config.json: eos_token must be a string or an object with a string content",
+    ),
+    "eos_token of numeric content": (
+        edit_json("tokenizer_config.json", lambda t: t.update(eos_token={"content": 1})),
+        r"tokenizer_config.json: eos_token must be a string or an object with a string content",
+    ),
+    "add_bos_token a string": (
+        edit_json("tokenizer_config.json", lambda t: t.update(add_bos_token="no")),
+        r"tokenizer_config.json: add_bos_token must be true or false, got 'no'",
+    ),
+    "chat_template a number": (
+        edit_json("tokenizer_config.json", lambda t: t.update(chat_template=5)),
+        r"tokenizer_config.json: chat_template must be a string or a list of \{name, template\} strings",
+    ),
+    "negative eos_token_id": (
+        edit_json("config.json", lambda c: c.update(eos_token_id=-1)),
+        r"config.json: eos_token_id must be a token id \(a non-negative integer\) or a list of them, got -1",
+    ),
+    "negative bos_token_id": (
+        edit_json("config.json", lambda c: c.update(bos_token_id=-1)),
+        r"config.json: bos_token_id must be a token id \(a non-negative integer\) or a list of them, got -1",
+    ),
+    "eos_token_id a string": (
+        edit_json("generation_config.json", lambda c: c.update(eos_token_id=[1, "2"])),
+        r"generation_config.json: eos_token_id must be a token id .*, got \[1, '2'\]",
+    ),
     "header a list": (edit_header(1, lambda h: [h]), r"00001-of-00007.safetensors: the safetensors header must be"),
     "header entry lacks a field": (
         edit_header(1, lambda h: first_entry(h).pop("data_offsets") and None),
