@@ -108,9 +108,7 @@ def _check_token_texts(data: dict, path: Path) -> None:
         value = data.get(name)
         text = value.get("content") if isinstance(value, dict) else value
         if text is not None and not isinstance(text, str):
-            raise ValueError(
-                f"{path}: {name} must be a string or an object with a string content, got {_short(value)}"
-            )
+            raise ValueError(f"{path}: {name} must be a string or an object with a string content, got {_short(value)}")
 
 
 def _check_tokenizer_config(data: dict, path: Path) -> None:
