@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import save_hf_llama
+from test_convert_gguf import set_key, write_gguf
+from tiny import save_hf_llama, train_bpe_tokenizer
 
 from gpt_fast import __version__
 from gpt_fast.cli.main import main
@@ -591,6 +592,12 @@ def huge_token_gguf(path):
     return path
 
 
+def gguf_with_a_string_add_bos(path):
+    """A tiny GGUF whose tokenizer.ggml.add_bos_token is the string "no"."""
+    tokenizer = train_bpe_tokenizer(path.parent / "tokenizer", vocab_size=300)
+    return write_gguf(path, tokenizer, edit=set_key("tokenizer.ggml.add_bos_token", "add_string", "no"))
+
+
 def bad_hf_folder(path):
     path.mkdir()
     config = hf_config_dict(get_shape("tiny")) | {"tie_word_embeddings": "false"}
@@ -621,6 +628,11 @@ HOSTILE_SOURCES = {
     ),
     "a GGUF token of a million characters": (huge_token_gguf, r"tokenizer.ggml.tokens\[0\] is 1000000 bytes long"),
     "an HF config of the wrong types": (bad_hf_folder, r"field tie_word_embeddings has the wrong type"),
+    "a GGUF add_bos_token of the string no": (
+        gguf_with_a_string_add_bos,
+        r"src: GGUF metadata "
+        r"tokenizer.ggml.add_bos_token has the wrong type or value \(STRING; it must be true or false",
+    ),
 }
 
 

@@ -25,7 +25,7 @@ from gguf.quants import dequantize
 from gpt_fast.checkpoint.load import check_tokenizer_size
 from gpt_fast.convert.gguf_header import check_gguf_header
 from gpt_fast.convert.gguf_quant import exact_int4_parts
-from gpt_fast.convert.gguf_tokenizer import tokenizer_from_gguf
+from gpt_fast.convert.gguf_tokenizer import check_tokenizer_metadata, tokenizer_from_gguf
 from gpt_fast.convert.layout import check_tensors, fuse_tensors
 from gpt_fast.convert.weight_files import TensorInfo
 from gpt_fast.convert.writer import check_checkpoint_output, write_checkpoint
@@ -246,6 +246,7 @@ def convert_gguf(src: Path, out_dir: Path, dtype: str | None = None, quantizatio
     reader = open_gguf(src)
     try:
         model = model_config_from_gguf(reader)
+        check_tokenizer_metadata(reader)
         if quantization is not None:
             quantization.check_model(model)
     except ValueError as err:
