@@ -528,6 +528,27 @@ def poison_weights(folder):
     torch.save(state, folder / "model.pth")
 
 
+def flip_a_weight_byte(folder):
+    """One bit of one stored weight flipped in place: the archive's structure and sizes stay valid."""
+    import zipfile
+
+    with zipfile.ZipFile(folder / "model.pth") as archive:
+        member = next(m for m in archive.infolist() if m.filename.endswith("/data/3"))
+    data = bytearray((folder / "model.pth").read_bytes())
+    name_length, extra_length = struct.unpack_from("<HH", data, member.header_offset + 26)
+    data[member.header_offset + 30 + name_length + extra_length + 5] ^= 0x10
+    (folder / "model.pth").write_bytes(bytes(data))
+
+
+def hide_a_storage(folder):
+    """norm.weight saved as a view of a storage a thousand times larger than itself."""
+    state = torch.load(folder / "model.pth", weights_only=True)
+    hidden = torch.zeros(state["norm.weight"].numel() * 1000)
+    hidden[: state["norm.weight"].numel()] = state["norm.weight"]
+    state["norm.weight"] = hidden[: state["norm.weight"].numel()]
+    torch.save(state, folder / "model.pth")
+
+
 def grow_tokenizer(folder):
     from tokenizers import Tokenizer
 
@@ -564,6 +585,8 @@ HOSTILE_CHECKPOINTS = {
     ),
     "a pipe as weights": (lambda f: (f / "model.pth").unlink() or os.mkfifo(f / "model.pth"), r"not a regular file"),
     "nan weights": (poison_weights, r"model.pth: tensor norm.weight holds NaN or infinite values"),
+    "a flipped weight bit": (flip_a_weight_byte, r"model.pth: archive member .*/data/3 fails its CRC-32 check"),
+    "a tensor viewing a hidden storage": (hide_a_storage, r"model.pth: its tensors view \d+ bytes of storage but hold"),
     "tokenizer larger than the embedding": (
         grow_tokenizer,
         r"tokenizer.json: the tokenizer has 513 tokens, more than the model's embedding table",
