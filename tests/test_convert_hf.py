@@ -374,6 +374,11 @@ def link_shard_out(src):
     shard(src).symlink_to(outside)
 
 
+def loop_shard(src):
+    shard(src).unlink()
+    shard(src).symlink_to(shard(src).name)
+
+
 def set_nan(state):
     state["model.norm.weight"][3] = float("nan")
 
@@ -535,6 +540,10 @@ BAD_HF_SOURCES = {
         r"weight_map: '/etc/passwd' is not a path inside",
     ),
     "shard linked out of the folder": (link_shard_out, r"leads outside .* \(through a symbolic link\)"),
+    "shard a loop of symbolic links": (
+        loop_shard,
+        r"model.safetensors.index.json: weight_map: 'model-00002-of-00007.safetensors' is a loop of symbolic links",
+    ),
     "nan weight": (as_bin(set_nan), r"hf: tensor model.norm.weight holds NaN or infinite values"),
     "integer weight in a .bin": (
         as_bin(lambda s: s.update({"model.norm.weight": s["model.norm.weight"].long()})),
@@ -558,4 +567,41 @@ def test_bad_source_is_one_line_naming_the_file(name, pristine_sharded, tmp_path
     text = str(info.value)
     assert str(src) in text and len(text.splitlines()) == 1, text
     assert re.search(message, text), text
+    assert not (tmp_path / "out").exists()
+
+
+def claim_gigabytes(src):
+    """Make ``src`` (one model.safetensors) describe a model of 4096 wide and 131072 tokens (5.8 GB of float32)
+    in a sparse file of that size that holds no data."""
+    path = src / "model.safetensors"
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + length])
+    header.pop("__metadata__", None)
+    sizes = {64: 4096, 32: 2048, 96: 11008, 320: 131072}
+    position = 0
+    for name in sorted(header):
+        shape = [sizes[n] for n in header[name]["shape"]]
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [position, position + 4 * math.prod(shape)]}
+        position += 4 * math.prod(shape)
+    text = json.dumps(header).encode()
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        f.truncate(8 + len(text) + position)
+    edit_json(
+        "config.json", lambda c: c.update(hidden_size=4096, intermediate_size=11008, vocab_size=131072, head_dim=1024)
+    )(src)
+
+
+def test_a_sparse_file_claiming_more_than_the_memory_is_one_error_line(tmp_path, capsys, monkeypatch):
+    """The converted weights are held in memory until written: a model larger than the memory available is
+    refused before any tensor is read (the out-of-memory killer would end the process without a word)."""
+    src = tmp_path / "hf"
+    save_hf_llama(src)
+    claim_gigabytes(src)
+    capsys.readouterr()  # transformers' progress bars
+    monkeypatch.setattr("gpt_fast.convert.layout.available_memory", lambda: 2 << 30)
+    code, _, err = run_cli(["convert", str(src), "--output_dir", str(tmp_path / "out")], capsys)
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert re.search(r"error: .*hf: converting needs about 5.4 GiB of memory .* 2.0 GiB are available", err), err
     assert not (tmp_path / "out").exists()

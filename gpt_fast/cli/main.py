@@ -839,7 +839,7 @@ def main(argv: list[str] | None = None) -> None:
     except click.ClickException as err:
         click.echo(f"error: {one_line(err.format_message())}", err=True)
         sys.exit(err.exit_code)
-    except (ValueError, OSError) as err:
+    except (ValueError, OSError, MemoryError) as err:
         click.echo(f"error: {rank_prefix()}{one_line(str(err)) or type(err).__name__}", err=True)
         sys.exit(EXIT_USER_ERROR)
     sys.exit(code if isinstance(code, int) else 0)

@@ -160,5 +160,5 @@ def iter_tensors(path: Path, max_tensors: int) -> Iterator[tuple[str, torch.Tens
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
-    except SafetensorError as err:
-        raise ValueError(f"{path}: {err}") from None
+    except (SafetensorError, RuntimeError) as err:  # RuntimeError: the file cannot be memory-mapped
+        raise ValueError(f"{path}: {first_line(err)}") from None

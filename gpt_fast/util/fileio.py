@@ -68,7 +68,11 @@ def inside_folder(folder: Path, name: str, field: str) -> Path:
     if not name or relative.is_absolute() or ".." in relative.parts:
         raise ValueError(f"{field}: {name!r} is not a path inside {folder}")
     path = folder / relative
-    if not path.resolve().is_relative_to(folder.resolve()):
+    try:
+        resolved = path.resolve()
+    except (RuntimeError, OSError):  # Python raises RuntimeError for a loop of symbolic links
+        raise ValueError(f"{field}: {name!r} is a loop of symbolic links") from None
+    if not resolved.is_relative_to(folder.resolve()):
         raise ValueError(f"{field}: {name!r} leads outside {folder} (through a symbolic link)")
     return path
 
