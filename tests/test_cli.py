@@ -615,6 +615,33 @@ def huge_token_gguf(path):
     return path
 
 
+def hf_folder_with_template(template):
+    """A tiny Hugging Face folder whose chat_template.jinja is ``template``."""
+
+    def make(path):
+        save_hf_llama(path)
+        (path / "chat_template.jinja").write_text(template)
+        return path
+
+    return make
+
+
+def gguf_with_template(template):
+    """A tiny GGUF whose tokenizer.chat_template is ``template``."""
+
+    def make(path):
+        tokenizer = train_bpe_tokenizer(path.parent / "tokenizer", vocab_size=300)
+        return write_gguf(path, tokenizer, edit=lambda writer: writer.add_chat_template(template))
+
+    return make
+
+
+RECURSING_TEMPLATE = "{% macro f(n) %}{{ f(n) }}{{ f(n) }}{% endmacro %}{{ f(1) }}"
+NESTED_LOOPS_TEMPLATE = (
+    "{% for a in range(1000) %}{% for b in range(1000) %}{% for c in range(9) %}{% endfor %}{% endfor %}{% endfor %}"
+)
+
+
 def gguf_with_a_string_add_bos(path):
     """A tiny GGUF whose tokenizer.ggml.add_bos_token is the string "no"."""
     tokenizer = train_bpe_tokenizer(path.parent / "tokenizer", vocab_size=300)
@@ -651,6 +678,22 @@ HOSTILE_SOURCES = {
     ),
     "a GGUF token of a million characters": (huge_token_gguf, r"tokenizer.ggml.tokens\[0\] is 1000000 bytes long"),
     "an HF config of the wrong types": (bad_hf_folder, r"field tie_word_embeddings has the wrong type"),
+    "an HF chat template that recurses": (
+        hf_folder_with_template(RECURSING_TEMPLATE),
+        r"src/chat_template.jinja: chat template( line \d+)?: (it recurses too deeply|the template takes more than)",
+    ),
+    "an HF chat template of nested loops": (
+        hf_folder_with_template(NESTED_LOOPS_TEMPLATE),
+        r"src/chat_template.jinja: chat template line 1: the template takes more than 1,000,000 steps of work",
+    ),
+    "an HF chat template multiplying a string": (
+        hf_folder_with_template("{{ messages[0]['content'] * 10**9 }}"),
+        r"src/chat_template.jinja: chat template line 1: .* would hold more than 4,194,304 characters",
+    ),
+    "a GGUF chat template multiplying a string": (
+        gguf_with_template("{{ 'x' * 10**10 }}"),
+        r"src: GGUF metadata tokenizer.chat_template: chat template line 1: .* would hold more than 4,194,304",
+    ),
     "a GGUF add_bos_token of the string no": (
         gguf_with_a_string_add_bos,
         r"src: GGUF metadata "

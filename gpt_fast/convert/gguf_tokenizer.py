@@ -104,7 +104,7 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader, out_dir: Path) -> tuple[Tokeniz
         special_tokens=specials,
     )
     template = meta.get("chat_template", prefix="tokenizer.")
-    return with_template_stop_id(cfg, template), template
+    return with_template_stop_id(cfg, template, "GGUF metadata tokenizer.chat_template"), template
 
 
 def check_tokenizer_metadata(reader: gguf.GGUFReader) -> None:

@@ -48,7 +48,9 @@ def tokenizer_from_hf_dir(src: Path, hf_config: dict) -> tuple[TokenizerConfig, 
             raise FileNotFoundError(f"no tokenizer in {src}: looked for {looked}")
         cfg = _from_tokenizer_model(path, meta)
     template = _hf_chat_template(src, meta.tokenizer_config)
-    return with_template_stop_id(cfg, template), [path], template
+    template_file = src / CHAT_TEMPLATE_FILE
+    where = str(template_file) if template_file.is_file() else f"{src / 'tokenizer_config.json'}: chat_template"
+    return with_template_stop_id(cfg, template, where), [path], template
 
 
 class _HfMetadata:
