@@ -359,6 +359,20 @@ MORE_BAD_INPUTS = {
     ),
     "prompt and prompt file": (["--prompt", "x", "--prompt_file", "p.txt"], "give --prompt or --prompt_file, not both"),
     "metrics into a folder": (["--metrics_json", "."], "--metrics_json: . is a folder"),
+    # /proc refuses new files even to root, whom os.access allows everything
+    "metrics under /proc": (
+        ["--metrics_json", "/proc/m.json"],
+        r"--metrics_json: (cannot write in folder /proc \(|folder /proc is not writable)",
+    ),
+    "profile under /proc": (
+        ["--profile", "/proc/t.json"],
+        r"--profile: (cannot write in folder /proc \(|folder /proc is not writable)",
+    ),
+    "profile folder under /proc": (
+        ["--profile", "/proc/traces/"],
+        r"--profile: (cannot create folder /proc/traces \(|--profile /proc/traces is not writable)",
+    ),
+    "profile empty": (["--profile", ""], "--profile is empty: give a trace file or a folder"),
     "unknown device": (["--device", "tpu"], "--device 'tpu' is not a device"),
     "unsupported device": (["--device", "meta"], "--device 'meta' is not supported"),
     "chat without a template": (["--chat"], "no chat template"),

@@ -93,7 +93,17 @@ def check_output_file(path: Path, flag: str) -> Path:
         raise FileNotFoundError(f"{flag}: folder {folder} does not exist")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise PermissionError(f"{flag}: folder {folder} is not writable")
+    _probe_folder(folder, path.name, flag)
     return path
+
+
+def _probe_folder(folder: Path, name: str, flag: str) -> None:
+    """Create and remove, in ``folder``, the kind of private folder :func:`atomic_path` writes through: permission
+    bits do not tell everything (``/proc`` and read-only file systems refuse what ``os.access`` allows root)."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=folder))
+    except OSError as err:
+        raise PermissionError(f"{flag}: cannot write in folder {folder} ({err.strerror or err})") from None
 
 
 def check_output_dir(out_dir: Path, flag: str = "output folder") -> Path:
