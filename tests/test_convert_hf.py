@@ -540,6 +540,13 @@ BAD_HF_SOURCES = {
         r"weight_map: '/etc/passwd' is not a path inside",
     ),
     "shard linked out of the folder": (link_shard_out, r"leads outside .* \(through a symbolic link\)"),
+    "index a loop of symbolic links": (
+        lambda src: (
+            (src / "model.safetensors.index.json").unlink()
+            or (src / "model.safetensors.index.json").symlink_to("model.safetensors.index.json")
+        ),
+        r"model.safetensors.index.json cannot be opened: Too many levels of symbolic links",
+    ),
     "shard a loop of symbolic links": (
         loop_shard,
         r"model.safetensors.index.json: weight_map: 'model-00002-of-00007.safetensors' is a loop of symbolic links",

@@ -33,7 +33,7 @@ def first_line(err: BaseException) -> str:
 
 def read_json_object(path: Path) -> dict[str, Any]:
     """A JSON file holding an object; FileNotFoundError or a one-line ValueError naming the file otherwise."""
-    if not path.exists():
+    if not os.path.lexists(path):
         raise FileNotFoundError(f"missing {path}")
     regular_file(path)
     try:
@@ -55,6 +55,8 @@ def regular_file(path: Path, what: str = "") -> Path:
         mode = path.stat().st_mode
     except FileNotFoundError:
         raise FileNotFoundError(f"missing {label}") from None
+    except OSError as err:  # a loop of symbolic links, a component that is not a folder
+        raise ValueError(f"{label} cannot be opened: {err.strerror or err}") from None
     if not stat.S_ISREG(mode):
         kind = "a folder" if stat.S_ISDIR(mode) else "not a regular file (a pipe, socket or device)"
         raise ValueError(f"{label} is {kind}")
