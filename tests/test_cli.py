@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_convert_gguf import set_key, write_gguf
+from tiny import save_hf_llama, train_bpe_tokenizer
 
 from gpt_fast import __version__
 from gpt_fast.cli.main import main
@@ -357,6 +359,20 @@ MORE_BAD_INPUTS = {
     ),
     "prompt and prompt file": (["--prompt", "x", "--prompt_file", "p.txt"], "give --prompt or --prompt_file, not both"),
     "metrics into a folder": (["--metrics_json", "."], "--metrics_json: . is a folder"),
+    # /proc refuses new files even to root, whom os.access allows everything
+    "metrics under /proc": (
+        ["--metrics_json", "/proc/m.json"],
+        r"--metrics_json: (cannot write in folder /proc \(|folder /proc is not writable)",
+    ),
+    "profile under /proc": (
+        ["--profile", "/proc/t.json"],
+        r"--profile: (cannot write in folder /proc \(|folder /proc is not writable)",
+    ),
+    "profile folder under /proc": (
+        ["--profile", "/proc/traces/"],
+        r"--profile: (cannot create folder /proc/traces \(|--profile /proc/traces is not writable)",
+    ),
+    "profile empty": (["--profile", ""], "--profile is empty: give a trace file or a folder"),
     "unknown device": (["--device", "tpu"], "--device 'tpu' is not a device"),
     "unsupported device": (["--device", "meta"], "--device 'meta' is not supported"),
     "chat without a template": (["--chat"], "no chat template"),
@@ -526,6 +542,27 @@ def poison_weights(folder):
     torch.save(state, folder / "model.pth")
 
 
+def flip_a_weight_byte(folder):
+    """One bit of one stored weight flipped in place: the archive's structure and sizes stay valid."""
+    import zipfile
+
+    with zipfile.ZipFile(folder / "model.pth") as archive:
+        member = next(m for m in archive.infolist() if m.filename.endswith("/data/3"))
+    data = bytearray((folder / "model.pth").read_bytes())
+    name_length, extra_length = struct.unpack_from("<HH", data, member.header_offset + 26)
+    data[member.header_offset + 30 + name_length + extra_length + 5] ^= 0x10
+    (folder / "model.pth").write_bytes(bytes(data))
+
+
+def hide_a_storage(folder):
+    """norm.weight saved as a view of a storage a thousand times larger than itself."""
+    state = torch.load(folder / "model.pth", weights_only=True)
+    hidden = torch.zeros(state["norm.weight"].numel() * 1000)
+    hidden[: state["norm.weight"].numel()] = state["norm.weight"]
+    state["norm.weight"] = hidden[: state["norm.weight"].numel()]
+    torch.save(state, folder / "model.pth")
+
+
 def grow_tokenizer(folder):
     from tokenizers import Tokenizer
 
@@ -562,6 +599,8 @@ HOSTILE_CHECKPOINTS = {
     ),
     "a pipe as weights": (lambda f: (f / "model.pth").unlink() or os.mkfifo(f / "model.pth"), r"not a regular file"),
     "nan weights": (poison_weights, r"model.pth: tensor norm.weight holds NaN or infinite values"),
+    "a flipped weight bit": (flip_a_weight_byte, r"model.pth: archive member .*/data/3 fails its CRC-32 check"),
+    "a tensor viewing a hidden storage": (hide_a_storage, r"model.pth: its tensors view \d+ bytes of storage but hold"),
     "tokenizer larger than the embedding": (
         grow_tokenizer,
         r"tokenizer.json: the tokenizer has 513 tokens, more than the model's embedding table",
@@ -590,6 +629,39 @@ def huge_token_gguf(path):
     return path
 
 
+def hf_folder_with_template(template):
+    """A tiny Hugging Face folder whose chat_template.jinja is ``template``."""
+
+    def make(path):
+        save_hf_llama(path)
+        (path / "chat_template.jinja").write_text(template)
+        return path
+
+    return make
+
+
+def gguf_with_template(template):
+    """A tiny GGUF whose tokenizer.chat_template is ``template``."""
+
+    def make(path):
+        tokenizer = train_bpe_tokenizer(path.parent / "tokenizer", vocab_size=300)
+        return write_gguf(path, tokenizer, edit=lambda writer: writer.add_chat_template(template))
+
+    return make
+
+
+RECURSING_TEMPLATE = "{% macro f(n) %}{{ f(n) }}{{ f(n) }}{% endmacro %}{{ f(1) }}"
+NESTED_LOOPS_TEMPLATE = (
+    "{% for a in range(1000) %}{% for b in range(1000) %}{% for c in range(9) %}{% endfor %}{% endfor %}{% endfor %}"
+)
+
+
+def gguf_with_a_string_add_bos(path):
+    """A tiny GGUF whose tokenizer.ggml.add_bos_token is the string "no"."""
+    tokenizer = train_bpe_tokenizer(path.parent / "tokenizer", vocab_size=300)
+    return write_gguf(path, tokenizer, edit=set_key("tokenizer.ggml.add_bos_token", "add_string", "no"))
+
+
 def bad_hf_folder(path):
     path.mkdir()
     config = hf_config_dict(get_shape("tiny")) | {"tie_word_embeddings": "false"}
@@ -597,10 +669,50 @@ def bad_hf_folder(path):
     return path
 
 
+def hf_folder_with_tokenizer_config(tokenizer_config):
+    """A tiny Hugging Face folder whose tokenizer_config.json holds ``tokenizer_config``."""
+
+    def make(path):
+        save_hf_llama(path)
+        (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+        return path
+
+    return make
+
+
 HOSTILE_SOURCES = {
     "a pipe": (lambda p: os.mkfifo(p) or p, r"source .*src is not a regular file \(a pipe, socket or device\)"),
+    "added tokens as a list": (
+        hf_folder_with_tokenizer_config({"added_tokens_decoder": [{"content": "<s>"}]}),
+        r"src/tokenizer_config.json: added_tokens_decoder must be an object of token id -> token",
+    ),
+    "an eos_token of numeric type": (
+        hf_folder_with_tokenizer_config({"eos_token": 1}),
+        r"src/tokenizer_config.json: eos_token must be a string or an object with a string content, got 1",
+    ),
     "a GGUF token of a million characters": (huge_token_gguf, r"tokenizer.ggml.tokens\[0\] is 1000000 bytes long"),
     "an HF config of the wrong types": (bad_hf_folder, r"field tie_word_embeddings has the wrong type"),
+    "an HF chat template that recurses": (
+        hf_folder_with_template(RECURSING_TEMPLATE),
+        r"src/chat_template.jinja: chat template( line \d+)?: (it recurses too deeply|the template takes more than)",
+    ),
+    "an HF chat template of nested loops": (
+        hf_folder_with_template(NESTED_LOOPS_TEMPLATE),
+        r"src/chat_template.jinja: chat template line 1: the template takes more than 1,000,000 steps of work",
+    ),
+    "an HF chat template multiplying a string": (
+        hf_folder_with_template("{{ messages[0]['content'] * 10**9 }}"),
+        r"src/chat_template.jinja: chat template line 1: .* would hold more than 4,194,304 characters",
+    ),
+    "a GGUF chat template multiplying a string": (
+        gguf_with_template("{{ 'x' * 10**10 }}"),
+        r"src: GGUF metadata tokenizer.chat_template: chat template line 1: .* would hold more than 4,194,304",
+    ),
+    "a GGUF add_bos_token of the string no": (
+        gguf_with_a_string_add_bos,
+        r"src: GGUF metadata "
+        r"tokenizer.ggml.add_bos_token has the wrong type or value \(STRING; it must be true or false",
+    ),
 }
 
 
@@ -609,6 +721,7 @@ HOSTILE_SOURCES = {
 def test_hostile_source_writes_nothing(name, existing, checkpoint, capsys, tmp_path):
     make, message = HOSTILE_SOURCES[name]
     source = make(tmp_path / "src")
+    capsys.readouterr()  # what making the source printed
     out = tmp_path / "out"
     if existing:
         shutil.copytree(checkpoint.parent, out)

@@ -351,6 +351,16 @@ def set_key(name, adder, value):
     return lambda writer: writer.kv_data[0].pop(name, None) and getattr(writer, adder)(name, value)
 
 
+def set_array(name, change):
+    """Replace the array metadata ``name`` by ``change(its values)``, written with the type the values imply."""
+
+    def edit(writer):
+        values = [v.decode() if isinstance(v, bytes) else v for v in writer.kv_data[0].pop(name).value]
+        writer.add_array(name, change(values))
+
+    return edit
+
+
 def poison(name):
     def edit(writer):
         writer.tensors[0][name].tensor[3] = np.nan
@@ -400,6 +410,44 @@ BAD_GGUF_FILES = {
         r"tensor extra.weight has integer type I32",
     ),
     "nan weight": (poison("blk.0.attn_norm.weight"), r"tensor model.layers.0.input_layernorm.weight holds NaN"),
+    "tokens of integers": (
+        set_array("tokenizer.ggml.tokens", lambda tokens: list(range(len(tokens)))),
+        r"GGUF metadata tokenizer.ggml.tokens "
+        r"has the wrong type or value \(ARRAY/INT32; it must be an array of strings",
+    ),
+    "token types of strings": (
+        set_array("tokenizer.ggml.token_type", lambda types: [str(t) for t in types]),
+        r"tokenizer.ggml.token_type has the wrong type or value \(ARRAY/STRING; it must be an array of integers\)",
+    ),
+    "a token type too few": (
+        set_array("tokenizer.ggml.token_type", lambda types: types[:-1]),
+        r"tokenizer.ggml.token_type has the wrong type or value \(ARRAY/INT32; it must be an array of integers, "
+        r"one per token \(300\)\)",
+    ),
+    "bos id a float": (
+        set_key("tokenizer.ggml.bos_token_id", "add_float32", 1.0),
+        r"tokenizer.ggml.bos_token_id has the wrong type or value \(FLOAT32; it must be a token id \(an integer\)\)",
+    ),
+    "bos id a string": (
+        set_key("tokenizer.ggml.bos_token_id", "add_string", "1"),
+        r"tokenizer.ggml.bos_token_id has the wrong type or value \(STRING; it must be a token id",
+    ),
+    "eos id outside the vocabulary": (
+        set_key("tokenizer.ggml.eos_token_id", "add_int32", -1),
+        r"GGUF metadata tokenizer.ggml.eos_token_id -1 is outside the vocabulary of 300 tokens",
+    ),
+    "add_bos_token the string no": (
+        set_key("tokenizer.ggml.add_bos_token", "add_string", "no"),
+        r"tokenizer.ggml.add_bos_token has the wrong type or value \(STRING; it must be true or false\)",
+    ),
+    "a merge without a space": (
+        set_array("tokenizer.ggml.merges", lambda merges: [*merges[:3], merges[3].replace(" ", ""), *merges[4:]]),
+        r"GGUF metadata tokenizer.ggml.merges\[3\] '.*' is not two tokens joined by a space",
+    ),
+    "chat template a number": (
+        lambda w: w.add_uint32("tokenizer.chat_template", 3),
+        r"tokenizer.chat_template has the wrong type or value \(UINT32; it must be a string\)",
+    ),
 }
 
 

@@ -374,6 +374,11 @@ def link_shard_out(src):
     shard(src).symlink_to(outside)
 
 
+def loop_shard(src):
+    shard(src).unlink()
+    shard(src).symlink_to(shard(src).name)
+
+
 def set_nan(state):
     state["model.norm.weight"][3] = float("nan")
 
@@ -432,6 +437,54 @@ BAD_HF_SOURCES = {
         r"tokenizer.json: the tokenizer has 320 tokens, more than the model's embedding table "
         r"\(model.vocab_size = 319\)",
     ),
+    "added_tokens_decoder a list": (
+        edit_json("tokenizer_config.json", lambda t: t.update(added_tokens_decoder=[{"content": "<s>"}])),
+        r"tokenizer_config.json: added_tokens_decoder must be an object of token id -> token",
+    ),
+    "added token of null content": (
+        edit_json("tokenizer_config.json", lambda t: t.update(added_tokens_decoder={"0": {"content": None}})),
+        r"tokenizer_config.json: added_tokens_decoder\['0'\] must be an object with a string content",
+    ),
+    "added token of numeric content": (
+        edit_json("tokenizer_config.json", lambda t: t.update(added_tokens_decoder={"0": {"content": 7}})),
+        r"added_tokens_decoder\['0'\] must be an object with a string content, got \{'content': 7\}",
+    ),
+    "added token id not a number": (
+        edit_json("tokenizer_config.json", lambda t: t.update(added_tokens_decoder={"x": {"content": "<s>"}})),
+        r"added_tokens_decoder\['x'\]: the key must be a token id",
+    ),
+    "bos_token a number": (
+        edit_json("tokenizer_config.json", lambda t: t.update(bos_token=0)),
+        r"tokenizer_config.json: bos_token must be a string or an object with a string content, got 0",
+    ),
+    "eos_token a list": (
+        edit_json("tokenizer_config.json", lambda t: t.update(eos_token=["</s>"])),
+        r"tokenizer_config.json: eos_token must be a string or an object with a string content",
+    ),
+    "eos_token of numeric content": (
+        edit_json("tokenizer_config.json", lambda t: t.update(eos_token={"content": 1})),
+        r"tokenizer_config.json: eos_token must be a string or an object with a string content",
+    ),
+    "add_bos_token a string": (
+        edit_json("tokenizer_config.json", lambda t: t.update(add_bos_token="no")),
+        r"tokenizer_config.json: add_bos_token must be true or false, got 'no'",
+    ),
+    "chat_template a number": (
+        edit_json("tokenizer_config.json", lambda t: t.update(chat_template=5)),
+        r"tokenizer_config.json: chat_template must be a string or a list of \{name, template\} strings",
+    ),
+    "negative eos_token_id": (
+        edit_json("config.json", lambda c: c.update(eos_token_id=-1)),
+        r"config.json: eos_token_id must be a token id \(a non-negative integer\) or a list of them, got -1",
+    ),
+    "negative bos_token_id": (
+        edit_json("config.json", lambda c: c.update(bos_token_id=-1)),
+        r"config.json: bos_token_id must be a token id \(a non-negative integer\) or a list of them, got -1",
+    ),
+    "eos_token_id a string": (
+        edit_json("generation_config.json", lambda c: c.update(eos_token_id=[1, "2"])),
+        r"generation_config.json: eos_token_id must be a token id .*, got \[1, '2'\]",
+    ),
     "header a list": (edit_header(1, lambda h: [h]), r"00001-of-00007.safetensors: the safetensors header must be"),
     "header entry lacks a field": (
         edit_header(1, lambda h: first_entry(h).pop("data_offsets") and None),
@@ -487,6 +540,17 @@ BAD_HF_SOURCES = {
         r"weight_map: '/etc/passwd' is not a path inside",
     ),
     "shard linked out of the folder": (link_shard_out, r"leads outside .* \(through a symbolic link\)"),
+    "index a loop of symbolic links": (
+        lambda src: (
+            (src / "model.safetensors.index.json").unlink()
+            or (src / "model.safetensors.index.json").symlink_to("model.safetensors.index.json")
+        ),
+        r"model.safetensors.index.json cannot be opened: Too many levels of symbolic links",
+    ),
+    "shard a loop of symbolic links": (
+        loop_shard,
+        r"model.safetensors.index.json: weight_map: 'model-00002-of-00007.safetensors' is a loop of symbolic links",
+    ),
     "nan weight": (as_bin(set_nan), r"hf: tensor model.norm.weight holds NaN or infinite values"),
     "integer weight in a .bin": (
         as_bin(lambda s: s.update({"model.norm.weight": s["model.norm.weight"].long()})),
@@ -510,4 +574,41 @@ def test_bad_source_is_one_line_naming_the_file(name, pristine_sharded, tmp_path
     text = str(info.value)
     assert str(src) in text and len(text.splitlines()) == 1, text
     assert re.search(message, text), text
+    assert not (tmp_path / "out").exists()
+
+
+def claim_gigabytes(src):
+    """Make ``src`` (one model.safetensors) describe a model of 4096 wide and 131072 tokens (5.8 GB of float32)
+    in a sparse file of that size that holds no data."""
+    path = src / "model.safetensors"
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + length])
+    header.pop("__metadata__", None)
+    sizes = {64: 4096, 32: 2048, 96: 11008, 320: 131072}
+    position = 0
+    for name in sorted(header):
+        shape = [sizes[n] for n in header[name]["shape"]]
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [position, position + 4 * math.prod(shape)]}
+        position += 4 * math.prod(shape)
+    text = json.dumps(header).encode()
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        f.truncate(8 + len(text) + position)
+    edit_json(
+        "config.json", lambda c: c.update(hidden_size=4096, intermediate_size=11008, vocab_size=131072, head_dim=1024)
+    )(src)
+
+
+def test_a_sparse_file_claiming_more_than_the_memory_is_one_error_line(tmp_path, capsys, monkeypatch):
+    """The converted weights are held in memory until written: a model larger than the memory available is
+    refused before any tensor is read (the out-of-memory killer would end the process without a word)."""
+    src = tmp_path / "hf"
+    save_hf_llama(src)
+    claim_gigabytes(src)
+    capsys.readouterr()  # transformers' progress bars
+    monkeypatch.setattr("gpt_fast.convert.layout.available_memory", lambda: 2 << 30)
+    code, _, err = run_cli(["convert", str(src), "--output_dir", str(tmp_path / "out")], capsys)
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert re.search(r"error: .*hf: converting needs about 5.4 GiB of memory .* 2.0 GiB are available", err), err
     assert not (tmp_path / "out").exists()

@@ -120,14 +120,13 @@ def test_end_of_turn_token_of_the_chat_template_is_a_stop_id(byte_level_bpe_dir:
         "{{ raise_exception('no assistant turns here') }}",
         "{% for m in messages %}{{ m['content'] }}\n{% endfor %}",
         "{{ messages[5]['content'] }}",
-        "{{ 'x' * 10**10 }}",
     ],
-    ids=["raises", "no-end-token", "undefined", "too-costly"],
+    ids=["raises", "no-end-token", "undefined"],
 )
 def test_templates_without_an_end_of_turn_token_leave_stop_ids(byte_level_bpe_dir: Path, template: str) -> None:
     cfg = dataclasses.replace(tokenizer_from_hf_dir(byte_level_bpe_dir, {})[0], stop_ids=(556,))
-    assert with_template_stop_id(cfg, template) == cfg
-    assert with_template_stop_id(cfg, LLAMA3_LIKE_TEMPLATE).stop_ids == (556, 559)
+    assert with_template_stop_id(cfg, template, "t.jinja") == cfg
+    assert with_template_stop_id(cfg, LLAMA3_LIKE_TEMPLATE, "t.jinja").stop_ids == (556, 559)
 
 
 def test_missing_tokenizer_lists_what_was_looked_for(tmp_path: Path) -> None:

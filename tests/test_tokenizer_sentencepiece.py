@@ -329,3 +329,25 @@ def test_open_llama_like_checkpoint_generates_as_transformers_from_sentencepiece
     assert ours == hf_greedy(hf_model, prompt, 24)
     written = [i for i in ours if not (sp.is_control(i) or sp.is_unknown(i))]
     assert tokenizer.decode(ours, skip_special=True) == sp.decode(written)
+
+
+@pytest.mark.parametrize("remove_extra_whitespaces", [False, True], ids=["", "rew"])
+def test_unigram_nfkc_without_dummy_prefix_after_a_special_token(trained, remove_extra_whitespaces: bool) -> None:
+    """A unigram model with the nfkc normalizer and no dummy prefix, text right after a special token: the README's
+    rule gives sentencepiece's own segmentation with the token matched as a user-defined symbol, and no "▁" next to
+    it. sentencepiece alone spells a control token such as "</s>" out piece by piece (more ids); transformers puts
+    "▁" before the input and segments a unigram model with BPE merges (other ids): both differ, by rule."""
+    settings = Settings("unigram", "nfkc", remove_extra_whitespaces, add_dummy_prefix=False, byte_fallback=True)
+    model = trained(settings)
+    symbol = model.sp.piece_to_id(SYMBOL)
+    texts = ["Hello world", "The capital of France is", "ｆｕｌｌ ｗｉｄｔｈ ﬁ ①", " leading space", "\u0301accent"]
+    for special in ("</s>", "<s>", CONTROL):
+        special_id = model.ours.cfg.special_tokens[special]
+        for before in ("", "Hi "):
+            for text in texts:
+                expected = [special_id if i == symbol else i for i in model.sp.encode(f"{before}{SYMBOL}{text}")]
+                assert model.encode(f"{before}{special}{text}") == expected, (special, before, text)
+    text = "</s>Hello world"
+    ours = model.encode(text)
+    assert len(model.sp.encode(text)) > len(ours), "sentencepiece matches </s> in text now"
+    assert model.theirs.encode(text, add_special_tokens=False) != ours, f"transformers agrees now: {text!r}"

@@ -859,7 +859,7 @@ def main(argv: list[str] | None = None) -> None:
     except OptionError as err:
         click.echo(f"error: {rank_prefix()}{one_line(err.naming(flag_of))}", err=True)
         sys.exit(EXIT_USER_ERROR)
-    except (ValueError, OSError) as err:
+    except (ValueError, OSError, MemoryError) as err:
         click.echo(f"error: {rank_prefix()}{one_line(str(err)) or type(err).__name__}", err=True)
         sys.exit(EXIT_USER_ERROR)
     sys.exit(code if isinstance(code, int) else 0)

@@ -25,8 +25,9 @@ from gguf.quants import dequantize
 from gpt_fast.checkpoint.load import check_tokenizer_size
 from gpt_fast.convert.gguf_header import check_gguf_header
 from gpt_fast.convert.gguf_quant import exact_int4_parts
-from gpt_fast.convert.gguf_tokenizer import tokenizer_from_gguf
+from gpt_fast.convert.gguf_tokenizer import check_tokenizer_metadata, tokenizer_from_gguf
 from gpt_fast.convert.layout import check_tensors, fuse_tensors
+from gpt_fast.convert.tokenizer_common import check_template_bounds
 from gpt_fast.convert.weight_files import TensorInfo
 from gpt_fast.convert.writer import check_checkpoint_output, write_checkpoint
 from gpt_fast.model.config import CheckpointConfig, ModelConfig, QuantConfig, RopeScaling
@@ -62,6 +63,7 @@ GGUF_FAMILIES = {
     "qwen3": GgufFamily(implies={"qk_norm": True}),  # Qwen3 dense
 }
 TOKENS_KEY = "tokenizer.ggml.tokens"
+CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1 GGUFs store the divisors of the rotary frequencies as a tensor
 PLAIN_DTYPES = {
     GGMLQuantizationType.F16: torch.float16,
@@ -246,6 +248,8 @@ def convert_gguf(src: Path, out_dir: Path, dtype: str | None = None, quantizatio
     reader = open_gguf(src)
     try:
         model = model_config_from_gguf(reader)
+        check_tokenizer_metadata(reader)
+        check_template_bounds(metadata(reader, CHAT_TEMPLATE_KEY, STR, None), f"GGUF metadata {CHAT_TEMPLATE_KEY}")
         if quantization is not None:
             quantization.check_model(model)
     except ValueError as err:
@@ -263,7 +267,10 @@ def convert_gguf(src: Path, out_dir: Path, dtype: str | None = None, quantizatio
         state = quantize_state(state, model, quantization, target, given=exact)
 
     def prepare(stage: Path) -> CheckpointConfig:
-        tok_config, chat_template = tokenizer_from_gguf(reader, stage)
+        try:
+            tok_config, chat_template = tokenizer_from_gguf(reader, stage)
+        except ValueError as err:
+            raise ValueError(f"{src}: {err}") from None
         return CheckpointConfig(
             model=model,
             tokenizer=tok_config,

@@ -75,6 +75,7 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader, out_dir: Path) -> tuple[Tokeniz
     whose merges come from the token scores. Stop ids: EOS, the end-of-turn / end-of-message tokens the
     metadata names, and the one the chat template ends an assistant turn with.
     """
+    check_tokenizer_metadata(reader)
     meta = _GgufTokenizerMetadata(reader)
     builders = {"gpt2": _gguf_byte_level, "llama": _gguf_sentencepiece}
     model = meta.get("model")
@@ -98,12 +99,74 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader, out_dir: Path) -> tuple[Tokeniz
         bos_id=bos_id,
         add_bos=add_bos,
         stop_ids=tuple(stop_ids),
-        bos_token=meta.token_text(bos_id, "bos_token_id"),
-        eos_token=meta.token_text(eos_id, "eos_token_id"),
+        bos_token=meta.token_text(bos_id),
+        eos_token=meta.token_text(eos_id),
         special_tokens=specials,
     )
     template = meta.get("chat_template", prefix="tokenizer.")
-    return with_template_stop_id(cfg, template), template
+    return with_template_stop_id(cfg, template, "GGUF metadata tokenizer.chat_template"), template
+
+
+def check_tokenizer_metadata(reader: gguf.GGUFReader) -> None:
+    """Refuse ``tokenizer.*`` metadata of the wrong type or value, naming the key: strings where strings belong,
+    arrays of the element type they must hold (strings for tokens and merges, each merge two tokens joined by a
+    space), token ids that are integers inside the vocabulary, a boolean ``add_bos_token``, one score and one type
+    per token. Nothing is guessed: the string "no" is not a boolean, 1.0 is not a token id."""
+    for key, (shape, kind) in _TOKENIZER_KEYS.items():
+        field = reader.get_field(key)
+        if field is not None and not _has_types(field.types, shape):
+            raise _wrong(key, field, kind)
+    tokens = reader.get_field(_GGML + "tokens")
+    if tokens is None:
+        raise ValueError("the GGUF file has no tokenizer.ggml.tokens")
+    count = len(tokens.data)
+    for name in ("scores", "token_type"):
+        field = reader.get_field(_GGML + name)
+        if field is not None and len(field.data) != count:
+            raise _wrong(_GGML + name, field, f"{_TOKENIZER_KEYS[_GGML + name][1]}, one per token ({count})")
+    for name in _TOKEN_ID_KEYS:
+        field = reader.get_field(_GGML + name)
+        if field is not None and not 0 <= field.contents() < count:
+            raise ValueError(
+                f"GGUF metadata {_GGML}{name} {field.contents()} is outside the vocabulary of {count} tokens"
+            )
+    merges = reader.get_field(_GGML + "merges")
+    for index, merge in enumerate([] if merges is None else merges.contents()):
+        if " " not in merge:
+            raise ValueError(f"GGUF metadata {_GGML}merges[{index}] {merge[:40]!r} is not two tokens joined by a space")
+
+
+def _has_types(types: list[gguf.GGUFValueType], shape: tuple[bool, set[gguf.GGUFValueType]]) -> bool:
+    """Whether a field's ``types`` (GGUFReader's: ``[ARRAY, element type]`` or ``[scalar type]``) fit ``shape``
+    (is it an array, and of which element or scalar types)."""
+    array, allowed = shape
+    if array:
+        return len(types) == 2 and types[0] == _V.ARRAY and types[1] in allowed
+    return len(types) == 1 and types[0] in allowed
+
+
+def _wrong(key: str, field: Any, kind: str) -> ValueError:
+    types = "/".join(t.name for t in field.types)
+    return ValueError(f"GGUF metadata {key} has the wrong type or value ({types}; it must be {kind})")
+
+
+_GGML = "tokenizer.ggml."
+_V = gguf.GGUFValueType
+_INTEGERS = {_V.UINT8, _V.INT8, _V.UINT16, _V.INT16, _V.UINT32, _V.INT32, _V.UINT64, _V.INT64}
+_NUMBERS = _INTEGERS | {_V.FLOAT32, _V.FLOAT64}
+_TOKEN_ID_KEYS = tuple(f"{name}_token_id" for name in ("bos", "eos", "eot", "eom", "unknown", "padding"))
+# key -> ((is it an array, the value or element types it may have), what the error message says it must be)
+_TOKENIZER_KEYS: dict[str, tuple[tuple[bool, set[gguf.GGUFValueType]], str]] = {
+    _GGML + "model": ((False, {_V.STRING}), "a string"),
+    _GGML + "pre": ((False, {_V.STRING}), "a string"),
+    _GGML + "tokens": ((True, {_V.STRING}), "an array of strings"),
+    _GGML + "merges": ((True, {_V.STRING}), "an array of strings"),
+    _GGML + "scores": ((True, _NUMBERS), "an array of numbers"),
+    _GGML + "token_type": ((True, _INTEGERS), "an array of integers"),
+    _GGML + "add_bos_token": ((False, {_V.BOOL}), "true or false"),
+    "tokenizer.chat_template": ((False, {_V.STRING}), "a string"),
+    **{_GGML + name: ((False, _INTEGERS), "a token id (an integer)") for name in _TOKEN_ID_KEYS},
+}
 
 
 class _GgufTokenizerMetadata:
@@ -123,12 +186,9 @@ class _GgufTokenizerMetadata:
             raise ValueError("the GGUF file has no tokenizer.ggml.tokens")
         return tokens
 
-    def token_text(self, token_id: int | None, key: str) -> str | None:
-        if token_id is None:
-            return None
-        if not 0 <= token_id < len(self.tokens):
-            raise ValueError(f"tokenizer.ggml.{key} {token_id} is outside the vocabulary of {len(self.tokens)} tokens")
-        return self.tokens[token_id]
+    def token_text(self, token_id: int | None) -> str | None:
+        """The text of a token id :func:`check_tokenizer_metadata` found inside the vocabulary."""
+        return None if token_id is None else self.tokens[token_id]
 
 
 def _gguf_byte_level(meta: _GgufTokenizerMetadata) -> tokenizers.Tokenizer:

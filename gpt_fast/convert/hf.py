@@ -14,7 +14,7 @@ from gpt_fast.convert.hf_config import architecture, architecture_name, model_co
 from gpt_fast.convert.hf_tokenizer import tokenizer_from_hf_dir
 from gpt_fast.convert.layout import check_tensors, fuse_tensors, max_source_tensors, naming, source_dtype
 from gpt_fast.convert.weight_files import iter_tensors, tensor_infos, weight_files
-from gpt_fast.convert.writer import check_checkpoint_output, write_checkpoint
+from gpt_fast.convert.writer import check_checkpoint_output, target_dir, write_checkpoint
 from gpt_fast.model.config import CheckpointConfig, QuantConfig
 from gpt_fast.quant.layout import quantize_state
 from gpt_fast.text.tokenizer import load_tokenizer
@@ -27,7 +27,7 @@ def convert_hf(src: Path, out_dir: Path, dtype: str | None = None, quantization:
     written ``model.pth``."""
     if not src.is_dir():
         raise FileNotFoundError(f"checkpoint folder not found: {src}")
-    if out_dir.resolve() == src.resolve():
+    if target_dir(out_dir) == src.resolve():
         raise ValueError(f"the output folder must differ from the source folder {src} (both hold a config.json)")
     check_checkpoint_output(out_dir)
     hf_config = read_json_object(src / "config.json")

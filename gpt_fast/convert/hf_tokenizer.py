@@ -48,7 +48,9 @@ def tokenizer_from_hf_dir(src: Path, hf_config: dict) -> tuple[TokenizerConfig, 
             raise FileNotFoundError(f"no tokenizer in {src}: looked for {looked}")
         cfg = _from_tokenizer_model(path, meta)
     template = _hf_chat_template(src, meta.tokenizer_config)
-    return with_template_stop_id(cfg, template), [path], template
+    template_file = src / CHAT_TEMPLATE_FILE
+    where = str(template_file) if template_file.is_file() else f"{src / 'tokenizer_config.json'}: chat_template"
+    return with_template_stop_id(cfg, template, where), [path], template
 
 
 class _HfMetadata:
@@ -60,6 +62,11 @@ class _HfMetadata:
         self.tokenizer_config = _read_json(src / "tokenizer_config.json")
         self.special_tokens_map = _read_json(src / "special_tokens_map.json")
         self.generation_config = _read_json(src / "generation_config.json")
+        _check_token_texts(self.tokenizer_config, src / "tokenizer_config.json")
+        _check_token_texts(self.special_tokens_map, src / "special_tokens_map.json")
+        _check_tokenizer_config(self.tokenizer_config, src / "tokenizer_config.json")
+        _check_token_ids(self.generation_config, src / "generation_config.json")
+        _check_token_ids(self.config, src / "config.json")
 
     def token_text(self, name: str) -> tuple[bool, str | None]:
         """``(given, text)`` of ``bos_token``/``eos_token`` in tokenizer_config.json or special_tokens_map.json."""
@@ -74,7 +81,7 @@ class _HfMetadata:
         for source in (self.generation_config, self.config):
             value = source.get(name)
             for token_id in value if isinstance(value, list) else [value]:
-                if isinstance(token_id, int) and not isinstance(token_id, bool) and token_id not in ids:
+                if token_id is not None and token_id not in ids:
                     ids.append(token_id)
         return ids
 
@@ -82,15 +89,73 @@ class _HfMetadata:
         """tokenizer_config.json's ``added_tokens_decoder`` as ``{text: id}``."""
         decoder = self.tokenizer_config.get("added_tokens_decoder") or {}
         return {
-            _content(entry): int(token_id)
+            entry["content"]: int(token_id)
             for token_id, entry in decoder.items()
-            if not (special_only and isinstance(entry, dict) and not entry.get("special", True))
+            if not (special_only and not entry.get("special", True))
         }
 
 
 def _read_json(path: Path) -> dict:
     """An optional metadata file: {} when absent."""
     return read_json_object(path) if path.is_file() else {}
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_token_texts(data: dict, path: Path) -> None:
+    """``bos_token``/``eos_token``: null, a string, or an AddedToken object whose ``content`` is a string."""
+    for name in ("bos_token", "eos_token"):
+        value = data.get(name)
+        text = value.get("content") if isinstance(value, dict) else value
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"{path}: {name} must be a string or an object with a string content, got {_short(value)}")
+
+
+def _check_tokenizer_config(data: dict, path: Path) -> None:
+    """The fields of tokenizer_config.json the converter reads besides the token texts: ``added_tokens_decoder``
+    (an object of token id -> AddedToken object), ``add_bos_token`` and ``chat_template``."""
+    decoder = data.get("added_tokens_decoder")
+    if decoder is not None and not isinstance(decoder, dict):
+        raise ValueError(f"{path}: added_tokens_decoder must be an object of token id -> token, got {_short(decoder)}")
+    for key, entry in (decoder or {}).items():
+        where = f"{path}: added_tokens_decoder[{key!r}]"
+        if not (key.isdecimal() and key.isascii()):
+            raise ValueError(f"{where}: the key must be a token id (a non-negative integer)")
+        if not isinstance(entry, dict) or not isinstance(entry.get("content"), str):
+            raise ValueError(f"{where} must be an object with a string content, got {_short(entry)}")
+        if not isinstance(entry.get("special", True), bool):
+            raise ValueError(f"{where}.special must be true or false, got {_short(entry['special'])}")
+    add_bos = data.get("add_bos_token")
+    if add_bos is not None and not isinstance(add_bos, bool):
+        raise ValueError(f"{path}: add_bos_token must be true or false, got {_short(add_bos)}")
+    template = data.get("chat_template")
+    named = isinstance(template, list) and all(
+        isinstance(entry, dict) and isinstance(entry.get("name"), str) and isinstance(entry.get("template"), str)
+        for entry in template
+    )
+    if template is not None and not isinstance(template, str) and not named:
+        raise ValueError(
+            f"{path}: chat_template must be a string or a list of {{name, template}} strings, got {_short(template)}"
+        )
+
+
+def _check_token_ids(data: dict, path: Path) -> None:
+    """``bos_token_id``/``eos_token_id``: null, a token id (a non-negative integer) or a list of them."""
+    for name in ("bos_token_id", "eos_token_id"):
+        value = data.get(name)
+        values = value if isinstance(value, list) else [value]
+        if not all(v is None or _is_token_id(v) for v in values):
+            raise ValueError(
+                f"{path}: {name} must be a token id (a non-negative integer) or a list of them, got {_short(value)}"
+            )
+
+
+def _short(value: Any) -> str:
+    """A JSON value as an error message quotes it: its repr, cut to 60 characters."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _content(token: Any) -> str | None:
@@ -136,9 +201,7 @@ def _from_tokenizer_json(path: Path, meta: _HfMetadata) -> TokenizerConfig:
     prepended = _prepended_by_post_processor(tok)
     if ids["bos_id"] is None and len(prepended) == 1:
         ids.update(bos_id=prepended[0], bos_token=tok.id_to_token(prepended[0]))
-    add_bos = meta.tokenizer_config.get("add_bos_token")
-    if not isinstance(add_bos, bool):
-        add_bos = ids["bos_id"] is not None and prepended == [ids["bos_id"]]
+    add_bos = _add_bos(meta, ids["bos_id"] is not None and prepended == [ids["bos_id"]])
     return TokenizerConfig(kind="huggingface", file=path.name, add_bos=add_bos, special_tokens=special_tokens, **ids)
 
 
@@ -182,7 +245,7 @@ def _sentencepiece_config(path: Path, data: bytes, meta: _HfMetadata) -> Tokeniz
 
     spec = proto.trainer_spec
     ids = _special_ids(meta, to_id, to_text, _nonnegative(spec.bos_id), _nonnegative(spec.eos_id))
-    add_bos = meta.tokenizer_config.get("add_bos_token", ids["bos_id"] is not None)
+    add_bos = _add_bos(meta, ids["bos_id"] is not None)
     return TokenizerConfig(kind="sentencepiece", file=path.name, add_bos=add_bos, special_tokens=special_tokens, **ids)
 
 
@@ -199,10 +262,16 @@ def _tiktoken_config(path: Path, ranks: dict[bytes, int], meta: _HfMetadata) -> 
     special_tokens = {text: token_id for text, token_id in added.items() if token_id >= first_special}
     by_id = {token_id: text for text, token_id in special_tokens.items()}
     ids = _special_ids(meta, special_tokens.get, by_id.get)
-    add_bos = meta.tokenizer_config.get("add_bos_token", ids["bos_id"] is not None)
+    add_bos = _add_bos(meta, ids["bos_id"] is not None)
     return TokenizerConfig(
         kind="tiktoken", file=path.name, add_bos=add_bos, special_tokens=special_tokens, pattern=LLAMA3_PATTERN, **ids
     )
+
+
+def _add_bos(meta: _HfMetadata, default: bool) -> bool:
+    """tokenizer_config.json's ``add_bos_token`` (checked to be a bool or null), else ``default``."""
+    add_bos = meta.tokenizer_config.get("add_bos_token")
+    return default if add_bos is None else add_bos
 
 
 def _nonnegative(token_id: int) -> int | None:
@@ -217,6 +286,5 @@ def _hf_chat_template(src: Path, tokenizer_config: dict) -> str | None:
         return template_file.read_text(encoding="utf-8")
     template = tokenizer_config.get("chat_template")
     if isinstance(template, list):
-        named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
-        return named.get("default")
-    return template if isinstance(template, str) else None
+        return {entry["name"]: entry["template"] for entry in template}.get("default")
+    return template

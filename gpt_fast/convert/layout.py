@@ -20,7 +20,7 @@ from tqdm import tqdm
 from gpt_fast.checkpoint.load import check_finite, check_shapes, check_tensor_count
 from gpt_fast.convert.weight_files import TensorInfo
 from gpt_fast.model.config import ModelConfig
-from gpt_fast.model.transformer import weight_shapes
+from gpt_fast.model.transformer import weight_count, weight_shapes
 from gpt_fast.util.device import DTYPES
 
 IGNORED = re.compile(
@@ -159,6 +159,39 @@ def source_dtype(infos: dict[str, TensorInfo]) -> torch.dtype:
     return dtype if dtype in DTYPES.values() else torch.float32
 
 
+def check_memory(config: ModelConfig, dtype: torch.dtype, src: Path) -> None:
+    """Refuse, before any tensor is read, a model whose converted weights (held in memory until written) exceed
+    the memory available: a header may claim gigabytes that a sparse file does not hold, and the kernel's
+    out-of-memory killer would end the process without a word."""
+    needed = weight_count(config)[1] * dtype.itemsize
+    available = available_memory()
+    if available is not None and needed > available:
+        raise ValueError(
+            f"{src}: converting needs about {needed / 2**30:.1f} GiB of memory (the model's "
+            f"{weight_count(config)[1]} parameters in {str(dtype).removeprefix('torch.')}), "
+            f"{available / 2**30:.1f} GiB are available"
+        )
+
+
+def available_memory() -> int | None:
+    """Bytes this process may still allocate: the kernel's MemAvailable plus free swap, within the cgroup's
+    memory.max where one is set (Linux); None where neither can be read."""
+    limits = []
+    try:
+        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        limits.append((int(meminfo["MemAvailable"].split()[0]) + int(meminfo["SwapFree"].split()[0])) * 1024)
+    except (OSError, KeyError, ValueError):
+        pass
+    try:
+        cgroup = Path("/sys/fs/cgroup")
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            limits.append(int(limit) - int((cgroup / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return min(limits) if limits else None
+
+
 def fuse_tensors(
     tensors: Iterable[tuple[str, torch.Tensor]],
     config: ModelConfig,
@@ -168,6 +201,7 @@ def fuse_tensors(
 ) -> dict[str, torch.Tensor]:
     """Our state dict from (HF name, tensor) pairs already checked by :func:`check_tensors`; NaN and infinite
     values (in the source, or made by converting to ``dtype``) are refused, naming the tensor."""
+    check_memory(config, dtype, src)
     layout = hf_layout(config, names)
     shapes = weight_shapes(config)
     target = {hf: ours for ours, parts in layout.items() for hf, _ in parts}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,10 +42,10 @@ def weight_files(src: Path) -> list[Path]:
     """The folder's weight files: the shards an index lists (all must exist), or the single file."""
     for index_name in (SAFETENSORS_INDEX, BIN_INDEX):
         index = src / index_name
-        if index.exists():
+        if os.path.lexists(index):  # a link that leads nowhere is named, not skipped
             return shards_from_index(index)
     for single in (SAFETENSORS_SINGLE, BIN_SINGLE):
-        if (src / single).exists():
+        if os.path.lexists(src / single):
             return [regular_file(src / single, "weights file")]
     raise FileNotFoundError(
         f"no weights in {src} (looked for {SAFETENSORS_INDEX}, {SAFETENSORS_SINGLE}, {BIN_INDEX}, {BIN_SINGLE})"
@@ -160,5 +161,5 @@ def iter_tensors(path: Path, max_tensors: int) -> Iterator[tuple[str, torch.Tens
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
-    except SafetensorError as err:
-        raise ValueError(f"{path}: {err}") from None
+    except (SafetensorError, RuntimeError) as err:  # RuntimeError: the file cannot be memory-mapped
+        raise ValueError(f"{path}: {first_line(err)}") from None

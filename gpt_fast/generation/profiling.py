@@ -29,7 +29,11 @@ def trace_file(profile: str | os.PathLike, name: str = "trace", variant: str = "
     present. ``variant`` tells apart the files of several runs (one per compile mode): ``PATH_VARIANT.json``."""
     text = os.fspath(profile)
     if text.endswith(("/", os.sep)):
-        check_output_dir(Path(text), "--profile").mkdir(parents=True, exist_ok=True)
+        folder = check_output_dir(Path(text), "--profile")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise PermissionError(f"--profile: cannot create folder {folder} ({err.strerror or err})") from None
     if Path(text).is_dir():
         return check_output_file(Path(text) / f"{name}.json", "--profile")
     stem = text.removesuffix(".json")

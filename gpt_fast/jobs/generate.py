@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import sys
 from collections.abc import Callable
@@ -68,6 +69,8 @@ class GenerateOptions:
         if self.metrics_json is not None:
             check_output_file(self.metrics_json, "--metrics_json")
         if self.profile is not None:
+            if not os.fspath(self.profile):
+                raise ValueError("--profile is empty: give a trace file or a folder")
             trace_file(self.profile)
         elif self.profile_all_ranks:
             raise ValueError("--profile_all_ranks goes with --profile")

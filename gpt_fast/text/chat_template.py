@@ -33,6 +33,11 @@ class ChatTemplateError(ValueError):
     """A chat template that cannot render this conversation (one line, starting "chat template")."""
 
 
+class ChatTemplateBoundError(ChatTemplateError):
+    """A chat template the sandbox stops (:mod:`gpt_fast.text.jinja_sandbox`): too much work, too large a value or
+    text, too deep a recursion, or an unsafe attribute. It would fail so on any conversation."""
+
+
 class _GenerationBlock(jinja2.ext.Extension):
     """``{% generation %}…{% endgeneration %}`` (transformers marks assistant text with it): renders its body."""
 
@@ -153,13 +158,14 @@ class _Chat:
                 raise jinja2.exceptions.SecurityError(f"it is longer than {MAX_TEXT:,} characters")
             return render_bounded(_compile(self.template), {**self.variables, "messages": cleaned})
         except RecursionError:
-            raise ChatTemplateError("chat template: it recurses too deeply") from None
+            raise ChatTemplateBoundError("chat template: it recurses too deeply") from None
         except _TEMPLATE_ERRORS as err:
             where = _template_line(err.__traceback__) or getattr(err, "lineno", None)
             message = " ".join(str(err).split())
             if not isinstance(err, jinja2.TemplateError) or not message:
                 message = f"{type(err).__name__}: {message}" if message else type(err).__name__
-            raise ChatTemplateError(f"chat template{f' line {where}' if where else ''}: {message}") from None
+            error = ChatTemplateBoundError if isinstance(err, jinja2.exceptions.SecurityError) else ChatTemplateError
+            raise error(f"chat template{f' line {where}' if where else ''}: {message}") from None
 
 
 def _template_line(tb: TracebackType | None) -> int | None:

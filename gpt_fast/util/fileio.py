@@ -33,7 +33,7 @@ def first_line(err: BaseException) -> str:
 
 def read_json_object(path: Path) -> dict[str, Any]:
     """A JSON file holding an object; FileNotFoundError or a one-line ValueError naming the file otherwise."""
-    if not path.exists():
+    if not os.path.lexists(path):
         raise FileNotFoundError(f"missing {path}")
     regular_file(path)
     try:
@@ -55,6 +55,8 @@ def regular_file(path: Path, what: str = "") -> Path:
         mode = path.stat().st_mode
     except FileNotFoundError:
         raise FileNotFoundError(f"missing {label}") from None
+    except OSError as err:  # a loop of symbolic links, a component that is not a folder
+        raise ValueError(f"{label} cannot be opened: {err.strerror or err}") from None
     if not stat.S_ISREG(mode):
         kind = "a folder" if stat.S_ISDIR(mode) else "not a regular file (a pipe, socket or device)"
         raise ValueError(f"{label} is {kind}")
@@ -68,7 +70,11 @@ def inside_folder(folder: Path, name: str, field: str) -> Path:
     if not name or relative.is_absolute() or ".." in relative.parts:
         raise ValueError(f"{field}: {name!r} is not a path inside {folder}")
     path = folder / relative
-    if not path.resolve().is_relative_to(folder.resolve()):
+    try:
+        resolved = path.resolve()
+    except (RuntimeError, OSError):  # Python raises RuntimeError for a loop of symbolic links
+        raise ValueError(f"{field}: {name!r} is a loop of symbolic links") from None
+    if not resolved.is_relative_to(folder.resolve()):
         raise ValueError(f"{field}: {name!r} leads outside {folder} (through a symbolic link)")
     return path
 
@@ -89,7 +95,17 @@ def check_output_file(path: Path, flag: str) -> Path:
         raise FileNotFoundError(f"{flag}: folder {folder} does not exist")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise PermissionError(f"{flag}: folder {folder} is not writable")
+    _probe_folder(folder, path.name, flag)
     return path
+
+
+def _probe_folder(folder: Path, name: str, flag: str) -> None:
+    """Create and remove, in ``folder``, the kind of private folder :func:`atomic_path` writes through: permission
+    bits do not tell everything (``/proc`` and read-only file systems refuse what ``os.access`` allows root)."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=folder))
+    except OSError as err:
+        raise PermissionError(f"{flag}: cannot write in folder {folder} ({err.strerror or err})") from None
 
 
 def check_output_dir(out_dir: Path, flag: str = "output folder") -> Path:
