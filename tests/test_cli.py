@@ -361,6 +361,7 @@ MORE_BAD_INPUTS = {
     "unsupported device": (["--device", "meta"], "--device 'meta' is not supported"),
     "chat without a template": (["--chat"], "no chat template"),
     "several prompts and copies": (["--prompt", "a", "--prompt", "b", "--batch_size", "2"], "--batch_size copies one"),
+    "a batch beyond the memory": (["--batch_size", str(10**10)], "--batch_size 10000000000: the KV cache alone needs"),
     "several prompts and a file": (["--prompt", "a", "--prompt", "b", "--prompt_file", "p.txt"], "not both"),
     "several prompts, one from stdin": (["--prompt", "-", "--prompt", "b"], "--prompt - reads one prompt"),
     "prompts file and a prompt": (["--prompts_file", "p.txt", "--prompt", "a"], "give --prompts_file alone"),

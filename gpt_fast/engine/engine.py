@@ -13,6 +13,7 @@ An engine is opened in two steps so that a command can refuse a bad request befo
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import time
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
@@ -82,7 +83,15 @@ from gpt_fast.quant.products import KERNELS
 from gpt_fast.text.chat_template import chat_prompt_ids
 from gpt_fast.text.textstream import TextStream
 from gpt_fast.text.tokenizer import Tokenizer
-from gpt_fast.util.device import DTYPE_CHOICES, device_name, dtype_name, resolve_device, resolve_dtype
+from gpt_fast.util.device import (
+    DTYPE_CHOICES,
+    device_memory_bytes,
+    device_name,
+    dtype_name,
+    resolve_device,
+    resolve_dtype,
+)
+from gpt_fast.util.fileio import check_output_file
 from gpt_fast.util.paths import CHECKPOINTS_DIR
 
 DEFAULT_MAX_NEW_TOKENS = 200
@@ -520,6 +529,20 @@ class Engine:
             raise ValueError("the prompt encodes to no tokens")
         cache_length(len(prompt_ids), max_new_tokens, self.model_config.block_size)
 
+    def check_batch_size(self, batch_size: int, prompt_length: int, max_new_tokens: int) -> None:
+        """Raise ValueError (before any allocation) if ``batch_size`` rows' KV cache alone, sized from the model's
+        config, exceeds the device's whole memory."""
+        config = self.model_config
+        length = cache_length(prompt_length, max_new_tokens, config.block_size)
+        row_bytes = 2 * config.n_layer * config.kv_size * length * self.dtype.itemsize  # keys and values, one row
+        needed, memory = batch_size * row_bytes, device_memory_bytes(self.device)
+        if needed > memory:
+            raise ValueError(
+                f"--batch_size {batch_size}: the KV cache alone needs {needed / 1e9:.1f} GB ({row_bytes / 1e6:.1f} MB "
+                f"per sequence), more than the {memory / 1e9:.1f} GB of {self.device_name}; at most "
+                f"{memory // row_bytes} sequences fit"
+            )
+
     # --- scoring ------------------------------------------------------------------------------------------------
 
     def log_likelihoods(self, ids: Sequence[int]) -> torch.Tensor:
@@ -603,6 +626,7 @@ class Engine:
         ``drafter``: benchmarks pass their own) the result is a
         :class:`gpt_fast.generation.speculative.SpeculativeResult`."""
         self.check_fits(prompt_ids, max_new_tokens)
+        self.check_batch_size(batch_size, len(prompt_ids), max_new_tokens)
         on_tokens = None
         if on_text is not None:
             text = TextStream(self.tokenizer, prompt_ids, on_text)
@@ -710,12 +734,14 @@ class Engine:
         )
 
     @contextlib.contextmanager
-    def profiled(self, trace_path: Path) -> Iterator[None]:
+    def profiled(self, trace_path: str | os.PathLike[str]) -> Iterator[None]:
         """Record the generations inside the block with the PyTorch profiler into ``trace_path`` (Perfetto), with the
-        prefill and every decode step marked for ``gpt-fast trace-summary``."""
+        prefill and every decode step marked for ``gpt-fast trace-summary``. The path is checked before the block
+        runs (its folder must exist and be writable)."""
+        path = check_output_file(Path(trace_path), "trace_path")
         self._profile_marks = True
         try:
-            with record_trace(trace_path, self.device):
+            with record_trace(path, self.device):
                 yield
         finally:
             self._profile_marks = False

@@ -121,6 +121,7 @@ class SampleRunner:
         self.prompts_ids = [engine.encode(text, chat=opts.chat, system=opts.system) for text in opts.all_prompts]
         for ids in self.prompts_ids:
             engine.check_fits(ids, opts.max_new_tokens)
+        engine.check_batch_size(opts.batch_size, len(self.prompts_ids[0]), opts.max_new_tokens)
         self.prompt_ids = self.prompts_ids[0] if len(self.prompts_ids) == 1 else self.prompts_ids
 
     def generate(self) -> GenerationResult:

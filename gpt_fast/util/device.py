@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import resource
 
 import torch
@@ -50,6 +51,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """The device's whole memory: a GPU's, or the host's physical memory for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def device_synchronize(device: torch.device) -> None:
