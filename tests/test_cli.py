@@ -632,3 +632,36 @@ def test_generate_says_whether_the_compile_cache_was_cold_or_warm(checkpoint, tm
         assert result.returncode == 0, result.stderr
         labels.append(re.search(r"Compilation time: [\d.]+ seconds \(compile cache (\w+):", result.stdout).group(1))
     assert labels == ["cold", "warm"]
+
+
+def modules_after(argv: list[str]) -> dict[str, bool]:
+    """Which heavy modules a fresh process has imported once `gpt-fast ARGV` has ended."""
+    code = (
+        "import sys\nfrom gpt_fast.cli.main import main\n"
+        f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+        "print(' '.join(str(name in sys.modules) for name in ('torch', 'torch._inductor', 'torch._dynamo')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    torch_, inductor, dynamo = (word == "True" for word in done.stdout.split()[-3:])
+    return {"torch": torch_, "inductor": inductor, "dynamo": dynamo}
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["generate", "--help"],
+        ["chat", "--help"],
+        ["generate", "--compile", "turbo"],
+        ["generate", "--max_new_tokens", "many"],
+        ["generate", "--no_such_option"],
+        ["quantize"],
+    ],
+)
+def test_help_and_argument_errors_import_no_torch(argv):
+    assert modules_after(argv)["torch"] is False
+
+
+def test_an_eager_run_imports_no_inductor(checkpoint):
+    modules = modules_after(generate_args(checkpoint, "--num_samples", "1", "--max_new_tokens", "3"))
+    assert modules == {"torch": True, "inductor": False, "dynamo": False}

@@ -38,8 +38,8 @@ from torch import nn
 from gpt_fast.model.transformer import FeedForward, RMSNorm, Transformer, TransformerBlock
 from gpt_fast.quant.layers import QuantizedLinear
 from gpt_fast.quant.products import resolve_kernel_choice, triton_usable
+from gpt_fast.util.choices import LINEAR_KERNELS
 
-LINEAR_KERNELS = ("auto", "triton", "torch")
 PDL_MODES = ("reduce-overhead", "max-autotune")  # the compile modes that run decode steps in CUDA graphs
 
 

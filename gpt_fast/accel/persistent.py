@@ -21,8 +21,7 @@ from gpt_fast.kernels.persistent_table import TABLE_COLUMNS
 from gpt_fast.model.config import ModelConfig, QuantConfig
 from gpt_fast.model.transformer import Transformer
 from gpt_fast.quant.products import resolve_kernel_choice
-
-LAYERS_KERNELS = ("auto", "triton", "torch")
+from gpt_fast.util.choices import LAYERS_KERNELS
 
 
 def check_layers_kernel(config: ModelConfig, quantization: QuantConfig | None, programs: int) -> None:

@@ -25,8 +25,7 @@ import torch
 from gpt_fast.accel.linear import pdl_kernels_measured
 from gpt_fast.model.transformer import Transformer
 from gpt_fast.quant.products import resolve_kernel_choice
-
-SAMPLING_KERNELS = ("auto", "triton", "torch")
+from gpt_fast.util.choices import SAMPLING_KERNELS
 
 
 def resolve_sampling_kernel(kernel: str, device: torch.device, compile_mode: str) -> str:

@@ -40,13 +40,13 @@ from gpt_fast.engine.engine import (
     resolve_linear_kernel,
     resolve_sampling_kernel,
 )
-from gpt_fast.generation.decode import COORDINATE_DESCENT, HEURISTIC, KERNEL_TUNINGS
 from gpt_fast.generation.sampling import SamplingConfig
 from gpt_fast.model.config import INT4_GROUP_SIZES, QUANT_MODES, ModelConfig, QuantConfig
 from gpt_fast.model.shapes import SHAPES, get_shape
 from gpt_fast.quant.layers import QuantizedLinear
 from gpt_fast.quant.layout import quantize_state, stored_size
 from gpt_fast.quant.products import triton_usable
+from gpt_fast.util.choices import COORDINATE_DESCENT, HEURISTIC, KERNEL_TUNINGS
 from gpt_fast.util.device import device_name, device_synchronize, dtype_name, parse_dtype
 from gpt_fast.util.settings import apply_torch_settings
 

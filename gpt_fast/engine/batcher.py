@@ -37,7 +37,7 @@ from gpt_fast.generation.sampling import SamplingConfig, seed_key
 from gpt_fast.generation.slots import TOP_LOGPROBS, SlotState, SlotSteps
 from gpt_fast.model.transformer import Transformer
 from gpt_fast.text.textstream import Decoder, StopStrings, TextStream
-from gpt_fast.util.device import device_synchronize
+from gpt_fast.util.device import cudagraph_step_begin, device_synchronize
 
 MAX_BATCH = 64  # slots at most
 MAX_STOP_TEXTS = 16
@@ -357,7 +357,7 @@ class Batcher:
         self._admit()
         rows = self._rows()
         if rows:
-            torch.compiler.cudagraph_mark_step_begin()
+            cudagraph_step_begin()
             self.steps.decode(self.model, self.state, rows)
             self._read_back(0, rows)
         self._hand_out(keep=IN_FLIGHT_STEPS - 1 if rows else 0)
@@ -370,7 +370,7 @@ class Batcher:
         for _ in range(3):
             self.steps.prefill(self.model, self.state, 0, prompt)
             for rows in sorted({1, self.options.max_batch}):
-                torch.compiler.cudagraph_mark_step_begin()
+                cudagraph_step_begin()
                 self.steps.decode(self.model, self.state, rows)
         device_synchronize(self.device)
 

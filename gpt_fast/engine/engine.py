@@ -83,6 +83,7 @@ from gpt_fast.quant.products import KERNELS
 from gpt_fast.text.chat_template import chat_prompt_ids
 from gpt_fast.text.textstream import TextStream
 from gpt_fast.text.tokenizer import Tokenizer
+from gpt_fast.util.choices import DEFAULT_MAX_NEW_TOKENS
 from gpt_fast.util.device import (
     DTYPE_CHOICES,
     device_memory_bytes,
@@ -94,7 +95,6 @@ from gpt_fast.util.device import (
 from gpt_fast.util.fileio import check_output_file
 from gpt_fast.util.paths import CHECKPOINTS_DIR
 
-DEFAULT_MAX_NEW_TOKENS = 200
 Message = dict[str, str]  # {"role": ..., "content": ...}
 _REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
@@ -558,6 +558,30 @@ class Engine:
 
     # --- generation ---------------------------------------------------------------------------------------------
 
+    def sampling_choice(
+        self, temperature: float | None = None, top_k: int | None = None, top_p: float | None = None
+    ) -> tuple[SamplingConfig, str]:
+        """The sampling of a request and a line saying where each value comes from: each value given here, else the
+        one the checkpoint recommends (``config.json``'s ``generation``), else :class:`SamplingConfig`'s default."""
+        given = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+        given = {name: value for name, value in given.items() if value is not None}
+        recommended = self.config.generation if self.config is not None and self.config.generation else None
+        from_checkpoint = {k: v for k, v in recommended.given().items() if k not in given} if recommended else {}
+        source = recommended.source if recommended is not None else ""
+        if from_checkpoint.get("top_k") == 0:  # the whole vocabulary
+            from_checkpoint["top_k"] = None
+        sampling = SamplingConfig(**(from_checkpoint | given))
+        sources = dict.fromkeys(given, "given") | dict.fromkeys(from_checkpoint, source)
+
+        def shown(name: str) -> str:
+            value = getattr(sampling, name)
+            value = "the whole vocabulary" if value is None else f"{value:g}"
+            return f"{name} {value} ({sources.get(name, 'default')})"
+
+        if sampling.greedy:
+            return sampling, f"greedy: {shown('temperature')}"
+        return sampling, ", ".join(shown(name) for name in ("temperature", "top_k", "top_p"))
+
     def generate(
         self,
         prompts: str | Sequence[str],
@@ -570,12 +594,13 @@ class Engine:
     ) -> list[Completion]:
         """A completion for each prompt; several prompts are generated together (:meth:`generate_many_ids`), or,
         with speculative decoding, one after another. Every prompt is encoded and checked against the context
-        before the first is generated."""
+        before the first is generated. Without ``sampling``, the checkpoint's recommended sampling
+        (:meth:`sampling_choice`)."""
         texts = [prompts] if isinstance(prompts, str) else list(prompts)
         all_ids = [self.encode(text, chat=chat, system=system) for text in texts]
         for ids in all_ids:
             self.check_fits(ids, max_new_tokens)
-        sampling = sampling or SamplingConfig()
+        sampling = sampling or self.sampling_choice()[0]
         if len(all_ids) > 1 and self.options.speculative is None:
             return self.generate_many_ids(all_ids, max_new_tokens, sampling, ignore_eos=ignore_eos)
         return [self._complete(ids, max_new_tokens, sampling, ignore_eos) for ids in all_ids]
@@ -596,9 +621,10 @@ class Engine:
         system: str | None = None,
     ) -> Iterator[str]:
         """The continuation's text, piece by piece as it is generated (a piece is held back until it is whole
-        UTF-8). Stops at a stop token or after ``max_new_tokens``."""
+        UTF-8). Stops at a stop token or after ``max_new_tokens``. Without ``sampling``, the checkpoint's recommended
+        sampling (:meth:`sampling_choice`)."""
         ids = self.encode(prompt, chat=chat, system=system)
-        return self.stream_ids(ids, max_new_tokens, sampling or SamplingConfig())
+        return self.stream_ids(ids, max_new_tokens, sampling or self.sampling_choice()[0])
 
     def stream_ids(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingConfig) -> Iterator[str]:
         """:meth:`stream` for prompt ids already encoded."""

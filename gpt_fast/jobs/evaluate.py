@@ -24,9 +24,10 @@ from pathlib import Path
 import torch
 
 from gpt_fast.engine.engine import Engine
+from gpt_fast.util.choices import EVAL_DATASETS, EVAL_MAX_TOKENS, EVAL_STRIDE, EVAL_WINDOW
 
 DEFAULT_TEXT = "pydoc_data.topics"
-DATASETS = ("wikitext-2",)
+DATASETS = EVAL_DATASETS
 WIKITEXT_REPO = "Salesforce/wikitext"
 WIKITEXT_TEST = "wikitext-2-raw-v1/test-00000-of-00001.parquet"
 Write = Callable[[str], None]
@@ -38,9 +39,9 @@ class EvalOptions:
 
     text: Path | None = None  # None: the default text (or the dataset)
     dataset: str | None = None
-    max_tokens: int = 8192
-    window: int = 1024  # capped at the model's context
-    stride: int = 512
+    max_tokens: int = EVAL_MAX_TOKENS
+    window: int = EVAL_WINDOW  # at most the model's context
+    stride: int = EVAL_STRIDE
 
     def __post_init__(self) -> None:
         if self.text is not None and self.dataset is not None:
