@@ -41,7 +41,8 @@ def test_generate_prints_the_figures(checkpoint, capsys):
     code, out, err = run(generate_args(checkpoint, "--prompt", "def quicksort(arr):", "--seed", "3"), capsys)
     assert code == 0, err
     for line in (
-        "Using device=cpu",
+        "Using device=cpu (CPU, ",
+        "Sampling: temperature 0.8 (default), top_k 200 (default), top_p 1 (default)\n",
         "Time to load model:",
         "def quicksort(arr):",
         "Sample 2/2: 12 tokens",

@@ -94,7 +94,9 @@ def test_default_checkpoint_is_prepared_once_per_user(smollm2_gguf, tmp_path, mo
     monkeypatch.chdir(tmp_path)
     weights = default_model.ensure_default_checkpoint()
     assert weights == tmp_path / "cache/HuggingFaceTB/SmolLM2-135M-Instruct/model.pth"
-    assert load_checkpoint_config(weights.parent).source["kind"] == "gguf"
+    config = load_checkpoint_config(weights.parent)
+    assert config.source["kind"] == "gguf"
+    assert (config.generation.temperature, config.generation.top_k, config.generation.top_p) == (0.2, None, 0.9)
     stamp = weights.stat().st_mtime_ns
     monkeypatch.setattr(default_model, "installed_gguf", lambda: pytest.fail("looked for the GGUF again"))
     (tmp_path / "elsewhere").mkdir()
