@@ -494,6 +494,27 @@ def test_chat_refuses_before_loading(args, message, checkpoint, smollm2_checkpoi
     assert code == 1 and message in err and "Loading model" not in out
 
 
+def test_chat_without_a_template_names_its_own_options(checkpoint, capsys):
+    code, _, err = run(["chat", "--checkpoint_path", str(checkpoint)], capsys)
+    assert code == 1 and "give chat a --checkpoint_path whose checkpoint has one" in err
+    assert "--chat" not in err  # an option of generate, not of chat
+
+
+def test_chat_with_a_seed_answers_the_same(smollm2_checkpoint, capsys, monkeypatch):
+    answers = []
+    for _ in range(2):
+        monkeypatch.setattr(sys, "stdin", io.StringIO("Tell me a joke.\n/reset\n/exit\n"))
+        argv = ["chat", "--checkpoint_path", str(smollm2_checkpoint), "--seed", "7", "--temperature", "1"]
+        code, out, err = run([*argv, "--max_new_tokens", "12", "--device", "cpu"], capsys)
+        assert code == 0, err
+        assert "Sampling: temperature 1 (given), top_k 200 (default), top_p 1 (default)" in out
+        assert "(a new conversation)" in out
+        answers.append(out.split("Time to load model", 1)[1].split("\n", 1)[1])
+    assert answers[0] == answers[1]
+    code, _, err = run(["chat", "--checkpoint_path", str(smollm2_checkpoint), "--seed", "-1"], capsys)
+    assert code == 1 and "--seed must be in 0..2**64-1" in err
+
+
 def test_ctrl_c_during_generate_exits_130_and_writes_nothing(checkpoint, tmp_path):
     metrics = tmp_path / "m.json"
     script = (
