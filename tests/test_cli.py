@@ -687,3 +687,8 @@ def test_help_and_argument_errors_import_no_torch(argv):
 def test_an_eager_run_imports_no_inductor(checkpoint):
     modules = modules_after(generate_args(checkpoint, "--num_samples", "1", "--max_new_tokens", "3"))
     assert modules == {"torch": True, "inductor": False, "dynamo": False}
+
+
+def test_help_says_how_cpu_threads_are_chosen(capsys):
+    code, out, _ = run(["--help"], capsys)
+    assert code == 0 and "OMP_NUM_THREADS" in " ".join(out.split())

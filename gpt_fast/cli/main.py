@@ -74,7 +74,10 @@ def option(*names: str, **kwargs: Any) -> Decorator:
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 120})
 @click.version_option(__version__, "--version", prog_name="gpt-fast", message="%(prog)s %(version)s")
 def cli() -> None:
-    """Fast LLM text generation in native PyTorch."""
+    """Fast LLM text generation in native PyTorch.
+
+    On the CPU, torch runs one thread per core this process may use (its CPU affinity, capped by its cgroup's CPU
+    quota), said on a run's first line; set OMP_NUM_THREADS to choose another count."""
 
 
 def checkpoint_option(func: Callable[..., Any]) -> Callable[..., Any]:

@@ -45,9 +45,10 @@ def cpu_threads() -> tuple[int, str]:
     return cores, f"the {cores} cores available"
 
 
-def cgroup_cpu_quota(root: Path = CGROUP) -> float | None:
+def cgroup_cpu_quota() -> float | None:
     """The cores this process's cgroup may use (``cpu.max`` in cgroup v2, ``cpu.cfs_quota_us / cpu.cfs_period_us``
-    in v1); None without a quota."""
+    in v1, under :data:`CGROUP`, where a container sees its own cgroup); None without a quota."""
+    root = CGROUP
     try:
         if (root / "cpu.max").is_file():
             quota, period = (root / "cpu.max").read_text().split()[:2]
