@@ -339,7 +339,7 @@ def test_prompt_from_standard_input_and_from_a_file(checkpoint, tmp_path, capsys
     metrics = tmp_path / "stdin.json"
     code, _, err = run(generate_args(checkpoint, "--prompt", "-", "--metrics_json", str(metrics)), capsys)
     assert code == 0, err
-    assert json.loads(metrics.read_text())["prompt_ids"] == [256, *prompt.encode()]
+    assert json.loads(metrics.read_text())["prompt_ids"] == [256, *prompt.removesuffix("\n").encode()]  # echo's
     (tmp_path / "p.txt").write_text(prompt)
     code, _, err = run(
         generate_args(checkpoint, "--prompt_file", str(tmp_path / "p.txt"), "--metrics_json", str(metrics)), capsys
@@ -362,6 +362,12 @@ MORE_BAD_INPUTS = {
     "unsupported device": (["--device", "meta"], "--device 'meta' is not supported"),
     "chat without a template": (["--chat"], "no chat template"),
     "several prompts and copies": (["--prompt", "a", "--prompt", "b", "--batch_size", "2"], "--batch_size copies one"),
+    "a prompt without --prompt": (
+        ["Once upon"],
+        "unexpected argument 'Once upon': give the prompt with --prompt 'Once upon'",
+    ),
+    "a missing prompt file": (["--prompt_file", "nothing.txt"], "^error: missing --prompt_file nothing.txt$"),
+    "a missing prompts file": (["--prompts_file", "nothing.txt"], "^error: missing --prompts_file nothing.txt$"),
     "a batch beyond the memory": (["--batch_size", str(10**10)], "--batch_size 10000000000: the KV cache alone needs"),
     "several prompts and a file": (["--prompt", "a", "--prompt", "b", "--prompt_file", "p.txt"], "not both"),
     "several prompts, one from stdin": (["--prompt", "-", "--prompt", "b"], "--prompt - reads one prompt"),

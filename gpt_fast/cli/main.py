@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import json
 import os
+import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -234,7 +235,7 @@ def read_prompts(prompts: tuple[str, ...], prompt_file: Path | None, prompts_fil
     if prompts_file is not None:
         if prompts or prompt_file is not None:
             raise ValueError("give --prompts_file alone, without --prompt or --prompt_file")
-        text = decode_utf8(prompts_file.read_bytes(), f"--prompts_file {prompts_file}")
+        text = read_text_file(prompts_file, "--prompts_file")
         lines = [line for line in text.splitlines() if line.strip()]
         if not lines:
             raise ValueError(f"--prompts_file {prompts_file} holds no prompt")
@@ -317,14 +318,25 @@ def speculative_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
-    """``--prompt TEXT``, ``--prompt -`` (standard input) or ``--prompt_file FILE``, read as they are."""
+    """``--prompt TEXT``, ``--prompt -`` (standard input, less one trailing newline) or ``--prompt_file FILE``
+    (read as it is)."""
     if prompt is not None and prompt_file is not None:
         raise ValueError("give --prompt or --prompt_file, not both")
     if prompt_file is not None:
-        return decode_utf8(prompt_file.read_bytes(), f"--prompt_file {prompt_file}")
-    if prompt == STDOUT:
-        return decode_utf8(sys.stdin.buffer.read(), "--prompt - (standard input)")
+        return read_text_file(prompt_file, "--prompt_file")
+    if prompt == STDOUT:  # one trailing newline, as `echo` and a terminal's Enter add it, is not part of the prompt
+        return decode_utf8(sys.stdin.buffer.read(), "--prompt - (standard input)").removesuffix("\n")
     return DEFAULT_PROMPT if prompt is None else prompt
+
+
+def read_text_file(path: Path, flag: str) -> str:
+    """The UTF-8 text of the file an option names; one-line errors for a missing, unreadable or binary file."""
+    regular_file(path, flag)
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise OSError(f"{flag} {path} cannot be read ({err.strerror})") from None
+    return decode_utf8(data, f"{flag} {path}")
 
 
 def decode_utf8(data: bytes, what: str) -> str:
@@ -344,7 +356,7 @@ def write_stderr(text: str) -> None:
     sys.stderr.flush()
 
 
-@cli.command()
+@cli.command(context_settings={"allow_extra_args": True})  # a prompt given without --prompt: a hint
 @checkpoint_option
 @option(
     "--prompt",
@@ -418,6 +430,9 @@ def generate(
 ) -> None:
     """Generate text and report load time, compilation time, tokens/sec, bandwidth and memory. Several prompts are
     generated together (continuous batching, as `gpt-fast serve` does)."""
+    extra = click.get_current_context().args
+    if extra:
+        raise ValueError(f"unexpected argument {extra[0]!r}: give the prompt with --prompt {shlex.quote(extra[0])}")
     from gpt_fast.engine.engine import Engine, launched_world_size
     from gpt_fast.generation.sampling import SamplingConfig
     from gpt_fast.jobs.generate import GenerateOptions, run_generate
@@ -767,7 +782,7 @@ def quantize(
         quantization = dataclasses.replace(quantization, method=calibrate)
         text = None if calibration_text is None else regular_file(calibration_text, "--calibration_text")
         calibration = Calibration(
-            text=None if text is None else decode_utf8(text.read_bytes(), f"--calibration_text {text}"),
+            text=None if text is None else read_text_file(text, "--calibration_text"),
             text_name=CALIBRATION_TEXT if text is None else str(text),
             tokens=CALIBRATION_TOKENS if calibration_tokens is None else calibration_tokens,
             act_order=act_order,
@@ -808,7 +823,7 @@ def eval_command(
 
     options = EvalOptions(text=text, dataset=dataset, max_tokens=max_tokens, window=window, stride=stride)
     engine = Engine.open(checkpoint_path, engine_options)
-    content = decode_utf8(text.read_bytes(), f"--text {text}") if text is not None else builtin_text(options)
+    content = read_text_file(text, "--text") if text is not None else builtin_text(options)
     run_eval(engine, options, content, as_json, write_stdout, write_stderr)
 
 
