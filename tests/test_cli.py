@@ -698,3 +698,33 @@ def test_an_eager_run_imports_no_inductor(checkpoint):
 def test_help_says_how_cpu_threads_are_chosen(capsys):
     code, out, _ = run(["--help"], capsys)
     assert code == 0 and "OMP_NUM_THREADS" in " ".join(out.split())
+
+
+@pytest.mark.parametrize(
+    "contents, message",
+    [
+        ({"notes.txt": "mine"}, "it holds notes.txt and no gpt-fast checkpoint"),
+        ({"config.json": '{"architectures": ["LlamaForCausalLM"]}'}, "is not a gpt-fast checkpoint's"),
+    ],
+    ids=["a user's files", "a Hugging Face folder"],
+)
+def test_quantize_refuses_a_folder_that_is_not_a_checkpoint(contents, message, checkpoint, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    for name, text in contents.items():
+        (out / name).write_text(text)
+    code, _, err = run(
+        ["quantize", "--checkpoint_path", str(checkpoint), "--mode", "int8", "--output_dir", str(out)], capsys
+    )
+    assert code == 1 and message in err and len(err.strip().splitlines()) == 1
+    assert {p.name: p.read_text() for p in out.iterdir()} == contents
+
+
+def test_quantize_replaces_a_checkpoint_as_a_whole(checkpoint, tmp_path, capsys):
+    out = tmp_path / "out"
+    shutil.copytree(checkpoint.parent, out)
+    code, _, err = run(
+        ["quantize", "--checkpoint_path", str(checkpoint), "--mode", "int8", "--output_dir", str(out)], capsys
+    )
+    assert code == 0, err
+    assert json.loads((out / "config.json").read_text())["quantization"]["mode"] == "int8"
