@@ -34,7 +34,6 @@ from gpt_fast.util.choices import (
     DTYPE_NAMES,
     EVAL_DATASETS,
     EVAL_MAX_TOKENS,
-    EVAL_STRIDE,
     EVAL_WINDOW,
     KERNEL_TUNINGS,
     LAYERS_KERNELS,
@@ -802,8 +801,13 @@ def quantize(
     help="Score a dataset from the Hugging Face hub instead (wikitext-2: its test split; needs pyarrow).",
 )
 @option("--max_tokens", type=int, default=EVAL_MAX_TOKENS, show_default=True, help="Score the text's first N tokens.")
-@option("--window", type=int, default=EVAL_WINDOW, show_default=True, help="Tokens per window (at most the context).")
-@option("--stride", type=int, default=EVAL_STRIDE, show_default=True, help="Tokens between window starts.")
+@option(
+    "--window",
+    type=int,
+    default=None,
+    help=f"Tokens per window, at most the model's context. [default: the context, at most {EVAL_WINDOW}]",
+)
+@option("--stride", type=int, default=None, help="Tokens between window starts. [default: half the window]")
 @option("--json", "as_json", is_flag=True, help="Print the result as a JSON object.")
 @device_options
 def eval_command(
@@ -811,8 +815,8 @@ def eval_command(
     text: Path | None,
     dataset: str | None,
     max_tokens: int,
-    window: int,
-    stride: int,
+    window: int | None,
+    stride: int | None,
     as_json: bool,
     engine_options: EngineOptions,
 ) -> None:

@@ -19,6 +19,6 @@ DEFAULT_NUM_SAMPLES = 5
 DEFAULT_PROMPT = "Hello, my name is"
 DEFAULT_SPECULATE_K = 4
 EVAL_DATASETS = ("wikitext-2",)
-EVAL_MAX_TOKENS, EVAL_WINDOW, EVAL_STRIDE = 8192, 1024, 512
+EVAL_MAX_TOKENS, EVAL_WINDOW = 8192, 1024  # the window: at most the model's context
 CALIBRATION_TEXT = "stdlib docstrings (gpt_fast.quant.calibrate.CALIBRATION_MODULES)"
 CALIBRATION_TOKENS = 4096
