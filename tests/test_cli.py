@@ -728,3 +728,21 @@ def test_quantize_replaces_a_checkpoint_as_a_whole(checkpoint, tmp_path, capsys)
     )
     assert code == 0, err
     assert json.loads((out / "config.json").read_text())["quantization"]["mode"] == "int8"
+
+
+@pytest.mark.parametrize("rows", [["--batch_size", "3"], ["--prompt", "a", "--prompt", "b", "--prompt", "c"]])
+def test_several_sequences_report_per_sequence_and_in_all(rows, checkpoint, capsys):
+    code, out, err = run(generate_args(checkpoint, "--ignore_eos", *rows), capsys)
+    assert code == 0, err
+    sample = re.search(
+        r"Sample 2/2: 12 tokens per sequence in .* ([\d.]+) tokens/sec per sequence \(([\d.]+) in all, 3 sequences\)",
+        out,
+    )
+    assert sample, out
+    average = re.search(
+        r"Average tokens/sec \(samples 2-2\): ([\d.]+) per sequence, ([\d.]+) in all \(3 sequences\)", out
+    )
+    assert average, out
+    for found in (sample, average):
+        per_sequence, together = map(float, found.groups())
+        assert together == pytest.approx(3 * per_sequence, rel=0.01)

@@ -209,11 +209,23 @@ class SampleRunner:
 def describe(sample: SampleMetrics) -> str:
     spec = sample.speculative
     accepted = "" if spec is None else f", {spec.tokens_per_step:.2f} tokens per verify step"
+    rows = len(sample.generated_ids)
+    if rows == 1:
+        speed = f"{sample.new_tokens} tokens in {sample.seconds:.2f} s, {sample.tokens_per_sec:.2f} tokens/sec"
+    else:
+        speed = (
+            f"{sample.new_tokens} tokens per sequence in {sample.seconds:.2f} s, {sample.tokens_per_sec:.2f} "
+            f"tokens/sec per sequence ({aggregate_tokens_per_sec(sample):.2f} in all, {rows} sequences)"
+        )
     return (
-        f"{sample.new_tokens} tokens in {sample.seconds:.2f} s, {sample.tokens_per_sec:.2f} tokens/sec, "
-        f"time to first token {sample.ttft_seconds * 1e3:.1f} ms, bandwidth achieved {sample.bandwidth_gbps:.2f} GB/s"
-        f"{accepted}"
+        f"{speed}, time to first token {sample.ttft_seconds * 1e3:.1f} ms, bandwidth achieved "
+        f"{sample.bandwidth_gbps:.2f} GB/s{accepted}"
     )
+
+
+def aggregate_tokens_per_sec(sample: SampleMetrics) -> float:
+    """New tokens of every sequence together per second (rows that stopped early count what they made)."""
+    return sum(len(row) for row in sample.generated_ids) / sample.seconds
 
 
 def report(engine: Engine, runner: SampleRunner, samples: list[SampleMetrics], write: Write) -> RunMetrics:
@@ -258,7 +270,15 @@ def report(engine: Engine, runner: SampleRunner, samples: list[SampleMetrics], w
     over = f" ({metrics.averaged_over})"
     write(f"Bandwidth achieved{over}: {metrics.average_bandwidth_gbps:.2f} GB/s\n")
     write(f"Average time to first token{over}: {metrics.average_ttft_seconds * 1e3:.1f} ms\n")
-    write(f"Average tokens/sec{over}: {metrics.average_tokens_per_sec:.2f}\n")
+    rows = len(timed[0].generated_ids)
+    if rows == 1:
+        write(f"Average tokens/sec{over}: {metrics.average_tokens_per_sec:.2f}\n")
+    else:
+        together = statistics.fmean(aggregate_tokens_per_sec(s) for s in timed)
+        write(
+            f"Average tokens/sec{over}: {metrics.average_tokens_per_sec:.2f} per sequence, {together:.2f} in all "
+            f"({rows} sequences)\n"
+        )
     if metrics.speculative is not None:
         write(f"Speculative decoding{over}: {metrics.speculative.describe()}\n")
     write(f"Memory used: {metrics.memory_gb:.2f} GB ({memory_kind})\n")
