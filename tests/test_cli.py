@@ -746,3 +746,13 @@ def test_several_sequences_report_per_sequence_and_in_all(rows, checkpoint, caps
     for found in (sample, average):
         per_sequence, together = map(float, found.groups())
         assert together == pytest.approx(3 * per_sequence, rel=0.01)
+
+
+def test_the_profilers_own_lines_stay_out_of_the_output(checkpoint, tmp_path):
+    argv = generate_args(checkpoint, "--num_samples", "1", "--profile", str(tmp_path / "trace.json"))
+    result = subprocess.run(
+        [sys.executable, "-m", "gpt_fast", *argv], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    assert "profiler_st" not in result.stdout + result.stderr  # kineto's "profiler_start", "profiler_stop"
+    assert "Trace written to" in result.stdout
