@@ -18,7 +18,7 @@ import zipfile
 from pathlib import Path
 
 from gpt_fast.model.config import CONFIG_FILE, WEIGHTS_FILE, GenerationDefaults
-from gpt_fast.util.fileio import atomic_path
+from gpt_fast.util.fileio import atomic_path, read_json_object
 from gpt_fast.util.paths import user_cache_dir
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -85,8 +85,14 @@ def download_gguf(cache_dir: Path) -> Path:
 
 
 def is_prepared(out_dir: Path) -> bool:
-    """Whether the default checkpoint is in place; it is only ever put there whole (see convert/writer.py)."""
-    return (out_dir / CONFIG_FILE).is_file() and (out_dir / WEIGHTS_FILE).is_file()
+    """Whether the default checkpoint is in place (it is only ever put there whole: see convert/writer.py) and
+    records the card's sampling: one prepared before it was recorded is prepared again, once."""
+    if not ((out_dir / CONFIG_FILE).is_file() and (out_dir / WEIGHTS_FILE).is_file()):
+        return False
+    try:
+        return read_json_object(out_dir / CONFIG_FILE).get("generation") is not None
+    except ValueError:  # not readable as our config: prepared again, which replaces it
+        return False
 
 
 def ensure_default_checkpoint(root: Path | None = None) -> Path:
