@@ -531,10 +531,11 @@ class Engine:
 
     def check_batch_size(self, batch_size: int, prompt_length: int, max_new_tokens: int) -> None:
         """Raise ValueError (before any allocation) if ``batch_size`` rows' KV cache alone, sized from the model's
-        config, exceeds the device's whole memory."""
+        config (this rank's part with tensor parallelism), exceeds the device's whole memory."""
         config = self.model_config
         length = cache_length(prompt_length, max_new_tokens, config.block_size)
-        row_bytes = 2 * config.n_layer * config.kv_size * length * self.dtype.itemsize  # keys and values, one row
+        kv_size = config.kv_size // self.world_size  # each rank holds whole key/value heads
+        row_bytes = 2 * config.n_layer * kv_size * length * self.dtype.itemsize  # keys and values of one row
         needed, memory = batch_size * row_bytes, device_memory_bytes(self.device)
         if needed > memory:
             raise ValueError(
@@ -565,9 +566,11 @@ class Engine:
         one the checkpoint recommends (``config.json``'s ``generation``), else :class:`SamplingConfig`'s default."""
         given = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
         given = {name: value for name, value in given.items() if value is not None}
-        recommended = self.config.generation if self.config is not None and self.config.generation else None
-        from_checkpoint = {k: v for k, v in recommended.given().items() if k not in given} if recommended else {}
-        source = recommended.source if recommended is not None else ""
+        recommended = self.config.generation if self.config is not None else None
+        from_checkpoint = (
+            {} if recommended is None else {k: v for k, v in recommended.given().items() if k not in given}
+        )
+        source = "" if recommended is None else recommended.source
         if from_checkpoint.get("top_k") == 0:  # the whole vocabulary
             from_checkpoint["top_k"] = None
         sampling = SamplingConfig(**(from_checkpoint | given))
