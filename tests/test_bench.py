@@ -2,6 +2,7 @@
 
 import csv
 import json
+import sys
 
 import pytest
 import torch
@@ -190,3 +191,13 @@ def test_speculative_decoding_gets_its_columns(tmp_path):
         f"| {spec.acceptance_rate:.1%} | {spec.tokens_per_step:.2f} | {spec.draft_ms_per_step:.2f} | "
         f"{spec.verify_ms_per_step:.2f} |"
     )
+
+
+def test_without_matplotlib_no_chart_is_said(tmp_path, monkeypatch):
+    from gpt_fast.bench.modes import report_chart
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    said = []
+    report_chart(tmp_path / "bench.png", None, "title", said.append)
+    assert said == ["No chart written: bench.png needs matplotlib (pip install matplotlib)"]
+    assert not (tmp_path / "bench.png").exists()

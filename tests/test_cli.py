@@ -43,7 +43,8 @@ def test_generate_prints_the_figures(checkpoint, capsys):
     code, out, err = run(generate_args(checkpoint, "--prompt", "def quicksort(arr):", "--seed", "3"), capsys)
     assert code == 0, err
     for line in (
-        "Using device=cpu",
+        "Using device=cpu (CPU, ",
+        "Sampling: temperature 0.8 (default), top_k 200 (default), top_p 1 (default)\n",
         "Time to load model:",
         "def quicksort(arr):",
         "Sample 2/2: 12 tokens",
@@ -340,7 +341,7 @@ def test_prompt_from_standard_input_and_from_a_file(checkpoint, tmp_path, capsys
     metrics = tmp_path / "stdin.json"
     code, _, err = run(generate_args(checkpoint, "--prompt", "-", "--metrics_json", str(metrics)), capsys)
     assert code == 0, err
-    assert json.loads(metrics.read_text())["prompt_ids"] == [256, *prompt.encode()]
+    assert json.loads(metrics.read_text())["prompt_ids"] == [256, *prompt.removesuffix("\n").encode()]  # echo's
     (tmp_path / "p.txt").write_text(prompt)
     code, _, err = run(
         generate_args(checkpoint, "--prompt_file", str(tmp_path / "p.txt"), "--metrics_json", str(metrics)), capsys
@@ -377,6 +378,13 @@ MORE_BAD_INPUTS = {
     "unsupported device": (["--device", "meta"], "--device 'meta' is not supported"),
     "chat without a template": (["--chat"], "no chat template"),
     "several prompts and copies": (["--prompt", "a", "--prompt", "b", "--batch_size", "2"], "--batch_size copies one"),
+    "a prompt without --prompt": (
+        ["Once upon"],
+        "unexpected argument 'Once upon': give the prompt with --prompt 'Once upon'",
+    ),
+    "a missing prompt file": (["--prompt_file", "nothing.txt"], "^error: missing --prompt_file nothing.txt$"),
+    "a missing prompts file": (["--prompts_file", "nothing.txt"], "^error: missing --prompts_file nothing.txt$"),
+    "a batch beyond the memory": (["--batch_size", str(10**10)], "--batch_size 10000000000: the KV cache alone needs"),
     "several prompts and a file": (["--prompt", "a", "--prompt", "b", "--prompt_file", "p.txt"], "not both"),
     "several prompts, one from stdin": (["--prompt", "-", "--prompt", "b"], "--prompt - reads one prompt"),
     "prompts file and a prompt": (["--prompts_file", "p.txt", "--prompt", "a"], "give --prompts_file alone"),
@@ -506,6 +514,27 @@ def test_chat_refuses_before_loading(args, message, checkpoint, smollm2_checkpoi
     target = checkpoint if not args else smollm2_checkpoint
     code, out, err = run(["chat", "--checkpoint_path", str(target), *args], capsys)
     assert code == 1 and message in err and "Loading model" not in out
+
+
+def test_chat_without_a_template_names_its_own_options(checkpoint, capsys):
+    code, _, err = run(["chat", "--checkpoint_path", str(checkpoint)], capsys)
+    assert code == 1 and "give chat a --checkpoint_path whose checkpoint has one" in err
+    assert "--chat" not in err  # an option of generate, not of chat
+
+
+def test_chat_with_a_seed_answers_the_same(smollm2_checkpoint, capsys, monkeypatch):
+    answers = []
+    for _ in range(2):
+        monkeypatch.setattr(sys, "stdin", io.StringIO("Tell me a joke.\n/reset\n/exit\n"))
+        argv = ["chat", "--checkpoint_path", str(smollm2_checkpoint), "--seed", "7", "--temperature", "1"]
+        code, out, err = run([*argv, "--max_new_tokens", "12", "--device", "cpu"], capsys)
+        assert code == 0, err
+        assert "Sampling: temperature 1 (given), top_k 200 (default), top_p 1 (default)" in out
+        assert "(a new conversation)" in out
+        answers.append(out.split("Time to load model", 1)[1].split("\n", 1)[1])
+    assert answers[0] == answers[1]
+    code, _, err = run(["chat", "--checkpoint_path", str(smollm2_checkpoint), "--seed", "-1"], capsys)
+    assert code == 1 and "--seed must be in 0..2**64-1" in err
 
 
 def test_ctrl_c_during_generate_exits_130_and_writes_nothing(checkpoint, tmp_path):
@@ -744,3 +773,99 @@ def test_generate_says_whether_the_compile_cache_was_cold_or_warm(checkpoint, tm
         assert result.returncode == 0, result.stderr
         labels.append(re.search(r"Compilation time: [\d.]+ seconds \(compile cache (\w+):", result.stdout).group(1))
     assert labels == ["cold", "warm"]
+
+
+def modules_after(argv: list[str]) -> dict[str, bool]:
+    """Which heavy modules a fresh process has imported once `gpt-fast ARGV` has ended."""
+    code = (
+        "import sys\nfrom gpt_fast.cli.main import main\n"
+        f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+        "print(' '.join(str(name in sys.modules) for name in ('torch', 'torch._inductor', 'torch._dynamo')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    torch_, inductor, dynamo = (word == "True" for word in done.stdout.split()[-3:])
+    return {"torch": torch_, "inductor": inductor, "dynamo": dynamo}
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["generate", "--help"],
+        ["chat", "--help"],
+        ["generate", "--compile", "turbo"],
+        ["generate", "--max_new_tokens", "many"],
+        ["generate", "--no_such_option"],
+        ["quantize"],
+    ],
+)
+def test_help_and_argument_errors_import_no_torch(argv):
+    assert modules_after(argv)["torch"] is False
+
+
+def test_an_eager_run_imports_no_inductor(checkpoint):
+    modules = modules_after(generate_args(checkpoint, "--num_samples", "1", "--max_new_tokens", "3"))
+    assert modules == {"torch": True, "inductor": False, "dynamo": False}
+
+
+def test_help_says_how_cpu_threads_are_chosen(capsys):
+    code, out, _ = run(["--help"], capsys)
+    assert code == 0 and "OMP_NUM_THREADS" in " ".join(out.split())
+
+
+@pytest.mark.parametrize(
+    "contents, message",
+    [
+        ({"notes.txt": "mine"}, "it holds notes.txt and no gpt-fast checkpoint"),
+        ({"config.json": '{"architectures": ["LlamaForCausalLM"]}'}, "is not a gpt-fast checkpoint's"),
+    ],
+    ids=["a user's files", "a Hugging Face folder"],
+)
+def test_quantize_refuses_a_folder_that_is_not_a_checkpoint(contents, message, checkpoint, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    for name, text in contents.items():
+        (out / name).write_text(text)
+    code, _, err = run(
+        ["quantize", "--checkpoint_path", str(checkpoint), "--mode", "int8", "--output_dir", str(out)], capsys
+    )
+    assert code == 1 and message in err and len(err.strip().splitlines()) == 1
+    assert {p.name: p.read_text() for p in out.iterdir()} == contents
+
+
+def test_quantize_replaces_a_checkpoint_as_a_whole(checkpoint, tmp_path, capsys):
+    out = tmp_path / "out"
+    shutil.copytree(checkpoint.parent, out)
+    code, _, err = run(
+        ["quantize", "--checkpoint_path", str(checkpoint), "--mode", "int8", "--output_dir", str(out)], capsys
+    )
+    assert code == 0, err
+    assert json.loads((out / "config.json").read_text())["quantization"]["mode"] == "int8"
+
+
+@pytest.mark.parametrize("rows", [["--batch_size", "3"], ["--prompt", "a", "--prompt", "b", "--prompt", "c"]])
+def test_several_sequences_report_per_sequence_and_in_all(rows, checkpoint, capsys):
+    code, out, err = run(generate_args(checkpoint, "--ignore_eos", *rows), capsys)
+    assert code == 0, err
+    sample = re.search(
+        r"Sample 2/2: 12 tokens per sequence in .* ([\d.]+) tokens/sec per sequence \(([\d.]+) in all, 3 sequences\)",
+        out,
+    )
+    assert sample, out
+    average = re.search(
+        r"Average tokens/sec \(samples 2-2\): ([\d.]+) per sequence, ([\d.]+) in all \(3 sequences\)", out
+    )
+    assert average, out
+    for found in (sample, average):
+        per_sequence, together = map(float, found.groups())
+        assert together == pytest.approx(3 * per_sequence, rel=0.01)
+
+
+def test_the_profilers_own_lines_stay_out_of_the_output(checkpoint, tmp_path):
+    argv = generate_args(checkpoint, "--num_samples", "1", "--profile", str(tmp_path / "trace.json"))
+    result = subprocess.run(
+        [sys.executable, "-m", "gpt_fast", *argv], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    assert "profiler_st" not in result.stdout + result.stderr  # kineto's "profiler_start", "profiler_stop"
+    assert "Trace written to" in result.stdout

@@ -612,3 +612,58 @@ def test_a_sparse_file_claiming_more_than_the_memory_is_one_error_line(tmp_path,
     assert code == 1 and len(err.strip().splitlines()) == 1, err
     assert re.search(r"error: .*hf: converting needs about 5.4 GiB of memory .* 2.0 GiB are available", err), err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_recommended_sampling_is_recorded_and_used_where_none_is_given(hf_dir, tmp_path):
+    from gpt_fast import Engine, EngineOptions
+
+    (hf_dir / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.6, "top_p": 0.9}))
+    convert_hf(hf_dir, tmp_path / "out")
+    recorded = json.loads((tmp_path / "out" / "config.json").read_text())["generation"]
+    assert recorded == {"temperature": 0.6, "top_k": None, "top_p": 0.9, "source": "generation_config.json"}
+    engine = Engine.open(tmp_path / "out", EngineOptions(device="cpu"))
+    sampling, said = engine.sampling_choice()
+    assert (sampling.temperature, sampling.top_k, sampling.top_p) == (0.6, 200, 0.9)
+    assert said == ("temperature 0.6 (generation_config.json), top_k 200 (default), top_p 0.9 (generation_config.json)")
+    sampling, said = engine.sampling_choice(temperature=1.0, top_k=5)  # the user's values win
+    assert (sampling.temperature, sampling.top_k, sampling.top_p) == (1.0, 5, 0.9)
+    assert said.startswith("temperature 1 (given), top_k 5 (given)")
+    assert engine.sampling_choice(temperature=0)[1] == "greedy: temperature 0 (given)"
+
+
+def test_a_top_k_of_zero_means_the_whole_vocabulary(hf_dir, tmp_path):
+    from gpt_fast import Engine, EngineOptions
+
+    (hf_dir / "generation_config.json").write_text(json.dumps({"top_k": 0}))
+    convert_hf(hf_dir, tmp_path / "out")
+    sampling, said = Engine.open(tmp_path / "out", EngineOptions(device="cpu")).sampling_choice()
+    assert sampling.top_k is None and "top_k the whole vocabulary (generation_config.json)" in said
+
+
+def test_without_a_recommendation_the_defaults_stay(hf_dir, tmp_path):
+    from gpt_fast import Engine, EngineOptions
+
+    (hf_dir / "generation_config.json").unlink(missing_ok=True)
+    convert_hf(hf_dir, tmp_path / "out")
+    config_path = tmp_path / "out" / "config.json"
+    config = json.loads(config_path.read_text())
+    assert config["generation"] is None
+    del config["generation"]  # as written before the field existed
+    config_path.write_text(json.dumps(config))
+    sampling, said = Engine.open(tmp_path / "out", EngineOptions(device="cpu")).sampling_choice()
+    assert (sampling.temperature, sampling.top_k, sampling.top_p) == (0.8, 200, 1.0)
+    assert said == "temperature 0.8 (default), top_k 200 (default), top_p 1 (default)"
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ({"temperature": "hot"}, "field temperature has the wrong type"),
+        ({"top_k": 2.5}, "field top_k has the wrong type"),
+        ({"top_p": 1.5}, r"generation.top_p must be in \(0, 1\], got 1.5"),
+        ({"temperature": -1}, "generation.temperature must be a finite number >= 0"),
+    ],
+)
+def test_a_bad_generation_config_is_refused_naming_the_file(hf_dir, tmp_path, content, message):
+    (hf_dir / "generation_config.json").write_text(json.dumps(content))
+    convert_fails(hf_dir, tmp_path / "out", f"generation_config.json: .*{message}")

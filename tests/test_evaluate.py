@@ -94,7 +94,9 @@ BAD = {
     "stride above the window": (["--window", "8", "--stride", "9"], "--stride must be in 1..--window (8), got 9"),
     "one token": (["--max_tokens", "1"], "--max_tokens must be >= 2, got 1"),
     "text not UTF-8": (["--text", "{bad}"], "is not valid UTF-8 text"),
-    "missing text": (["--text", "{missing}"], "No such file or directory"),
+    "missing text": (["--text", "{missing}"], "missing --text"),
+    "window beyond the context": (["--window", "100000"], "--window 100000 is beyond the model's context of"),
+    "default window, stride beyond it": (["--stride", "100000"], "--stride must be in 1..--window"),
 }
 
 

@@ -117,3 +117,13 @@ def test_a_lock_is_exclusive_between_threads_and_removed_after(tmp_path):
         order.append("first")
     thread.join(60)
     assert order == ["first", "second"] and not lock.exists()
+
+
+def test_native_stderr_keeps_the_lines_that_do_not_match(capfd):
+    import re
+
+    from gpt_fast.util.fileio import native_stderr_without
+
+    with native_stderr_without(re.compile(rb"noise")):
+        os.write(2, b"noise 1\nkept\nnoise 2\n")
+    assert capfd.readouterr().err == "kept\n"

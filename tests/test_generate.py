@@ -2,7 +2,6 @@ import pytest
 import torch
 
 from gpt_fast.generation.decode import (
-    HEURISTIC,
     CompileCacheUse,
     GraphedPrefill,
     Steps,
@@ -18,6 +17,7 @@ from gpt_fast.generation.decode import (
 from gpt_fast.generation.sampling import SamplingConfig
 from gpt_fast.model.config import ModelConfig
 from gpt_fast.model.transformer import Transformer
+from gpt_fast.util.choices import HEURISTIC
 
 GREEDY = SamplingConfig(temperature=0)
 PROMPT = [5, 17, 42, 8, 99, 3]

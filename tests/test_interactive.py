@@ -35,16 +35,28 @@ def test_reset_starts_over_with_the_system_message(engine, monkeypatch):
     monkeypatch.setattr(
         engine, "chat_ids", lambda messages: seen.append([dict(m) for m in messages]) or original(messages)
     )
-    chat_loop(engine, GREEDY, 5, lambda prompt: next(turns), [].append, system="Be brief.")
+    written = []
+    chat_loop(engine, GREEDY, 5, lambda prompt: next(turns), written.append, system="Be brief.")
     assert [[m["role"] for m in messages] for messages in seen] == [["system", "user"], ["system", "user"]]
+    assert "(a new conversation, with the system message)\n" in written
+
+
+def test_an_answer_cut_by_max_new_tokens_is_marked(engine):
+    written = []
+    text = answer(engine, engine.chat_ids([{"role": "user", "content": "Tell me a story."}]), 4, GREEDY, written.append)
+    assert "".join(written) == f"{text} [cut: --max_new_tokens 4 reached]\n"
+    written.clear()
+    ids = engine.chat_ids([{"role": "user", "content": "Say hi."}])
+    text = answer(engine, ids, 60, GREEDY, written.append)
+    assert "".join(written) == f"{text}\n"  # ended by its stop token within 60
 
 
 class InterruptedStream:
     """Stands in for the engine: two pieces of an answer, then Ctrl-C."""
 
-    def stream_ids(self, ids, max_new_tokens, sampling):
-        yield "Paris"
-        yield " is"
+    def generate_ids(self, ids, max_new_tokens, sampling, on_text):
+        on_text("Paris")
+        on_text(" is")
         raise KeyboardInterrupt
 
 

@@ -108,3 +108,60 @@ def test_the_cache_fixes_are_made_on_torch_2_11_only(monkeypatch, version, repla
         assert (tuner.recheck_autotune_cache is settings.recheck_autotune_cache) == replaced
         assert inductor_config.dynamic_scale_rblock is not replaced
     assert inductor_config.dynamic_scale_rblock
+
+
+@pytest.fixture
+def cores(monkeypatch, tmp_path):
+    """Four cores in the affinity mask, OMP_NUM_THREADS unset and no cgroup quota (an empty cgroup root)."""
+    from gpt_fast.util import settings
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(settings, "CGROUP", tmp_path)
+    return tmp_path
+
+
+def test_threads_follow_the_affinity(cores):
+    from gpt_fast.util.settings import cpu_threads
+
+    assert cpu_threads() == (4, "the 4 cores available")
+
+
+@pytest.mark.parametrize(
+    "files, expected",
+    [
+        ({"cpu.max": "150000 100000\n"}, (1, "the cgroup's CPU quota of 1.5 cores")),
+        ({"cpu.max": "max 100000\n"}, (4, "the 4 cores available")),
+        (
+            {"cpu/cpu.cfs_quota_us": "200000\n", "cpu/cpu.cfs_period_us": "100000\n"},
+            (2, "the cgroup's CPU quota of 2 cores"),
+        ),
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, (4, "the 4 cores available")),
+        ({"cpu.max": "garbage"}, (4, "the 4 cores available")),
+    ],
+)
+def test_threads_follow_the_cgroup_quota(cores, files, expected):
+    from gpt_fast.util.settings import cpu_threads
+
+    for name, text in files.items():
+        (cores / name).parent.mkdir(exist_ok=True)
+        (cores / name).write_text(text)
+    assert cpu_threads() == expected
+
+
+def test_omp_num_threads_wins(cores, monkeypatch):
+    from gpt_fast.util.settings import cpu_threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cpu_threads() == (3, "OMP_NUM_THREADS=3")
+    monkeypatch.setenv("OMP_NUM_THREADS", "zero")  # not a count: ignored
+    assert cpu_threads() == (4, "the 4 cores available")
+
+
+def test_the_cpu_gets_its_thread_count_and_an_eager_run_no_inductor():
+    code = (
+        "import sys, torch; from gpt_fast.util.settings import apply_torch_settings, cpu_threads_note; "
+        "apply_torch_settings(torch.device('cpu'), compiled=False); "
+        "print(torch.get_num_threads(), 'torch._inductor' in sys.modules, cpu_threads_note())"
+    )
+    assert _run(code, OMP_NUM_THREADS="1") == "1 False 1 thread (OMP_NUM_THREADS=1)"

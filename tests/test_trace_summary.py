@@ -725,3 +725,50 @@ def test_collective_kernels_are_counted_apart(tmp_path, name):
 def test_a_trace_without_collectives_says_nothing_of_them(tmp_path):
     s = summarize_trace(write_trace(tmp_path / "eager.json", noise() + eager_events(4, CUDA_EAGER)))
     assert s.collective_kernels == 0 and "collectives" not in format_summary(s)
+
+
+def op(name: str, ts: float, dur: float, tid: int = 1) -> dict[str, Any]:
+    return {"ph": "X", "cat": "cpu_op", "name": name, "pid": PID, "tid": tid, "ts": ts, "dur": dur}
+
+
+def test_a_cpu_trace_shows_the_operators_by_self_time(tmp_path):
+    """Self time: an operator's time less that of the operators directly inside it, on its own thread."""
+    events = [
+        mark(DECODE_MARK, 0, 100),
+        op("aten::linear", 0, 100),
+        op("aten::matmul", 10, 30),
+        op("aten::mm", 15, 10),
+        op("aten::add", 50, 10),
+        op("aten::add", 20, 55, tid=2),  # another thread: inside nothing
+        op("aten::mul", 500, 40),  # outside the decode mark
+    ]
+    s = summarize_trace(write_trace(tmp_path / "t.json", events))
+    assert s.top_cpu_ops == (
+        ("aten::add", 2, 65.0),
+        ("aten::linear", 1, 60.0),
+        ("aten::matmul", 1, 20.0),
+        ("aten::mm", 1, 10.0),
+    )
+    assert s.cpu_op_time_us == 155.0
+    text = format_summary(s)
+    assert "no kernels in decode (a CPU trace)" in text and "top operators by CPU self time (4):" in text
+    assert " 41.9%      65 µs x2       aten::add" in text
+    assert short_summary(s).splitlines()[1] == (
+        "CPU trace: top operators by self time in decode: aten::add 42%, aten::linear 39%, aten::matmul 13%"
+    )
+
+
+def test_cpu_self_times_match_the_profilers_own(tmp_path):
+    torch = pytest.importorskip("torch")
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(64, 64)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            torch.nn.functional.linear(torch.relu(x @ x), x).sum()
+    prof.export_chrome_trace(str(tmp_path / "t.json"))
+    s = summarize_trace(tmp_path / "t.json", top=50)
+    ours = {name: total for name, _, total in s.top_cpu_ops}
+    theirs = {e.key: e.self_cpu_time_total for e in prof.key_averages() if e.key.startswith("aten::")}
+    for name in ("aten::mm", "aten::relu", "aten::sum", "aten::linear", "aten::matmul"):
+        assert ours[name] == pytest.approx(theirs[name], rel=0.05, abs=3), name

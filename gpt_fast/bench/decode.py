@@ -35,13 +35,13 @@ from gpt_fast.convert.hf_config import hf_config_dict
 from gpt_fast.convert.layout import MODULE_NAMING, split_tensors
 from gpt_fast.convert.random_init import random_weights
 from gpt_fast.engine.engine import Engine, EngineOptions
-from gpt_fast.generation.decode import COORDINATE_DESCENT, HEURISTIC
 from gpt_fast.generation.sampling import SamplingConfig
 from gpt_fast.kernels.available import triton_usable
 from gpt_fast.model.config import ModelConfig, QuantConfig
 from gpt_fast.model.shapes import get_shape
 from gpt_fast.quant.layers import QuantizedLinear
 from gpt_fast.quant.layout import quantize_state, stored_size
+from gpt_fast.util.choices import COORDINATE_DESCENT, HEURISTIC
 from gpt_fast.util.device import device_name, device_synchronize, dtype_name, parse_dtype, resolve_device
 from gpt_fast.util.settings import apply_torch_settings
 

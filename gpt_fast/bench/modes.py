@@ -357,6 +357,13 @@ def run_bench(
     write_text_atomic(out_dir / "bench.json", json.dumps(asdict(report), indent=2) + "\n")
     write_csv(out_dir / "bench.csv", report)
     write_text_atomic(out_dir / "bench.md", markdown_table(report))
-    if write_chart(out_dir / "bench.png", report, title):
-        progress(f"Chart: {out_dir / 'bench.png'}")
+    report_chart(out_dir / "bench.png", report, title, progress)
     return report
+
+
+def report_chart(path: Path, report: BenchReport, title: str, progress: Callable[[str], None]) -> None:
+    """Write the chart and say where, or that none was written and why."""
+    if write_chart(path, report, title):
+        progress(f"Chart: {path}")
+    else:
+        progress(f"No chart written: {path.name} needs matplotlib (pip install matplotlib)")

@@ -1,5 +1,8 @@
 """The `gpt-fast` command. User mistakes end as one line on stderr and a non-zero exit status, before any weights
-are read; every command sits on the engine API (:mod:`gpt_fast.engine.engine`)."""
+are read; every command sits on the engine API (:mod:`gpt_fast.engine.engine`).
+
+This module imports no torch: ``--help`` and argument errors answer at once, and each command imports what it runs
+(the choices and defaults of the options come from :mod:`gpt_fast.util.choices`)."""
 
 from __future__ import annotations
 
@@ -7,43 +10,43 @@ import dataclasses
 import functools
 import json
 import os
+import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from gpt_fast import __version__
 from gpt_fast.accel.options import KERNEL_CHOICES, LAYERS_KERNELS, LINEAR_KERNELS, SAMPLING_KERNELS, KernelOptions
 from gpt_fast.cli.bench import bench
-from gpt_fast.engine.engine import (
-    Engine,
-    EngineOptions,
-    launched_world_size,
-    user_turn,
-)
-from gpt_fast.generation.decode import COMPILE_MODES, KERNEL_TUNINGS
-from gpt_fast.generation.sampling import SamplingConfig
-from gpt_fast.generation.speculative import DEFAULT_SPECULATE_K, SpeculativeOptions
-from gpt_fast.jobs.evaluate import DATASETS, EvalOptions
-from gpt_fast.jobs.generate import DEFAULT_PROMPT, GenerateOptions, run_generate, write_stdout
 from gpt_fast.model.config import INT4_GROUP_SIZES, QUANT_MODES, QuantConfig
 from gpt_fast.model.shapes import SHAPES, get_shape
-from gpt_fast.quant.calibrate import DEFAULT_TEXT as DEFAULT_CALIBRATION_TEXT
-from gpt_fast.quant.calibrate import DEFAULT_TOKENS as DEFAULT_CALIBRATION_TOKENS
-from gpt_fast.quant.calibrate import Calibration
-from gpt_fast.util.device import DTYPE_CHOICES, DTYPES, parse_dtype
+from gpt_fast.util.choices import (
+    CALIBRATION_TEXT,
+    CALIBRATION_TOKENS,
+    COMPILE_MODES,
+    COORDINATE_DESCENT,
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_NUM_SAMPLES,
+    DEFAULT_PROMPT,
+    DEFAULT_SPECULATE_K,
+    DTYPE_CHOICES,
+    DTYPE_NAMES,
+    EVAL_DATASETS,
+    EVAL_MAX_TOKENS,
+    EVAL_WINDOW,
+    KERNEL_TUNINGS,
+)
 from gpt_fast.util.fileio import STDOUT, regular_file
 from gpt_fast.util.options import OptionError
-from gpt_fast.util.settings import apply_torch_settings
+
+if TYPE_CHECKING:
+    from gpt_fast.engine.engine import EngineOptions
 
 EXIT_USER_ERROR = 1
 EXIT_INTERRUPTED = 130
-GENERATE = GenerateOptions()
-ENGINE = EngineOptions()
-SAMPLING = SamplingConfig()
-EVAL = EvalOptions()
 DEFAULT_GROUP_SIZE = 128
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
@@ -71,7 +74,10 @@ def option(*names: str, **kwargs: Any) -> Decorator:
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 120})
 @click.version_option(__version__, "--version", prog_name="gpt-fast", message="%(prog)s %(version)s")
 def cli() -> None:
-    """Fast LLM text generation in native PyTorch."""
+    """Fast LLM text generation in native PyTorch.
+
+    On the CPU, torch runs one thread per core this process may use (its CPU affinity, capped by its cgroup's CPU
+    quota), said on a run's first line; set OMP_NUM_THREADS to choose another count."""
 
 
 def checkpoint_option(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -84,25 +90,29 @@ def checkpoint_option(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def sampling_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """--temperature, --top_k, --top_p, handed to the command as one ``sampling`` (a checked SamplingConfig)."""
+    """--temperature, --top_k, --top_p, handed to the command as ``sampling``: the values given, by name (checked
+    here, before any file is read); the others come from the checkpoint (:meth:`Engine.sampling_choice`)."""
 
     @functools.wraps(func)
-    def command(*args: Any, temperature: float, top_k: int, top_p: float, **kwargs: Any) -> Any:
-        return func(*args, sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p), **kwargs)
+    def command(*args: Any, temperature: float | None, top_k: int | None, top_p: float | None, **kwargs: Any) -> Any:
+        from gpt_fast.generation.sampling import SamplingConfig
 
+        given = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+        given = {name: value for name, value in given.items() if value is not None}
+        SamplingConfig(**given)
+        return func(*args, sampling=given, **kwargs)
+
+    recommended = "[default: the checkpoint's recommended value (its generation_config.json), else {}]"
     decorated = option(
         "--top_p",
         type=float,
-        default=SAMPLING.top_p,
-        show_default=True,
-        help="Nucleus sampling: keep the smallest set of tokens reaching this probability.",
+        default=None,
+        help=f"Nucleus sampling: keep the smallest set of tokens reaching this probability. {recommended.format(1.0)}",
     )(command)
     decorated = option(
-        "--top_k", type=int, default=SAMPLING.top_k, show_default=True, help="Sample among the k most likely tokens."
+        "--top_k", type=int, default=None, help=f"Sample among the k most likely tokens. {recommended.format(200)}"
     )(decorated)
-    return option("--temperature", type=float, default=SAMPLING.temperature, show_default=True, help="0 = greedy.")(
-        decorated
-    )
+    return option("--temperature", type=float, default=None, help=f"0 = greedy. {recommended.format(0.8)}")(decorated)
 
 
 def device_options(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -110,6 +120,8 @@ def device_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(func)
     def command(*args: Any, device: str | None, dtype: str, **kwargs: Any) -> Any:
+        from gpt_fast.engine.engine import EngineOptions
+
         return func(*args, engine_options=EngineOptions(device=device, dtype=dtype), **kwargs)
 
     return add_device_options(command)
@@ -119,7 +131,7 @@ def add_device_options(func: Callable[..., Any]) -> Callable[..., Any]:
     func = option(
         "--dtype",
         type=Choice(DTYPE_CHOICES),
-        default=ENGINE.dtype,
+        default="auto",
         show_default=True,
         help="auto: bfloat16 on a GPU, float32 on the CPU.",
     )(func)
@@ -144,6 +156,8 @@ def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
         dtype: str,
         **kwargs: Any,
     ) -> Any:
+        from gpt_fast.engine.engine import EngineOptions
+
         options = EngineOptions(
             compile_mode,
             compile_prefill,
@@ -159,7 +173,7 @@ def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
     decorated = option(
         "--sampling_kernel",
         type=Choice(SAMPLING_KERNELS),
-        default=ENGINE.kernels.sampling,
+        default="auto",
         show_default=True,
         help="triton: top-k sampling (16-bit logits, no top-p) in two Triton kernels instead of torch.topk (CUDA "
         "GPUs); torch: torch.topk; auto: triton where the linear kernel's auto is triton.",
@@ -167,7 +181,7 @@ def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
     decorated = option(
         "--linear_kernel",
         type=Choice(LINEAR_KERNELS),
-        default=ENGINE.kernels.linear,
+        default="auto",
         show_default=True,
         help="triton: the decoder layers' unquantized linear layers in compiled one-token steps of one sequence are "
         "our GEMV, launched so that its weight loads overlap the kernel before it (CUDA GPUs); torch: cuBLAS or "
@@ -176,7 +190,7 @@ def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
     decorated = option(
         "--layers_kernel",
         type=Choice(LAYERS_KERNELS),
-        default=ENGINE.kernels.layers,
+        default="auto",
         show_default=True,
         help="triton: a compiled one-token decode step of one sequence runs every layer in one persistent kernel "
         "(small Llama-style models on CUDA GPUs; fewer launches, a compile without the layers); torch: inductor's "
@@ -185,7 +199,7 @@ def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
     decorated = option(
         "--kernel_tuning",
         type=Choice(KERNEL_TUNINGS),
-        default=ENGINE.kernel_tuning,
+        default=COORDINATE_DESCENT,
         show_default=True,
         help="coordinate-descent: inductor benchmarks neighbouring block sizes of each generated kernel at its "
         "first run (faster kernels; most of a cold compile); heuristic: its first choice (compiles several times "
@@ -206,7 +220,7 @@ def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
         "--compile",
         "compile_mode",
         type=Choice(COMPILE_MODES),
-        default=ENGINE.compile,
+        default="none",
         show_default=True,
         help="The torch.compile mode (none: eager).",
     )(decorated)
@@ -218,7 +232,7 @@ def read_prompts(prompts: tuple[str, ...], prompt_file: Path | None, prompts_fil
     if prompts_file is not None:
         if prompts or prompt_file is not None:
             raise ValueError("give --prompts_file alone, without --prompt or --prompt_file")
-        text = decode_utf8(prompts_file.read_bytes(), f"--prompts_file {prompts_file}")
+        text = read_text_file(prompts_file, "--prompts_file")
         lines = [line for line in text.splitlines() if line.strip()]
         if not lines:
             raise ValueError(f"--prompts_file {prompts_file} holds no prompt")
@@ -264,6 +278,8 @@ def speculative_options(func: Callable[..., Any]) -> Callable[..., Any]:
         engine_options: EngineOptions,
         **kwargs: Any,
     ) -> Any:
+        from gpt_fast.generation.speculative import SpeculativeOptions
+
         speculative = SpeculativeOptions.from_flags(draft_checkpoint_path, prompt_lookup, speculate_k)
         options = dataclasses.replace(engine_options, speculative=speculative, batch_invariant=batch_invariant)
         return func(*args, engine_options=options, **kwargs)
@@ -299,14 +315,25 @@ def speculative_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
-    """``--prompt TEXT``, ``--prompt -`` (standard input) or ``--prompt_file FILE``, read as they are."""
+    """``--prompt TEXT``, ``--prompt -`` (standard input, less one trailing newline) or ``--prompt_file FILE``
+    (read as it is)."""
     if prompt is not None and prompt_file is not None:
         raise ValueError("give --prompt or --prompt_file, not both")
     if prompt_file is not None:
-        return decode_utf8(prompt_file.read_bytes(), f"--prompt_file {prompt_file}")
-    if prompt == STDOUT:
-        return decode_utf8(sys.stdin.buffer.read(), "--prompt - (standard input)")
+        return read_text_file(prompt_file, "--prompt_file")
+    if prompt == STDOUT:  # one trailing newline, as `echo` and a terminal's Enter add it, is not part of the prompt
+        return decode_utf8(sys.stdin.buffer.read(), "--prompt - (standard input)").removesuffix("\n")
     return DEFAULT_PROMPT if prompt is None else prompt
+
+
+def read_text_file(path: Path, flag: str) -> str:
+    """The UTF-8 text of the file an option names; one-line errors for a missing, unreadable or binary file."""
+    regular_file(path, flag)
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise OSError(f"{flag} {path} cannot be read ({err.strerror})") from None
+    return decode_utf8(data, f"{flag} {path}")
 
 
 def decode_utf8(data: bytes, what: str) -> str:
@@ -316,12 +343,17 @@ def decode_utf8(data: bytes, what: str) -> str:
         raise ValueError(f"{what} is not valid UTF-8 text") from None
 
 
+def write_stdout(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
 def write_stderr(text: str) -> None:
     sys.stderr.write(text)
     sys.stderr.flush()
 
 
-@cli.command()
+@cli.command(context_settings={"allow_extra_args": True})  # a prompt given without --prompt: a hint
 @checkpoint_option
 @option(
     "--prompt",
@@ -343,14 +375,14 @@ def write_stderr(text: str) -> None:
 @option(
     "--max_new_tokens",
     type=int,
-    default=GENERATE.max_new_tokens,
+    default=DEFAULT_MAX_NEW_TOKENS,
     show_default=True,
     help="Maximum number of new tokens.",
 )
 @option(
     "--num_samples",
     type=int,
-    default=GENERATE.num_samples,
+    default=DEFAULT_NUM_SAMPLES,
     show_default=True,
     help="Number of samples; the first is a warm-up (and compiles).",
 )
@@ -364,7 +396,7 @@ def write_stderr(text: str) -> None:
     help="Record one more sample with the PyTorch profiler (kept out of the averages) into PATH (a .json file, or "
     "a folder for trace.json) for Perfetto.",
 )
-@option("--batch_size", type=int, default=GENERATE.batch_size, show_default=True, help="Sequences generated at once.")
+@option("--batch_size", type=int, default=1, show_default=True, help="Sequences generated at once.")
 @option("--seed", type=int, default=None, help="Seed for reproducible sampling (0 to 2**64-1).")
 @option("--ignore_eos", is_flag=True, help="Always generate --max_new_tokens (for benchmarks).")
 @option(
@@ -390,22 +422,35 @@ def generate(
     engine_options: EngineOptions,
     no_stream: bool,
     tp: int | None,
+    sampling: dict[str, Any],
     **kwargs: Any,
 ) -> None:
     """Generate text and report load time, compilation time, tokens/sec, bandwidth and memory. Several prompts are
     generated together (continuous batching, as `gpt-fast serve` does)."""
+    extra = click.get_current_context().args
+    if extra:
+        raise ValueError(f"unexpected argument {extra[0]!r}: give the prompt with --prompt {shlex.quote(extra[0])}")
+    from gpt_fast.engine.engine import Engine, launched_world_size
+    from gpt_fast.generation.sampling import SamplingConfig
+    from gpt_fast.jobs.generate import GenerateOptions, run_generate
+    from gpt_fast.util.settings import apply_torch_settings
+
     engine_options = dataclasses.replace(engine_options, tp=launched_world_size() if tp is None else tp)
     prompts = read_prompts(prompt, prompt_file, prompts_file)
     several = tuple(prompts) if len(prompts) > 1 else ()
     if several:
         engine_options.check_batching()
-    opts = GenerateOptions(prompt=prompts[0], prompts=several, stream=not no_stream, **kwargs)
+    opts = GenerateOptions(
+        prompt=prompts[0], prompts=several, stream=not no_stream, sampling=SamplingConfig(**sampling), **kwargs
+    )
     engine = Engine.open(checkpoint_path, engine_options)
     if engine.world_size > 1 and engine.ranks is None:  # every check passed: start the ranks
         launch_generate(engine.world_size, STDOUT in prompt)
         return
-    apply_torch_settings()
-    run_generate(engine, opts, write_stderr if str(opts.metrics_json) == STDOUT else write_stdout)
+    chosen, described = engine.sampling_choice(**sampling)
+    apply_torch_settings(engine.device, compiled=engine.compile != "none")
+    write = write_stderr if str(opts.metrics_json) == STDOUT else write_stdout
+    run_generate(engine, dataclasses.replace(opts, sampling=chosen), write, sampling_note=described)
 
 
 def launch_generate(tp: int, prompt_on_stdin: bool) -> None:
@@ -424,6 +469,7 @@ def launch_generate(tp: int, prompt_on_stdin: bool) -> None:
 @checkpoint_option
 @option("--max_new_tokens", type=int, default=512, show_default=True, help="Longest answer, in tokens.")
 @option("--system", default=None, help="A system message to start the conversation with.")
+@option("--seed", type=int, default=None, help="Seed for reproducible sampling (0 to 2**64-1).")
 @sampling_options
 @engine_options
 @speculative_options
@@ -432,20 +478,26 @@ def chat(
     checkpoint_path: str | None,
     max_new_tokens: int,
     system: str | None,
-    sampling: SamplingConfig,
+    seed: int | None,
+    sampling: dict[str, Any],
     engine_options: EngineOptions,
 ) -> None:
     """Chat with a model that has a chat template, streaming each answer (Ctrl-C stops an answer, Ctrl-D ends)."""
+    from gpt_fast.engine.engine import Engine, set_seed, user_turn
     from gpt_fast.jobs.chat import chat_loop, check_can_chat
-    from gpt_fast.jobs.generate import load_reporting
+    from gpt_fast.jobs.generate import check_seed, load_reporting
+    from gpt_fast.util.settings import apply_torch_settings
 
+    check_seed(seed)
     engine = Engine.open(checkpoint_path, engine_options)
     check_can_chat(engine)
     engine.check_fits(engine.chat_ids(user_turn("?", system)), max_new_tokens)  # also checks the system message
+    chosen, described = engine.sampling_choice(**sampling)
     enable_line_editing()
-    apply_torch_settings()
-    load_reporting(engine, write_stdout)
-    chat_loop(engine, sampling, max_new_tokens, input, write_stdout, system)
+    apply_torch_settings(engine.device, compiled=engine.compile != "none")
+    load_reporting(engine, write_stdout, sampling_note=described)
+    set_seed(seed)
+    chat_loop(engine, chosen, max_new_tokens, input, write_stdout, system)
 
 
 def enable_line_editing() -> None:
@@ -504,15 +556,19 @@ def bench_modes(
     warm_cache: bool,
     output_dir: Path,
     title: str | None,
+    sampling: dict[str, Any],
     **kwargs: Any,
 ) -> None:
     """Compare compile modes on one checkpoint: tokens/sec, TTFT, bandwidth (and its share of the measured copy
     bandwidth), compile time and whether its cache was cold or warm, memory; as Markdown, JSON, CSV and a chart."""
     from gpt_fast.bench.modes import markdown_table, parse_modes, run_bench
     from gpt_fast.engine.engine import find_checkpoint
+    from gpt_fast.generation.sampling import SamplingConfig
+    from gpt_fast.jobs.generate import GenerateOptions
 
     mode_list = parse_modes(modes)
-    opts = GenerateOptions(prompt=prompt, ignore_eos=True, stream=False, **kwargs)
+    sampling_config = SamplingConfig(**sampling)  # gpt-fast's defaults where none is given: the same in every bench
+    opts = GenerateOptions(prompt=prompt, ignore_eos=True, stream=False, sampling=sampling_config, **kwargs)
     checkpoint = find_checkpoint(checkpoint_path)
     report = run_bench(
         checkpoint,
@@ -553,12 +609,14 @@ def bench_modes(
 def serve(checkpoint_path: str | None, engine_options: EngineOptions, **kwargs: Any) -> None:
     """An OpenAI-compatible server (chat and completions, streamed or not) that decodes concurrent requests
     together, with a chat page at /."""
+    from gpt_fast.engine.engine import Engine
     from gpt_fast.serve.server import ServeOptions
     from gpt_fast.serve.server import serve as run_server
+    from gpt_fast.util.settings import apply_torch_settings
 
     opts = ServeOptions(**kwargs)
     engine = Engine.open(checkpoint_path, engine_options)
-    apply_torch_settings()
+    apply_torch_settings(engine.device, compiled=engine.compile != "none")
     run_server(engine, opts, write_stdout)
 
 
@@ -636,7 +694,7 @@ def quant_config(mode: str | None, group_size: str | None, output: bool, keep_fl
 )
 @option(
     "--dtype",
-    type=Choice(tuple(DTYPES)),
+    type=Choice(DTYPE_NAMES),
     default=None,
     help="Cast the weights (default: keep the source's precision).",
 )
@@ -687,7 +745,7 @@ def report_converted(weights: Path) -> None:
     "--calibration_tokens",
     type=int,
     default=None,
-    help=f"Tokens of the calibration text, a multiple of 512 (its rows). [default: {DEFAULT_CALIBRATION_TOKENS}]",
+    help=f"Tokens of the calibration text, a multiple of 512 (its rows). [default: {CALIBRATION_TOKENS}]",
 )
 @option("--act_order", is_flag=True, help="GPTQ: round the columns of largest input energy first (same layout).")
 @option(
@@ -709,6 +767,7 @@ def quantize(
     """Write a weight-only quantized copy of a converted checkpoint (the scheme is recorded in its config.json)."""
     from gpt_fast.convert.quantize import quantize_checkpoint
     from gpt_fast.engine.engine import find_checkpoint
+    from gpt_fast.quant.calibrate import Calibration
     from gpt_fast.util.device import resolve_device
 
     calibration = None
@@ -723,9 +782,9 @@ def quantize(
         quantization = dataclasses.replace(quantization, method=calibrate)
         text = None if calibration_text is None else regular_file(calibration_text, "--calibration_text")
         calibration = Calibration(
-            text=None if text is None else decode_utf8(text.read_bytes(), f"--calibration_text {text}"),
-            text_name=DEFAULT_CALIBRATION_TEXT if text is None else str(text),
-            tokens=DEFAULT_CALIBRATION_TOKENS if calibration_tokens is None else calibration_tokens,
+            text=None if text is None else read_text_file(text, "--calibration_text"),
+            text_name=CALIBRATION_TEXT if text is None else str(text),
+            tokens=CALIBRATION_TOKENS if calibration_tokens is None else calibration_tokens,
             act_order=act_order,
             asymmetric=asymmetric,
         )
@@ -738,13 +797,18 @@ def quantize(
 @option("--text", type=click.Path(path_type=Path, dir_okay=False), default=None, help="A UTF-8 text file to score.")
 @option(
     "--dataset",
-    type=Choice(DATASETS),
+    type=Choice(EVAL_DATASETS),
     default=None,
     help="Score a dataset from the Hugging Face hub instead (wikitext-2: its test split; needs pyarrow).",
 )
-@option("--max_tokens", type=int, default=EVAL.max_tokens, show_default=True, help="Score the text's first N tokens.")
-@option("--window", type=int, default=EVAL.window, show_default=True, help="Tokens per window (at most the context).")
-@option("--stride", type=int, default=EVAL.stride, show_default=True, help="Tokens between window starts.")
+@option("--max_tokens", type=int, default=EVAL_MAX_TOKENS, show_default=True, help="Score the text's first N tokens.")
+@option(
+    "--window",
+    type=int,
+    default=None,
+    help=f"Tokens per window, at most the model's context. [default: the context, at most {EVAL_WINDOW}]",
+)
+@option("--stride", type=int, default=None, help="Tokens between window starts. [default: half the window]")
 @option("--json", "as_json", is_flag=True, help="Print the result as a JSON object.")
 @device_options
 def eval_command(
@@ -752,18 +816,19 @@ def eval_command(
     text: Path | None,
     dataset: str | None,
     max_tokens: int,
-    window: int,
-    stride: int,
+    window: int | None,
+    stride: int | None,
     as_json: bool,
     engine_options: EngineOptions,
 ) -> None:
     """Perplexity on a text with a sliding window (default text: Python's documentation topics, pydoc_data.topics,
     which ships with Python: nothing is downloaded)."""
-    from gpt_fast.jobs.evaluate import builtin_text, run_eval
+    from gpt_fast.engine.engine import Engine
+    from gpt_fast.jobs.evaluate import EvalOptions, builtin_text, run_eval
 
     options = EvalOptions(text=text, dataset=dataset, max_tokens=max_tokens, window=window, stride=stride)
     engine = Engine.open(checkpoint_path, engine_options)
-    content = decode_utf8(text.read_bytes(), f"--text {text}") if text is not None else builtin_text(options)
+    content = read_text_file(text, "--text") if text is not None else builtin_text(options)
     run_eval(engine, options, content, as_json, write_stdout, write_stderr)
 
 
@@ -800,7 +865,7 @@ def prepare(repo_id: str, hf_token: str | None, revision: str | None) -> None:
 @cli.command("random-checkpoint")
 @click.argument("shape", type=Choice(tuple(SHAPES)))
 @option("--output_dir", type=click.Path(path_type=Path), required=True)
-@option("--dtype", type=Choice(tuple(DTYPES)), default="bfloat16", show_default=True)
+@option("--dtype", type=Choice(DTYPE_NAMES), default="bfloat16", show_default=True)
 @option("--seed", type=int, default=0, show_default=True)
 @option(
     "--device",
@@ -811,6 +876,7 @@ def prepare(repo_id: str, hf_token: str | None, revision: str | None) -> None:
 def random_checkpoint(shape: str, output_dir: Path, dtype: str, seed: int, device: str) -> None:
     """Write a random-weight checkpoint of a named SHAPE, with a byte-level tokenizer (for benchmarks)."""
     from gpt_fast.convert.random_init import make_random_checkpoint
+    from gpt_fast.util.device import parse_dtype
 
     path = make_random_checkpoint(
         get_shape(shape), output_dir, dtype=parse_dtype(dtype), seed=seed, device=device, source=shape

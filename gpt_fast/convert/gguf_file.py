@@ -30,7 +30,7 @@ from gpt_fast.convert.layout import check_tensors, fuse_tensors
 from gpt_fast.convert.tokenizer_common import check_template_bounds
 from gpt_fast.convert.weight_files import TensorInfo
 from gpt_fast.convert.writer import check_checkpoint_output, write_checkpoint
-from gpt_fast.model.config import CheckpointConfig, ModelConfig, QuantConfig, RopeScaling
+from gpt_fast.model.config import CheckpointConfig, GenerationDefaults, ModelConfig, QuantConfig, RopeScaling
 from gpt_fast.quant.layout import quantize_state
 from gpt_fast.util.device import dtype_name, parse_dtype
 from gpt_fast.util.fileio import first_line, regular_file
@@ -241,9 +241,15 @@ def source_dtype(reader: GGUFReader) -> torch.dtype:
     return kinds.pop() if len(kinds) == 1 else torch.float32
 
 
-def convert_gguf(src: Path, out_dir: Path, dtype: str | None = None, quantization: QuantConfig | None = None) -> Path:
-    """Convert a GGUF file of a supported architecture into ``out_dir`` (quantized with ``quantization``); return
-    the path of the written ``model.pth``."""
+def convert_gguf(
+    src: Path,
+    out_dir: Path,
+    dtype: str | None = None,
+    quantization: QuantConfig | None = None,
+    generation: GenerationDefaults | None = None,
+) -> Path:
+    """Convert a GGUF file of a supported architecture into ``out_dir`` (quantized with ``quantization``, with the
+    recommended sampling ``generation`` recorded); return the path of the written ``model.pth``."""
     check_checkpoint_output(out_dir)
     reader = open_gguf(src)
     try:
@@ -283,6 +289,7 @@ def convert_gguf(src: Path, out_dir: Path, dtype: str | None = None, quantizatio
                 "architecture": arch,
             },
             quantization=quantization,
+            generation=generation,
         )
 
     return out_dir / write_checkpoint(out_dir, state, prepare).weights

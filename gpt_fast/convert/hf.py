@@ -10,16 +10,44 @@ import shutil
 from pathlib import Path
 
 from gpt_fast.checkpoint.load import check_tokenizer_size
-from gpt_fast.convert.hf_config import architecture, architecture_name, model_config_from_hf
+from gpt_fast.convert.hf_config import NUMBER, architecture, architecture_name, model_config_from_hf
+from gpt_fast.convert.hf_config import _field as hf_field
 from gpt_fast.convert.hf_tokenizer import tokenizer_from_hf_dir
 from gpt_fast.convert.layout import check_tensors, fuse_tensors, max_source_tensors, naming, source_dtype
 from gpt_fast.convert.weight_files import iter_tensors, tensor_infos, weight_files
 from gpt_fast.convert.writer import check_checkpoint_output, target_dir, write_checkpoint
-from gpt_fast.model.config import CheckpointConfig, QuantConfig
+from gpt_fast.model.config import CheckpointConfig, GenerationDefaults, QuantConfig
 from gpt_fast.quant.layout import quantize_state
 from gpt_fast.text.tokenizer import load_tokenizer
 from gpt_fast.util.device import dtype_name, parse_dtype
-from gpt_fast.util.fileio import read_json_object
+from gpt_fast.util.fileio import read_json_object, regular_file
+
+GENERATION_CONFIG = "generation_config.json"
+
+
+def generation_defaults(path: Path) -> GenerationDefaults | None:
+    """The sampling ``generation_config.json`` recommends (temperature, top_k, top_p, each where present, as vLLM
+    takes them; ``do_sample`` is not read: a recommendation of values is one to sample with them); None without
+    the file or any of them."""
+    if not path.exists():
+        return None
+    data = read_json_object(regular_file(path, "generation config"))
+    values = {
+        "temperature": hf_field(data, "temperature", str(path), NUMBER, None),
+        "top_k": hf_field(data, "top_k", str(path), NUMBER, None),
+        "top_p": hf_field(data, "top_p", str(path), NUMBER, None),
+    }
+    given = {name: value for name, value in values.items() if value is not None}
+    if not given:
+        return None
+    if "top_k" in given and given["top_k"] != int(given["top_k"]):
+        raise ValueError(f"{path}: field top_k has the wrong type ({given['top_k']!r}; it must be an integer)")
+    if "top_k" in given:
+        given["top_k"] = max(int(given["top_k"]), 0)  # 0 or negative: no top-k filter
+    try:
+        return GenerationDefaults(**given, source=GENERATION_CONFIG)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
 
 
 def convert_hf(src: Path, out_dir: Path, dtype: str | None = None, quantization: QuantConfig | None = None) -> Path:
@@ -42,6 +70,7 @@ def convert_hf(src: Path, out_dir: Path, dtype: str | None = None, quantization:
     infos = tensor_infos(files, max_tensors)
     check_tensors(infos, model, src, names)
     target = parse_dtype(dtype) if dtype else source_dtype(infos)
+    generation = generation_defaults(src / GENERATION_CONFIG)
     try:
         config = CheckpointConfig(
             model=model,
@@ -50,6 +79,7 @@ def convert_hf(src: Path, out_dir: Path, dtype: str | None = None, quantization:
             chat_template=chat_template,
             source={"kind": "huggingface", "path": str(src), "architecture": architecture(hf_config, where)},
             quantization=quantization,
+            generation=generation,
         )
     except ValueError as err:  # a token id outside the vocabulary, a model the quantization does not fit
         raise ValueError(f"{src}: {err}") from None

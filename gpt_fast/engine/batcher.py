@@ -39,7 +39,7 @@ from gpt_fast.generation.sampling import SamplingConfig, seed_key
 from gpt_fast.generation.slots import TOP_LOGPROBS, SlotState, SlotSteps
 from gpt_fast.model.transformer import Transformer
 from gpt_fast.text.textstream import Decoder, StopStrings, TextStream
-from gpt_fast.util.device import device_synchronize
+from gpt_fast.util.device import cudagraph_step_begin, device_synchronize
 from gpt_fast.util.options import OptionError
 
 MAX_BATCH = 64  # slots at most
@@ -354,7 +354,7 @@ class Batcher:
         self._admit()
         rows = self._rows()
         if rows:
-            torch.compiler.cudagraph_mark_step_begin()
+            cudagraph_step_begin()
             self.steps.decode(self.model, self.state, rows)
             self._read_back(0, rows)
 
@@ -384,7 +384,7 @@ class Batcher:
         for _ in range(3):
             self.steps.prefill(self.model, self.state, 0, prompt)
             for rows in sorted({1, self.options.max_batch}):
-                torch.compiler.cudagraph_mark_step_begin()
+                cudagraph_step_begin()
                 self.steps.decode(self.model, self.state, rows)
         device_synchronize(self.device)
 

@@ -13,6 +13,7 @@ An engine is opened in two steps so that a command can refuse a bad request befo
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import time
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
@@ -66,11 +67,19 @@ from gpt_fast.parallel.tensor_parallel import TensorParallel, check_tensor_paral
 from gpt_fast.text.chat_template import chat_prompt_ids
 from gpt_fast.text.textstream import TextStream
 from gpt_fast.text.tokenizer import Tokenizer
-from gpt_fast.util.device import DTYPE_CHOICES, device_name, dtype_name, resolve_device, resolve_dtype
+from gpt_fast.util.choices import DEFAULT_MAX_NEW_TOKENS
+from gpt_fast.util.device import (
+    DTYPE_CHOICES,
+    device_memory_bytes,
+    device_name,
+    dtype_name,
+    resolve_device,
+    resolve_dtype,
+)
+from gpt_fast.util.fileio import check_output_file
 from gpt_fast.util.options import OptionError, check_at_least, check_one_of
 from gpt_fast.util.paths import CHECKPOINTS_DIR
 
-DEFAULT_MAX_NEW_TOKENS = 200
 Message = dict[str, str]  # {"role": ..., "content": ...}
 _REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
@@ -478,6 +487,21 @@ class Engine:
             raise ValueError("the prompt encodes to no tokens")
         cache_length(len(prompt_ids), max_new_tokens, self.model_config.block_size)
 
+    def check_batch_size(self, batch_size: int, prompt_length: int, max_new_tokens: int) -> None:
+        """Raise ValueError (before any allocation) if ``batch_size`` rows' KV cache alone, sized from the model's
+        config (this rank's part with tensor parallelism), exceeds the device's whole memory."""
+        config = self.model_config
+        length = cache_length(prompt_length, max_new_tokens, config.block_size)
+        kv_size = config.kv_size // self.world_size  # each rank holds whole key/value heads
+        row_bytes = 2 * config.n_layer * kv_size * length * self.dtype.itemsize  # keys and values of one row
+        needed, memory = batch_size * row_bytes, device_memory_bytes(self.device)
+        if needed > memory:
+            raise ValueError(
+                f"--batch_size {batch_size}: the KV cache alone needs {needed / 1e9:.1f} GB ({row_bytes / 1e6:.1f} MB "
+                f"per sequence), more than the {memory / 1e9:.1f} GB of {self.device_name}; at most "
+                f"{memory // row_bytes} sequences fit"
+            )
+
     # --- scoring ------------------------------------------------------------------------------------------------
 
     def log_likelihoods(self, ids: Sequence[int]) -> torch.Tensor:
@@ -493,6 +517,32 @@ class Engine:
 
     # --- generation ---------------------------------------------------------------------------------------------
 
+    def sampling_choice(
+        self, temperature: float | None = None, top_k: int | None = None, top_p: float | None = None
+    ) -> tuple[SamplingConfig, str]:
+        """The sampling of a request and a line saying where each value comes from: each value given here, else the
+        one the checkpoint recommends (``config.json``'s ``generation``), else :class:`SamplingConfig`'s default."""
+        given = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+        given = {name: value for name, value in given.items() if value is not None}
+        recommended = self.config.generation if self.config is not None else None
+        from_checkpoint = (
+            {} if recommended is None else {k: v for k, v in recommended.given().items() if k not in given}
+        )
+        source = "" if recommended is None else recommended.source
+        if from_checkpoint.get("top_k") == 0:  # the whole vocabulary
+            from_checkpoint["top_k"] = None
+        sampling = SamplingConfig(**(from_checkpoint | given))
+        sources = dict.fromkeys(given, "given") | dict.fromkeys(from_checkpoint, source)
+
+        def shown(name: str) -> str:
+            value = getattr(sampling, name)
+            value = "the whole vocabulary" if value is None else f"{value:g}"
+            return f"{name} {value} ({sources.get(name, 'default')})"
+
+        if sampling.greedy:
+            return sampling, f"greedy: {shown('temperature')}"
+        return sampling, ", ".join(shown(name) for name in ("temperature", "top_k", "top_p"))
+
     def generate(
         self,
         prompts: str | Sequence[str],
@@ -505,12 +555,13 @@ class Engine:
     ) -> list[Completion]:
         """A completion for each prompt; several prompts are generated together (:meth:`generate_many_ids`), or,
         with speculative decoding, one after another. Every prompt is encoded and checked against the context
-        before the first is generated."""
+        before the first is generated. Without ``sampling``, the checkpoint's recommended sampling
+        (:meth:`sampling_choice`)."""
         texts = [prompts] if isinstance(prompts, str) else list(prompts)
         all_ids = [self.encode(text, chat=chat, system=system) for text in texts]
         for ids in all_ids:
             self.check_fits(ids, max_new_tokens)
-        sampling = sampling or SamplingConfig()
+        sampling = sampling or self.sampling_choice()[0]
         if len(all_ids) > 1 and self.options.speculative is None:
             return self.generate_many_ids(all_ids, max_new_tokens, sampling, ignore_eos=ignore_eos)
         return [self._complete(ids, max_new_tokens, sampling, ignore_eos) for ids in all_ids]
@@ -531,9 +582,10 @@ class Engine:
         system: str | None = None,
     ) -> Iterator[str]:
         """The continuation's text, piece by piece as it is generated (a piece is held back until it is whole
-        UTF-8). Stops at a stop token or after ``max_new_tokens``."""
+        UTF-8). Stops at a stop token or after ``max_new_tokens``. Without ``sampling``, the checkpoint's recommended
+        sampling (:meth:`sampling_choice`)."""
         ids = self.encode(prompt, chat=chat, system=system)
-        return self.stream_ids(ids, max_new_tokens, sampling or SamplingConfig())
+        return self.stream_ids(ids, max_new_tokens, sampling or self.sampling_choice()[0])
 
     def stream_ids(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingConfig) -> Iterator[str]:
         """:meth:`stream` for prompt ids already encoded."""
@@ -561,6 +613,7 @@ class Engine:
         ``drafter``: benchmarks pass their own) the result is a
         :class:`gpt_fast.generation.speculative.SpeculativeResult`."""
         self.check_fits(prompt_ids, max_new_tokens)
+        self.check_batch_size(batch_size, len(prompt_ids), max_new_tokens)
         on_tokens = None
         if on_text is not None:
             text = TextStream(self.tokenizer, prompt_ids, on_text)
@@ -669,12 +722,14 @@ class Engine:
         )
 
     @contextlib.contextmanager
-    def profiled(self, trace_path: Path) -> Iterator[None]:
+    def profiled(self, trace_path: str | os.PathLike[str]) -> Iterator[None]:
         """Record the generations inside the block with the PyTorch profiler into ``trace_path`` (Perfetto), with the
-        prefill and every decode step marked for ``gpt-fast trace-summary``."""
+        prefill and every decode step marked for ``gpt-fast trace-summary``. The path is checked before the block
+        runs (its folder must exist and be writable)."""
+        path = check_output_file(Path(trace_path), "trace_path")
         self._profile_marks = True
         try:
-            with record_trace(trace_path, self.device):
+            with record_trace(path, self.device):
                 yield
         finally:
             self._profile_marks = False

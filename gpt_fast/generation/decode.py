@@ -25,12 +25,9 @@ from gpt_fast.generation.precompile import PrecompiledStep
 from gpt_fast.generation.profiling import DECODE_MARK
 from gpt_fast.generation.sampling import SamplingConfig, sample
 from gpt_fast.model.transformer import Transformer
+from gpt_fast.util.choices import COMPILE_MODES, COORDINATE_DESCENT, KERNEL_TUNINGS
+from gpt_fast.util.device import cudagraph_step_begin
 
-COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
-# How inductor picks each generated kernel's block sizes and warps: coordinate-descent tuning benchmarks neighbouring
-# configurations at the first run (the faster kernels; most of a cold compile), heuristic takes its own choice.
-COORDINATE_DESCENT, HEURISTIC = "coordinate-descent", "heuristic"
-KERNEL_TUNINGS = (COORDINATE_DESCENT, HEURISTIC)  # the first is the default
 CACHE_LENGTH_MULTIPLE = 64  # round cache lengths up so nearby request lengths share one compiled graph
 
 
@@ -319,7 +316,7 @@ class PlainSteps:
 
     def step(self) -> None:
         with self.mark(DECODE_MARK):
-            torch.compiler.cudagraph_mark_step_begin()
+            cudagraph_step_begin()
             self.steps.decode(self.model, self.sampling)
         self.produced += 1
 

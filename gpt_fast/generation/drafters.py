@@ -23,6 +23,7 @@ from torch import nn
 from gpt_fast.generation.sampling import SamplingConfig, probabilities, sample_weights
 from gpt_fast.model.cache import DecodeState
 from gpt_fast.model.transformer import Transformer
+from gpt_fast.util.device import cudagraph_step_begin
 from gpt_fast.util.options import OptionError
 
 MAX_SPECULATE_K = 16  # proposals per round; past a handful the verify step stops being as cheap as a decode step
@@ -117,7 +118,7 @@ class PromptLookup(Drafter):
         return f"prompt lookup (n-grams up to {self.ngram})"
 
     def draft(self, steps: Any, state: DecodeState, sampling: SamplingConfig) -> None:
-        torch.compiler.cudagraph_mark_step_begin()
+        cudagraph_step_begin()
         steps.propose(self, state)
 
     def propose(self, state: DecodeState) -> None:
@@ -170,10 +171,10 @@ class DraftModel(Drafter):
         self.model(prompt, torch.arange(prompt.shape[1], device=prompt.device), last_only=True, from_start=True)
 
     def draft(self, steps: Any, state: DecodeState, sampling: SamplingConfig) -> None:
-        torch.compiler.cudagraph_mark_step_begin()
+        cudagraph_step_begin()
         steps.draft_first(self, state, sampling)
         for _ in range(self.k - 1):
-            torch.compiler.cudagraph_mark_step_begin()
+            cudagraph_step_begin()
             steps.draft_next(self, sampling)
 
 
@@ -256,7 +257,7 @@ class Replay(Drafter):
     def draft(self, steps: Any, state: DecodeState, sampling: SamplingConfig) -> None:
         if self.cost is not None:
             self.cost.draft(steps, state, sampling)
-        torch.compiler.cudagraph_mark_step_begin()
+        cudagraph_step_begin()
         steps.propose(self, state)
 
     def propose(self, state: DecodeState) -> None:

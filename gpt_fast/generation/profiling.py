@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from gpt_fast.util.fileio import atomic_path, check_output_dir, check_output_file
+from gpt_fast.util.fileio import atomic_path, check_output_dir, check_output_file, native_stderr_without
 
 PREFILL_MARK = "gpt_fast::prefill"
 DECODE_MARK = "gpt_fast::decode"
 DRAFT_MARK = "gpt_fast::draft"
 VERIFY_MARK = "gpt_fast::verify"
+# The profiler library's own log lines on stderr: "USDT:2026-11-28 23:19:15 25308:25308 File.cpp:52] profiler_start"
+KINETO_LOG = re.compile(rb"[A-Z]+:\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \S+\.cpp:\d+\] ")
 
 
 def trace_file(profile: str | os.PathLike, name: str = "trace", variant: str = "") -> Path:
@@ -47,7 +50,13 @@ def record_trace(path: Path, device: torch.device) -> Iterator[None]:
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities, acc_events=True) as prof:  # one cycle; also quiets a warning about cycles
+    prof = profile(activities=activities, acc_events=True)  # one cycle; also quiets a warning about cycles
+    with native_stderr_without(KINETO_LOG):  # its "profiler_start" line would land in the streamed text
+        prof.start()
+    try:
         yield
+    finally:
+        with native_stderr_without(KINETO_LOG):
+            prof.stop()
     with atomic_path(path) as tmp:
         prof.export_chrome_trace(str(tmp))

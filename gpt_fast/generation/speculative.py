@@ -56,9 +56,10 @@ from gpt_fast.generation.profiling import DRAFT_MARK, VERIFY_MARK
 from gpt_fast.generation.sampling import SamplingConfig, probabilities, sample_weights
 from gpt_fast.model.config import CheckpointConfig
 from gpt_fast.model.transformer import Transformer
+from gpt_fast.util.choices import DEFAULT_SPECULATE_K
+from gpt_fast.util.device import cudagraph_step_begin
 from gpt_fast.util.options import OptionError
 
-DEFAULT_SPECULATE_K = 4
 MAX_ROUNDS_AHEAD = 2  # rounds the host may have started beyond those it has read back
 
 
@@ -289,7 +290,7 @@ class SpeculativeRounds:
             self.drafter.draft(self.spec_steps, self.model.decode_state, self.sampling)
         drafted = self.timer.stamp()
         with self.mark(VERIFY_MARK):
-            torch.compiler.cudagraph_mark_step_begin()
+            cudagraph_step_begin()
             self.spec_steps.verify(self.model, self.spec, self.sampling)
         self.timer.add(began, drafted, self.timer.stamp())
 

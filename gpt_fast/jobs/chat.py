@@ -6,7 +6,6 @@ from collections.abc import Callable
 
 from gpt_fast.engine.engine import Engine, Message
 from gpt_fast.generation.sampling import SamplingConfig
-from gpt_fast.text.chat_template import NO_TEMPLATE_MESSAGE
 
 EXIT_WORDS = ("/exit", "/quit")
 RESET_WORD = "/reset"
@@ -17,7 +16,10 @@ Write = Callable[[str], None]
 def check_can_chat(engine: Engine) -> None:
     """Before any weights are read: chatting needs a chat template."""
     if engine.chat_template is None:
-        raise ValueError(f"{NO_TEMPLATE_MESSAGE} (this checkpoint cannot chat; use `gpt-fast generate --prompt`)")
+        raise ValueError(
+            f"{engine.checkpoint_dir} has no chat template, so it cannot chat: give chat a --checkpoint_path whose "
+            "checkpoint has one (an instruct model's), or continue text with `gpt-fast generate --prompt TEXT`"
+        )
 
 
 def chat_loop(
@@ -45,6 +47,7 @@ def chat_loop(
             return
         if text.strip() == RESET_WORD:
             messages = list(start)
+            write(f"(a new conversation{', with the system message' if system else ''})\n")
             continue
         if not text.strip():
             continue
@@ -65,13 +68,20 @@ def chat_loop(
 
 
 def answer(engine: Engine, ids: list[int], max_new_tokens: int, sampling: SamplingConfig, write: Write) -> str:
-    """Stream the answer to ``ids``; return its text, cut short by Ctrl-C."""
+    """Stream the answer to ``ids``; return its text, cut short by Ctrl-C (marked ``[stopped]``) or by
+    ``max_new_tokens`` (marked ``[cut: ...]``: it did not end with a stop token)."""
     pieces: list[str] = []
+
+    def on_text(piece: str) -> None:
+        write(piece)
+        pieces.append(piece)
+
     try:
-        for piece in engine.stream_ids(ids, max_new_tokens, sampling):
-            write(piece)
-            pieces.append(piece)
+        new = engine.generate_ids(ids, max_new_tokens, sampling, on_text=on_text).tokens[0]
     except KeyboardInterrupt:
         write(" [stopped]")
+    else:
+        if len(new) >= max_new_tokens and new[-1] not in engine.stop_ids:
+            write(f" [cut: --max_new_tokens {max_new_tokens} reached]")
     write("\n")
     return "".join(pieces)

@@ -24,9 +24,10 @@ from pathlib import Path
 import torch
 
 from gpt_fast.engine.engine import Engine
+from gpt_fast.util.choices import EVAL_DATASETS, EVAL_MAX_TOKENS, EVAL_WINDOW
 
 DEFAULT_TEXT = "pydoc_data.topics"
-DATASETS = ("wikitext-2",)
+DATASETS = EVAL_DATASETS
 WIKITEXT_REPO = "Salesforce/wikitext"
 WIKITEXT_TEST = "wikitext-2-raw-v1/test-00000-of-00001.parquet"
 Write = Callable[[str], None]
@@ -38,9 +39,9 @@ class EvalOptions:
 
     text: Path | None = None  # None: the default text (or the dataset)
     dataset: str | None = None
-    max_tokens: int = 8192
-    window: int = 1024  # capped at the model's context
-    stride: int = 512
+    max_tokens: int = EVAL_MAX_TOKENS
+    window: int | None = None  # None: the model's context, at most EVAL_WINDOW; never beyond the context
+    stride: int | None = None  # None: half the window
 
     def __post_init__(self) -> None:
         if self.text is not None and self.dataset is not None:
@@ -49,10 +50,23 @@ class EvalOptions:
             raise ValueError(f"--dataset {self.dataset!r} is not one of {', '.join(DATASETS)}")
         if self.max_tokens < 2:
             raise ValueError(f"--max_tokens must be >= 2, got {self.max_tokens}")
-        if self.window < 2:
+        if self.window is not None and self.window < 2:
             raise ValueError(f"--window must be >= 2, got {self.window}")
-        if not 1 <= self.stride <= self.window:
+        if self.stride is not None and self.window is not None and not 1 <= self.stride <= self.window:
             raise ValueError(f"--stride must be in 1..--window ({self.window}), got {self.stride}")
+        if self.stride is not None and self.stride < 1:
+            raise ValueError(f"--stride must be >= 1, got {self.stride}")
+
+    def spans(self, context: int) -> tuple[int, int]:
+        """``(window, stride)`` for a model of ``context`` tokens: a window beyond it is refused, not shortened
+        (the perplexity would be another's than the one asked for)."""
+        if self.window is not None and self.window > context:
+            raise ValueError(f"--window {self.window} is beyond the model's context of {context} tokens")
+        window = self.window if self.window is not None else min(EVAL_WINDOW, context)
+        stride = self.stride if self.stride is not None else max(window // 2, 1)
+        if stride > window:
+            raise ValueError(f"--stride must be in 1..--window ({window}), got {stride}")
+        return window, stride
 
     @property
     def text_name(self) -> str:
@@ -134,8 +148,6 @@ def windows(n_tokens: int, window: int, stride: int) -> list[tuple[int, int, int
 
 def perplexity(engine: Engine, ids: list[int], window: int, stride: int, progress: Write | None = None) -> Perplexity:
     """Sliding-window perplexity of ``ids`` (see the module's docstring)."""
-    window = min(window, engine.model_config.block_size)
-    stride = min(stride, window)
     spans = windows(len(ids), window, stride)
     start = time.perf_counter()
     total, count = 0.0, 0
@@ -153,12 +165,13 @@ def run_eval(
     engine: Engine, options: EvalOptions, text: str, as_json: bool, write: Write, progress: Write
 ) -> Perplexity:
     """Encode ``text``, load the weights, score; the result as a table or a JSON object."""
+    window, stride = options.spans(engine.model_config.block_size)
     ids = engine.encode(text)[: options.max_tokens]
     if len(ids) < 2:
         raise ValueError(f"{options.text_name} encodes to fewer than 2 tokens")
     engine.load_weights()
     with torch.inference_mode():
-        result = perplexity(engine, ids, options.window, options.stride, progress)
+        result = perplexity(engine, ids, window, stride, progress)
     quant = engine.quantization.name if engine.quantization is not None else "none"
     facts = {
         "checkpoint": str(engine.checkpoint_dir),

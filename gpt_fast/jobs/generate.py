@@ -13,16 +13,16 @@ from pathlib import Path
 import torch
 
 from gpt_fast.engine.engine import DEFAULT_MAX_NEW_TOKENS, Engine, EngineOptions, set_seed
-from gpt_fast.generation.decode import HEURISTIC
 from gpt_fast.generation.loop import GenerationResult
 from gpt_fast.generation.metrics import RunMetrics, SampleMetrics, SpeculativeMetrics, averages_label, timed_samples
 from gpt_fast.generation.profiling import trace_file
 from gpt_fast.generation.sampling import SamplingConfig
 from gpt_fast.generation.speculative import SpeculativeResult
+from gpt_fast.util.choices import DEFAULT_NUM_SAMPLES, DEFAULT_PROMPT, HEURISTIC
 from gpt_fast.util.device import memory_used
 from gpt_fast.util.fileio import check_output_file, write_text_atomic
+from gpt_fast.util.settings import cpu_threads_note
 
-DEFAULT_PROMPT = "Hello, my name is"
 MAX_SEED = 2**64 - 1
 Write = Callable[[str], None]
 
@@ -42,7 +42,7 @@ class GenerateOptions:
     chat: bool = False
     system: str | None = None
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-    num_samples: int = 5
+    num_samples: int = DEFAULT_NUM_SAMPLES
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     profile: str | None = None  # a trace file, or a folder for trace.json
     profile_all_ranks: bool = False  # with tensor parallelism: every rank writes its trace (PATH_rankN.json)
@@ -64,8 +64,7 @@ class GenerateOptions:
         for name in ("max_new_tokens", "num_samples", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
-        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
-            raise ValueError(f"--seed must be in 0..2**64-1, got {self.seed}")
+        check_seed(self.seed)
         if self.metrics_json is not None:
             check_output_file(self.metrics_json, "--metrics_json")
         if self.profile is not None:
@@ -91,6 +90,11 @@ class GenerateOptions:
         return trace_file(self.profile, f"trace_rank{rank}", f"rank{rank}") if self.profile_all_ranks else None
 
 
+def check_seed(seed: int | None) -> None:
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"--seed must be in 0..2**64-1, got {seed}")
+
+
 def compile_notes(options: EngineOptions) -> str:
     """What the first line says about compilation beyond the mode: regional, and untuned kernels."""
     notes = ["regional: one layer compiled and reused"] if options.regional_compile else []
@@ -101,12 +105,16 @@ def compile_notes(options: EngineOptions) -> str:
     return f" ({'; '.join(notes)})" if notes else ""
 
 
-def load_reporting(engine: Engine, write: Write) -> None:
-    """Read the weights, saying what is loaded where and how long it took (the blog's first lines)."""
+def load_reporting(engine: Engine, write: Write, sampling_note: str | None = None) -> None:
+    """Read the weights, saying what is loaded where (with the CPU's thread count), how it samples
+    (``sampling_note``: :meth:`Engine.sampling_choice`'s line) and how long loading took (the blog's first lines)."""
+    where = engine.device_name if engine.device.type != "cpu" else f"{engine.device_name}, {cpu_threads_note()}"
     write(
-        f"Using device={engine.device} ({engine.device_name}), dtype={engine.dtype_name}, "
+        f"Using device={engine.device} ({where}), dtype={engine.dtype_name}, "
         f"compile={engine.compile}{compile_notes(engine.options)}\n"
     )
+    if sampling_note is not None:
+        write(f"Sampling: {sampling_note}\n")
     if engine.world_size > 1:
         write(f"Tensor parallel over {engine.world_size} ranks (figures are rank 0's: bandwidth and memory per GPU)\n")
     write("Loading model ...\n")
@@ -125,6 +133,8 @@ class SampleRunner:
         self.prompts_ids = [engine.encode(text, chat=opts.chat, system=opts.system) for text in opts.all_prompts]
         for ids in self.prompts_ids:
             engine.check_fits(ids, opts.max_new_tokens)
+        if opts.batch_size > 1:  # one sequence's cache is checked against the weights' size when they are read
+            engine.check_batch_size(opts.batch_size, len(self.prompts_ids[0]), opts.max_new_tokens)
         self.prompt_ids = self.prompts_ids[0] if len(self.prompts_ids) == 1 else self.prompts_ids
 
     def generate(self) -> GenerationResult:
@@ -202,11 +212,23 @@ class SampleRunner:
 def describe(sample: SampleMetrics) -> str:
     spec = sample.speculative
     accepted = "" if spec is None else f", {spec.tokens_per_step:.2f} tokens per verify step"
+    rows = len(sample.generated_ids)
+    if rows == 1:
+        speed = f"{sample.new_tokens} tokens in {sample.seconds:.2f} s, {sample.tokens_per_sec:.2f} tokens/sec"
+    else:
+        speed = (
+            f"{sample.new_tokens} tokens per sequence in {sample.seconds:.2f} s, {sample.tokens_per_sec:.2f} "
+            f"tokens/sec per sequence ({aggregate_tokens_per_sec(sample):.2f} in all, {rows} sequences)"
+        )
     return (
-        f"{sample.new_tokens} tokens in {sample.seconds:.2f} s, {sample.tokens_per_sec:.2f} tokens/sec, "
-        f"time to first token {sample.ttft_seconds * 1e3:.1f} ms, bandwidth achieved {sample.bandwidth_gbps:.2f} GB/s"
-        f"{accepted}"
+        f"{speed}, time to first token {sample.ttft_seconds * 1e3:.1f} ms, bandwidth achieved "
+        f"{sample.bandwidth_gbps:.2f} GB/s{accepted}"
     )
+
+
+def aggregate_tokens_per_sec(sample: SampleMetrics) -> float:
+    """New tokens of every sequence together per second (rows that stopped early count what they made)."""
+    return sum(len(row) for row in sample.generated_ids) / sample.seconds
 
 
 def report(engine: Engine, runner: SampleRunner, samples: list[SampleMetrics], write: Write) -> RunMetrics:
@@ -251,7 +273,15 @@ def report(engine: Engine, runner: SampleRunner, samples: list[SampleMetrics], w
     over = f" ({metrics.averaged_over})"
     write(f"Bandwidth achieved{over}: {metrics.average_bandwidth_gbps:.2f} GB/s\n")
     write(f"Average time to first token{over}: {metrics.average_ttft_seconds * 1e3:.1f} ms\n")
-    write(f"Average tokens/sec{over}: {metrics.average_tokens_per_sec:.2f}\n")
+    rows = len(timed[0].generated_ids)
+    if rows == 1:
+        write(f"Average tokens/sec{over}: {metrics.average_tokens_per_sec:.2f}\n")
+    else:
+        together = statistics.fmean(aggregate_tokens_per_sec(s) for s in timed)
+        write(
+            f"Average tokens/sec{over}: {metrics.average_tokens_per_sec:.2f} per sequence, {together:.2f} in all "
+            f"({rows} sequences)\n"
+        )
     if metrics.speculative is not None:
         write(f"Speculative decoding{over}: {metrics.speculative.describe()}\n")
     write(f"Memory used: {metrics.memory_gb:.2f} GB ({memory_kind})\n")
@@ -260,13 +290,15 @@ def report(engine: Engine, runner: SampleRunner, samples: list[SampleMetrics], w
     return metrics
 
 
-def run_generate(engine: Engine, opts: GenerateOptions, write: Write = write_stdout) -> RunMetrics:
+def run_generate(
+    engine: Engine, opts: GenerateOptions, write: Write = write_stdout, sampling_note: str | None = None
+) -> RunMetrics:
     """The whole command on an opened engine: every check, then the weights, the samples and the report. With
     tensor parallelism every rank runs it and only rank 0 prints and writes ``--metrics_json``."""
     if engine.rank != 0:
         write = write_nothing
     runner = SampleRunner(engine, opts, write)
-    load_reporting(engine, write)
+    load_reporting(engine, write, sampling_note)
     metrics = report(engine, runner, runner.run(), write)
     if opts.metrics_json is not None and engine.rank == 0:
         write_text_atomic(opts.metrics_json, metrics.to_json())

@@ -76,6 +76,7 @@ GRAPH_LAUNCH_APIS = frozenset({"cudaGraphLaunch", "cuGraphLaunch", "hipGraphLaun
 _API_SUFFIX = re.compile(r"(?:_(?:ptsz|spt|v\d+))+$")
 
 RUNTIME_CATEGORIES = frozenset({"cuda_runtime", "cuda_driver"})
+CPU_OP_CATEGORY = "cpu_op"  # an operator run on the CPU (aten::mm), nested in the operators that called it
 GPU_MARK_CATEGORY = "gpu_user_annotation"
 KERNEL, MEMCPY, MEMSET = 0, 1, 2
 # Old kineto versions wrote "Kernel".
@@ -163,6 +164,9 @@ class TraceSummary:
     draft_us: float = 0.0  # wall time of the DRAFT_MARK marks together
     collective_kernels: int = 0  # kernels of collectives (COLLECTIVE_KERNEL), in scope
     collective_time_us: float = 0.0  # their GPU time together
+    # CPU operators by self time (their time less the operators they called), largest first: (name, count, total)
+    top_cpu_ops: tuple[tuple[str, int, float], ...] = ()
+    cpu_op_time_us: float = 0.0  # the self time of every CPU operator in scope together
 
     @property
     def unit(self) -> str:
@@ -254,6 +258,9 @@ class _Columns:
         self.call_corr, self.call_kind = array("q"), array("b")
         self.gpu_kind, self.gpu_corr, self.gpu_name = array("b"), array("q"), array("q")
         self.gpu_start, self.gpu_dur = array("d"), array("d")
+        self.threads: dict[Any, int] = {}
+        self.op_pid, self.op_thread, self.op_name = array("q"), array("q"), array("q")
+        self.op_start, self.op_dur = array("d"), array("d")
 
     def add(self, event: Any) -> None:
         self.events += 1
@@ -271,6 +278,8 @@ class _Columns:
         cat = cat if isinstance(cat, str) else ""
         if cat in GPU_CATEGORIES:
             self._add_gpu(event, GPU_CATEGORIES[cat], name, ts, dur)
+        elif cat == CPU_OP_CATEGORY:
+            self._add_op(event, name, ts, dur)
         elif name.startswith(_MARK_PREFIXES):
             if cat != GPU_MARK_CATEGORY:
                 self._add_mark(event, name, ts, dur)
@@ -302,6 +311,16 @@ class _Columns:
         self.call_ts.append(ts)
         self.call_corr.append(_correlation(event))
         self.call_kind.append(_CALL_CODES.get(kind, _OTHER_CALL))
+
+    def _add_op(self, event: dict[str, Any], name: str, ts: float, dur: float) -> None:
+        tid = event.get("tid")
+        self.op_pid.append(self._pid(event))
+        self.op_thread.append(
+            self.threads.setdefault(tid if isinstance(tid, (int, str)) else repr(tid), len(self.threads))
+        )
+        self.op_name.append(self.names.setdefault(name, len(self.names)))
+        self.op_start.append(ts)
+        self.op_dur.append(dur)
 
     def _add_gpu(self, event: dict[str, Any], kind: int, name: str, ts: float, dur: float) -> None:
         self.gpu_kind.append(kind)
@@ -515,6 +534,32 @@ def _top_kernels(
     return tuple((names[i], int(counts[i]), float(totals[i])) for i in order)
 
 
+def _self_times(thread: np.ndarray, start: np.ndarray, dur: np.ndarray) -> np.ndarray:
+    """Each operator's self time: its duration less those of the operators directly inside it on its thread."""
+    own = dur.copy()
+    order = np.lexsort((-dur, start, thread))  # by thread, then start; an enclosing operator before its first child
+    open_ops: list[int] = []  # the operators enclosing the current one, innermost last
+    previous_thread = None
+    for i in order:
+        if thread[i] != previous_thread:
+            open_ops, previous_thread = [], thread[i]
+        while open_ops and start[open_ops[-1]] + dur[open_ops[-1]] <= start[i]:
+            open_ops.pop()
+        if open_ops:
+            own[open_ops[-1]] -= dur[i]
+        open_ops.append(i)
+    return np.maximum(own, 0.0)
+
+
+def _top_cpu_ops(c: _Columns, marks: _Marks | None, top: int) -> tuple[tuple[tuple[str, int, float], ...], float]:
+    """The CPU operators in scope that took the most self time, and the self time of all of them."""
+    start, dur = np.asarray(c.op_start), np.asarray(c.op_dur)
+    own = _self_times(np.asarray(c.op_thread) * len(c.pids) + np.asarray(c.op_pid), start, dur)
+    inside = np.ones(len(start), dtype=bool) if marks is None else _inside_marks(np.asarray(c.op_pid), start, marks)
+    names = np.asarray(c.op_name, dtype=np.int64)[inside]
+    return _top_kernels(names, own[inside], list(c.names), top), float(own[inside].sum())
+
+
 def _collectives(name_idx: np.ndarray, dur: np.ndarray, names: list[str]) -> tuple[int, float]:
     """How many of the kernels (``name_idx`` into ``names``) are collectives', and their time together."""
     is_collective = np.array([bool(COLLECTIVE_KERNEL.search(name)) for name in names], dtype=bool)
@@ -533,6 +578,7 @@ def _summarize(c: _Columns, path: Path, top: int) -> TraceSummary:
     collective_kernels, collective_time = _collectives(
         np.asarray(c.gpu_name, dtype=np.int64)[kernels], dur, list(c.names)
     )
+    top_cpu_ops, cpu_op_time = _top_cpu_ops(c, marks, top) if len(c.op_start) else ((), 0.0)
     verify_kind = np.zeros(0, dtype=np.int8)
     if len(c.verify):
         verify_kind = np.asarray(c.call_kind)[_inside_marks(np.asarray(c.call_pid), np.asarray(c.call_ts), c.verify)]
@@ -560,6 +606,8 @@ def _summarize(c: _Columns, path: Path, top: int) -> TraceSummary:
         draft_us=_span(c.draft),
         collective_kernels=collective_kernels,
         collective_time_us=collective_time,
+        top_cpu_ops=top_cpu_ops,
+        cpu_op_time_us=cpu_op_time,
     )
 
 
@@ -625,7 +673,18 @@ def _figures(s: TraceSummary, what: str, *pairs: tuple[int, str]) -> str:
 
 def _gpu_lines(s: TraceSummary) -> list[str]:
     if s.busy_fraction is None or s.gpu_window_us is None:
-        return [f"GPU: no kernels in {_SCOPE_PHRASES[s.scope]} (CPU-only trace?)"]
+        if not s.top_cpu_ops:
+            return [f"GPU: no kernels in {_SCOPE_PHRASES[s.scope]} (CPU-only trace?)"]
+        share = s.cpu_op_time_us
+        return [
+            f"GPU: no kernels in {_SCOPE_PHRASES[s.scope]} (a CPU trace); CPU operators' self time "
+            f"{_time(s.cpu_op_time_us)}",
+            f"top operators by CPU self time ({len(s.top_cpu_ops)}):",
+            *(
+                f"  {t / share if share else 0:6.1%} {_time(t):>10} x{c:<7} {_short_name(n)}"
+                for n, c, t in s.top_cpu_ops
+            ),
+        ]
     lines = [
         _figures(s, "GPU", (s.gpu_kernels, "kernels"), (s.gpu_memcpys, "memcpy"), (s.gpu_memsets, "memset")),
         f"GPU busy: {s.busy_fraction:.1%} of a {_time(s.gpu_window_us)} window from first to last kernel "
@@ -680,6 +739,11 @@ def short_summary(s: TraceSummary) -> str:
     )
     phrase = _SCOPE_PHRASES[s.scope]
     if s.busy_fraction is None:
-        return f"{first}\nGPU: no kernels in {phrase}"
+        if not s.top_cpu_ops:
+            return f"{first}\nGPU: no kernels in {phrase}"
+        ops = ", ".join(
+            f"{name} {t / s.cpu_op_time_us if s.cpu_op_time_us else 0:.0%}" for name, _, t in s.top_cpu_ops[:3]
+        )
+        return f"{first}\nCPU trace: top operators by self time in {phrase}: {ops}"
     gap = f"largest idle gap {_time(s.largest_gaps[0][1])}" if s.largest_gaps else "no idle gaps"
     return f"{first}\nGPU busy {s.busy_fraction:.1%} of {phrase}; {gap}"

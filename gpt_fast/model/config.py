@@ -323,9 +323,39 @@ class QuantConfig:
 
 
 @dataclass(frozen=True)
+class GenerationDefaults:
+    """The sampling a checkpoint's authors recommend, recorded at conversion (a Hugging Face folder's
+    ``generation_config.json``, as transformers and vLLM read it; for the embedded default model, its model card):
+    what `generate`, `chat` and :meth:`gpt_fast.engine.engine.Engine.generate` use for each value the user does not
+    give. None: no recommendation (gpt-fast's default applies)."""
+
+    temperature: float | None = None
+    top_k: int | None = None  # 0: the whole vocabulary (as in generation_config.json)
+    top_p: float | None = None
+    source: str = ""  # where the values come from, as reports name it
+
+    def __post_init__(self) -> None:
+        _require(
+            self.temperature is None or (math.isfinite(self.temperature) and self.temperature >= 0),
+            f"generation.temperature must be a finite number >= 0, got {self.temperature!r}",
+        )
+        _require(
+            self.top_k is None or (isinstance(self.top_k, int) and self.top_k >= 0),
+            f"generation.top_k must be an integer >= 0, got {self.top_k!r}",
+        )
+        _require(self.top_p is None or 0 < self.top_p <= 1, f"generation.top_p must be in (0, 1], got {self.top_p!r}")
+
+    def given(self) -> dict[str, float | int]:
+        """The values recommended, by name."""
+        values = {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
+        return {name: value for name, value in values.items() if value is not None}
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
-    """Everything ``config.json`` holds: the model shape, the tokenizer, the chat template, the weights' dtype and
-    their quantization (None: none)."""
+    """Everything ``config.json`` holds: the model shape, the tokenizer, the chat template, the weights' dtype,
+    their quantization (None: none) and the recommended sampling (None: none recorded, as in checkpoints converted
+    before it was)."""
 
     model: ModelConfig
     tokenizer: TokenizerConfig
@@ -334,6 +364,7 @@ class CheckpointConfig:
     weights: str = WEIGHTS_FILE
     source: dict[str, Any] = field(default_factory=dict)  # provenance only (what it was converted from)
     quantization: QuantConfig | None = None
+    generation: GenerationDefaults | None = None
 
     def __post_init__(self) -> None:
         _require(self.dtype in WEIGHT_DTYPES, f"dtype {self.dtype!r} is not one of {', '.join(WEIGHT_DTYPES)}")

@@ -387,7 +387,10 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        embeddings = torch.empty(config.vocab_size, config.dim)  # [V, D]
+        if not embeddings.is_meta:  # as nn.Embedding initializes it; on the meta device torch's would import dynamo
+            nn.init.normal_(embeddings)
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim, _weight=embeddings)
         self.layers = nn.ModuleList(TransformerBlock(config, config.layer_type(i)) for i in range(config.n_layer))
         self.norm = RMSNorm(config.dim, config.norm_eps, config.norm_offset)
         self.output = None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)

@@ -34,6 +34,7 @@ from gpt_fast.model.transformer import Transformer
 from gpt_fast.quant.gptq import DAMP, asymmetric_target, gptq_int4, hessian
 from gpt_fast.quant.layout import OUTPUT, quantized_linears
 from gpt_fast.quant.schemes import dequantize_int4
+from gpt_fast.util.choices import CALIBRATION_TEXT, CALIBRATION_TOKENS
 
 CALIBRATION_MODULES = (
     "argparse", "collections", "configparser", "csv", "dataclasses", "datetime", "difflib", "email.message",
@@ -41,8 +42,8 @@ CALIBRATION_MODULES = (
     "random", "shutil", "statistics", "string", "subprocess", "tarfile", "textwrap", "threading", "enum",
     "unittest", "urllib.parse", "uuid", "zipfile",
 )  # fmt: skip
-DEFAULT_TEXT = "stdlib docstrings (gpt_fast.quant.calibrate.CALIBRATION_MODULES)"
-DEFAULT_TOKENS = 4096
+DEFAULT_TEXT = CALIBRATION_TEXT
+DEFAULT_TOKENS = CALIBRATION_TOKENS
 ROW_TOKENS = 512  # tokens per calibration row (each row is a contiguous span of the text)
 
 

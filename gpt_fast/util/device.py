@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import resource
+import sys
 
 import torch
 
+from gpt_fast.util.choices import DTYPE_CHOICES, DTYPE_NAMES
 from gpt_fast.util.options import OptionError
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_CHOICES = ("auto", *DTYPES)  # auto: bfloat16 on a GPU (float16 where it has no bfloat16), float32 on the CPU
+DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.bfloat16, torch.float16), strict=True))
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -52,6 +54,21 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """The device's whole memory: a GPU's, or the host's physical memory for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def cudagraph_step_begin() -> None:
+    """``torch.compiler.cudagraph_mark_step_begin()`` (a new step: the outputs of the last CUDA-graph replay may be
+    overwritten), where a CUDA graph tree can exist: torch's function imports inductor, seconds of an eager run that
+    compiles nothing. Every compiled step is made with ``torch.compile``, which loads inductor first."""
+    if "torch._inductor" in sys.modules:
+        torch.compiler.cudagraph_mark_step_begin()
 
 
 def device_synchronize(device: torch.device) -> None:

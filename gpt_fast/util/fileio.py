@@ -255,3 +255,23 @@ def _names(fd: int, path: Path) -> bool:
         return os.path.samestat(os.fstat(fd), os.lstat(path))
     except FileNotFoundError:
         return False
+
+
+@contextmanager
+def native_stderr_without(pattern: re.Pattern[bytes]) -> Iterator[None]:
+    """Run the block with file descriptor 2, where native libraries write, going to a temporary file, then write
+    to it again the lines that do not match ``pattern``: a library's log lines leave the user's output alone."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = b"".join(line for line in captured if not pattern.match(line))
+            if kept:
+                os.write(2, kept)

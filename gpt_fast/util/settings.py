@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
+CGROUP = Path("/sys/fs/cgroup")
 
-def apply_torch_settings() -> None:
-    """Inductor settings for generation: coordinate-descent tuning of the generated kernels (decode is made of
-    matrix-vector products and reductions whose block sizes it tunes), readable kernel names in traces, and the
-    on-disk FX graph cache so a second process starts warm."""
+
+def apply_torch_settings(device: torch.device | None = None, *, compiled: bool = True) -> None:
+    """On the CPU, torch's thread count (:func:`cpu_threads`). When ``compiled``, inductor's settings for
+    generation: coordinate-descent tuning of the generated kernels (decode is made of matrix-vector products and
+    reductions whose block sizes it tunes), readable kernel names in traces, and the on-disk FX graph cache so a
+    second process starts warm. An eager run leaves inductor unimported (it takes seconds to import)."""
+    if device is not None and device.type == "cpu":
+        torch.set_num_threads(cpu_threads()[0])
+    if not compiled:
+        return
     import torch._inductor.config as inductor_config
 
     inductor_config.coordinate_descent_tuning = True
@@ -19,6 +29,44 @@ def apply_torch_settings() -> None:
     inductor_config.fx_graph_cache = True
     _use_workers_ptxas()
     _keep_tuned_configs_on_load()
+
+
+def cpu_threads() -> tuple[int, str]:
+    """Torch's threads on the CPU and why: ``OMP_NUM_THREADS`` when set to a positive integer, else the cores this
+    process may run on: its CPU affinity, capped by its cgroup's CPU quota. More threads than cores only wait on
+    each other: on a loaded 2-core machine 2 threads decoded several times slower than 1."""
+    setting = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if setting.isdigit() and int(setting) > 0:
+        return int(setting), f"OMP_NUM_THREADS={int(setting)}"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    quota = cgroup_cpu_quota()
+    if quota is not None and quota < cores:
+        return max(1, math.floor(quota)), f"the cgroup's CPU quota of {quota:g} cores"
+    return cores, f"the {cores} cores available"
+
+
+def cgroup_cpu_quota() -> float | None:
+    """The cores this process's cgroup may use (``cpu.max`` in cgroup v2, ``cpu.cfs_quota_us / cpu.cfs_period_us``
+    in v1, under :data:`CGROUP`, where a container sees its own cgroup); None without a quota."""
+    root = CGROUP
+    try:
+        if (root / "cpu.max").is_file():
+            quota, period = (root / "cpu.max").read_text().split()[:2]
+            return None if quota == "max" else int(quota) / int(period)
+        v1 = root / "cpu"
+        if (v1 / "cpu.cfs_quota_us").is_file():
+            quota = int((v1 / "cpu.cfs_quota_us").read_text())
+            return None if quota <= 0 else quota / int((v1 / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):  # unreadable or not numbers: no quota known
+        return None
+    return None
+
+
+def cpu_threads_note() -> str:
+    """Torch's thread count for the first line of a run: ``1 thread (OMP_NUM_THREADS=1)``."""
+    count = torch.get_num_threads()
+    threads, why = cpu_threads()
+    return f"{count} thread{'s' if count != 1 else ''}" + (f" ({why})" if count == threads else "")
 
 
 def _use_workers_ptxas() -> None:
