@@ -1,6 +1,6 @@
 """The choices and defaults of the command line that modules above share, in a module that imports nothing (the
-kernels' choices are :mod:`gpt_fast.accel.options`'): the command line builds its options (``--help``, argument errors) without importing torch, and the modules that use a
-value import it from here."""
+kernels' choices are :mod:`gpt_fast.accel.options`'): the command line builds its options (``--help``, argument
+errors) without importing torch, and the modules that use a value import it from here."""
 
 from __future__ import annotations
 
