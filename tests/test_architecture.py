@@ -113,6 +113,34 @@ def test_commands_reach_the_model_through_the_engine(name):
             assert not {i for i in imports if any(i == p or i.startswith(p + ".") for p in ENGINE_PRIVATE)}, module
 
 
+# What commands may take from generation: values and types (sampling settings, figures, profile marks, results);
+# never the loop, a step or a drafter, which only the engine drives.
+GENERATION_FOR_COMMANDS = {
+    "generation.sampling",
+    "generation.sampling.SamplingConfig",
+    "generation.metrics",
+    "generation.profiling",
+    "generation.loop",
+    "generation.loop.GenerationResult",
+    "generation.speculative",
+    "generation.speculative.SpeculativeResult",
+    "generation.speculative.SpeculativeOptions",
+}
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_commands_reach_the_decode_loop_through_the_engine(name):
+    for module, imports in MODULES.items():
+        if package(module) != name:
+            continue
+        taken = {i for i in imports if package(i) == "generation" and i.count(".") >= 1}
+        allowed = {i for i in taken if i in GENERATION_FOR_COMMANDS or i.rsplit(".", 1)[0] in METRICS_AND_MARKS}
+        assert taken == allowed, (module, taken - allowed)
+
+
+METRICS_AND_MARKS = {"generation.metrics", "generation.profiling"}
+
+
 def test_every_module_is_in_the_architecture_map():
     text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
     missing = [m for m in MODULES if "." in m and not m.endswith("__init__") and f"{m.split('.')[-1]}.py" not in text]

@@ -716,7 +716,9 @@ class Engine:
         self.options.check_batching()
         if self._slot_steps is None:
             opts = self.options
-            self._slot_steps = make_slot_steps(opts.compile, opts.compile_prefill, opts.kernel_tuning)
+            self._slot_steps = make_slot_steps(
+                opts.compile, opts.compile_prefill, opts.kernel_tuning, exact=opts.batch_invariant
+            )
         return Batcher(
             self.model, self._slot_steps, options or BatchOptions(), tokenizer=self._tokenizer, stop_ids=self.stop_ids
         )

@@ -94,13 +94,17 @@ class SlotSteps:
     mode: str
 
 
-def make_slot_steps(mode: str, compile_prefill: bool = False, tuning: str = COORDINATE_DESCENT) -> SlotSteps:
+def make_slot_steps(
+    mode: str, compile_prefill: bool = False, tuning: str = COORDINATE_DESCENT, *, exact: bool = False
+) -> SlotSteps:
     """The steps for a compile mode (``none`` = eager). The decode step is compiled whole and specialized on
     ``rows`` (``dynamic=False``): each value is its own graph with fixed shapes. A compiled prefill takes any prompt
-    length (the length dimension is marked dynamic), as the single-stream one does."""
+    length (the length dimension is marked dynamic), as the single-stream one does. ``exact``: with eager rounding
+    (:func:`gpt_fast.generation.decode.compile_options`), as the engine's other steps."""
     if mode == "none":
         return SlotSteps(prefill_slot, decode_slots, mode)
-    decode = torch.compile(decode_slots, options=compile_options(mode, tuning), fullgraph=True, dynamic=False)
+    options = compile_options(mode, tuning, exact=exact)
+    decode = torch.compile(decode_slots, options=options, fullgraph=True, dynamic=False)
     prefill = prefill_slot
     if compile_prefill:
         compiled = torch.compile(prefill_slot, fullgraph=True, options=tuning_options(tuning))
