@@ -4,7 +4,8 @@ computes it) with its change from the float checkpoint, and greedy answers to a 
 
 A scheme's name says it all: ``int4-g128-gptq-ao`` is int4 in groups of 128 rounded by GPTQ with act-order,
 calibrated on the default calibration text (standard-library docstrings, never the evaluation text; see
-:mod:`gpt_fast.quant.calibrate`); ``int4-g128-gptq-asym-ao`` the same with asymmetric calibration.
+:mod:`gpt_fast.quant.calibrate`); ``int4-g128-gptq-asym-ao`` the same with asymmetric calibration;
+``int4-g64-gptq-asym-ao`` is what ``gpt-fast quantize --mode int4`` does with no other option.
 
 With ``--gguf FILE`` an extra row converts that GGUF file straight to int4 in groups of 32 (its Q4_0/Q4_1 blocks
 taken over as they are, :mod:`gpt_fast.convert.gguf_quant`): for the default model, whose source is a Q4_1 GGUF,
@@ -36,7 +37,7 @@ PROMPTS = [
     "Write a Python function that reverses a string.",
     "Give three tips for staying healthy.",
 ]
-SCHEMES = "int8,int4-g128,int4-g64,int4-g32,int4-g128-gptq,int4-g128-gptq-ao,int4-g64-gptq-ao"
+SCHEMES = "int8,int4-g128,int4-g64,int4-g32,int4-g128-gptq-ao,int4-g128-gptq-asym-ao,int4-g64-gptq-asym-ao"
 
 
 def parse_scheme(name: str, tokens: int) -> tuple[QuantConfig, Calibration | None]:

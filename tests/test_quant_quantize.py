@@ -17,8 +17,8 @@ from tests.tiny import our_greedy, save_hf_llama
 
 SCHEMES = {
     "int8": ["--mode", "int8"],
-    "int4-g32": ["--mode", "int4", "--group_size", "32"],
-    "int4-g128-output": ["--mode", "int4", "--quantize_output"],  # the default group size, 128
+    "int4-g32": ["--mode", "int4", "--group_size", "32", "--calibrate", "none"],
+    "int4-output": ["--mode", "int4", "--quantize_output"],  # the defaults: groups of 64, GPTQ
 }
 
 
@@ -49,7 +49,7 @@ def quantized(source, tmp_path_factory):
 def test_config_json_records_the_scheme(quantized):
     assert load_checkpoint_config(quantized["int8"]).quantization == QuantConfig("int8")
     assert load_checkpoint_config(quantized["int4-g32"]).quantization == QuantConfig("int4", 32)
-    assert load_checkpoint_config(quantized["int4-g128-output"]).quantization == QuantConfig("int4", 128, True)
+    assert load_checkpoint_config(quantized["int4-output"]).quantization == QuantConfig("int4", 64, True, method="gptq")
     config = json.loads((quantized["int8"] / "config.json").read_text())
     assert config["quantization"] == {
         "mode": "int8",
@@ -99,7 +99,7 @@ def test_generate_and_bench_figures_use_the_quantized_bytes(quantized, source, c
     assert "Sample 1/1: 8 tokens" in out
     float_bytes = Engine.load(source).weight_bytes_per_token
     int8_bytes = Engine.load(quantized["int8"]).weight_bytes_per_token
-    int4_bytes = Engine.load(quantized["int4-g128-output"]).weight_bytes_per_token
+    int4_bytes = Engine.load(quantized["int4-output"]).weight_bytes_per_token
     assert int4_bytes < int8_bytes < 0.5 * float_bytes
 
 
@@ -131,7 +131,7 @@ def test_convert_quantize_does_both_in_one_go(tmp_path, capsys):
     assert f"Quantization {expected}" in out
     code, out, err = run(
         ["quantize", "--checkpoint_path", str(tmp_path / "f"), "--mode", "int4", "--group_size", "32"]
-        + ["--keep_float", KEPT, "--output_dir", str(tmp_path / "q2")],
+        + ["--calibrate", "none", "--keep_float", KEPT, "--output_dir", str(tmp_path / "q2")],
         capsys,
     )
     assert code == 0, err

@@ -50,14 +50,16 @@ ROW_TOKENS = 512  # tokens per calibration row (each row is a contiguous span of
 @dataclass(frozen=True)
 class Calibration:
     """How GPTQ is calibrated: the text (None: :func:`stdlib_docstrings`) and what to call it, how many of its
-    tokens, act-order, the damping of the Hessian, asymmetric calibration (against the float model's outputs)."""
+    tokens, act-order, the damping of the Hessian, asymmetric calibration (against the float model's outputs).
+    The defaults are ``gpt-fast quantize --mode int4``'s: act-order and asymmetric calibration on, the recipe of
+    least perplexity measured on the default model (docs/bench/2026-11-28_quant_int4_default_cpu.txt)."""
 
     text: str | None = None
     text_name: str = DEFAULT_TEXT
     tokens: int = DEFAULT_TOKENS
-    act_order: bool = False
+    act_order: bool = True
     damp: float = DAMP
-    asymmetric: bool = False
+    asymmetric: bool = True
 
     def __post_init__(self) -> None:
         whole_rows = (
