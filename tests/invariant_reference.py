@@ -127,13 +127,22 @@ def in_a_longer_cache(q, k, v, cos, sin, kv, positions, first_row, scale, softca
 
 
 def report(device: str) -> dict[str, float | bool]:
-    result: dict[str, float | bool] = {"rows_alike": True}
+    """On the CPU (Triton's interpreter) a float32 ``tl.dot`` is numpy's sgemm, which on some CPUs rounds one row of
+    a 16-row tile otherwise than the others (seen with numpy 2.3.5's OpenBLAS on an AMD EPYC: row 6): that case's
+    row equality is the interpreter's, reported apart as ``rows_alike_cpu_sgemm``; on a GPU it counts in
+    ``rows_alike``."""
+    result: dict[str, float | bool] = {"rows_alike": True, "rows_alike_cpu_sgemm": True}
     for dtype in (torch.float32, torch.bfloat16):
         errors = []
         for cases in (linear_cases, norm_cases, attention_cases):
             error, alike = cases(dtype, device)
             errors.append(error)
-            result["rows_alike"] = result["rows_alike"] and alike
+            key = (
+                "rows_alike_cpu_sgemm"
+                if device == "cpu" and cases is linear_cases and dtype == torch.float32
+                else "rows_alike"
+            )
+            result[key] = result[key] and alike
         result[str(dtype).removeprefix("torch.")] = max(errors)
     return result
 

@@ -29,6 +29,15 @@ def write(out: Path, seed: int) -> Path:
     return make_random_checkpoint(TINY, out, dtype=torch.float32, seed=seed)
 
 
+def write_default(out: Path, seed: int) -> Path:
+    """:func:`write`, recording the card's sampling as the default model's conversion does."""
+    path = write(out, seed)
+    config = json.loads((out / "config.json").read_text())
+    config["generation"] = dataclasses.asdict(default_model.CARD_SAMPLING)
+    (out / "config.json").write_text(json.dumps(config))
+    return path
+
+
 def seed_of(out: Path) -> int:
     """The seed of the whole checkpoint in ``out``: its config's, after checking that its weights are that seed's."""
     config = check_checkpoint(out)
@@ -373,7 +382,7 @@ def test_a_second_first_use_of_the_default_model_waits_and_reuses(tmp_path, monk
     locked, release, waiting = threading.Event(), threading.Event(), threading.Event()
     monkeypatch.setattr(writer, "waiting", lambda out: waiting.set())
     monkeypatch.setattr(default_model, "installed_gguf", lambda: pytest.fail("converted a second time"))
-    first = threading.Thread(target=hold_lock, args=(out, locked, release, lambda: write(out, 7)))
+    first = threading.Thread(target=hold_lock, args=(out, locked, release, lambda: write_default(out, 7)))
     first.start()
     assert locked.wait(60)
     results = []
