@@ -20,6 +20,7 @@ from gpt_fast.generation.loop import (
     decode_rows,
     drain,
     profile_mark,
+    prompt_rows,
 )
 from gpt_fast.generation.precompile import PrecompiledStep
 from gpt_fast.generation.profiling import DECODE_MARK
@@ -304,9 +305,7 @@ class PlainSteps:
     ) -> None:
         self.model, self.sampling, self.steps, self.batch_size = model, sampling, steps, batch_size
         self.length = len(prompt_ids)
-        device = model.tok_embeddings.weight.device
-        # every row built on the host, then one copy: no `repeat` on the device
-        self.prompt = torch.tensor([list(prompt_ids)] * batch_size, dtype=torch.long).to(device)  # [B, T]
+        self.prompt = prompt_rows(prompt_ids, batch_size, model.tok_embeddings.weight.device)  # [B, T]
         self.produced = 0
         self.mark = mark  # the profiler's range around each decode step
 

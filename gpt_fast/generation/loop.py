@@ -27,12 +27,18 @@ from gpt_fast.generation.profiling import PREFILL_MARK
 from gpt_fast.util.device import device_synchronize
 
 Mark = Callable[[str], contextlib.AbstractContextManager]
+TokenCallback = Callable[[list[int]], None]  # receives one decoded token per batch row, in order
 BUFFER_CHUNK = 64  # host buffers are pinned this many records at a time: one allocation, not one per step
 
 
 def profile_mark(enabled: bool) -> Mark:
     """The profiler's named range around a step with ``enabled`` (``gpt-fast trace-summary`` reads them), else none."""
     return torch.profiler.record_function if enabled else (lambda _name: contextlib.nullcontext())
+
+
+def prompt_rows(prompt_ids: Sequence[int], batch_size: int, device: torch.device) -> torch.Tensor:
+    """The prompt for every row [B, T], built on the host and copied once (no ``repeat`` on the device)."""
+    return torch.tensor([list(prompt_ids)] * batch_size, dtype=torch.long).to(device)
 
 
 @dataclass
@@ -276,6 +282,3 @@ def drain(stream: Generator[list[int], None, GenerationResult], on_tokens: Token
         except StopIteration as done:
             return done.value
         on_tokens(step_tokens)
-
-
-TokenCallback = Callable[[list[int]], None]  # receives one decoded token per batch row, in order

@@ -50,7 +50,7 @@ from gpt_fast.generation.drafters import (
     draft_next,
     propose_step,
 )
-from gpt_fast.generation.loop import GenerationResult, Mark, Record, decode_rows, profile_mark
+from gpt_fast.generation.loop import GenerationResult, Mark, Record, decode_rows, profile_mark, prompt_rows
 from gpt_fast.generation.metrics import SpeculativeMetrics
 from gpt_fast.generation.profiling import DRAFT_MARK, VERIFY_MARK
 from gpt_fast.generation.sampling import SamplingConfig, probabilities, sample_weights
@@ -272,8 +272,7 @@ class SpeculativeRounds:
         self.spec = drafter.spec
         self.batch_size = self.spec.drafts.shape[0]
         device = model.tok_embeddings.weight.device
-        # every row built on the host, then one copy: no `repeat` on the device
-        self.prompt = torch.tensor([list(prompt_ids)] * self.batch_size, dtype=torch.long).to(device)  # [B, T]
+        self.prompt = prompt_rows(prompt_ids, self.batch_size, device)  # [B, T]
         self.timer = RoundTimer(device)
         self.counts: list[int] = []  # new tokens of each round read back, the prefill's first
 
