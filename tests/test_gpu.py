@@ -253,3 +253,40 @@ def test_family_features_compile_to_eager_greedy_tokens(name, mode):
         engine = Engine.from_state(shape, state, EngineOptions(compile=compile_mode, device="cuda", dtype="float32"))
         tokens[compile_mode] = engine.generate_ids(list(range(1, 21)), NEW_TOKENS, greedy).tokens[0]
     assert tokens[mode] == tokens["none"]
+
+
+ROW_AFTER_ROW = """
+import functools, torch
+from gpt_fast.bench.decode import Subject, measure, ours_runners, release_memory
+from gpt_fast.convert.random_init import random_weights
+from gpt_fast.model.config import QuantConfig
+from gpt_fast.model.shapes import get_shape
+from gpt_fast.util.settings import apply_torch_settings
+
+apply_torch_settings()
+device, shape = torch.device("cuda"), get_shape("llama-2-7b")
+subject = Subject(random_weights(shape, torch.bfloat16, seed=0, device=device), shape, "reduce-overhead", device,
+                  torch.bfloat16)
+rows = {"bf16": functools.partial(ours_runners, subject),
+        "int4 tinygemm": functools.partial(ours_runners, subject, QuantConfig("int4", 128), "aten")}
+generator = torch.Generator().manual_seed(0)
+prompt, ttft_prompt = (torch.randint(0, shape.vocab_size, (n,), generator=generator).tolist() for n in (64, 256))
+for name, build in rows.items():
+    print(measure(name, build, prompt, ttft_prompt, 32, 1, device), flush=True)
+    release_memory(device)
+print("every row measured")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_properties(0).total_memory < 40e9,
+    reason="needs a GPU with 40 GB",
+)
+def test_a_row_of_the_decode_bench_after_another_on_the_7b_shape():
+    """`gpt-fast bench decode --quantize int4` builds a row's engines after the last row's are freed. On the
+    Llama-2-7B shape a row whose prefill multiplies by cuBLAS (here PyTorch's tinygemm row, which dequantizes for
+    prefills) must not reuse a cuBLAS workspace from the freed row's CUDA-graph pool: that was an illegal memory
+    access at its first generation (BENCHMARKS.md, 2026-11-29)."""
+    result = subprocess.run([sys.executable, "-c", ROW_AFTER_ROW], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0 and "every row measured" in result.stdout, result.stderr[-3000:]

@@ -109,10 +109,16 @@ class GraphedPrefill:
     model (Llama-2-7B and SmolLM2-135M shapes alike), while the GPU work of a short prompt takes 3.5 ms on the 7B
     and far less on the small model. The first prefill of each key runs as it is (the warm-up capture needs)
     and then captures. A graph is kept for as long as this object lives, even once the model has allocated new
-    caches (its key then never matches again): on torch 2.11 destroying a captured graph releases cuBLAS workspace
-    that graphs captured later still use, and their replays read freed memory (an illegal memory access on an H200,
-    docs/bench/HISTORY.md, 2026-11-24h). The graphs share one memory pool, so they hold about one prefill's
+    caches (its key then never matches again). The graphs share one memory pool, so they hold about one prefill's
     temporaries, not one each.
+
+    cuBLAS keeps one workspace per stream, allocated at its first use: inside a capture, from the graph's pool.
+    Each capture therefore starts and ends with torch's cached workspaces dropped (:func:`clear_blas_workspaces`,
+    as inductor's CUDA-graph trees do around their own captures), so that a capture allocates its workspace inside
+    this object's pool and nothing captured later reuses it. Otherwise a graph captured after the engine that owned
+    an earlier capture was freed replays into freed memory: on an H200 with the Llama-2-7B shape, an illegal memory
+    access at the first synchronize of the second engine's generation, whenever its prefill multiplies by cuBLAS
+    (BENCHMARKS.md, 2026-11-29; ``tests/test_gpu.py`` builds that case).
     """
 
     def __init__(
@@ -153,9 +159,19 @@ class GraphedPrefill:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
+        clear_blas_workspaces()
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             self.padded(model, static_idx, length, sampling)
+        clear_blas_workspaces()
         return PrefillGraph(graph, static_idx, length)
+
+
+def clear_blas_workspaces() -> None:
+    """Drop torch's cached cuBLAS (hipBLAS on ROCm) workspaces: the next product on each stream allocates its own.
+    A build of torch without the call has nothing to drop."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
 
 
 @dataclass(frozen=True)
