@@ -289,6 +289,74 @@ def test_logprobs(tiny_server):
     assert plain.choices[0].logprobs is None
 
 
+CHAT_MESSAGES = [{"role": "user", "content": "hi"}]
+CHAT = {"model": "tiny", "messages": CHAT_MESSAGES}
+TEXTS = ["The capital of France is", "def f(x):\n    return x * 2", "naïve café 🤖", "<|im_start|>user"]
+
+
+def test_tokenize_and_detokenize_as_transformers_does(smol_server, smollm2_gguf):
+    """vLLM's /tokenize and /detokenize on the default model against transformers' tokenizer of the same GGUF."""
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    for text in TEXTS:
+        status, answer = smol_server.request("/tokenize", json.dumps({"prompt": text}).encode())
+        assert status == 200 and answer["tokens"] == reference(text)["input_ids"], (text, answer)
+        assert answer["count"] == len(answer["tokens"]) and answer["max_model_len"] == 512
+        assert answer["token_strs"] is None
+        status, back = smol_server.request("/detokenize", json.dumps({"tokens": answer["tokens"]}).encode())
+        assert status == 200 and back == {"prompt": reference.decode(answer["tokens"])}
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    body = {"model": SMOL, "messages": messages, "return_token_strs": True}
+    status, answer = smol_server.request("/tokenize", json.dumps(body).encode())
+    expected = reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    assert status == 200 and answer["tokens"] == list(getattr(expected, "input_ids", expected))
+    assert answer["token_strs"] == [reference.decode([i]) for i in answer["tokens"]]
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/tokenize", {"prompt": "hi", "messages": CHAT_MESSAGES}, "prompt"),
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": ["hi"]}, "prompt"),
+        ("/tokenize", {"prompt": "hi", "add_special_tokens": "yes"}, "add_special_tokens"),
+        ("/tokenize", {"messages": CHAT_MESSAGES, "add_generation_prompt": False}, "add_generation_prompt"),
+        ("/tokenize", {"prompt": "hi", "model": "gpt-4o"}, "model"),
+        ("/tokenize", {"prompt": "hi", "truncate": 3}, "truncate"),
+        ("/detokenize", {"tokens": [1, 512]}, "tokens"),
+        ("/detokenize", {"tokens": "1 2"}, "tokens"),
+        ("/detokenize", {"tokens": [True]}, "tokens"),
+    ],
+)
+def test_bad_tokenize_requests_get_openai_errors(tiny_server, tiny_engine, path, body, param):
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    status, answer = tiny_server.request(path, json.dumps(body).encode(), headers)
+    assert status in (400, 404) and answer["error"]["param"] == param, answer
+    status, answer = tiny_server.request("/tokenize", json.dumps({"prompt": "hi"}).encode())
+    assert status == 401  # the server's key is asked for here too
+    text = "Hello, world"
+    body = {"prompt": text, "add_special_tokens": False}
+    status, answer = tiny_server.request("/tokenize", json.dumps(body).encode(), headers)
+    assert status == 200 and answer["tokens"] == tiny_engine.tokenizer.encode(text, bos=False)
+
+
+def test_openai_fields_that_change_nothing_are_accepted_and_logged_once(tiny_server):
+    client = tiny_server.client(api_key=KEY)
+    extra = {"metadata": {"purpose": "test"}, "store": True, "service_tier": "auto", "user": "u-1"}
+    answers = [
+        client.chat.completions.create(model="tiny", messages=CHAT_MESSAGES, max_tokens=4, temperature=0,
+                                       parallel_tool_calls=False, **extra).choices[0].message.content,
+        client.completions.create(model="tiny", prompt="hi", max_tokens=4, temperature=0,
+                                  extra_body=extra).choices[0].text,  # the client's legacy call names fewer
+    ]  # fmt: skip
+    plain = client.chat.completions.create(model="tiny", messages=CHAT_MESSAGES, max_tokens=4, temperature=0)
+    assert answers[0] == plain.choices[0].message.content and all(isinstance(a, str) for a in answers)
+    notes = [line for line in tiny_server.output if line.startswith("note: the OpenAI field")]
+    for name in (*extra, "parallel_tool_calls"):
+        assert sum(f"{name!r}" in line for line in notes) == 1, notes
+
+
 def test_the_key_is_required(tiny_server):
     for client in (tiny_server.client(), tiny_server.client(api_key="wrong")):
         with pytest.raises(openai.AuthenticationError) as err:
@@ -297,7 +365,6 @@ def test_the_key_is_required(tiny_server):
     assert tiny_server.request("/health")[0] == 200  # the health check and the page need no key
 
 
-CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
 LONG = "x" * 300  # 301 tokens with BOS: longer than the 256 tokens of a slot
 
 
@@ -313,6 +380,9 @@ LONG = "x" * 300  # 301 tokens with BOS: longer than the 256 tokens of a slot
         ("/v1/chat/completions", CHAT | {"stream_options": {"include_usage": True}}, 400, {"param": "stream_options"}),
         ("/v1/chat/completions", CHAT | {"top_logprobs": 2}, 400, {"param": "top_logprobs"}),
         ("/v1/chat/completions", CHAT | {"frequency_penalty": 0.5}, 400, {"param": "frequency_penalty"}),
+        ("/v1/chat/completions", CHAT | {"metadata": ["a"]}, 400, {"param": "metadata"}),
+        ("/v1/chat/completions", CHAT | {"store": "yes"}, 400, {"param": "store"}),
+        ("/v1/chat/completions", CHAT | {"service_tier": 1}, 400, {"param": "service_tier"}),
         ("/v1/chat/completions", CHAT | {"tools": []}, 400, {"param": "tools"}),
         ("/v1/chat/completions", CHAT | {"messages": []}, 400, {"param": "messages"}),
         ("/v1/chat/completions", CHAT | {"messages": [{"role": "robot", "content": "hi"}]}, 400, {}),

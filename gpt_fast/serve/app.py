@@ -1,4 +1,5 @@
-"""The Starlette application: the OpenAI endpoints, the health check and the chat page.
+"""The Starlette application: the OpenAI endpoints, vLLM's ``/tokenize`` and ``/detokenize``, the health check and
+the chat page.
 
 Each request is checked (:mod:`gpt_fast.serve.openai_api`), submitted to the batcher, and answered from its events:
 as one JSON object, or as server-sent events ending in ``data: [DONE]``. A client that goes away cancels its
@@ -12,7 +13,7 @@ import asyncio
 import hmac
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,16 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from gpt_fast.engine.batcher import Batcher, Delta, Failed, Finished, QueueFull, TokenLogprob
-from gpt_fast.serve.openai_api import APIError, Call, Context, Responder, parse_chat, parse_completion
+from gpt_fast.serve.openai_api import (
+    APIError,
+    Call,
+    Context,
+    Responder,
+    detokenize,
+    parse_chat,
+    parse_completion,
+    tokenize,
+)
 from gpt_fast.serve.sse import DONE, Bridge, EventStream, event
 
 MAX_BODY_BYTES = 4 << 20
@@ -31,12 +41,16 @@ PAGE = Path(__file__).resolve().parent / "static" / "index.html"
 
 
 class OpenAIServer:
-    """The endpoints over one batcher."""
+    """The endpoints over one batcher. ``log`` gets one line for each field of :data:`IGNORED_FIELDS
+    <gpt_fast.serve.openai_api.IGNORED_FIELDS>` the first time a request gives it."""
 
-    def __init__(self, batcher: Batcher, ctx: Context, api_key: str | None = None) -> None:
-        self.batcher, self.ctx, self.api_key = batcher, ctx, api_key
+    def __init__(
+        self, batcher: Batcher, ctx: Context, api_key: str | None = None, log: Callable[[str], None] = print
+    ) -> None:
+        self.batcher, self.ctx, self.api_key, self.log = batcher, ctx, api_key, log
         self.created = int(time.time())
         self.page = PAGE.read_bytes()
+        self.ignored_seen: set[str] = set()
 
     def app(self) -> Starlette:
         routes = [
@@ -46,6 +60,8 @@ class OpenAIServer:
             Route("/v1/models/{model:path}", self.model),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
         ]
         handlers = {APIError: api_error, HTTPException: http_error, Exception: internal_error}
         return Starlette(routes=routes, exception_handlers=handlers)  # type: ignore[arg-type]
@@ -94,8 +110,17 @@ class OpenAIServer:
         self.authorize(request)
         return await self.answer(request, parse_completion(await read_json(request), self.ctx))
 
+    async def tokenize(self, request: Request) -> Response:
+        self.authorize(request)
+        return JSONResponse(tokenize(await read_json(request), self.ctx))
+
+    async def detokenize(self, request: Request) -> Response:
+        self.authorize(request)
+        return JSONResponse(detokenize(await read_json(request), self.ctx))
+
     def authorize(self, request: Request) -> None:
-        """With an API key set, every /v1 request carries it as ``Authorization: Bearer KEY``."""
+        """With an API key set, every /v1 request (and /tokenize, /detokenize) carries it as
+        ``Authorization: Bearer KEY``."""
         if self.api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
@@ -105,6 +130,7 @@ class OpenAIServer:
             raise APIError(401, "Incorrect API key provided", code="invalid_api_key")
 
     async def answer(self, request: Request, call: Call) -> Response:
+        self.log_ignored(call.ignored)
         bridge = Bridge(asyncio.get_running_loop())
         try:
             job = self.batcher.submit(call.request, bridge.put)
@@ -123,6 +149,12 @@ class OpenAIServer:
         if finished is None:  # the client has gone: nobody reads the answer
             return Response(status_code=499)
         return JSONResponse(responder.response(finished, logprobs))
+
+    def log_ignored(self, names: tuple[str, ...]) -> None:
+        for name in names:
+            if name not in self.ignored_seen:
+                self.ignored_seen.add(name)
+                self.log(f"note: the OpenAI field {name!r} changes nothing in this server's answers: accepted, ignored")
 
 
 async def read_json(request: Request) -> Any:

@@ -3,8 +3,11 @@
 Anything wrong with a request is an :class:`APIError` carrying the status and OpenAI's error object
 (``{"error": {"message", "type", "param", "code"}}``). Fields OpenAI defines that this server cannot honour
 (``n`` > 1, penalties, ``logit_bias``, ``echo``, ...) are refused by name rather than ignored, and so is any field
-OpenAI does not define (as OpenAI does). Extensions: ``top_k``; token ids in ``stop`` and as ``prompt``; ``ignore_eos``
-(generate ``max_tokens`` whatever the model's stop tokens: for benchmarks).
+OpenAI does not define (as OpenAI does). The OpenAI fields that change no answer (:data:`IGNORED_FIELDS`: request
+metadata, storage, service tier, end-user id, ``parallel_tool_calls`` without tools) are checked, then accepted and
+named in the server's log once, as vLLM does. Extensions: ``top_k``; token ids in ``stop`` and as ``prompt``;
+``ignore_eos`` (generate ``max_tokens`` whatever the model's stop tokens: for benchmarks); vLLM's ``/tokenize`` and
+``/detokenize`` (:func:`tokenize`, :func:`detokenize`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ MAX_TEMPERATURE = 2.0  # OpenAI's range is 0..2
 CHAT_TOP_LOGPROBS = 20  # OpenAI's limits for top_logprobs (chat) and logprobs (completions)
 COMPLETION_LOGPROBS = 5
 MAX_SEED = 2**63 - 1
+MAX_METADATA = 16  # OpenAI's limits for metadata: pairs, key and value lengths
+MAX_METADATA_KEY, MAX_METADATA_VALUE = 64, 512
 ROLES = ("system", "developer", "user", "assistant")  # "developer" is OpenAI's newer name for "system"
 COMMON_FIELDS = frozenset(
     {
@@ -42,8 +47,13 @@ COMMON_FIELDS = frozenset(
         "user",
         "logprobs",
         "ignore_eos",
+        "metadata",
+        "store",
+        "service_tier",
+        "parallel_tool_calls",
     }
 )
+IGNORED_FIELDS = ("metadata", "store", "service_tier", "user", "parallel_tool_calls")  # they change no answer
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 
@@ -77,6 +87,8 @@ class Context:
     vocab_size: int
     encode: Callable[[str], list[int]]
     chat_ids: Callable[[list[dict[str, str]]], list[int]] | None
+    tokenize: Callable[[str, bool], list[int]]  # text, with the checkpoint's special tokens (BOS) or without
+    detokenize: Callable[[list[int]], str]  # special tokens written out
 
 
 @dataclass(frozen=True)
@@ -87,6 +99,7 @@ class Call:
     request: Request
     stream: bool
     include_usage: bool
+    ignored: tuple[str, ...] = ()  # the IGNORED_FIELDS the request gave
 
 
 class Fields:
@@ -123,6 +136,22 @@ class Fields:
             raise APIError(400, f"{name} must be true or false, got {value!r}", param=name)
         return bool(value)
 
+    def ignored(self) -> tuple[str, ...]:
+        """The :data:`IGNORED_FIELDS` given, once checked to be of OpenAI's types."""
+        metadata = self.get("metadata")
+        if metadata is not None and not valid_metadata(metadata):
+            message = (
+                f"metadata must be an object of at most {MAX_METADATA} string values (keys up to "
+                f"{MAX_METADATA_KEY} characters, values up to {MAX_METADATA_VALUE})"
+            )
+            raise APIError(400, message, param="metadata")
+        for name in ("service_tier", "user"):
+            if self.get(name) is not None and not isinstance(self.get(name), str):
+                raise APIError(400, f"{name} must be a string", param=name)
+        self.boolean("store")
+        self.boolean("parallel_tool_calls")
+        return tuple(name for name in IGNORED_FIELDS if self.get(name) is not None)
+
     def unsupported(self, name: str, allowed: Sequence[Any], what: str) -> None:
         """Refuse ``name`` unless absent or one of ``allowed`` (the values that change nothing)."""
         value = self.get(name)
@@ -134,13 +163,7 @@ def parse_chat(body: Any, ctx: Context) -> Call:
     """A ``/v1/chat/completions`` body as a Call."""
     fields = Fields(body, CHAT_FIELDS)
     check_model(fields, ctx)
-    messages = chat_messages(fields.get("messages"))
-    if ctx.chat_ids is None:
-        raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
-    try:
-        prompt = ctx.chat_ids(messages)
-    except ValueError as err:  # the template refused the conversation, or a message is not valid text
-        raise APIError(400, str(err), param="messages") from None
+    prompt = chat_prompt(fields, ctx)
     new_max, old_max = fields.integer("max_completion_tokens", 1, 2**31), fields.integer("max_tokens", 1, 2**31)
     if new_max is not None and old_max is not None and new_max != old_max:
         raise APIError(400, "max_completion_tokens and max_tokens differ; give one", param="max_tokens")
@@ -181,9 +204,7 @@ def make_call(
     fields.unsupported("presence_penalty", [0, 0.0], "no penalties")
     fields.unsupported("frequency_penalty", [0, 0.0], "no penalties")
     fields.unsupported("logit_bias", [{}], "no logit bias")
-    user = fields.get("user")
-    if user is not None and not isinstance(user, str):
-        raise APIError(400, "user must be a string", param="user")
+    ignored = fields.ignored()
     sampling = SamplingConfig(
         temperature=fields.number("temperature", 1.0, 0.0, MAX_TEMPERATURE),
         top_k=fields.integer("top_k", 1, 2**31),
@@ -201,7 +222,77 @@ def make_call(
         ignore_eos=fields.boolean("ignore_eos"),
         top_logprobs=top_logprobs,
     )
-    return Call(chat, request, stream, include_usage(fields.get("stream_options"), stream))
+    return Call(chat, request, stream, include_usage(fields.get("stream_options"), stream), ignored)
+
+
+def valid_metadata(value: Any) -> bool:
+    return (
+        isinstance(value, dict)
+        and len(value) <= MAX_METADATA
+        and all(isinstance(k, str) and len(k) <= MAX_METADATA_KEY for k in value)
+        and all(isinstance(v, str) and len(v) <= MAX_METADATA_VALUE for v in value.values())
+    )
+
+
+TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                             "return_token_strs"})  # fmt: skip
+
+
+def tokenize(body: Any, ctx: Context) -> dict[str, Any]:
+    """vLLM's ``/tokenize``: ``prompt`` (text; ``add_special_tokens``, default true: the checkpoint's BOS) or
+    ``messages`` (a conversation through the chat template, ready for the answer) as token ids, with their count
+    and the context per slot (``max_model_len``); ``return_token_strs``: each token's text too."""
+    fields = Fields(body, TOKENIZE_FIELDS)
+    if fields.get("model") is not None:
+        check_model(fields, ctx)
+    prompt, messages = fields.get("prompt"), fields.get("messages")
+    if (prompt is None) == (messages is None):
+        raise APIError(400, "give either prompt (a string) or messages", param="prompt")
+    if messages is not None:
+        if fields.get("add_generation_prompt") is False:
+            raise APIError(400, "the chat template is rendered ready for the answer", param="add_generation_prompt")
+        ids = chat_prompt(fields, ctx)
+    elif isinstance(prompt, str):
+        special = fields.get("add_special_tokens")
+        ids = encoded(lambda: ctx.tokenize(prompt, special is None or fields.boolean("add_special_tokens")))
+    else:
+        raise APIError(400, "prompt must be a string", param="prompt")
+    strings = [ctx.detokenize([i]) for i in ids] if fields.boolean("return_token_strs") else None
+    return {"count": len(ids), "max_model_len": ctx.max_seq_length, "tokens": ids, "token_strs": strings}
+
+
+def detokenize(body: Any, ctx: Context) -> dict[str, Any]:
+    """vLLM's ``/detokenize``: ``tokens`` (ids of the vocabulary) as text, special tokens written out."""
+    fields = Fields(body, frozenset({"model", "tokens"}))
+    if fields.get("model") is not None:
+        check_model(fields, ctx)
+    ids = fields.get("tokens")
+    if not isinstance(ids, list) or not all(valid_id(t, ctx.vocab_size) for t in ids):
+        raise APIError(400, f"tokens must be an array of token ids in 0..{ctx.vocab_size - 1}", param="tokens")
+    return {"prompt": ctx.detokenize(ids)}
+
+
+def valid_id(value: Any, vocab_size: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
+
+
+def encoded(encode: Callable[[], list[int]]) -> list[int]:
+    """``encode()``, a text the tokenizer refuses (invalid text) a 400."""
+    try:
+        return encode()
+    except ValueError as err:
+        raise APIError(400, str(err), param="prompt") from None
+
+
+def chat_prompt(fields: Fields, ctx: Context) -> list[int]:
+    """The prompt ids of the request's ``messages`` through the chat template."""
+    messages = chat_messages(fields.get("messages"))
+    if ctx.chat_ids is None:
+        raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
+    try:
+        return ctx.chat_ids(messages)
+    except ValueError as err:  # the template refused the conversation, or a message is not valid text
+        raise APIError(400, str(err), param="messages") from None
 
 
 def chat_messages(value: Any) -> list[dict[str, str]]:
@@ -238,10 +329,7 @@ def completion_prompt(value: Any, ctx: Context) -> list[int]:
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
         value = value[0]
     if isinstance(value, str):
-        try:
-            ids = ctx.encode(value)
-        except ValueError as err:
-            raise APIError(400, str(err), param="prompt") from None
+        ids = encoded(lambda: ctx.encode(value))
     elif isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         ids = value
         if not all(0 <= t < ctx.vocab_size for t in ids):

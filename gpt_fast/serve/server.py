@@ -73,7 +73,7 @@ def serve(engine: Engine, options: ServeOptions, write: Write) -> None:
         host, port = sock.getsockname()[:2]
         batcher = warmed_up_batcher(engine, batch_options, write)
         model_id = options.model_name or engine.checkpoint_dir.name
-        server = http_server(engine, batcher, model_id, options.api_key)
+        server = http_server(engine, batcher, model_id, options.api_key, write)
 
         def stop_server() -> None:
             server.should_exit = True
@@ -89,11 +89,19 @@ def serve(engine: Engine, options: ServeOptions, write: Write) -> None:
         sock.close()
 
 
-def http_server(engine: Engine, batcher: Batcher, model_id: str, api_key: str | None) -> uvicorn.Server:
+def http_server(engine: Engine, batcher: Batcher, model_id: str, api_key: str | None, write: Write) -> uvicorn.Server:
     """The app on uvicorn, to be run in a thread of its own (where it leaves the signals to the main thread)."""
-    chat_ids = engine.chat_ids if engine.chat_template else None
-    ctx = Context(model_id, batcher.max_seq_length, engine.model_config.vocab_size, engine.encode, chat_ids)
-    app = OpenAIServer(batcher, ctx, api_key).app()
+    tokenizer = engine.tokenizer
+    ctx = Context(
+        model_id,
+        batcher.max_seq_length,
+        engine.model_config.vocab_size,
+        engine.encode,
+        engine.chat_ids if engine.chat_template else None,
+        tokenize=lambda text, special: tokenizer.encode(text, bos=special),
+        detokenize=tokenizer.decode,
+    )
+    app = OpenAIServer(batcher, ctx, api_key, log=lambda line: write(line + "\n")).app()
     config = uvicorn.Config(
         app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=SHUTDOWN_SECONDS
     )
