@@ -357,6 +357,55 @@ def test_openai_fields_that_change_nothing_are_accepted_and_logged_once(tiny_ser
         assert sum(f"{name!r}" in line for line in notes) == 1, notes
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_the_engine_does(tiny_server, tiny_engine):
+    """`echo` + `logprobs` with `max_tokens: 0`: the prompt's tokens with the engine's own log-likelihoods, the
+    first one null as OpenAI gives it; then with new tokens after them."""
+    client = tiny_server.client(api_key=KEY)
+    prompt = "The quick brown fox jumps"
+    ids = tiny_engine.encode(prompt)
+    expected = tiny_engine.log_likelihoods(ids).tolist()
+    scored = client.completions.create(model="tiny", prompt=prompt, echo=True, logprobs=2, max_tokens=0)
+    choice, logprobs = scored.choices[0], scored.choices[0].logprobs
+    assert choice.text == prompt and choice.finish_reason == "length" and scored.usage.completion_tokens == 0
+    assert len(logprobs.tokens) == len(ids) and logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    for token_logprob, top in zip(logprobs.token_logprobs[1:], logprobs.top_logprobs[1:], strict=True):
+        assert len(top) <= 2 and max(top.values()) >= token_logprob - 1e-5
+    assert "".join(logprobs.tokens) == tiny_engine.tokenizer.decode(ids)
+    assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(len(ids))]
+    more = client.completions.create(model="tiny", prompt=prompt, echo=True, logprobs=1, max_tokens=3, temperature=0)
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0)
+    assert more.choices[0].text == prompt + plain.choices[0].text
+    assert len(more.choices[0].logprobs.tokens) == len(ids) + 3
+    assert more.choices[0].logprobs.token_logprobs[1 : len(ids)] == pytest.approx(expected, abs=1e-4)
+    text, reasons, _ = streamed(
+        client.completions.create(model="tiny", prompt=prompt, echo=True, max_tokens=3, temperature=0, stream=True)
+    )
+    assert text == more.choices[0].text and reasons == [more.choices[0].finish_reason]
+
+
+def test_several_prompts_in_one_completions_request(tiny_server, tiny_engine):
+    """A choice per prompt, in order, each what that prompt alone gets; lm-evaluation-harness's log-likelihood
+    request (token ids, `echo`, `logprobs: 1`, `max_tokens: 1`) included."""
+    client = tiny_server.client(api_key=KEY)
+    prompts = ["Once upon a time", tiny_engine.encode("Hello"), "1, 2, 3,"]
+    answer = client.completions.create(model="tiny", prompt=prompts, max_tokens=5, temperature=0)
+    alone = [client.completions.create(model="tiny", prompt=p, max_tokens=5, temperature=0) for p in prompts]
+    assert [c.index for c in answer.choices] == [0, 1, 2]
+    assert [c.text for c in answer.choices] == [a.choices[0].text for a in alone]
+    assert answer.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert answer.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    contexts = [tiny_engine.encode(text) for text in ("The answer is", "Paris is in")]
+    scored = client.completions.create(
+        model="tiny", prompt=contexts, echo=True, logprobs=1, max_tokens=1, temperature=0
+    )
+    for ids, choice in zip(contexts, scored.choices, strict=True):
+        assert len(choice.logprobs.token_logprobs) == len(ids) + 1
+        assert choice.logprobs.token_logprobs[1:-1] == pytest.approx(
+            tiny_engine.log_likelihoods(ids).tolist(), abs=1e-4
+        )
+
+
 def test_the_key_is_required(tiny_server):
     for client in (tiny_server.client(), tiny_server.client(api_key="wrong")):
         with pytest.raises(openai.AuthenticationError) as err:
@@ -392,9 +441,13 @@ LONG = "x" * 300  # 301 tokens with BOS: longer than the 256 tokens of a slot
         ("/v1/completions", {"model": "tiny", "prompt": LONG}, 400, {"code": "context_length_exceeded"}),
         ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 300}, 400,
          {"code": "context_length_exceeded", "param": "max_tokens"}),
-        ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"]}, 400, {"param": "prompt"}),
+        ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"], "stream": True}, 400, {"param": "stream"}),
+        ("/v1/completions", {"model": "tiny", "prompt": ["a"] * 65}, 400, {"param": "prompt"}),
+        ("/v1/completions", {"model": "tiny", "prompt": ["a", 1]}, 400, {"param": "prompt"}),
+        ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400, {"param": "max_tokens"}),
+        ("/v1/completions", {"model": "tiny", "prompt": "hi", "echo": "yes"}, 400, {"param": "echo"}),
         ("/v1/completions", {"model": "tiny", "prompt": [1, 512]}, 400, {"param": "prompt"}),
-        ("/v1/completions", {"model": "tiny", "prompt": "hi", "echo": True}, 400, {"param": "echo"}),
+        ("/v1/completions", {"model": "tiny", "prompt": "hi", "suffix": "!"}, 400, {"param": "suffix"}),
         ("/v1/completions", [1, 2], 400, {}),
         ("/v1/embeddings", {"model": "tiny"}, 404, {}),
     ],

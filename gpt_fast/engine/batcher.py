@@ -36,7 +36,7 @@ import torch
 
 from gpt_fast.generation.loop import Readbacks, Record, run_steps, turn
 from gpt_fast.generation.sampling import SamplingConfig, seed_key
-from gpt_fast.generation.slots import TOP_LOGPROBS, SlotState, SlotSteps
+from gpt_fast.generation.slots import TOP_LOGPROBS, SlotState, SlotSteps, score_slot
 from gpt_fast.model.transformer import Transformer
 from gpt_fast.text.textstream import Decoder, StopStrings, TextStream
 from gpt_fast.util.device import cudagraph_step_begin, device_synchronize
@@ -77,8 +77,10 @@ class BatchOptions:
 class Request:
     """What to generate: up to ``max_new_tokens`` after ``prompt_ids``, stopping early at one of the checkpoint's
     stop tokens (unless ``ignore_eos``), of ``stop_ids`` or at one of ``stop_texts`` (left out of the text). With
-    ``top_logprobs`` (0 to 20), each token comes with its log-probability and that many alternatives'. ``seed``
-    makes the sampled tokens reproducible, whatever else is decoded at the same time (None: a random seed)."""
+    ``top_logprobs`` (0 to 20), each token comes with its log-probability and that many alternatives'. With
+    ``prompt_logprobs`` (0 to 20), the prompt's tokens too, before the first new one (:class:`PromptLogprobs`);
+    ``max_new_tokens`` may then be 0 (the prompt scored, nothing generated). ``seed`` makes the sampled tokens
+    reproducible, whatever else is decoded at the same time (None: a random seed)."""
 
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
@@ -88,15 +90,17 @@ class Request:
     stop_texts: tuple[str, ...] = ()
     ignore_eos: bool = False
     top_logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """A token's log-probability under the model (before temperature and filtering), and the most likely tokens'."""
+    """A token's log-probability under the model (before temperature and filtering), and the most likely tokens'
+    (None for a prompt's first token, which follows nothing)."""
 
     token: int
     text: str
-    logprob: float
+    logprob: float | None
     top: tuple[tuple[int, str, float], ...]  # (token, text, log-probability), most likely first
 
 
@@ -108,6 +112,13 @@ class Delta:
     token: int
     text: str
     logprob: TokenLogprob | None
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """The prompt's tokens with their log-probabilities (``Request.prompt_logprobs``), before any :class:`Delta`."""
+
+    items: tuple[TokenLogprob, ...]
 
 
 @dataclass(frozen=True)
@@ -129,7 +140,7 @@ class Failed:
     message: str
 
 
-Event = Delta | Finished | Failed
+Event = PromptLogprobs | Delta | Finished | Failed
 
 
 class Job:
@@ -224,7 +235,7 @@ class Batcher:
         prompt, budget, vocab = request.prompt_ids, request.max_new_tokens, self.model.config.vocab_size
         if not prompt:
             raise ValueError("the prompt is empty")
-        _require_int(budget, "max_new_tokens", 1)
+        _require_int(budget, "max_new_tokens", 0 if request.prompt_logprobs is not None else 1)
         if len(prompt) + budget > self.max_seq_length:
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({budget}) = {len(prompt) + budget} exceeds the "
@@ -233,8 +244,9 @@ class Batcher:
         ids = (*prompt, *request.stop_ids)
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise ValueError(f"token ids must be integers in 0..{vocab - 1}")
-        if request.top_logprobs is not None:
-            _require_int(request.top_logprobs, "top_logprobs", 0, min(TOP_LOGPROBS, vocab))
+        for name in ("top_logprobs", "prompt_logprobs"):
+            if getattr(request, name) is not None:
+                _require_int(getattr(request, name), name, 0, min(TOP_LOGPROBS, vocab))
         if len(request.stop_texts) > MAX_STOP_TEXTS or not all(request.stop_texts):
             raise ValueError(f"stop strings must be non-empty, {MAX_STOP_TEXTS} at most")
 
@@ -408,7 +420,8 @@ class Batcher:
             job.finish("cancelled")
 
     def _admit(self) -> None:
-        """Prefill waiting requests into free slots, lowest first, each alone."""
+        """Prefill waiting requests into free slots, lowest first, each alone (scoring their prompts where asked:
+        a request with no new tokens to generate then ends here)."""
         while None in self.slots:
             with self.lock:
                 if not self.waiting:
@@ -418,8 +431,27 @@ class Batcher:
             self.slots[job.slot] = job
             self.state.configure(job.slot, job.request.sampling, job.key)
             prompt = torch.tensor([job.request.prompt_ids], dtype=torch.long, device=self.device)  # [1, T]
-            self.steps.prefill(self.model, self.state, job.slot, prompt)
-            self._read_back(job.slot, 1)
+            if job.request.prompt_logprobs is None:
+                self.steps.prefill(self.model, self.state, job.slot, prompt)
+            else:
+                self._score(job, prompt)
+            if job.request.max_new_tokens == 0:
+                self._free(job)
+                job.finish("length")
+            else:
+                self._read_back(job.slot, 1)
+
+    @torch.no_grad()
+    def _score(self, job: Job, prompt: torch.Tensor) -> None:
+        """Prefill ``job``'s slot with its prompt [1, T] scored, and tell the job its prompt's log-probabilities.
+        The host waits for them: scoring is for evaluation, not for the latency of the other slots."""
+        count, ids = job.request.prompt_logprobs, job.request.prompt_ids
+        chosen, best, best_ids = (t.tolist() for t in score_slot(self.model, self.state, job.slot, prompt, count))
+        items = [TokenLogprob(ids[0], self._token_text(ids[0]), None, ())]
+        for token, logprob, top, top_ids in zip(ids[1:], chosen, best, best_ids, strict=True):
+            alternatives = tuple((t, self._token_text(t), lp) for t, lp in zip(top_ids, top, strict=True))
+            items.append(TokenLogprob(token, self._token_text(token), logprob, alternatives))
+        job.on_event(PromptLogprobs(tuple(items)))
 
     def _free(self, job: Job) -> None:
         if job.slot is not None and self.slots[job.slot] is job:

@@ -74,6 +74,23 @@ def prefill_slot(model: Transformer, state: SlotState, slot: int, idx: torch.Ten
     sample_into(state, slice(slot, slot + 1), logits[:, -1], state.input_pos[slot : slot + 1])
 
 
+def score_slot(
+    model: Transformer, state: SlotState, slot: int, idx: torch.Tensor, top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`prefill_slot`, and the model's log-probability of each prompt token after the ones before it:
+    ``idx[0, 1:]``'s [T - 1], with the ``top`` most likely tokens at each of those positions, log-probabilities
+    [T - 1, top] and ids [T - 1, top]. Eager: the logits of every position [1, T, V] are kept for this."""
+    length = idx.shape[1]
+    positions = torch.arange(length, device=idx.device)
+    logits = model(idx, positions, first_row=slot, from_start=True)  # [1, T, V]
+    state.input_pos[slot] = length
+    sample_into(state, slice(slot, slot + 1), logits[:, -1], state.input_pos[slot : slot + 1])
+    logprobs = logits[0, :-1].float().log_softmax(dim=-1)  # [T - 1, V]
+    chosen = logprobs.gather(1, idx[0, 1:, None])[:, 0]  # [T - 1]
+    best, best_ids = logprobs.topk(top, dim=-1)  # [T - 1, top]
+    return chosen, best, best_ids
+
+
 def decode_slots(model: Transformer, state: SlotState, rows: int) -> None:
     """One decode step of slots ``0 .. rows - 1``, entirely on the device: each slot's last token goes in at its
     position, the next one is sampled, and the position advances. A slot with no request decodes too, harmlessly;

@@ -10,6 +10,7 @@ object.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import time
@@ -23,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from gpt_fast.engine.batcher import Batcher, Delta, Failed, Finished, QueueFull, TokenLogprob
+from gpt_fast.engine.batcher import Batcher, Delta, Failed, Finished, Job, PromptLogprobs, QueueFull, TokenLogprob
 from gpt_fast.serve.openai_api import (
     APIError,
     Call,
@@ -132,23 +133,37 @@ class OpenAIServer:
     async def answer(self, request: Request, call: Call) -> Response:
         self.log_ignored(call.ignored)
         bridge = Bridge(asyncio.get_running_loop())
-        try:
-            job = self.batcher.submit(call.request, bridge.put)
-        except QueueFull as err:
-            message = f"the server is busy: {err}; try again"
-            raise APIError(503, message, kind="server_error", code="queue_full") from None
-        except ValueError as err:
-            raise APIError(400, str(err)) from None
+        jobs = self.submit(call, bridge)
+
+        def cancel() -> None:
+            for job in jobs:
+                self.batcher.cancel(job)
+
         responder = Responder(call, self.ctx.model_id)
         if call.stream:
-            return EventStream(stream(call, responder, bridge), on_close=lambda: self.batcher.cancel(job))
+            return EventStream(stream(call, responder, bridge), on_close=cancel)
         try:
-            finished, logprobs = await until_disconnected(request, collect(bridge))
+            ends = await until_disconnected(request, collect(bridge, len(jobs)))
         finally:
-            self.batcher.cancel(job)
-        if finished is None:  # the client has gone: nobody reads the answer
+            cancel()
+        if ends is None:  # the client has gone: nobody reads the answer
             return Response(status_code=499)
-        return JSONResponse(responder.response(finished, logprobs))
+        return JSONResponse(responder.response(ends))
+
+    def submit(self, call: Call, bridge: Bridge) -> list[Job]:
+        """Submit each request of ``call``, its events tagged with its choice's index; none if one is refused."""
+        jobs: list[Job] = []
+        try:
+            for index, choice in enumerate(call.requests):
+                jobs.append(self.batcher.submit(choice, functools.partial(bridge.put, index)))
+        except (QueueFull, ValueError) as err:
+            for job in jobs:
+                self.batcher.cancel(job)
+            if isinstance(err, ValueError):
+                raise APIError(400, str(err)) from None
+            message = f"the server is busy: {err}; try again"
+            raise APIError(503, message, kind="server_error", code="queue_full") from None
+        return jobs
 
     def log_ignored(self, names: tuple[str, ...]) -> None:
         for name in names:
@@ -175,14 +190,20 @@ async def read_json(request: Request) -> Any:
 
 
 async def stream(call: Call, responder: Responder, bridge: Bridge) -> AsyncIterator[bytes]:
-    """The answer as server-sent events: a chunk for each piece of text (with the log-probabilities of the tokens
-    behind it), one with the finish reason, the usage if asked, then ``[DONE]``."""
+    """The answer of one request as server-sent events: with ``echo``, the prompt first (with its tokens'
+    log-probabilities where asked); a chunk for each piece of text (with the log-probabilities of the tokens behind
+    it), one with the finish reason, the usage if asked, then ``[DONE]``."""
     if call.chat:
         yield event(responder.first_chunk())
+    if call.echo is not None and call.requests[0].prompt_logprobs is None:
+        yield event(responder.chunk(responder.echoed(0), []))
     logprobs: list[TokenLogprob] = []
     while True:
-        item = await bridge.get()
-        if isinstance(item, Delta):
+        _, item = await bridge.get()
+        if isinstance(item, PromptLogprobs):
+            if call.echo is not None:
+                yield event(responder.chunk(responder.echoed(0), list(item.items)))
+        elif isinstance(item, Delta):
             logprobs += [item.logprob] if item.logprob is not None else []
             if item.text:
                 yield event(responder.chunk(item.text, logprobs))
@@ -190,7 +211,7 @@ async def stream(call: Call, responder: Responder, bridge: Bridge) -> AsyncItera
         elif isinstance(item, Finished):
             yield event(responder.chunk("", logprobs, item.finish_reason))
             if call.include_usage:
-                yield event(responder.usage_chunk(item))
+                yield event(responder.usage_chunk([item]))
             break
         else:
             yield event(APIError(500, item.message, kind="server_error").body())
@@ -198,23 +219,26 @@ async def stream(call: Call, responder: Responder, bridge: Bridge) -> AsyncItera
     yield DONE
 
 
-async def collect(bridge: Bridge) -> tuple[Finished, list[TokenLogprob]]:
-    """The end of a request, and the log-probabilities of its tokens."""
-    logprobs: list[TokenLogprob] = []
-    while True:
-        item = await bridge.get()
+async def collect(bridge: Bridge, count: int) -> list[tuple[Finished, list[TokenLogprob]]]:
+    """The end of each of ``count`` requests, in order, with the log-probabilities of its tokens (the prompt's
+    first, where they were asked for)."""
+    ends: dict[int, Finished] = {}
+    logprobs: list[list[TokenLogprob]] = [[] for _ in range(count)]
+    while len(ends) < count:
+        index, item = await bridge.get()
         if isinstance(item, Failed):
             raise APIError(500, item.message, kind="server_error")
         if isinstance(item, Finished):
-            return item, logprobs
-        if item.logprob is not None:
-            logprobs.append(item.logprob)
+            ends[index] = item
+        elif isinstance(item, PromptLogprobs):
+            logprobs[index][:0] = item.items
+        elif item.logprob is not None:
+            logprobs[index].append(item.logprob)
+    return [(ends[index], logprobs[index]) for index in range(count)]
 
 
-async def until_disconnected(
-    request: Request, work: Any
-) -> tuple[Finished, list[TokenLogprob]] | tuple[None, list[TokenLogprob]]:
-    """Await ``work`` unless the client disconnects first (then ``(None, [])``)."""
+async def until_disconnected(request: Request, work: Any) -> Any:
+    """Await ``work`` unless the client disconnects first (then None)."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(disconnected(request))
     try:
@@ -223,7 +247,7 @@ async def until_disconnected(
         gone.cancel()
     if not task.done():
         task.cancel()
-        return None, []
+        return None
     return task.result()
 
 

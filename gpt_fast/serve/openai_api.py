@@ -2,16 +2,22 @@
 
 Anything wrong with a request is an :class:`APIError` carrying the status and OpenAI's error object
 (``{"error": {"message", "type", "param", "code"}}``). Fields OpenAI defines that this server cannot honour
-(``n`` > 1, penalties, ``logit_bias``, ``echo``, ...) are refused by name rather than ignored, and so is any field
+(``n`` > 1, penalties, ``logit_bias``, ``suffix``, ...) are refused by name rather than ignored, and so is any field
 OpenAI does not define (as OpenAI does). The OpenAI fields that change no answer (:data:`IGNORED_FIELDS`: request
 metadata, storage, service tier, end-user id, ``parallel_tool_calls`` without tools) are checked, then accepted and
 named in the server's log once, as vLLM does. Extensions: ``top_k``; token ids in ``stop`` and as ``prompt``;
 ``ignore_eos`` (generate ``max_tokens`` whatever the model's stop tokens: for benchmarks); vLLM's ``/tokenize`` and
 ``/detokenize`` (:func:`tokenize`, :func:`detokenize`).
+
+Completions take several prompts in one request (a choice each, in order, answered whole) and ``echo``: the prompt
+before each answer, with ``logprobs`` the prompt tokens' log-probabilities too (the first one null, as OpenAI gives
+it), and ``max_tokens: 0`` to score a prompt without generating: what lm-evaluation-harness's ``local-completions``
+sends for its log-likelihood tasks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import secrets
 import time
@@ -25,6 +31,7 @@ from gpt_fast.generation.sampling import SamplingConfig
 MAX_TEMPERATURE = 2.0  # OpenAI's range is 0..2
 CHAT_TOP_LOGPROBS = 20  # OpenAI's limits for top_logprobs (chat) and logprobs (completions)
 COMPLETION_LOGPROBS = 5
+MAX_PROMPTS = 64  # prompts in one completions request
 MAX_SEED = 2**63 - 1
 MAX_METADATA = 16  # OpenAI's limits for metadata: pairs, key and value lengths
 MAX_METADATA_KEY, MAX_METADATA_VALUE = 64, 512
@@ -93,13 +100,18 @@ class Context:
 
 @dataclass(frozen=True)
 class Call:
-    """A checked request: what to generate, and how to answer."""
+    """A checked request: what to generate (a request per choice), and how to answer."""
 
     chat: bool
-    request: Request
+    requests: tuple[Request, ...]
     stream: bool
     include_usage: bool
     ignored: tuple[str, ...] = ()  # the IGNORED_FIELDS the request gave
+    echo: tuple[str, ...] | None = None  # completions with echo: each choice's prompt text, before its answer
+
+    @property
+    def top_logprobs(self) -> int | None:
+        return self.requests[0].top_logprobs
 
 
 class Fields:
@@ -172,19 +184,28 @@ def parse_chat(body: Any, ctx: Context) -> Call:
     if top is not None and not logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     top_logprobs = (top or 0) if logprobs else None
-    return make_call(fields, ctx, True, prompt, new_max if new_max is not None else old_max, top_logprobs)
+    max_tokens = new_max if new_max is not None else old_max
+    return make_call(fields, ctx, True, [prompt], max_tokens, top_logprobs)
 
 
 def parse_completion(body: Any, ctx: Context) -> Call:
-    """A ``/v1/completions`` body as a Call."""
+    """A ``/v1/completions`` body as a Call: a choice per prompt."""
     fields = Fields(body, COMPLETION_FIELDS)
     check_model(fields, ctx)
-    prompt = completion_prompt(fields.get("prompt"), ctx)
-    fields.unsupported("echo", [False], "the prompt is not repeated in the answer")
+    texts, prompts = completion_prompts(fields.get("prompt"), ctx)
     fields.unsupported("suffix", [], "no text after the completion")
     fields.unsupported("best_of", [1], "one completion per request")
+    echo = fields.boolean("echo")
     top_logprobs = fields.integer("logprobs", 0, COMPLETION_LOGPROBS)
-    return make_call(fields, ctx, False, prompt, fields.integer("max_tokens", 1, 2**31), top_logprobs)
+    max_tokens = fields.integer("max_tokens", 0 if echo else 1, 2**31)
+    if len(prompts) > 1 and fields.boolean("stream"):
+        raise APIError(400, "several prompts are answered whole: give stream: false", param="stream")
+    scored = top_logprobs if echo and top_logprobs is not None else 0 if max_tokens == 0 else None
+    call = make_call(fields, ctx, False, prompts, max_tokens, top_logprobs, scored)
+    if not echo:
+        return call
+    echoed = tuple(ctx.detokenize(ids) if text is None else text for text, ids in zip(texts, prompts, strict=True))
+    return dataclasses.replace(call, echo=echoed)
 
 
 def check_model(fields: Fields, ctx: Context) -> None:
@@ -197,9 +218,15 @@ def check_model(fields: Fields, ctx: Context) -> None:
 
 
 def make_call(
-    fields: Fields, ctx: Context, chat: bool, prompt: list[int], max_tokens: int | None, top_logprobs: int | None
+    fields: Fields,
+    ctx: Context,
+    chat: bool,
+    prompts: list[list[int]],
+    max_tokens: int | None,
+    top_logprobs: int | None,
+    prompt_logprobs: int | None = None,
 ) -> Call:
-    """The fields chat and completions share."""
+    """The fields chat and completions share, and a request for each prompt."""
     fields.unsupported("n", [1], "one choice per request (n = 1)")
     fields.unsupported("presence_penalty", [0, 0.0], "no penalties")
     fields.unsupported("frequency_penalty", [0, 0.0], "no penalties")
@@ -212,17 +239,22 @@ def make_call(
     )
     stop_texts, stop_ids = stops(fields.get("stop"), ctx.vocab_size)
     stream = fields.boolean("stream")
-    request = Request(
-        prompt_ids=tuple(prompt),
-        max_new_tokens=token_budget(len(prompt), max_tokens, ctx, "messages" if chat else "prompt"),
-        sampling=sampling,
-        seed=fields.integer("seed", -MAX_SEED - 1, MAX_SEED),
-        stop_ids=stop_ids,
-        stop_texts=stop_texts,
-        ignore_eos=fields.boolean("ignore_eos"),
-        top_logprobs=top_logprobs,
+    seed, ignore_eos = fields.integer("seed", -MAX_SEED - 1, MAX_SEED), fields.boolean("ignore_eos")
+    requests = tuple(
+        Request(
+            prompt_ids=tuple(prompt),
+            max_new_tokens=token_budget(len(prompt), max_tokens, ctx, "messages" if chat else "prompt"),
+            sampling=sampling,
+            seed=seed,
+            stop_ids=stop_ids,
+            stop_texts=stop_texts,
+            ignore_eos=ignore_eos,
+            top_logprobs=top_logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+        for prompt in prompts
     )
-    return Call(chat, request, stream, include_usage(fields.get("stream_options"), stream), ignored)
+    return Call(chat, requests, stream, include_usage(fields.get("stream_options"), stream), ignored)
 
 
 def valid_metadata(value: Any) -> bool:
@@ -323,11 +355,17 @@ def chat_messages(value: Any) -> list[dict[str, str]]:
     return messages
 
 
+def completion_prompts(value: Any, ctx: Context) -> tuple[list[str | None], list[list[int]]]:
+    """The prompts' texts (None for token ids) and token ids: one prompt, or an array of them."""
+    several = isinstance(value, list) and value and all(isinstance(item, (str, list)) for item in value)
+    items = value if several else [value]
+    if len(items) > MAX_PROMPTS:
+        raise APIError(400, f"at most {MAX_PROMPTS} prompts in one request, got {len(items)}", param="prompt")
+    return [item if isinstance(item, str) else None for item in items], [completion_prompt(item, ctx) for item in items]
+
+
 def completion_prompt(value: Any, ctx: Context) -> list[int]:
-    """The prompt's token ids: a string (encoded as ``gpt-fast generate --prompt`` encodes it) or token ids; an
-    array of one of either is the same."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]
+    """A prompt's token ids: a string (encoded as ``gpt-fast generate --prompt`` encodes it) or token ids."""
     if isinstance(value, str):
         ids = encoded(lambda: ctx.encode(value))
     elif isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
@@ -335,7 +373,7 @@ def completion_prompt(value: Any, ctx: Context) -> list[int]:
         if not all(0 <= t < ctx.vocab_size for t in ids):
             raise APIError(400, f"prompt token ids must be in 0..{ctx.vocab_size - 1}", param="prompt")
     else:
-        raise APIError(400, "prompt must be a string or an array of token ids (one prompt per request)", param="prompt")
+        raise APIError(400, "prompt must be a string, an array of token ids, or an array of those", param="prompt")
     if not ids:
         raise APIError(400, "the prompt encodes to no tokens", param="prompt")
     return ids
@@ -389,42 +427,53 @@ def include_usage(value: Any, stream: bool) -> bool:
     return usage
 
 
-def usage(finished: Finished) -> dict[str, int]:
-    prompt, completion = finished.prompt_tokens, finished.completion_tokens
+def usage(ends: Sequence[Finished]) -> dict[str, int]:
+    """The tokens of every choice's prompt and answer."""
+    prompt = sum(finished.prompt_tokens for finished in ends)
+    completion = sum(finished.completion_tokens for finished in ends)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 class Responder:
-    """The response objects of one call: the whole answer, or its stream of chunks."""
+    """The response objects of one call: the whole answer, or its stream of chunks; a choice per request, in order.
+    A choice's log-probabilities are items of :class:`TokenLogprob`, the echoed prompt's first."""
 
     def __init__(self, call: Call, model_id: str) -> None:
         self.call, self.model = call, model_id
         self.id = ("chatcmpl-" if call.chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
-        self.text_offset = 0  # completions' logprobs: where the next token's text starts
+        self.text_offset = [0] * len(call.requests)  # completions' logprobs: where each choice's next token starts
 
     def _object(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
-    def response(self, finished: Finished, logprobs: list[TokenLogprob]) -> dict[str, Any]:
-        if self.call.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": finished.text}}
-            body = self._object("chat.completion", [choice])
-        else:
-            body = self._object("text_completion", [{"index": 0, "text": finished.text}])
-        body["choices"][0] |= {"logprobs": self._logprobs(logprobs), "finish_reason": finished.finish_reason}
-        body["usage"] = usage(finished)
+    def response(self, ends: Sequence[tuple[Finished, list[TokenLogprob]]]) -> dict[str, Any]:
+        """The whole answer: each choice's end and log-probabilities, in order."""
+        choices = []
+        for index, (finished, logprobs) in enumerate(ends):
+            if self.call.chat:
+                choice = {"index": index, "message": {"role": "assistant", "content": finished.text}}
+            else:
+                choice = {"index": index, "text": self.echoed(index) + finished.text}
+            choice |= {"logprobs": self._logprobs(index, logprobs), "finish_reason": finished.finish_reason}
+            choices.append(choice)
+        body = self._object("chat.completion" if self.call.chat else "text_completion", choices)
+        body["usage"] = usage([finished for finished, _ in ends])
         return body
 
-    def chunk(self, text: str, logprobs: list[TokenLogprob], finish_reason: str | None = None) -> dict[str, Any]:
-        """A chunk of a stream: new text (chat: the first chunk also names the role), or the end."""
+    def echoed(self, index: int) -> str:
+        return "" if self.call.echo is None else self.call.echo[index]
+
+    def chunk(
+        self, text: str, logprobs: list[TokenLogprob], finish_reason: str | None = None, index: int = 0
+    ) -> dict[str, Any]:
+        """A chunk of a stream: new text of choice ``index`` (chat: the first chunk also names the role), or its end."""
         if self.call.chat:
             delta = {"content": text} if text or finish_reason is None else {}
-            choice = {"index": 0, "delta": delta}
-            body = self._object("chat.completion.chunk", [choice])
+            body = self._object("chat.completion.chunk", [{"index": index, "delta": delta}])
         else:
-            body = self._object("text_completion", [{"index": 0, "text": text}])
-        body["choices"][0] |= {"logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
+            body = self._object("text_completion", [{"index": index, "text": text}])
+        body["choices"][0] |= {"logprobs": self._logprobs(index, logprobs), "finish_reason": finish_reason}
         if self.call.include_usage:
             body["usage"] = None
         return body
@@ -435,24 +484,24 @@ class Responder:
         body["choices"][0]["delta"] = {"role": "assistant", "content": ""}
         return body
 
-    def usage_chunk(self, finished: Finished) -> dict[str, Any]:
+    def usage_chunk(self, ends: Sequence[Finished]) -> dict[str, Any]:
         """The last chunk with ``stream_options.include_usage``: no choices, the usage."""
         kind = "chat.completion.chunk" if self.call.chat else "text_completion"
-        return self._object(kind, []) | {"usage": usage(finished)}
+        return self._object(kind, []) | {"usage": usage(ends)}
 
-    def _logprobs(self, items: list[TokenLogprob]) -> dict[str, Any] | None:
-        if self.call.request.top_logprobs is None:
+    def _logprobs(self, index: int, items: list[TokenLogprob]) -> dict[str, Any] | None:
+        if self.call.top_logprobs is None:
             return None
         if self.call.chat:
             return {"content": [self._chat_logprob(item) for item in items], "refusal": None}
         offsets = []
         for item in items:
-            offsets.append(self.text_offset)
-            self.text_offset += len(item.text)
+            offsets.append(self.text_offset[index])
+            self.text_offset[index] += len(item.text)
         return {
             "tokens": [item.text for item in items],
             "token_logprobs": [item.logprob for item in items],
-            "top_logprobs": [{text: logprob for _, text, logprob in item.top} for item in items],
+            "top_logprobs": [None if item.logprob is None else {t: lp for _, t, lp in item.top} for item in items],
             "text_offset": offsets,
         }
 

@@ -22,19 +22,20 @@ def event(data: dict[str, Any]) -> bytes:
 
 
 class Bridge:
-    """The events of one request: put from the batcher's thread, got on the event loop."""
+    """The events of one call's requests, each with its choice's index: put from the batcher's thread, got on the
+    event loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
 
-    def put(self, item: Event) -> None:
+    def put(self, index: int, item: Event) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, item))
         except RuntimeError:  # the event loop has closed (the server is stopping): nobody is listening
             return
 
-    async def get(self) -> Event:
+    async def get(self) -> tuple[int, Event]:
         return await self.queue.get()
 
 
