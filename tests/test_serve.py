@@ -406,6 +406,45 @@ def test_several_prompts_in_one_completions_request(tiny_server, tiny_engine):
         )
 
 
+def test_n_choices_with_a_seed_are_reproducible(tiny_server):
+    """`n` choices per prompt, seeded seed, seed + 1, ...: the same answers again, the first one n = 1's, streamed
+    the same, and one prompt's choices before the next prompt's."""
+    client = tiny_server.client(api_key=KEY)
+    ask = {"model": "tiny", "messages": CHAT_MESSAGES, "max_tokens": 12, "temperature": 1.0, "seed": 11}
+    first = client.chat.completions.create(n=3, **ask)
+    texts = [c.message.content for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2] and len(set(texts)) > 1
+    assert [c.message.content for c in client.chat.completions.create(n=3, **ask).choices] == texts
+    assert client.chat.completions.create(**ask).choices[0].message.content == texts[0]
+    by_index: dict[int, str] = {}
+    for chunk in client.chat.completions.create(n=3, stream=True, **ask):
+        for choice in chunk.choices:
+            by_index[choice.index] = by_index.get(choice.index, "") + (choice.delta.content or "")
+    assert [by_index[i] for i in range(3)] == texts
+    both = client.completions.create(model="tiny", prompt=["Once", "Twice"], n=2, max_tokens=6, seed=3)
+    alone = [client.completions.create(model="tiny", prompt=p, n=2, max_tokens=6, seed=3) for p in ("Once", "Twice")]
+    assert [c.text for c in both.choices] == [c.text for a in alone for c in a.choices]
+
+
+def test_logit_bias_and_penalties_change_the_answer(tiny_server, tiny_engine):
+    client = tiny_server.client(api_key=KEY)
+    ask = {"model": "tiny", "prompt": "Hello", "max_tokens": 8, "temperature": 0, "logprobs": 0}
+    greedy = tiny_engine.generate_ids(tiny_engine.encode("Hello"), 8, SamplingConfig(temperature=0), ignore_eos=True)
+    plain = set(greedy.tokens[0])
+    assert len(plain) < 8  # the greedy answer repeats a token: what the penalties act on
+
+    def answer(**extra) -> list[str]:
+        return client.completions.create(**ask, **extra).choices[0].logprobs.tokens
+
+    (token,) = tiny_engine.tokenizer.encode("Q", bos=False)
+    assert answer(logit_bias={str(token): 100}) == ["Q"] * 8
+    banned = answer(logit_bias={str(t): -100 for t in plain})
+    texts = {tiny_engine.tokenizer.decode([t]) for t in plain} - {"\ufffd"}  # byte tokens of no text share "\ufffd"
+    assert texts and not set(banned) & texts
+    penalized = answer(presence_penalty=2.0, frequency_penalty=2.0)
+    assert len(set(penalized)) > len(plain)
+
+
 def test_the_key_is_required(tiny_server):
     for client in (tiny_server.client(), tiny_server.client(api_key="wrong")):
         with pytest.raises(openai.AuthenticationError) as err:
@@ -421,14 +460,18 @@ LONG = "x" * 300  # 301 tokens with BOS: longer than the 256 tokens of a slot
     "path, body, status, expected",
     [
         ("/v1/chat/completions", CHAT | {"model": "gpt-4o"}, 404, {"code": "model_not_found", "param": "model"}),
-        ("/v1/chat/completions", CHAT | {"n": 2}, 400, {"param": "n"}),
+        ("/v1/chat/completions", CHAT | {"n": 17}, 400, {"param": "n"}),
+        ("/v1/chat/completions", CHAT | {"logit_bias": {"600": 5}}, 400, {"param": "logit_bias"}),
+        ("/v1/chat/completions", CHAT | {"logit_bias": {"1": 101}}, 400, {"param": "logit_bias"}),
+        ("/v1/chat/completions", CHAT | {"presence_penalty": 2.5}, 400, {"param": "presence_penalty"}),
+        ("/v1/chat/completions", CHAT | {"min_p": -0.1}, 400, {"param": "min_p"}),
         ("/v1/chat/completions", CHAT | {"temperature": 2.5}, 400, {"param": "temperature"}),
         ("/v1/chat/completions", CHAT | {"top_p": "high"}, 400, {"param": "top_p"}),
         ("/v1/chat/completions", CHAT | {"top_k": 0}, 400, {"param": "top_k"}),
         ("/v1/chat/completions", CHAT | {"stop": [""]}, 400, {"param": "stop"}),
         ("/v1/chat/completions", CHAT | {"stream_options": {"include_usage": True}}, 400, {"param": "stream_options"}),
         ("/v1/chat/completions", CHAT | {"top_logprobs": 2}, 400, {"param": "top_logprobs"}),
-        ("/v1/chat/completions", CHAT | {"frequency_penalty": 0.5}, 400, {"param": "frequency_penalty"}),
+        ("/v1/chat/completions", CHAT | {"frequency_penalty": "a lot"}, 400, {"param": "frequency_penalty"}),
         ("/v1/chat/completions", CHAT | {"metadata": ["a"]}, 400, {"param": "metadata"}),
         ("/v1/chat/completions", CHAT | {"store": "yes"}, 400, {"param": "store"}),
         ("/v1/chat/completions", CHAT | {"service_tier": 1}, 400, {"param": "service_tier"}),
@@ -441,7 +484,6 @@ LONG = "x" * 300  # 301 tokens with BOS: longer than the 256 tokens of a slot
         ("/v1/completions", {"model": "tiny", "prompt": LONG}, 400, {"code": "context_length_exceeded"}),
         ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 300}, 400,
          {"code": "context_length_exceeded", "param": "max_tokens"}),
-        ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"], "stream": True}, 400, {"param": "stream"}),
         ("/v1/completions", {"model": "tiny", "prompt": ["a"] * 65}, 400, {"param": "prompt"}),
         ("/v1/completions", {"model": "tiny", "prompt": ["a", 1]}, 400, {"param": "prompt"}),
         ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400, {"param": "max_tokens"}),

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gpt_fast.generation.loop import Readbacks, Record, run_steps, turn
-from gpt_fast.generation.sampling import SamplingConfig, seed_key
+from gpt_fast.generation.sampling import LogitAdjustments, SamplingConfig, seed_key
 from gpt_fast.generation.slots import TOP_LOGPROBS, SlotState, SlotSteps, score_slot
 from gpt_fast.model.transformer import Transformer
 from gpt_fast.text.textstream import Decoder, StopStrings, TextStream
@@ -79,7 +79,8 @@ class Request:
     stop tokens (unless ``ignore_eos``), of ``stop_ids`` or at one of ``stop_texts`` (left out of the text). With
     ``top_logprobs`` (0 to 20), each token comes with its log-probability and that many alternatives'. With
     ``prompt_logprobs`` (0 to 20), the prompt's tokens too, before the first new one (:class:`PromptLogprobs`);
-    ``max_new_tokens`` may then be 0 (the prompt scored, nothing generated). ``seed`` makes the sampled tokens
+    ``max_new_tokens`` may then be 0 (the prompt scored, nothing generated). ``adjust``: penalties, a logit bias and
+    min-p (:class:`gpt_fast.generation.sampling.LogitAdjustments`). ``seed`` makes the sampled tokens
     reproducible, whatever else is decoded at the same time (None: a random seed)."""
 
     prompt_ids: tuple[int, ...]
@@ -91,6 +92,7 @@ class Request:
     ignore_eos: bool = False
     top_logprobs: int | None = None
     prompt_logprobs: int | None = None
+    adjust: LogitAdjustments = field(default_factory=LogitAdjustments)
 
 
 @dataclass(frozen=True)
@@ -241,7 +243,7 @@ class Batcher:
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({budget}) = {len(prompt) + budget} exceeds the "
                 f"context of {self.max_seq_length} tokens"
             )
-        ids = (*prompt, *request.stop_ids)
+        ids = (*prompt, *request.stop_ids, *(token for token, _ in request.adjust.logit_bias))
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise ValueError(f"token ids must be integers in 0..{vocab - 1}")
         for name in ("top_logprobs", "prompt_logprobs"):
@@ -429,8 +431,8 @@ class Batcher:
                 job = self.waiting.popleft()
             job.slot = self.slots.index(None)
             self.slots[job.slot] = job
-            self.state.configure(job.slot, job.request.sampling, job.key)
             prompt = torch.tensor([job.request.prompt_ids], dtype=torch.long, device=self.device)  # [1, T]
+            self.state.configure(job.slot, job.request.sampling, job.key, job.request.adjust, prompt[0])
             if job.request.prompt_logprobs is None:
                 self.steps.prefill(self.model, self.state, job.slot, prompt)
             else:

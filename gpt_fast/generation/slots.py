@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from gpt_fast.generation.decode import COORDINATE_DESCENT, compile_options, tuning_options
-from gpt_fast.generation.sampling import SamplingConfig, sample_rows
+from gpt_fast.generation.sampling import MIN_TEMPERATURE, LogitAdjustments, SamplingConfig, sample_rows
 from gpt_fast.model.transformer import Transformer
 
 TOP_LOGPROBS = 20  # the most alternatives a step reports per token (OpenAI's limit for top_logprobs)
@@ -41,22 +41,69 @@ class SlotState(nn.Module):
         buffer("keys", 0)  # [N]: the noise key, from the request's seed (sampling.seed_key)
         buffer("logprobs", 0.0, 1 + top, dtype=torch.float32)  # [N, 1 + K]: the last token's, then the K best's
         buffer("top_ids", 0, top)  # [N, K]: the K most likely tokens of the last step
+        # LogitAdjustments, per slot: the defaults change nothing
+        buffer("presence", 0.0, dtype=torch.float32)  # [N]
+        buffer("frequency", 0.0, dtype=torch.float32)  # [N]
+        buffer("repetition", 1.0, dtype=torch.float32)  # [N]
+        buffer("min_p", 0.0, dtype=torch.float32)  # [N]
+        buffer("bias", 0.0, vocab_size, dtype=torch.float32)  # [N, V]
+        buffer("counts", 0, vocab_size, dtype=torch.int32)  # [N, V]: each token's count in the answer so far
+        buffer("seen", False, vocab_size, dtype=torch.bool)  # [N, V]: in the prompt or the answer
         self.vocab_size = vocab_size
 
-    def configure(self, slot: int, sampling: SamplingConfig, key: int) -> None:
-        """Set a slot's sampling settings before its prompt is prefilled."""
+    def configure(
+        self,
+        slot: int,
+        sampling: SamplingConfig,
+        key: int,
+        adjust: LogitAdjustments,
+        prompt: torch.Tensor,
+    ) -> None:
+        """Set a slot's sampling settings and adjustments before its ``prompt`` [T] (token ids on the state's
+        device) is prefilled."""
         self.temperature[slot] = sampling.temperature
         self.top_k[slot] = self.vocab_size if sampling.top_k is None else min(sampling.top_k, self.vocab_size)
         self.top_p[slot] = sampling.top_p
         self.keys[slot] = key
+        self.presence[slot], self.frequency[slot] = adjust.presence_penalty, adjust.frequency_penalty
+        self.repetition[slot], self.min_p[slot] = adjust.repetition_penalty, adjust.min_p
+        self.bias[slot] = 0.0
+        for token, bias in adjust.logit_bias:
+            self.bias[slot, token] = bias
+        self.counts[slot] = 0
+        self.seen[slot] = False
+        self.seen[slot, prompt] = True
+
+
+def adjusted_logits(state: SlotState, rows: slice, logits: torch.Tensor) -> torch.Tensor:
+    """The logits [n, V] of slots ``rows`` as their requests' :class:`LogitAdjustments` change them (min-p aside),
+    float32."""
+    scores = logits.float() + state.bias[rows]
+    repetition = state.repetition[rows, None]
+    penalized = torch.where(scores > 0, scores / repetition, scores * repetition)
+    scores = torch.where(state.seen[rows], penalized, scores)
+    counts = state.counts[rows].float()
+    return scores - state.frequency[rows, None] * counts - state.presence[rows, None] * (counts > 0).float()
+
+
+def min_p_filter(state: SlotState, rows: slice, scores: torch.Tensor) -> torch.Tensor:
+    """``scores`` [n, V] without the tokens whose probability after temperature is below ``min_p`` times the most
+    likely token's: (s - max) / temperature < log(min_p)."""
+    temperature = state.temperature[rows, None].clamp_min(MIN_TEMPERATURE)
+    relative = (scores - scores.amax(dim=-1, keepdim=True)) / temperature
+    return scores.masked_fill(relative < state.min_p[rows, None].log(), float("-inf"))
 
 
 def sample_into(state: SlotState, rows: slice, logits: torch.Tensor, positions: torch.Tensor) -> None:
-    """Sample the next token of the slots ``rows`` from their ``logits`` [n, V], for ``positions`` [n], into the
-    state, with the model's log-probabilities (before temperature and filtering) of it and of the K best tokens."""
+    """Sample the next token of the slots ``rows`` from their ``logits`` [n, V] as their requests adjust them
+    (:func:`adjusted_logits`, :func:`min_p_filter`), for ``positions`` [n], into the state, with the model's
+    log-probabilities (before any adjustment, temperature and filtering) of it and of the K best tokens."""
+    scores = min_p_filter(state, rows, adjusted_logits(state, rows, logits))  # [n, V]
     tokens = sample_rows(
-        logits, state.temperature[rows], state.top_k[rows], state.top_p[rows], state.keys[rows], positions
+        scores, state.temperature[rows], state.top_k[rows], state.top_p[rows], state.keys[rows], positions
     )  # [n]
+    state.counts[rows].scatter_add_(1, tokens[:, None], torch.ones_like(tokens[:, None], dtype=torch.int32))
+    state.seen[rows].scatter_(1, tokens[:, None], True)
     logprobs = logits.float().log_softmax(dim=-1)  # [n, V]
     best, best_ids = logprobs.topk(state.top_ids.shape[1], dim=-1)  # [n, K]
     state.tokens[rows] = tokens

@@ -190,32 +190,37 @@ async def read_json(request: Request) -> Any:
 
 
 async def stream(call: Call, responder: Responder, bridge: Bridge) -> AsyncIterator[bytes]:
-    """The answer of one request as server-sent events: with ``echo``, the prompt first (with its tokens'
-    log-probabilities where asked); a chunk for each piece of text (with the log-probabilities of the tokens behind
-    it), one with the finish reason, the usage if asked, then ``[DONE]``."""
-    if call.chat:
-        yield event(responder.first_chunk())
-    if call.echo is not None and call.requests[0].prompt_logprobs is None:
-        yield event(responder.chunk(responder.echoed(0), []))
-    logprobs: list[TokenLogprob] = []
-    while True:
-        _, item = await bridge.get()
+    """The answer as server-sent events, each chunk naming its choice: with ``echo``, each prompt first (with its
+    tokens' log-probabilities where asked); a chunk for each piece of text (with the log-probabilities of the tokens
+    behind it), one with each choice's finish reason, the usage if asked once every choice has ended, then
+    ``[DONE]``."""
+    count = len(call.requests)
+    for index, choice in enumerate(call.requests):
+        if call.chat:
+            yield event(responder.first_chunk(index))
+        if call.echo is not None and choice.prompt_logprobs is None:
+            yield event(responder.chunk(responder.echoed(index), [], index=index))
+    pending: list[list[TokenLogprob]] = [[] for _ in range(count)]
+    ends: dict[int, Finished] = {}
+    while len(ends) < count:
+        index, item = await bridge.get()
         if isinstance(item, PromptLogprobs):
             if call.echo is not None:
-                yield event(responder.chunk(responder.echoed(0), list(item.items)))
+                yield event(responder.chunk(responder.echoed(index), list(item.items), index=index))
         elif isinstance(item, Delta):
-            logprobs += [item.logprob] if item.logprob is not None else []
+            pending[index] += [item.logprob] if item.logprob is not None else []
             if item.text:
-                yield event(responder.chunk(item.text, logprobs))
-                logprobs = []
+                yield event(responder.chunk(item.text, pending[index], index=index))
+                pending[index] = []
         elif isinstance(item, Finished):
-            yield event(responder.chunk("", logprobs, item.finish_reason))
-            if call.include_usage:
-                yield event(responder.usage_chunk([item]))
-            break
+            yield event(responder.chunk("", pending[index], item.finish_reason, index))
+            ends[index] = item
         else:
             yield event(APIError(500, item.message, kind="server_error").body())
             break
+    else:
+        if call.include_usage:
+            yield event(responder.usage_chunk([ends[index] for index in range(count)]))
     yield DONE
 
 

@@ -2,10 +2,13 @@
 
 Anything wrong with a request is an :class:`APIError` carrying the status and OpenAI's error object
 (``{"error": {"message", "type", "param", "code"}}``). Fields OpenAI defines that this server cannot honour
-(``n`` > 1, penalties, ``logit_bias``, ``suffix``, ...) are refused by name rather than ignored, and so is any field
+(``suffix``, ``best_of``, tools, ...) are refused by name rather than ignored, and so is any field
 OpenAI does not define (as OpenAI does). The OpenAI fields that change no answer (:data:`IGNORED_FIELDS`: request
 metadata, storage, service tier, end-user id, ``parallel_tool_calls`` without tools) are checked, then accepted and
-named in the server's log once, as vLLM does. Extensions: ``top_k``; token ids in ``stop`` and as ``prompt``;
+named in the server's log once, as vLLM does. ``n`` choices per prompt (each its own request, seeded ``seed``,
+``seed + 1``, ...), ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` apply per request in the batched
+step (:class:`gpt_fast.generation.sampling.LogitAdjustments`). Extensions: ``top_k``, ``min_p``,
+``repetition_penalty``; token ids in ``stop`` and as ``prompt``;
 ``ignore_eos`` (generate ``max_tokens`` whatever the model's stop tokens: for benchmarks); vLLM's ``/tokenize`` and
 ``/detokenize`` (:func:`tokenize`, :func:`detokenize`).
 
@@ -26,12 +29,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpt_fast.engine.batcher import MAX_STOP_TEXTS, Finished, Request, TokenLogprob
-from gpt_fast.generation.sampling import SamplingConfig
+from gpt_fast.generation.sampling import MAX_BIAS, MAX_BIASED, MAX_PENALTY, LogitAdjustments, SamplingConfig
 
 MAX_TEMPERATURE = 2.0  # OpenAI's range is 0..2
 CHAT_TOP_LOGPROBS = 20  # OpenAI's limits for top_logprobs (chat) and logprobs (completions)
 COMPLETION_LOGPROBS = 5
 MAX_PROMPTS = 64  # prompts in one completions request
+MAX_CHOICES = 16  # n
 MAX_SEED = 2**63 - 1
 MAX_METADATA = 16  # OpenAI's limits for metadata: pairs, key and value lengths
 MAX_METADATA_KEY, MAX_METADATA_VALUE = 64, 512
@@ -54,6 +58,8 @@ COMMON_FIELDS = frozenset(
         "user",
         "logprobs",
         "ignore_eos",
+        "min_p",
+        "repetition_penalty",
         "metadata",
         "store",
         "service_tier",
@@ -198,8 +204,6 @@ def parse_completion(body: Any, ctx: Context) -> Call:
     echo = fields.boolean("echo")
     top_logprobs = fields.integer("logprobs", 0, COMPLETION_LOGPROBS)
     max_tokens = fields.integer("max_tokens", 0 if echo else 1, 2**31)
-    if len(prompts) > 1 and fields.boolean("stream"):
-        raise APIError(400, "several prompts are answered whole: give stream: false", param="stream")
     scored = top_logprobs if echo and top_logprobs is not None else 0 if max_tokens == 0 else None
     call = make_call(fields, ctx, False, prompts, max_tokens, top_logprobs, scored)
     if not echo:
@@ -226,11 +230,9 @@ def make_call(
     top_logprobs: int | None,
     prompt_logprobs: int | None = None,
 ) -> Call:
-    """The fields chat and completions share, and a request for each prompt."""
-    fields.unsupported("n", [1], "one choice per request (n = 1)")
-    fields.unsupported("presence_penalty", [0, 0.0], "no penalties")
-    fields.unsupported("frequency_penalty", [0, 0.0], "no penalties")
-    fields.unsupported("logit_bias", [{}], "no logit bias")
+    """The fields chat and completions share, and ``n`` requests for each prompt."""
+    n = fields.integer("n", 1, MAX_CHOICES) or 1
+    adjust = adjustments(fields, ctx.vocab_size)
     ignored = fields.ignored()
     sampling = SamplingConfig(
         temperature=fields.number("temperature", 1.0, 0.0, MAX_TEMPERATURE),
@@ -245,16 +247,41 @@ def make_call(
             prompt_ids=tuple(prompt),
             max_new_tokens=token_budget(len(prompt), max_tokens, ctx, "messages" if chat else "prompt"),
             sampling=sampling,
-            seed=seed,
+            seed=None if seed is None else (seed + choice + MAX_SEED + 1) % (2 * MAX_SEED + 2) - MAX_SEED - 1,
             stop_ids=stop_ids,
             stop_texts=stop_texts,
             ignore_eos=ignore_eos,
             top_logprobs=top_logprobs,
             prompt_logprobs=prompt_logprobs,
+            adjust=adjust,
         )
         for prompt in prompts
+        for choice in range(n)
     )
     return Call(chat, requests, stream, include_usage(fields.get("stream_options"), stream), ignored)
+
+
+def adjustments(fields: Fields, vocab_size: int) -> LogitAdjustments:
+    """Penalties, ``logit_bias`` (OpenAI's object of token ids, as strings, to a bias) and min-p."""
+    bias = fields.get("logit_bias")
+    if bias is not None and not (
+        isinstance(bias, dict)
+        and len(bias) <= MAX_BIASED
+        and all(key.isdigit() and int(key) < vocab_size for key in bias)
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) <= MAX_BIAS for v in bias.values())
+    ):
+        message = (
+            f"logit_bias must map at most {MAX_BIASED} token ids in 0..{vocab_size - 1} (as strings) to numbers "
+            f"from {-MAX_BIAS:g} to {MAX_BIAS:g}"
+        )
+        raise APIError(400, message, param="logit_bias")
+    return LogitAdjustments(
+        presence_penalty=fields.number("presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
+        frequency_penalty=fields.number("frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
+        repetition_penalty=fields.number("repetition_penalty", 1.0, 0.01, 100.0),
+        min_p=fields.number("min_p", 0.0, 0.0, 1.0),
+        logit_bias=tuple((int(key), float(value)) for key, value in (bias or {}).items()),
+    )
 
 
 def valid_metadata(value: Any) -> bool:
@@ -478,9 +505,9 @@ class Responder:
             body["usage"] = None
         return body
 
-    def first_chunk(self) -> dict[str, Any]:
-        """Chat streams start by naming the role."""
-        body = self.chunk("", [])
+    def first_chunk(self, index: int = 0) -> dict[str, Any]:
+        """Chat streams start by naming the role, for each choice."""
+        body = self.chunk("", [], index=index)
         body["choices"][0]["delta"] = {"role": "assistant", "content": ""}
         return body
 

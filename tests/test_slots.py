@@ -1,0 +1,76 @@
+"""The batched step's logit adjustments (generation/slots.py) against their definitions: OpenAI's formula for the
+presence and frequency penalties, and transformers' own processors for the repetition penalty and min-p."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.logits_process import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
+
+from gpt_fast.generation.sampling import LogitAdjustments, SamplingConfig
+from gpt_fast.generation.slots import SlotState, adjusted_logits, min_p_filter, sample_into
+
+VOCAB = 50
+
+
+def state_with(*adjusts: LogitAdjustments, prompts=None, temperature: float = 1.0) -> SlotState:
+    state = SlotState(len(adjusts), VOCAB, "cpu")
+    for slot, adjust in enumerate(adjusts):
+        prompt = torch.tensor(prompts[slot] if prompts else [0])
+        state.configure(slot, SamplingConfig(temperature=temperature, top_k=None), slot, adjust, prompt)
+    return state
+
+
+def test_presence_and_frequency_penalties_follow_openais_formula():
+    adjust = LogitAdjustments(presence_penalty=0.7, frequency_penalty=0.3, logit_bias=((4, 5.0), (9, -2.5)))
+    state = state_with(adjust, LogitAdjustments(), prompts=[[1], [1]])
+    counts = torch.zeros(2, VOCAB, dtype=torch.int32)
+    counts[:, 3], counts[:, 7] = 2, 1
+    state.counts.copy_(counts)
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(0))
+    got = adjusted_logits(state, slice(0, 2), logits)
+    bias = torch.zeros(VOCAB)
+    bias[4], bias[9] = 5.0, -2.5
+    # OpenAI: mu[j] - c[j] * alpha_frequency - float(c[j] > 0) * alpha_presence, after the logit bias
+    expected = logits[0] + bias - counts[0] * 0.3 - (counts[0] > 0).float() * 0.7
+    torch.testing.assert_close(got[0], expected)
+    torch.testing.assert_close(got[1], logits[1])  # the other slot's request changes nothing
+
+
+def test_the_repetition_penalty_is_transformers_over_the_prompt_and_the_answer():
+    prompt, answer = [2, 5, 5, 11], [7, 2]
+    state = state_with(LogitAdjustments(repetition_penalty=1.3), prompts=[prompt])
+    for token in answer:
+        state.counts[0, token] += 1
+        state.seen[0, token] = True
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(1))
+    reference = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([prompt + answer]), logits.clone())
+    torch.testing.assert_close(adjusted_logits(state, slice(0, 1), logits), reference)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_min_p_keeps_the_tokens_transformers_keeps(temperature):
+    state = state_with(LogitAdjustments(min_p=0.1), temperature=temperature)
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(2)) * 3
+    reference = MinPLogitsWarper(0.1)(torch.zeros(1, 1, dtype=torch.long), logits / temperature)
+    got = min_p_filter(state, slice(0, 1), logits)
+    assert torch.equal(torch.isinf(got), torch.isinf(reference))
+
+
+def test_sampling_counts_the_answers_tokens():
+    state = state_with(LogitAdjustments(frequency_penalty=2.0), temperature=0.0)
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 6], logits[0, 8] = 3.0, 2.5
+    picks = []
+    for position in range(3):
+        sample_into(state, slice(0, 1), logits, torch.tensor([position]))
+        picks.append(int(state.tokens[0]))
+    assert picks == [6, 8, 6]  # 6 taken once scores 1.0 < 2.5; 8 taken once scores 0.5 < 1.0
+    assert state.counts[0, 6] == 2 and state.counts[0, 8] == 1 and int(state.counts[0].sum()) == 3
+
+
+def test_adjustments_refuse_values_out_of_range():
+    for bad in ({"presence_penalty": 3}, {"repetition_penalty": 0}, {"min_p": 1.5}, {"logit_bias": ((-1, 1.0),)},
+                {"logit_bias": ((1, 200.0),)}, {"frequency_penalty": float("nan")}):  # fmt: skip
+        with pytest.raises(ValueError, match="must be|at most"):
+            LogitAdjustments(**bad)
