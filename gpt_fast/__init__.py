@@ -19,15 +19,15 @@ __all__ = ["Completion", "Engine", "EngineOptions", "SamplingConfig", "Speculati
 _HOMES = {
     "Completion": "engine.engine",
     "Engine": "engine.engine",
-    "EngineOptions": "engine.engine",
-    "SamplingConfig": "generation.sampling",
-    "SpeculativeOptions": "generation.speculative",
+    "EngineOptions": "engine.options",
+    "SamplingConfig": "generation.options",
+    "SpeculativeOptions": "generation.options",
 }
 
 if TYPE_CHECKING:
     from gpt_fast.engine.engine import Completion, Engine, EngineOptions
+    from gpt_fast.generation.options import SpeculativeOptions
     from gpt_fast.generation.sampling import SamplingConfig
-    from gpt_fast.generation.speculative import SpeculativeOptions
 
 
 def __getattr__(name: str) -> Any:

@@ -116,6 +116,13 @@ def test_commands_reach_the_model_through_the_engine(name):
 # What commands may take from generation: values and types (sampling settings, figures, profile marks, results);
 # never the loop, a step or a drafter, which only the engine drives.
 GENERATION_FOR_COMMANDS = {
+    "generation.options",
+    "generation.options.SamplingConfig",
+    "generation.options.SpeculativeOptions",
+    "generation.options.LogitAdjustments",
+    "generation.options.MAX_BIAS",
+    "generation.options.MAX_BIASED",
+    "generation.options.MAX_PENALTY",
     "generation.sampling",
     "generation.sampling.SamplingConfig",
     "generation.metrics",

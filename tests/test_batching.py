@@ -14,9 +14,10 @@ import torch
 
 from gpt_fast import Engine, SamplingConfig
 from gpt_fast.convert.random_init import make_random_checkpoint
-from gpt_fast.engine.batcher import BatchOptions, Delta, Failed, Finished, QueueFull, Request
+from gpt_fast.engine.batcher import Delta, Failed, Finished, QueueFull, Request
+from gpt_fast.engine.options import BatchOptions
+from gpt_fast.generation.options import SpeculativeOptions
 from gpt_fast.generation.slots import make_slot_steps
-from gpt_fast.generation.speculative import SpeculativeOptions
 from gpt_fast.model.shapes import get_shape
 
 GREEDY = SamplingConfig(temperature=0)

@@ -12,8 +12,9 @@ from gpt_fast.bench.modes import copy_bandwidth_gbps
 from gpt_fast.cli.main import main
 from gpt_fast.convert.random_init import make_random_checkpoint
 from gpt_fast.engine.engine import Engine, EngineOptions
-from gpt_fast.generation.speculative import SpeculativeOptions
-from gpt_fast.jobs.generate import GenerateOptions, run_generate
+from gpt_fast.generation.options import SpeculativeOptions
+from gpt_fast.jobs.generate import run_generate
+from gpt_fast.jobs.options import GenerateOptions
 from gpt_fast.model.shapes import get_shape
 
 

@@ -797,9 +797,22 @@ def modules_after(argv: list[str]) -> dict[str, bool]:
         ["generate", "--max_new_tokens", "many"],
         ["generate", "--no_such_option"],
         ["quantize"],
+        ["generate", "--temperature", "-1"],
+        ["generate", "--max_new_tokens", "0"],
+        ["generate", "--seed", "-1"],
+        ["generate", "--tp", "0"],
+        ["generate", "--prompt_lookup", "99"],
+        ["chat", "--max_new_tokens", "0"],
+        ["serve", "--port", "70000"],
+        ["serve", "--max_batch", "0"],
+        ["eval", "--window", "1"],
+        ["bench", "decode", "--repeats", "0"],
+        ["bench", "serve", "--clients", "0"],
+        ["bench", "tp", "--repeats", "0"],
     ],
 )
 def test_help_and_argument_errors_import_no_torch(argv):
+    """Help and mistakes in the arguments, range errors included, are answered before torch is imported."""
     assert modules_after(argv)["torch"] is False
 
 

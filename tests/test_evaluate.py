@@ -10,7 +10,8 @@ import torch
 from gpt_fast.cli.main import main
 from gpt_fast.convert.hf import convert_hf
 from gpt_fast.engine.engine import Engine
-from gpt_fast.jobs.evaluate import DEFAULT_TEXT, EvalOptions, builtin_text, perplexity, windows
+from gpt_fast.jobs.evaluate import builtin_text, perplexity, windows
+from gpt_fast.jobs.options import DEFAULT_TEXT, EvalOptions
 from tests.tiny import save_hf_llama
 
 

@@ -34,8 +34,8 @@ from gpt_fast.cli.main import flag_of
 from gpt_fast.convert.random_init import make_random_checkpoint, random_weights
 from gpt_fast.engine.engine import Engine, EngineOptions
 from gpt_fast.generation.drafters import PromptLookup, Replay
+from gpt_fast.generation.options import SpeculativeOptions
 from gpt_fast.generation.sampling import SamplingConfig
-from gpt_fast.generation.speculative import SpeculativeOptions
 from gpt_fast.model.config import QuantConfig
 from gpt_fast.model.shapes import get_shape
 from gpt_fast.model.transformer import Transformer, rms_norm

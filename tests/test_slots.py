@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
 
-from gpt_fast.generation.sampling import LogitAdjustments, SamplingConfig
+from gpt_fast.generation.options import LogitAdjustments, SamplingConfig
 from gpt_fast.generation.slots import SlotState, adjusted_logits, min_p_filter, sample_into
 
 VOCAB = 50

@@ -413,8 +413,8 @@ def test_real_cpu_trace_of_a_speculative_run(tmp_path):
     torch = pytest.importorskip("torch")
     from gpt_fast.convert.random_init import random_weights
     from gpt_fast.engine.engine import Engine, EngineOptions
+    from gpt_fast.generation.options import SpeculativeOptions
     from gpt_fast.generation.sampling import SamplingConfig
-    from gpt_fast.generation.speculative import SpeculativeOptions
     from gpt_fast.model.shapes import get_shape
 
     shape = get_shape("tiny")

@@ -23,9 +23,8 @@ from torch import nn
 
 from gpt_fast.accel.choice import choose
 from gpt_fast.accel.linear import pdl_kernels_measured, steps_with_pdl
-from gpt_fast.accel.options import ATTENTION_KERNELS
+from gpt_fast.accel.options import ATTENTION_KERNELS, check_regional_compile
 from gpt_fast.model.transformer import Attention
-from gpt_fast.util.options import OptionError
 
 
 def resolve_attention_kernel(
@@ -48,15 +47,6 @@ def resolve_attention_kernel(
     measured = pdl_kernels_measured(device, compile_mode)
     auto = "triton" if measured and not regional_compile else "torch"
     return choose(kernel, ATTENTION_KERNELS, "attention kernel", device, auto, register_triton_ops)
-
-
-def check_regional_compile(kernel: str, regional_compile: bool) -> None:
-    """Refuse the fused kernel with regional compilation: the kernel writes the cache, and PyTorch cannot yet
-    compile an operator that mutates its input inside a reused region (``torch.compiler.nested_compile_region``
-    raises "Found a custom (non-ATen) operator whose output has alias annotations", pytorch/pytorch#186807; seen
-    with torch 2.11 on an H200 and 2.13 on the CPU)."""
-    if kernel == "triton" and regional_compile:
-        raise OptionError("regional_compile does not combine with the triton attention kernel yet", "regional_compile")
 
 
 def attention_pdl(kernel: str, device: torch.device, compile_mode: str) -> bool:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from gpt_fast.model.config import QUANT_KERNELS
-from gpt_fast.util.options import check_one_of
+from gpt_fast.util.options import OptionError, check_one_of
 
 TRITON_OR_TORCH = ("auto", "triton", "torch")  # our Triton kernel, or the model's PyTorch code
 ATTENTION_KERNELS = ACTIVATION_KERNELS = LAYERS_KERNELS = LINEAR_KERNELS = SAMPLING_KERNELS = TRITON_OR_TORCH
@@ -51,3 +51,12 @@ KERNEL_CHOICES = {
     "linear": LINEAR_KERNELS,
     "sampling": SAMPLING_KERNELS,
 }
+
+
+def check_regional_compile(kernel: str, regional_compile: bool) -> None:
+    """Refuse the fused kernel with regional compilation: the kernel writes the cache, and PyTorch cannot yet
+    compile an operator that mutates its input inside a reused region (``torch.compiler.nested_compile_region``
+    raises "Found a custom (non-ATen) operator whose output has alias annotations", pytorch/pytorch#186807; seen
+    with torch 2.11 on an H200 and 2.13 on the CPU)."""
+    if kernel == "triton" and regional_compile:
+        raise OptionError("regional_compile does not combine with the triton attention kernel yet", "regional_compile")

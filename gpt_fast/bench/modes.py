@@ -28,10 +28,10 @@ import torch
 from gpt_fast.engine.engine import Engine, EngineOptions
 from gpt_fast.generation.decode import COMPILE_MODES
 from gpt_fast.generation.metrics import RunMetrics
-from gpt_fast.generation.profiling import trace_file
-from gpt_fast.jobs.generate import GenerateOptions, run_generate
+from gpt_fast.jobs.generate import run_generate
+from gpt_fast.jobs.options import GenerateOptions
 from gpt_fast.util.device import device_name
-from gpt_fast.util.fileio import atomic_path, first_line, write_text_atomic
+from gpt_fast.util.fileio import atomic_path, first_line, trace_file, write_text_atomic
 from gpt_fast.util.settings import apply_torch_settings
 
 COPY_BYTES_GPU = 4 << 30  # a copy this large is far beyond any cache

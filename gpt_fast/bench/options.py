@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from gpt_fast.model.config import INT4_GROUP_SIZES, QUANT_MODES
 from gpt_fast.model.shapes import SHAPES
+from gpt_fast.util.choices import COMPILE_MODES, KERNEL_TUNINGS
 from gpt_fast.util.options import OptionError, check_at_least, check_names, check_one_of
 
 DEFAULT_AGREEMENTS = (0.5, 0.7, 0.8, 0.9)
@@ -18,14 +19,10 @@ SERVE_DTYPES = ("bfloat16", "float16", "float32")
 
 
 def compile_modes() -> tuple[str, ...]:
-    from gpt_fast.generation.decode import COMPILE_MODES
-
     return COMPILE_MODES
 
 
 def kernel_tunings() -> tuple[str, ...]:
-    from gpt_fast.generation.decode import KERNEL_TUNINGS
-
     return KERNEL_TUNINGS
 
 
@@ -121,7 +118,7 @@ class SpeculativeBenchOptions:
     json: str | None = None
 
     def __post_init__(self) -> None:
-        from gpt_fast.generation.drafters import check_k, check_ngram
+        from gpt_fast.generation.options import check_k, check_ngram
 
         if self.shape is not None and self.checkpoint_path is not None:
             raise OptionError("shape and checkpoint_path exclude each other", "shape", "checkpoint_path")

@@ -171,11 +171,12 @@ KERNEL_LISTS = ("attention_kernels", "activation_kernels", "layers_kernels", "li
 )
 def decode_command(no_peers: bool, quantize: str, **values: Any) -> None:
     """Decode speed of gpt-fast and its peers on identical random weights."""
-    from gpt_fast.bench.decode import run
-
     lists = {name: comma_list(values.pop(name), str, f"--{name}") for name in KERNEL_LISTS}
     quantize_names = comma_list(quantize, str, "--quantize")
-    run(make(DecodeBenchOptions, peers=not no_peers, quantize=quantize_names, **lists, **values))
+    options = make(DecodeBenchOptions, peers=not no_peers, quantize=quantize_names, **lists, **values)
+    from gpt_fast.bench.decode import run  # once the options are checked: it imports torch
+
+    run(options)
 
 
 SERVE = ServeBenchOptions
@@ -199,9 +200,10 @@ def serve_command(compile_mode: str, **values: Any) -> None:
     """The server under load, in one run: `gpt-fast generate` alone, then `gpt-fast serve` with one streaming client
     and with N concurrent streaming clients, on the same checkpoint, compile mode and sampling. Prints one table:
     tokens/sec per client and in all, time to first token (p50/p99), and the issue's three ratios."""
-    from gpt_fast.bench.serve import run
+    options = make(ServeBenchOptions, compile=compile_mode, **values)
+    from gpt_fast.bench.serve import run  # once the options are checked: it imports torch
 
-    run(make(ServeBenchOptions, compile=compile_mode, **values))
+    run(options)
 
 
 SPECULATIVE = SpeculativeBenchOptions
@@ -244,14 +246,15 @@ SPECULATIVE = SpeculativeBenchOptions
 @click.option("--json", default=None, help="Also write the rows as JSON here.")
 def speculative_command(prompt_lookup: str, k: str, agreements: str, **values: Any) -> None:
     """Speculative decoding against plain decoding, greedy, one engine."""
-    from gpt_fast.bench.speculative import run
-
     lists = {
         "k": comma_list(k, int, "--k"),
         "prompt_lookup": comma_list(prompt_lookup, int, "--prompt_lookup"),
         "agreements": comma_list(agreements, float, "--agreements"),
     }
-    run(make(SpeculativeBenchOptions, **lists, **values))
+    options = make(SpeculativeBenchOptions, **lists, **values)
+    from gpt_fast.bench.speculative import run  # once the options are checked: it imports torch
+
+    run(options)
 
 
 TP = TpBenchOptions
@@ -281,9 +284,10 @@ TP = TpBenchOptions
 @click.option("--result", default=None, hidden=True)
 def tp_command(tp: str, no_profile: bool, **values: Any) -> None:
     """Tensor-parallel decode speed over world sizes (one table)."""
-    from gpt_fast.bench.tp import run
+    options = make(TpBenchOptions, tp=parse_world_sizes(tp), profile=not no_profile, **values)
+    from gpt_fast.bench.tp import run  # once the options are checked: it imports torch
 
-    run(make(TpBenchOptions, tp=parse_world_sizes(tp), profile=not no_profile, **values))
+    run(options)
 
 
 def run_alias(name: str) -> None:

@@ -43,7 +43,7 @@ from gpt_fast.util.fileio import STDOUT, regular_file
 from gpt_fast.util.options import OptionError
 
 if TYPE_CHECKING:
-    from gpt_fast.engine.engine import EngineOptions
+    from gpt_fast.engine.options import EngineOptions
 
 EXIT_USER_ERROR = 1
 EXIT_INTERRUPTED = 130
@@ -99,7 +99,7 @@ def sampling_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(func)
     def command(*args: Any, temperature: float | None, top_k: int | None, top_p: float | None, **kwargs: Any) -> Any:
-        from gpt_fast.generation.sampling import SamplingConfig
+        from gpt_fast.generation.options import SamplingConfig
 
         given = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
         given = {name: value for name, value in given.items() if value is not None}
@@ -124,7 +124,7 @@ def device_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(func)
     def command(*args: Any, device: str | None, dtype: str, **kwargs: Any) -> Any:
-        from gpt_fast.engine.engine import EngineOptions
+        from gpt_fast.engine.options import EngineOptions
 
         return func(*args, engine_options=EngineOptions(device=device, dtype=dtype), **kwargs)
 
@@ -160,7 +160,7 @@ def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
         dtype: str,
         **kwargs: Any,
     ) -> Any:
-        from gpt_fast.engine.engine import EngineOptions
+        from gpt_fast.engine.options import EngineOptions
 
         options = EngineOptions(
             compile_mode,
@@ -282,7 +282,7 @@ def speculative_options(func: Callable[..., Any]) -> Callable[..., Any]:
         engine_options: EngineOptions,
         **kwargs: Any,
     ) -> Any:
-        from gpt_fast.generation.speculative import SpeculativeOptions
+        from gpt_fast.generation.options import SpeculativeOptions
 
         speculative = SpeculativeOptions.from_flags(draft_checkpoint_path, prompt_lookup, speculate_k)
         options = dataclasses.replace(engine_options, speculative=speculative, batch_invariant=batch_invariant)
@@ -434,19 +434,24 @@ def generate(
     extra = click.get_current_context().args
     if extra:
         raise ValueError(f"unexpected argument {extra[0]!r}: give the prompt with --prompt {shlex.quote(extra[0])}")
-    from gpt_fast.engine.engine import Engine, launched_world_size
-    from gpt_fast.generation.sampling import SamplingConfig
-    from gpt_fast.jobs.generate import GenerateOptions, run_generate
-    from gpt_fast.util.settings import apply_torch_settings
+    from gpt_fast.generation.options import SamplingConfig
+    from gpt_fast.jobs.options import GenerateOptions
 
-    engine_options = dataclasses.replace(engine_options, tp=launched_world_size() if tp is None else tp)
     prompts = read_prompts(prompt, prompt_file, prompts_file)
     several = tuple(prompts) if len(prompts) > 1 else ()
-    if several:
-        engine_options.check_batching()
     opts = GenerateOptions(
         prompt=prompts[0], prompts=several, stream=not no_stream, sampling=SamplingConfig(**sampling), **kwargs
-    )
+    )  # checked before torch is imported
+    if tp is not None:
+        engine_options = dataclasses.replace(engine_options, tp=tp)
+    from gpt_fast.engine.engine import Engine, launched_world_size
+    from gpt_fast.jobs.generate import run_generate
+    from gpt_fast.util.settings import apply_torch_settings
+
+    if tp is None:
+        engine_options = dataclasses.replace(engine_options, tp=launched_world_size())
+    if several:
+        engine_options.check_batching()
     engine = Engine.open(checkpoint_path, engine_options)
     if engine.world_size > 1 and engine.ranks is None:  # every check passed: start the ranks
         launch_generate(engine.world_size, STDOUT in prompt)
@@ -487,12 +492,15 @@ def chat(
     engine_options: EngineOptions,
 ) -> None:
     """Chat with a model that has a chat template, streaming each answer (Ctrl-C stops an answer, Ctrl-D ends)."""
-    from gpt_fast.engine.engine import Engine, set_seed, user_turn
-    from gpt_fast.jobs.chat import chat_loop, check_can_chat
-    from gpt_fast.jobs.generate import check_seed, load_reporting
-    from gpt_fast.util.settings import apply_torch_settings
+    from gpt_fast.jobs.options import check_at_least_one, check_seed
 
     check_seed(seed)
+    check_at_least_one("max_new_tokens", max_new_tokens)
+    from gpt_fast.engine.engine import Engine, set_seed, user_turn
+    from gpt_fast.jobs.chat import chat_loop, check_can_chat
+    from gpt_fast.jobs.generate import load_reporting
+    from gpt_fast.util.settings import apply_torch_settings
+
     engine = Engine.open(checkpoint_path, engine_options)
     check_can_chat(engine)
     engine.check_fits(engine.chat_ids(user_turn("?", system)), max_new_tokens)  # also checks the system message
@@ -568,7 +576,7 @@ def bench_modes(
     from gpt_fast.bench.modes import markdown_table, parse_modes, run_bench
     from gpt_fast.engine.engine import find_checkpoint
     from gpt_fast.generation.sampling import SamplingConfig
-    from gpt_fast.jobs.generate import GenerateOptions
+    from gpt_fast.jobs.options import GenerateOptions
 
     mode_list = parse_modes(modes)
     sampling_config = SamplingConfig(**sampling)  # gpt-fast's defaults where none is given: the same in every bench
@@ -613,12 +621,13 @@ def bench_modes(
 def serve(checkpoint_path: str | None, engine_options: EngineOptions, **kwargs: Any) -> None:
     """An OpenAI-compatible server (chat and completions, streamed or not) that decodes concurrent requests
     together, with a chat page at /."""
+    from gpt_fast.serve.options import ServeOptions
+
+    opts = ServeOptions(**kwargs)  # checked before torch is imported
     from gpt_fast.engine.engine import Engine
-    from gpt_fast.serve.server import ServeOptions
     from gpt_fast.serve.server import serve as run_server
     from gpt_fast.util.settings import apply_torch_settings
 
-    opts = ServeOptions(**kwargs)
     engine = Engine.open(checkpoint_path, engine_options)
     apply_torch_settings(engine.device, compiled=engine.compile != "none")
     run_server(engine, opts, write_stdout)
@@ -842,10 +851,12 @@ def eval_command(
 ) -> None:
     """Perplexity on a text with a sliding window (default text: Python's documentation topics, pydoc_data.topics,
     which ships with Python: nothing is downloaded)."""
-    from gpt_fast.engine.engine import Engine
-    from gpt_fast.jobs.evaluate import EvalOptions, builtin_text, run_eval
+    from gpt_fast.jobs.options import EvalOptions
 
     options = EvalOptions(text=text, dataset=dataset, max_tokens=max_tokens, window=window, stride=stride)
+    from gpt_fast.engine.engine import Engine
+    from gpt_fast.jobs.evaluate import builtin_text, run_eval
+
     engine = Engine.open(checkpoint_path, engine_options)
     content = read_text_file(text, "--text") if text is not None else builtin_text(options)
     run_eval(engine, options, content, as_json, write_stdout, write_stderr)

@@ -34,43 +34,22 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gpt_fast.engine.options import BatchOptions, require_int
 from gpt_fast.generation.loop import Readbacks, Record, run_steps, turn
-from gpt_fast.generation.sampling import LogitAdjustments, SamplingConfig, seed_key
+from gpt_fast.generation.options import LogitAdjustments, SamplingConfig
+from gpt_fast.generation.sampling import seed_key
 from gpt_fast.generation.slots import TOP_LOGPROBS, SlotState, SlotSteps, score_slot
 from gpt_fast.model.transformer import Transformer
 from gpt_fast.text.textstream import Decoder, StopStrings, TextStream
 from gpt_fast.util.device import cudagraph_step_begin, device_synchronize
 from gpt_fast.util.options import OptionError
 
-MAX_BATCH = 64  # slots at most
 MAX_STOP_TEXTS = 16
 IN_FLIGHT_STEPS = 2  # decode steps launched and not yet handed out, at most: the device always has the next one
 
 
 class QueueFull(RuntimeError):
     """Every slot is busy and the queue of waiting requests is full."""
-
-
-def _require_int(value: object, name: str, low: int, high: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-        bounds = f">= {low}" if high is None else f"in {low}..{high}"
-        raise OptionError(f"{name} must be an integer {bounds}, got {value!r}", name)
-
-
-@dataclass(frozen=True)
-class BatchOptions:
-    """The slots and the queue: ``max_batch`` requests decoded together, each with a cache of ``max_seq_length``
-    tokens (None: the model's context), and up to ``max_queue`` more waiting for a slot."""
-
-    max_batch: int = 8
-    max_seq_length: int | None = None
-    max_queue: int = 64
-
-    def __post_init__(self) -> None:
-        _require_int(self.max_batch, "max_batch", 1, MAX_BATCH)
-        _require_int(self.max_queue, "max_queue", 0)
-        if self.max_seq_length is not None:
-            _require_int(self.max_seq_length, "max_seq_length", 2)
 
 
 @dataclass(frozen=True)
@@ -80,7 +59,7 @@ class Request:
     ``top_logprobs`` (0 to 20), each token comes with its log-probability and that many alternatives'. With
     ``prompt_logprobs`` (0 to 20), the prompt's tokens too, before the first new one (:class:`PromptLogprobs`);
     ``max_new_tokens`` may then be 0 (the prompt scored, nothing generated). ``adjust``: penalties, a logit bias and
-    min-p (:class:`gpt_fast.generation.sampling.LogitAdjustments`). ``seed`` makes the sampled tokens
+    min-p (:class:`gpt_fast.generation.options.LogitAdjustments`). ``seed`` makes the sampled tokens
     reproducible, whatever else is decoded at the same time (None: a random seed)."""
 
     prompt_ids: tuple[int, ...]
@@ -237,7 +216,7 @@ class Batcher:
         prompt, budget, vocab = request.prompt_ids, request.max_new_tokens, self.model.config.vocab_size
         if not prompt:
             raise ValueError("the prompt is empty")
-        _require_int(budget, "max_new_tokens", 0 if request.prompt_logprobs is not None else 1)
+        require_int(budget, "max_new_tokens", 0 if request.prompt_logprobs is not None else 1)
         if len(prompt) + budget > self.max_seq_length:
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({budget}) = {len(prompt) + budget} exceeds the "
@@ -248,7 +227,7 @@ class Batcher:
             raise ValueError(f"token ids must be integers in 0..{vocab - 1}")
         for name in ("top_logprobs", "prompt_logprobs"):
             if getattr(request, name) is not None:
-                _require_int(getattr(request, name), name, 0, min(TOP_LOGPROBS, vocab))
+                require_int(getattr(request, name), name, 0, min(TOP_LOGPROBS, vocab))
         if len(request.stop_texts) > MAX_STOP_TEXTS or not all(request.stop_texts):
             raise ValueError(f"stop strings must be non-empty, {MAX_STOP_TEXTS} at most")
 

@@ -17,23 +17,19 @@ import os
 import re
 import time
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from gpt_fast.accel.choice import Context
-from gpt_fast.accel.decode_attention import check_regional_compile
 from gpt_fast.accel.invariant import INVARIANT_ROWS, check_invariant, use_invariant_kernels
-from gpt_fast.accel.options import KernelOptions
 from gpt_fast.accel.registry import install_kernels, resolve_kernels
 from gpt_fast.checkpoint.load import checkpoint_tokenizer, load_model, model_from_state
 from gpt_fast.convert.default_model import ensure_default_checkpoint
-from gpt_fast.engine.batcher import MAX_BATCH, Batcher, BatchOptions, Event, Finished, Request
+from gpt_fast.engine.batcher import Batcher, Event, Finished, Request
+from gpt_fast.engine.options import MAX_BATCH, BatchOptions, EngineOptions
 from gpt_fast.generation.decode import (
-    COMPILE_MODES,
-    COORDINATE_DESCENT,
-    KERNEL_TUNINGS,
     CompileCacheUse,
     cache_length,
     compile_cache_use,
@@ -63,13 +59,12 @@ from gpt_fast.model.config import (
     resolve_checkpoint_dir,
 )
 from gpt_fast.model.transformer import Transformer, weight_bytes_per_token
-from gpt_fast.parallel.tensor_parallel import TensorParallel, check_tensor_parallel, device_of, env_ranks, join
+from gpt_fast.parallel.tensor_parallel import TensorParallel, device_of, env_ranks, join
 from gpt_fast.text.chat_template import chat_prompt_ids
 from gpt_fast.text.textstream import TextStream
 from gpt_fast.text.tokenizer import Tokenizer
 from gpt_fast.util.choices import DEFAULT_MAX_NEW_TOKENS
 from gpt_fast.util.device import (
-    DTYPE_CHOICES,
     device_memory_bytes,
     device_name,
     dtype_name,
@@ -77,117 +72,11 @@ from gpt_fast.util.device import (
     resolve_dtype,
 )
 from gpt_fast.util.fileio import check_output_file
-from gpt_fast.util.options import OptionError, check_at_least, check_one_of
+from gpt_fast.util.options import OptionError
 from gpt_fast.util.paths import CHECKPOINTS_DIR
 
 Message = dict[str, str]  # {"role": ..., "content": ...}
 _REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """How a checkpoint runs; each value is checked when the options are made (:class:`OptionError` names the
-    field).
-
-    - ``compile``: the compile mode (``none``: eager); ``compile_prefill``: the prefill compiled too;
-      ``kernel_tuning``: how inductor picks its kernels' configurations (:data:`KERNEL_TUNINGS`);
-    - ``device`` (None: the GPU if there is one) and ``dtype`` (``auto``: bfloat16 on a GPU, float32 on the CPU);
-    - ``speculative``: speculative decoding (None: plain decoding), :mod:`gpt_fast.generation.speculative`;
-    - ``kernels``: the kernel of each operation (:class:`gpt_fast.accel.options.KernelOptions`, resolved by
-      :mod:`gpt_fast.accel.registry`);
-    - ``tp``: the model split over that many processes started by ``torchrun``, one GPU each
-      (:mod:`gpt_fast.parallel.tensor_parallel`);
-    - ``regional_compile``: one layer compiled and reused for all (:func:`gpt_fast.model.transformer.layer_region`);
-    - ``aot_precompile``: the decode step compiled ahead of time and kept on disk for the next process
-      (:mod:`gpt_fast.generation.precompile`; one prompt's plain decoding in one process);
-    - ``batch_invariant``: every decode and verify step computes each token's row on its own, so that speculative
-      decoding gives plain decoding's tokens in any dtype (:mod:`gpt_fast.accel.invariant`).
-    """
-
-    compile: str = "none"
-    compile_prefill: bool = False
-    device: str | None = None
-    dtype: str = "auto"
-    speculative: SpeculativeOptions | None = None
-    kernels: KernelOptions = field(default_factory=KernelOptions)
-    tp: int = 1
-    regional_compile: bool = False
-    kernel_tuning: str = COORDINATE_DESCENT
-    aot_precompile: bool = False
-    batch_invariant: bool = False
-
-    def __post_init__(self) -> None:
-        check_one_of("compile", self.compile, COMPILE_MODES)
-        check_one_of("dtype", self.dtype, DTYPE_CHOICES)
-        check_one_of("kernel_tuning", self.kernel_tuning, KERNEL_TUNINGS)
-        if self.speculative is not None and not isinstance(self.speculative, SpeculativeOptions):
-            raise OptionError(f"speculative must be a SpeculativeOptions or None, got {self.speculative!r}")
-        if not isinstance(self.kernels, KernelOptions):
-            raise OptionError(f"kernels must be a KernelOptions, got {self.kernels!r}")
-        check_at_least("tp", self.tp, 1)
-        if self.tp > 1 and self.speculative is not None:
-            raise OptionError("speculative decoding does not run with tensor parallelism (tp) yet", "tp")
-        if self.kernels.layers == "triton" and (self.tp > 1 or self.speculative is not None):
-            raise OptionError(
-                "kernels.layers triton runs plain decoding on one GPU (no tp, no speculation)", "kernels.layers", "tp"
-            )
-        if self.regional_compile and self.tp > 1:  # collectives inside a reused region: not tried on GPUs yet
-            raise OptionError(
-                "regional_compile does not run with tensor parallelism (tp) yet", "regional_compile", "tp"
-            )
-        check_regional_compile(self.kernels.attention, self.regional_compile)
-        self._check_aot_precompile()
-        self._check_batch_invariant()
-
-    def _check_batch_invariant(self) -> None:
-        if not self.batch_invariant:
-            return
-        others = {
-            "tp": self.tp > 1,
-            "aot_precompile": self.aot_precompile,
-        }
-        for name in self.kernels.asked_for("triton"):
-            others[f"kernels.{name} triton"] = name not in ("quant", "sampling")
-        for name, used in others.items():
-            if used:
-                raise OptionError(f"batch_invariant does not combine with {name}", "batch_invariant", name.split()[0])
-
-    def _check_aot_precompile(self) -> None:
-        if not self.aot_precompile:
-            return
-        if self.compile == "none":
-            raise OptionError(
-                "aot_precompile keeps a compiled decode step: give it a compile mode", "aot_precompile", "compile"
-            )
-        others = {
-            "regional_compile": self.regional_compile,
-            "tp": self.tp > 1,
-            "speculative decoding": self.speculative is not None,
-            "kernels.layers triton": self.kernels.layers == "triton",
-        }
-        for name, used in others.items():
-            if used:
-                raise OptionError(f"aot_precompile does not combine with {name} yet", "aot_precompile", name.split()[0])
-
-    def check_parallel(self, config: ModelConfig, quantization: QuantConfig | None) -> None:
-        """A model that does not split over ``tp`` ranks is refused before any weights are read."""
-        check_tensor_parallel(config, quantization, self.tp)
-
-    def check_batching(self) -> None:
-        """Continuous batching (several prompts, `gpt-fast serve`) decodes without speculation: a verify step keeps
-        one accepted length for all its rows, which independent requests do not share."""
-        if self.speculative is not None:
-            raise OptionError(
-                "speculative decoding (speculative.prompt_lookup, speculative.draft_checkpoint) takes one prompt; "
-                "several prompts are decoded together without it",
-                "speculative.prompt_lookup",
-                "speculative.draft_checkpoint",
-            )
-        if self.tp > 1:  # the batcher's host-side decisions follow the device's timing, which differs by rank
-            raise ValueError("several prompts (continuous batching, serve) do not run with tensor parallelism yet")
-        if self.aot_precompile:  # the batcher's slot steps are other functions, compiled as usual
-            message = "aot_precompile keeps one prompt's decode step; several prompts (serve) do not use it"
-            raise OptionError(message, "aot_precompile")
 
 
 @dataclass(frozen=True)

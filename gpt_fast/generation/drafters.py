@@ -20,28 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpt_fast.generation.sampling import SamplingConfig, probabilities, sample_weights
+from gpt_fast.generation.options import SamplingConfig, check_k, check_ngram
+from gpt_fast.generation.sampling import probabilities, sample_weights
 from gpt_fast.model.cache import DecodeState
 from gpt_fast.model.transformer import Transformer
 from gpt_fast.util.device import cudagraph_step_begin
-from gpt_fast.util.options import OptionError
-
-MAX_SPECULATE_K = 16  # proposals per round; past a handful the verify step stops being as cheap as a decode step
-MAX_NGRAM = 16
-
-
-def check_k(k: int) -> int:
-    return _in_range(k, 1, MAX_SPECULATE_K, "k")
-
-
-def check_ngram(ngram: int) -> int:
-    return _in_range(ngram, 1, MAX_NGRAM, "prompt_lookup")
-
-
-def _in_range(value: int, low: int, high: int, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise OptionError(f"{name} must be an integer in {low}..{high}, got {value!r}", name)
-    return value
 
 
 class SpeculativeState(nn.Module):

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from gpt_fast.generation.decode import COORDINATE_DESCENT, compile_options, tuning_options
-from gpt_fast.generation.sampling import MIN_TEMPERATURE, LogitAdjustments, SamplingConfig, sample_rows
+from gpt_fast.generation.options import MIN_TEMPERATURE, LogitAdjustments, SamplingConfig
+from gpt_fast.generation.sampling import sample_rows
 from gpt_fast.model.transformer import Transformer
 
 TOP_LOGPROBS = 20  # the most alternatives a step reports per token (OpenAI's limit for top_logprobs)

@@ -44,58 +44,20 @@ from gpt_fast.generation.drafters import (
     DraftModel,
     PromptLookup,
     SpeculativeState,
-    check_k,
-    check_ngram,
     draft_first,
     draft_next,
     propose_step,
 )
 from gpt_fast.generation.loop import GenerationResult, Mark, Record, decode_rows, profile_mark, prompt_rows
 from gpt_fast.generation.metrics import SpeculativeMetrics
+from gpt_fast.generation.options import SpeculativeOptions
 from gpt_fast.generation.profiling import DRAFT_MARK, VERIFY_MARK
 from gpt_fast.generation.sampling import SamplingConfig, probabilities, sample_weights
 from gpt_fast.model.config import CheckpointConfig
 from gpt_fast.model.transformer import Transformer
-from gpt_fast.util.choices import DEFAULT_SPECULATE_K
 from gpt_fast.util.device import cudagraph_step_begin
-from gpt_fast.util.options import OptionError
 
 MAX_ROUNDS_AHEAD = 2  # rounds the host may have started beyond those it has read back
-
-
-@dataclass(frozen=True)
-class SpeculativeOptions:
-    """Speculative decoding with one drafter: ``draft_checkpoint`` (a smaller model that shares the target's
-    tokenizer) or ``prompt_lookup`` (n-grams of up to that many tokens looked up in the prompt and the text so
-    far), proposing ``k`` tokens per verify step."""
-
-    draft_checkpoint: str | None = None
-    prompt_lookup: int | None = None
-    k: int = DEFAULT_SPECULATE_K
-
-    def __post_init__(self) -> None:
-        if (self.draft_checkpoint is None) == (self.prompt_lookup is None):
-            raise OptionError(
-                "speculative decoding takes one drafter: draft_checkpoint or prompt_lookup",
-                "draft_checkpoint",
-                "prompt_lookup",
-            )
-        if self.draft_checkpoint is not None and not str(self.draft_checkpoint):
-            raise OptionError("draft_checkpoint is empty", "draft_checkpoint")
-        check_k(self.k)
-        if self.prompt_lookup is not None:
-            check_ngram(self.prompt_lookup)
-
-    @classmethod
-    def from_flags(
-        cls, draft_checkpoint: str | None, prompt_lookup: int | None, k: int | None
-    ) -> SpeculativeOptions | None:
-        """The options the command-line flags ask for; None without a drafter (and then no ``--speculate_k``)."""
-        if draft_checkpoint is None and prompt_lookup is None:
-            if k is not None:
-                raise ValueError("--speculate_k goes with --draft_checkpoint_path or --prompt_lookup")
-            return None
-        return cls(draft_checkpoint, prompt_lookup, DEFAULT_SPECULATE_K if k is None else k)
 
 
 # What must be equal for a draft's token ids to mean what the target's mean: the checkpoints' config.json.

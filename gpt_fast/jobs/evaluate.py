@@ -19,58 +19,15 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
 from gpt_fast.engine.engine import Engine
-from gpt_fast.util.choices import EVAL_DATASETS, EVAL_MAX_TOKENS, EVAL_WINDOW
+from gpt_fast.jobs.options import EvalOptions
 
-DEFAULT_TEXT = "pydoc_data.topics"
-DATASETS = EVAL_DATASETS
 WIKITEXT_REPO = "Salesforce/wikitext"
 WIKITEXT_TEST = "wikitext-2-raw-v1/test-00000-of-00001.parquet"
 Write = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class EvalOptions:
-    """What `gpt-fast eval` scores and how; checked when made."""
-
-    text: Path | None = None  # None: the default text (or the dataset)
-    dataset: str | None = None
-    max_tokens: int = EVAL_MAX_TOKENS
-    window: int | None = None  # None: the model's context, at most EVAL_WINDOW; never beyond the context
-    stride: int | None = None  # None: half the window
-
-    def __post_init__(self) -> None:
-        if self.text is not None and self.dataset is not None:
-            raise ValueError("give --text or --dataset, not both")
-        if self.dataset is not None and self.dataset not in DATASETS:
-            raise ValueError(f"--dataset {self.dataset!r} is not one of {', '.join(DATASETS)}")
-        if self.max_tokens < 2:
-            raise ValueError(f"--max_tokens must be >= 2, got {self.max_tokens}")
-        if self.window is not None and self.window < 2:
-            raise ValueError(f"--window must be >= 2, got {self.window}")
-        if self.stride is not None and self.window is not None and not 1 <= self.stride <= self.window:
-            raise ValueError(f"--stride must be in 1..--window ({self.window}), got {self.stride}")
-        if self.stride is not None and self.stride < 1:
-            raise ValueError(f"--stride must be >= 1, got {self.stride}")
-
-    def spans(self, context: int) -> tuple[int, int]:
-        """``(window, stride)`` for a model of ``context`` tokens: a window beyond it is refused, not shortened
-        (the perplexity would be another's than the one asked for)."""
-        if self.window is not None and self.window > context:
-            raise ValueError(f"--window {self.window} is beyond the model's context of {context} tokens")
-        window = self.window if self.window is not None else min(EVAL_WINDOW, context)
-        stride = self.stride if self.stride is not None else max(window // 2, 1)
-        if stride > window:
-            raise ValueError(f"--stride must be in 1..--window ({window}), got {stride}")
-        return window, stride
-
-    @property
-    def text_name(self) -> str:
-        return str(self.text) if self.text is not None else self.dataset or DEFAULT_TEXT
 
 
 @dataclass(frozen=True)

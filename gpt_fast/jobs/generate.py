@@ -3,96 +3,28 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import statistics
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from gpt_fast.engine.engine import DEFAULT_MAX_NEW_TOKENS, Engine, EngineOptions, set_seed
+from gpt_fast.engine.engine import Engine, EngineOptions, set_seed
 from gpt_fast.generation.loop import GenerationResult
 from gpt_fast.generation.metrics import RunMetrics, SampleMetrics, SpeculativeMetrics, averages_label, timed_samples
-from gpt_fast.generation.profiling import trace_file
-from gpt_fast.generation.sampling import SamplingConfig
 from gpt_fast.generation.speculative import SpeculativeResult
-from gpt_fast.util.choices import DEFAULT_NUM_SAMPLES, DEFAULT_PROMPT, HEURISTIC
+from gpt_fast.jobs.options import GenerateOptions
+from gpt_fast.util.choices import HEURISTIC
 from gpt_fast.util.device import memory_used
-from gpt_fast.util.fileio import check_output_file, write_text_atomic
+from gpt_fast.util.fileio import write_text_atomic
 from gpt_fast.util.settings import cpu_threads_note
 
-MAX_SEED = 2**64 - 1
 Write = Callable[[str], None]
 
 
 def write_stdout(text: str) -> None:
     sys.stdout.write(text)
     sys.stdout.flush()
-
-
-@dataclass(frozen=True)
-class GenerateOptions:
-    """Everything `gpt-fast generate` takes besides the checkpoint and the engine options; the command's defaults
-    are these. Checked here, once, before any checkpoint is read."""
-
-    prompt: str = DEFAULT_PROMPT
-    prompts: tuple[str, ...] = ()  # two or more prompts generated together (continuous batching) instead of prompt
-    chat: bool = False
-    system: str | None = None
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-    num_samples: int = DEFAULT_NUM_SAMPLES
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    profile: str | None = None  # a trace file, or a folder for trace.json
-    profile_all_ranks: bool = False  # with tensor parallelism: every rank writes its trace (PATH_rankN.json)
-    batch_size: int = 1
-    seed: int | None = None
-    ignore_eos: bool = False
-    metrics_json: Path | None = None  # "-": standard output
-    stream: bool = True
-
-    def __post_init__(self) -> None:
-        if not all(self.all_prompts):
-            raise ValueError("--prompt is empty")
-        if len(self.prompts) == 1:
-            raise ValueError("prompts holds two or more prompts (one goes in prompt)")
-        if self.prompts and self.batch_size != 1:
-            raise ValueError("--batch_size copies one prompt; several prompts are each generated once, together")
-        if self.system is not None and not self.chat:
-            raise ValueError("--system goes with --chat (a system message is part of a chat)")
-        for name in ("max_new_tokens", "num_samples", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
-        check_seed(self.seed)
-        if self.metrics_json is not None:
-            check_output_file(self.metrics_json, "--metrics_json")
-        if self.profile is not None:
-            if not os.fspath(self.profile):
-                raise ValueError("--profile is empty: give a trace file or a folder")
-            trace_file(self.profile)
-        elif self.profile_all_ranks:
-            raise ValueError("--profile_all_ranks goes with --profile")
-
-    @property
-    def all_prompts(self) -> tuple[str, ...]:
-        return self.prompts or (self.prompt,)
-
-    @property
-    def trace_path(self) -> Path | None:
-        return trace_file(self.profile) if self.profile else None
-
-    def rank_trace_path(self, rank: int) -> Path | None:
-        """Where rank ``rank`` writes its trace: rank 0 at ``--profile``'s path, the others only with
-        ``--profile_all_ranks``, each at ``PATH_rankN.json`` (``trace_rankN.json`` in a folder)."""
-        if self.profile is None or rank == 0:
-            return self.trace_path
-        return trace_file(self.profile, f"trace_rank{rank}", f"rank{rank}") if self.profile_all_ranks else None
-
-
-def check_seed(seed: int | None) -> None:
-    if seed is not None and not 0 <= seed <= MAX_SEED:
-        raise ValueError(f"--seed must be in 0..2**64-1, got {seed}")
 
 
 def compile_notes(options: EngineOptions) -> str:

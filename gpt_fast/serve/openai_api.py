@@ -7,7 +7,7 @@ OpenAI does not define (as OpenAI does). The OpenAI fields that change no answer
 metadata, storage, service tier, end-user id, ``parallel_tool_calls`` without tools) are checked, then accepted and
 named in the server's log once, as vLLM does. ``n`` choices per prompt (each its own request, seeded ``seed``,
 ``seed + 1``, ...), ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` apply per request in the batched
-step (:class:`gpt_fast.generation.sampling.LogitAdjustments`). Extensions: ``top_k``, ``min_p``,
+step (:class:`gpt_fast.generation.options.LogitAdjustments`). Extensions: ``top_k``, ``min_p``,
 ``repetition_penalty``; token ids in ``stop`` and as ``prompt``;
 ``ignore_eos`` (generate ``max_tokens`` whatever the model's stop tokens: for benchmarks); vLLM's ``/tokenize`` and
 ``/detokenize`` (:func:`tokenize`, :func:`detokenize`).
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpt_fast.engine.batcher import MAX_STOP_TEXTS, Finished, Request, TokenLogprob
-from gpt_fast.generation.sampling import MAX_BIAS, MAX_BIASED, MAX_PENALTY, LogitAdjustments, SamplingConfig
+from gpt_fast.generation.options import MAX_BIAS, MAX_BIASED, MAX_PENALTY, LogitAdjustments, SamplingConfig
 
 MAX_TEMPERATURE = 2.0  # OpenAI's range is 0..2
 CHAT_TOP_LOGPROBS = 20  # OpenAI's limits for top_logprobs (chat) and logprobs (completions)

@@ -11,45 +11,18 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import uvicorn
 
-from gpt_fast.engine.batcher import Batcher, BatchOptions
+from gpt_fast.engine.batcher import Batcher
 from gpt_fast.engine.engine import Engine
+from gpt_fast.engine.options import BatchOptions
 from gpt_fast.serve.app import OpenAIServer
 from gpt_fast.serve.openai_api import Context
+from gpt_fast.serve.options import ServeOptions
 
-DEFAULT_CONTEXT = 2048  # tokens per slot unless --max_seq_length says otherwise (or the model's context is shorter)
 SHUTDOWN_SECONDS = 5
 Write = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class ServeOptions:
-    """`gpt-fast serve`'s options besides the checkpoint and the engine's."""
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    max_batch: int = 8
-    max_seq_length: int | None = None  # None: the model's context, at most DEFAULT_CONTEXT
-    max_queue: int = 64
-    api_key: str | None = None
-    model_name: str | None = None  # None: the checkpoint folder's name
-
-    def __post_init__(self) -> None:
-        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
-            raise ValueError(f"--port must be in 0..65535, got {self.port!r}")
-        if self.api_key is not None and not self.api_key.strip():
-            raise ValueError("--api_key is empty")
-        if self.model_name is not None and not self.model_name.strip():
-            raise ValueError("--model_name is empty")
-        BatchOptions(self.max_batch, self.max_seq_length, self.max_queue)
-
-    def batch_options(self, block_size: int) -> BatchOptions:
-        if self.max_seq_length is not None and self.max_seq_length > block_size:
-            raise ValueError(f"--max_seq_length {self.max_seq_length} exceeds the model's context of {block_size}")
-        return BatchOptions(self.max_batch, self.max_seq_length or min(block_size, DEFAULT_CONTEXT), self.max_queue)
 
 
 def listen(host: str, port: int) -> socket.socket:

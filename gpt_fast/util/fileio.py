@@ -275,3 +275,20 @@ def native_stderr_without(pattern: re.Pattern[bytes]) -> Iterator[None]:
             kept = b"".join(line for line in captured if not pattern.match(line))
             if kept:
                 os.write(2, kept)
+
+
+def trace_file(profile: str | os.PathLike, name: str = "trace", variant: str = "") -> Path:
+    """The trace file ``--profile PATH`` names, after checking that it can be written: a folder (an existing one, or
+    PATH ending in ``/``, then created) holds ``NAME.json``; any other PATH is the file itself, ``.json`` added unless
+    present. ``variant`` tells apart the files of several runs (one per compile mode): ``PATH_VARIANT.json``."""
+    text = os.fspath(profile)
+    if text.endswith(("/", os.sep)):
+        folder = check_output_dir(Path(text), "--profile")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise PermissionError(f"--profile: cannot create folder {folder} ({err.strerror or err})") from None
+    if Path(text).is_dir():
+        return check_output_file(Path(text) / f"{name}.json", "--profile")
+    stem = text.removesuffix(".json")
+    return check_output_file(Path(f"{stem}_{variant}.json" if variant else f"{stem}.json"), "--profile")
