@@ -8,9 +8,9 @@ metadata, storage, service tier, end-user id, ``parallel_tool_calls`` without to
 named in the server's log once, as vLLM does. ``n`` choices per prompt (each its own request, seeded ``seed``,
 ``seed + 1``, ...), ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` apply per request in the batched
 step (:class:`gpt_fast.generation.options.LogitAdjustments`). Extensions: ``top_k``, ``min_p``,
-``repetition_penalty``; token ids in ``stop`` and as ``prompt``;
-``ignore_eos`` (generate ``max_tokens`` whatever the model's stop tokens: for benchmarks); vLLM's ``/tokenize`` and
-``/detokenize`` (:func:`tokenize`, :func:`detokenize`).
+``repetition_penalty``; token ids in ``stop`` and as ``prompt``; ``ignore_eos`` (generate ``max_tokens`` whatever
+the model's stop tokens: for benchmarks); vLLM's ``/tokenize`` and ``/detokenize`` (:func:`tokenize`,
+:func:`detokenize`).
 
 Completions take several prompts in one request (a choice each, in order, answered whole) and ``echo``: the prompt
 before each answer, with ``logprobs`` the prompt tokens' log-probabilities too (the first one null, as OpenAI gives
