@@ -2,6 +2,10 @@
 marks, and a record of the GEMVs a step called."""
 
 import importlib.util
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -29,3 +33,21 @@ def gemv_calls() -> list[str]:
 
         setattr(triton_linear, name, spy)
     return calls
+
+
+def interpret_all(commands: Sequence[Sequence[str]], timeout: float = 600) -> list[str]:
+    """Run Python with each of ``commands``' arguments (``["-c", code]``, or a script and its arguments) in a process
+    of its own with ``TRITON_INTERPRET=1`` (read when the kernels are defined), all at once: the interpreter keeps
+    one core busy per process, so the machine's cores share the work. Each one's standard output, in order; one
+    that fails fails the test with the end of its standard error."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    processes = [
+        subprocess.Popen([sys.executable, *command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for command in commands
+    ]
+    outputs = []
+    for process in processes:
+        out, err = process.communicate(timeout=timeout)
+        assert process.returncode == 0, err[-2000:]
+        outputs.append(out)
+    return outputs

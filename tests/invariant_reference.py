@@ -126,13 +126,13 @@ def in_a_longer_cache(q, k, v, cos, sin, kv, positions, first_row, scale, softca
     )
 
 
-def report(device: str) -> dict[str, float | bool]:
+def report(device: str, dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)) -> dict[str, float | bool]:
     """On the CPU (Triton's interpreter) a float32 ``tl.dot`` is numpy's sgemm, which on some CPUs rounds one row of
     a 16-row tile otherwise than the others (seen with numpy 2.3.5's OpenBLAS on an AMD EPYC: row 6): that case's
     row equality is the interpreter's, reported apart as ``rows_alike_cpu_sgemm``; on a GPU it counts in
-    ``rows_alike``."""
+    ``rows_alike``. For ``dtypes``: the worst error of each, by name."""
     result: dict[str, float | bool] = {"rows_alike": True, "rows_alike_cpu_sgemm": True}
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in dtypes:
         errors = []
         for cases in (linear_cases, norm_cases, attention_cases):
             error, alike = cases(dtype, device)
@@ -147,5 +147,6 @@ def report(device: str) -> dict[str, float | bool]:
     return result
 
 
-if __name__ == "__main__":
-    json.dump(report(sys.argv[1] if len(sys.argv) > 1 else "cpu"), sys.stdout)
+if __name__ == "__main__":  # python invariant_reference.py [DEVICE [DTYPE]]
+    chosen = (getattr(torch, sys.argv[2]),) if len(sys.argv) > 2 else (torch.float32, torch.bfloat16)
+    json.dump(report(sys.argv[1] if len(sys.argv) > 1 else "cpu", chosen), sys.stdout)

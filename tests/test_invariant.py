@@ -9,9 +9,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +37,7 @@ from gpt_fast.model.config import QuantConfig
 from gpt_fast.model.shapes import get_shape
 from gpt_fast.model.transformer import Transformer, rms_norm
 from gpt_fast.util.options import OptionError
+from tests.interpreter import interpret_all
 
 GREEDY = SamplingConfig(temperature=0)
 TINY = dataclasses.replace(get_shape("tiny"), vocab_size=128)
@@ -277,12 +275,11 @@ def test_the_triton_kernels_in_the_interpreter():
     """Each Triton kernel against the reference operator (to rounding; bfloat16 within an ulp or two, the
     interpreter truncating where the GPU rounds), and each row of a many-row launch equal, bit for bit, to the same
     row launched alone."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, str(REFERENCE)], capture_output=True, text=True, env=env, timeout=600)
-    assert result.returncode == 0, result.stderr[-2000:]
-    report = json.loads(result.stdout)
-    assert report["float32"] < 1e-5 and report["bfloat16"] < 2e-2
-    assert report["rows_alike"] is True
+    float32, bfloat16 = (
+        json.loads(out) for out in interpret_all([[str(REFERENCE), "cpu", d] for d in ("float32", "bfloat16")])
+    )  # a process each
+    assert float32["float32"] < 1e-5 and bfloat16["bfloat16"] < 2e-2
+    assert float32["rows_alike"] is True and bfloat16["rows_alike"] is True
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")

@@ -24,7 +24,7 @@ from gpt_fast.quant.products import (
     resolve_kernel,
 )
 from gpt_fast.quant.schemes import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8, unpack_int4
-from tests.interpreter import needs_triton, old_numpy
+from tests.interpreter import interpret_all, needs_triton, old_numpy
 
 # Relative error ||ours - exact|| / ||exact|| allowed against the float64 product: float32 arithmetic lands near
 # 1e-6; bfloat16 activations and scales (8 bits of mantissa) near 3e-3.
@@ -182,6 +182,7 @@ def test_a_rocm_build_falls_back_to_plain_pytorch(monkeypatch):
     assert resolve_kernel("auto", gpu) == "dequant"
 
 
+INTERPRETED_SHAPES = [(1, 64, 256), (3, 37, 200), (2, 16, 1024), (3, 37, 192)]  # rows, n, k
 TRITON_CHECK = """
 import torch
 from gpt_fast.kernels import triton_gemv
@@ -190,7 +191,7 @@ from gpt_fast.quant.schemes import dequantize_int4, dequantize_int8, quantize_in
 torch.manual_seed(0)
 worst = 0.0
 worst_half2 = {torch.float16: 0.0, torch.bfloat16: 0.0}
-for rows, n, k in [(1, 64, 256), (3, 37, 200), (2, 16, 1024), (3, 37, 192)]:
+for rows, n, k in SHAPES:
     w, x = torch.randn(n, k), torch.randn(rows, k)
     q, s = quantize_int8(w, torch.float32)
     exact = x.double() @ dequantize_int8(q, s).double().T
@@ -232,12 +233,9 @@ def test_triton_kernels_in_the_interpreter():
     pairs: the interpreter runs no PTX, so it checks those paths' layout and scaling through the same float16
     arithmetic written in Triton (the PTX has GPU tests), for float16 and bfloat16 activations, within the
     rounding of the output."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(TRITON_CHECK)], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    worst, worst_float16, worst_bfloat16 = map(float, result.stdout.split())
+    scripts = [textwrap.dedent(TRITON_CHECK).replace("SHAPES", repr([shape])) for shape in INTERPRETED_SHAPES]
+    outputs = [[float(value) for value in out.split()] for out in interpret_all([["-c", s] for s in scripts])]
+    worst, worst_float16, worst_bfloat16 = (max(column) for column in zip(*outputs, strict=True))
     assert worst < 1e-5
     assert worst_float16 < 2e-3
     assert worst_bfloat16 < 6e-3  # the interpreter rounds float32 to bfloat16 toward zero: up to 2 ** -8
