@@ -157,14 +157,22 @@ def model_errors(kernel: Callable[..., torch.Tensor], device: str = "cpu") -> fl
     return worst
 
 
-def main() -> None:
+PARTS = ("float32", "bfloat16", "models")
+
+
+def main(parts: tuple[str, ...] = PARTS) -> None:
+    """The worst errors of each of ``parts`` (the kernel in float32, in bfloat16: output and cache; tiny models
+    decoding with it), as JSON."""
     from gpt_fast.kernels.triton_decode_attention import decode_attention
 
-    out32, cache32 = kernel_errors(decode_attention, torch.float32, "cpu")
-    out16, cache16 = kernel_errors(decode_attention, torch.bfloat16, "cpu")
-    models = model_errors(decode_attention)
-    json.dump({"float32": [out32, cache32], "bfloat16": [out16, cache16], "models": models}, sys.stdout)
+    report: dict[str, object] = {}
+    for part in parts:
+        if part == "models":
+            report[part] = model_errors(decode_attention)
+        else:
+            report[part] = list(kernel_errors(decode_attention, getattr(torch, part), "cpu"))
+    json.dump(report, sys.stdout)
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # python decode_attention_reference.py [PART ...]
+    main(tuple(sys.argv[1:]) or PARTS)
