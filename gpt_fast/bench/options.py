@@ -18,14 +18,6 @@ RUN_TIMEOUT_S = 480.0  # one world size's run of the tensor-parallel benchmark, 
 SERVE_DTYPES = ("bfloat16", "float16", "float32")
 
 
-def compile_modes() -> tuple[str, ...]:
-    return COMPILE_MODES
-
-
-def kernel_tunings() -> tuple[str, ...]:
-    return KERNEL_TUNINGS
-
-
 @dataclass(frozen=True)
 class DecodeBenchOptions:
     """:mod:`gpt_fast.bench.decode`: our decode speed and the peers', on identical random weights of ``shape``.
@@ -53,7 +45,7 @@ class DecodeBenchOptions:
 
     def __post_init__(self) -> None:
         check_one_of("shape", self.shape, tuple(SHAPES))
-        check_one_of("mode", self.mode, compile_modes())
+        check_one_of("mode", self.mode, COMPILE_MODES)
         for name in ("prompt_tokens", "new_tokens", "ttft_tokens", "repeats", "builds"):
             check_at_least(name, getattr(self, name), 1)
         for name in self.quantize:
@@ -62,7 +54,7 @@ class DecodeBenchOptions:
         for name in ("attention_kernels", "activation_kernels", "layers_kernels", "linear_kernels", "sampling_kernels"):
             check_names(name, getattr(self, name))
         if self.kernel_tuning is not None:
-            check_one_of("kernel_tuning", self.kernel_tuning, kernel_tunings())
+            check_one_of("kernel_tuning", self.kernel_tuning, KERNEL_TUNINGS)
 
 
 @dataclass(frozen=True)
@@ -85,7 +77,7 @@ class ServeBenchOptions:
     def __post_init__(self) -> None:
         check_one_of("shape", self.shape, tuple(SHAPES))
         check_one_of("dtype", self.dtype, SERVE_DTYPES)
-        check_one_of("compile", self.compile, compile_modes())
+        check_one_of("compile", self.compile, COMPILE_MODES)
         for name in ("clients", "rounds", "max_tokens", "top_k"):
             check_at_least(name, getattr(self, name), 1)
         check_at_least("temperature", self.temperature, 0)
@@ -136,7 +128,7 @@ class SpeculativeBenchOptions:
             raise OptionError(f"agreements must lie in [0, 1], got {values}", "agreements")
         for name in ("prompt_tokens", "new_tokens", "repeats"):
             check_at_least(name, getattr(self, name), 1)
-        check_one_of("mode", self.mode, compile_modes())
+        check_one_of("mode", self.mode, COMPILE_MODES)
 
 
 @dataclass(frozen=True)
@@ -164,7 +156,7 @@ class TpBenchOptions:
 
     def __post_init__(self) -> None:
         check_one_of("shape", self.shape, tuple(SHAPES))
-        check_one_of("mode", self.mode, compile_modes())
+        check_one_of("mode", self.mode, COMPILE_MODES)
         check_names("tp", self.tp)
         for size in self.tp:
             check_at_least("tp", size, 1)

@@ -18,11 +18,10 @@ from gpt_fast.bench.options import (
     ServeBenchOptions,
     SpeculativeBenchOptions,
     TpBenchOptions,
-    compile_modes,
-    kernel_tunings,
 )
 from gpt_fast.model.config import INT4_GROUP_SIZES
 from gpt_fast.model.shapes import SHAPES
+from gpt_fast.util.choices import COMPILE_MODES, KERNEL_TUNINGS
 
 DEFAULT_COMMAND = "modes"
 T = TypeVar("T")
@@ -58,7 +57,7 @@ class Listed(click.ParamType):
 
 
 SHAPE_CHOICES = Listed(lambda: tuple(SHAPES))
-MODE_CHOICES = Listed(compile_modes)
+MODE_CHOICES = Listed(lambda: COMPILE_MODES)
 
 
 def engine_choices(name: str) -> Listed:
@@ -165,7 +164,7 @@ KERNEL_LISTS = ("attention_kernels", "activation_kernels", "layers_kernels", "li
 @click.option("--regional_compile", is_flag=True, help="Our rows compile one layer and reuse it for every layer.")
 @click.option(
     "--kernel_tuning",
-    type=Listed(kernel_tunings),
+    type=Listed(lambda: KERNEL_TUNINGS),
     default=None,
     help="Our rows' kernel configurations: tuned by coordinate descent (the default), or inductor's heuristic choice.",
 )
@@ -279,7 +278,7 @@ TP = TpBenchOptions
 @click.option("--no_profile", is_flag=True, help="No profiled generation (no collectives' time).")
 @click.option("--linear_kernel", type=engine_choices("LINEAR_KERNELS"), help="As gpt-fast generate's option.")
 @click.option("--attention_kernel", type=engine_choices("ATTENTION_KERNELS"), help="As gpt-fast generate's option.")
-@click.option("--kernel_tuning", type=Listed(kernel_tunings), help="As gpt-fast generate's option.")
+@click.option("--kernel_tuning", type=Listed(lambda: KERNEL_TUNINGS), help="As gpt-fast generate's option.")
 @click.option("--worker", is_flag=True, hidden=True)
 @click.option("--result", default=None, hidden=True)
 def tp_command(tp: str, no_profile: bool, **values: Any) -> None:

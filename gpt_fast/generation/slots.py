@@ -69,8 +69,9 @@ class SlotState(nn.Module):
         self.presence[slot], self.frequency[slot] = adjust.presence_penalty, adjust.frequency_penalty
         self.repetition[slot], self.min_p[slot] = adjust.repetition_penalty, adjust.min_p
         self.bias[slot] = 0.0
-        for token, bias in adjust.logit_bias:
-            self.bias[slot, token] = bias
+        if adjust.logit_bias:
+            tokens, biases = zip(*adjust.logit_bias, strict=True)
+            self.bias[slot, list(tokens)] = torch.tensor(biases, device=self.bias.device)
         self.counts[slot] = 0
         self.seen[slot] = False
         self.seen[slot, prompt] = True
@@ -115,11 +116,17 @@ def sample_into(state: SlotState, rows: slice, logits: torch.Tensor, positions: 
 def prefill_slot(model: Transformer, state: SlotState, slot: int, idx: torch.Tensor) -> None:
     """Run the prompt ``idx`` [1, T] through the model into the cache row of ``slot`` and sample its first token;
     the other slots are left as they are."""
+    _prefill(model, state, slot, idx, last_only=True)
+
+
+def _prefill(model: Transformer, state: SlotState, slot: int, idx: torch.Tensor, *, last_only: bool) -> torch.Tensor:
+    """:func:`prefill_slot`'s work; the logits [1, T, V] ([1, 1, V] with ``last_only``)."""
     length = idx.shape[1]
     positions = torch.arange(length, device=idx.device)
-    logits = model(idx, positions, last_only=True, first_row=slot, from_start=True)  # [1, 1, V]
+    logits = model(idx, positions, last_only=last_only, first_row=slot, from_start=True)
     state.input_pos[slot] = length
     sample_into(state, slice(slot, slot + 1), logits[:, -1], state.input_pos[slot : slot + 1])
+    return logits
 
 
 def score_slot(
@@ -128,11 +135,7 @@ def score_slot(
     """:func:`prefill_slot`, and the model's log-probability of each prompt token after the ones before it:
     ``idx[0, 1:]``'s [T - 1], with the ``top`` most likely tokens at each of those positions, log-probabilities
     [T - 1, top] and ids [T - 1, top]. Eager: the logits of every position [1, T, V] are kept for this."""
-    length = idx.shape[1]
-    positions = torch.arange(length, device=idx.device)
-    logits = model(idx, positions, first_row=slot, from_start=True)  # [1, T, V]
-    state.input_pos[slot] = length
-    sample_into(state, slice(slot, slot + 1), logits[:, -1], state.input_pos[slot : slot + 1])
+    logits = _prefill(model, state, slot, idx, last_only=False)  # [1, T, V]
     logprobs = logits[0, :-1].float().log_softmax(dim=-1)  # [T - 1, V]
     chosen = logprobs.gather(1, idx[0, 1:, None])[:, 0]  # [T - 1]
     best, best_ids = logprobs.topk(top, dim=-1)  # [T - 1, top]

@@ -433,7 +433,7 @@ def stops(value: Any, vocab_size: int) -> tuple[tuple[str, ...], tuple[int, ...]
     for item in items:
         if isinstance(item, str) and item:
             texts.append(item)
-        elif isinstance(item, int) and not isinstance(item, bool) and 0 <= item < vocab_size:
+        elif valid_id(item, vocab_size):
             ids.append(item)
         else:
             message = f"each stop must be a non-empty string or a token id in 0..{vocab_size - 1}, got {item!r}"
