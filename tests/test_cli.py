@@ -801,6 +801,7 @@ def modules_after(argv: list[str]) -> dict[str, bool]:
         ["generate", "--max_new_tokens", "0"],
         ["generate", "--seed", "-1"],
         ["generate", "--tp", "0"],
+        ["generate", "--threads", "0"],
         ["generate", "--prompt_lookup", "99"],
         ["chat", "--max_new_tokens", "0"],
         ["serve", "--port", "70000"],
@@ -824,6 +825,18 @@ def test_an_eager_run_imports_no_inductor(checkpoint):
 def test_help_says_how_cpu_threads_are_chosen(capsys):
     code, out, _ = run(["--help"], capsys)
     assert code == 0 and "OMP_NUM_THREADS" in " ".join(out.split())
+
+
+def test_threads_asked_for_are_used_and_said(checkpoint, capsys, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the flag wins over the environment
+    before = torch.get_num_threads()
+    try:
+        code, out, err = run(generate_args(checkpoint, "--threads", "1", "--device", "cpu"), capsys)
+        assert code == 0, err
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert "(CPU, 1 thread (as asked))" in out.splitlines()[0]
 
 
 @pytest.mark.parametrize(

@@ -59,6 +59,7 @@ def test_weights_come_from_the_folder_whose_config_was_read(tiny, tmp_path):
         ({"dtype": "int4"}, "--dtype 'int4' is not one of"),
         ({"regional_compile": True, "tp": 2}, "--regional_compile does not run with tensor parallelism"),
         ({"kernel_tuning": "exhaustive"}, "--kernel_tuning 'exhaustive' is not one of coordinate-descent, heuristic"),
+        ({"threads": 0}, "--threads must be at least 1, not 0"),
         ({"aot_precompile": True}, "--aot_precompile keeps a compiled decode step: give it a --compile mode"),
         ({"aot_precompile": True, "compile": "default", "tp": 2}, "--aot_precompile does not combine with --tp"),
         (

@@ -158,6 +158,13 @@ def test_omp_num_threads_wins(cores, monkeypatch):
     assert cpu_threads() == (4, "the 4 cores available")
 
 
+def test_threads_asked_for_win(cores, monkeypatch):
+    from gpt_fast.util.settings import cpu_threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cpu_threads(2) == (2, "as asked")
+
+
 def test_the_cpu_gets_its_thread_count_and_an_eager_run_no_inductor():
     code = (
         "import sys, torch; from gpt_fast.util.settings import apply_torch_settings, cpu_threads_note; "
@@ -165,3 +172,20 @@ def test_the_cpu_gets_its_thread_count_and_an_eager_run_no_inductor():
         "print(torch.get_num_threads(), 'torch._inductor' in sys.modules, cpu_threads_note())"
     )
     assert _run(code, OMP_NUM_THREADS="1") == "1 False 1 thread (OMP_NUM_THREADS=1)"
+
+
+def _policy_after_main(env: dict[str, str]) -> str:
+    code = (
+        "import os\nfrom gpt_fast.cli.main import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print(os.environ.get('OMP_WAIT_POLICY'))"
+    )
+    base = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    done = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, check=True)
+    return done.stdout.split()[-1]
+
+
+def test_the_command_line_lets_openmp_threads_sleep_unless_told_otherwise():
+    """OpenMP reads its wait policy when torch is imported: the command line sets it first, and keeps the user's."""
+    assert _policy_after_main({}) == "PASSIVE"
+    assert _policy_after_main({"OMP_WAIT_POLICY": "ACTIVE"}) == "ACTIVE"

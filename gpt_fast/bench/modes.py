@@ -121,9 +121,9 @@ def _child_main(run: ChildRun, results: Connection) -> None:
         os.dup2(log.fileno(), 2)
     for name in CACHE_ENV:
         os.environ[name] = str(run.compile_cache / name.lower())
-    apply_torch_settings()
     try:
         engine = Engine.open(run.checkpoint, run.engine)
+        apply_torch_settings(engine.device, compiled=run.engine.compile != "none", threads=run.engine.threads)
         metrics = run_generate(engine, run.generate, write=lambda text: print(text, end="", flush=True))
     except Exception as err:
         print(f"error: {first_line(err)}", flush=True)

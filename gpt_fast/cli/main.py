@@ -40,6 +40,7 @@ from gpt_fast.util.choices import (
     KERNEL_TUNINGS,
 )
 from gpt_fast.util.fileio import STDOUT, regular_file
+from gpt_fast.util.openmp import prefer_passive_waits
 from gpt_fast.util.options import OptionError
 
 if TYPE_CHECKING:
@@ -123,15 +124,22 @@ def device_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """--device, --dtype, handed to the command as ``engine_options`` (a checked EngineOptions)."""
 
     @functools.wraps(func)
-    def command(*args: Any, device: str | None, dtype: str, **kwargs: Any) -> Any:
+    def command(*args: Any, device: str | None, dtype: str, threads: int | None, **kwargs: Any) -> Any:
         from gpt_fast.engine.options import EngineOptions
 
-        return func(*args, engine_options=EngineOptions(device=device, dtype=dtype), **kwargs)
+        return func(*args, engine_options=EngineOptions(device=device, dtype=dtype, threads=threads), **kwargs)
 
     return add_device_options(command)
 
 
 def add_device_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    func = option(
+        "--threads",
+        type=int,
+        default=None,
+        help="Torch's threads on the CPU. Default: OMP_NUM_THREADS, else one per core this process may use (its CPU "
+        "affinity, capped by its cgroup's CPU quota).",
+    )(func)
     func = option(
         "--dtype",
         type=Choice(DTYPE_CHOICES),
@@ -158,6 +166,7 @@ def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
         sampling_kernel: str,
         device: str | None,
         dtype: str,
+        threads: int | None,
         **kwargs: Any,
     ) -> Any:
         from gpt_fast.engine.options import EngineOptions
@@ -170,6 +179,7 @@ def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
             regional_compile=regional_compile,
             kernel_tuning=kernel_tuning,
             kernels=KernelOptions(layers=layers_kernel, linear=linear_kernel, sampling=sampling_kernel),
+            threads=threads,
         )
         return func(*args, engine_options=options, **kwargs)
 
@@ -457,7 +467,7 @@ def generate(
         launch_generate(engine.world_size, STDOUT in prompt)
         return
     chosen, described = engine.sampling_choice(**sampling)
-    apply_torch_settings(engine.device, compiled=engine.compile != "none")
+    apply_torch_settings(engine.device, compiled=engine.compile != "none", threads=engine.options.threads)
     write = write_stderr if str(opts.metrics_json) == STDOUT else write_stdout
     run_generate(engine, dataclasses.replace(opts, sampling=chosen), write, sampling_note=described)
 
@@ -506,7 +516,7 @@ def chat(
     engine.check_fits(engine.chat_ids(user_turn("?", system)), max_new_tokens)  # also checks the system message
     chosen, described = engine.sampling_choice(**sampling)
     enable_line_editing()
-    apply_torch_settings(engine.device, compiled=engine.compile != "none")
+    apply_torch_settings(engine.device, compiled=engine.compile != "none", threads=engine.options.threads)
     load_reporting(engine, write_stdout, sampling_note=described)
     set_seed(seed)
     chat_loop(engine, chosen, max_new_tokens, input, write_stdout, system)
@@ -629,7 +639,7 @@ def serve(checkpoint_path: str | None, engine_options: EngineOptions, **kwargs: 
     from gpt_fast.util.settings import apply_torch_settings
 
     engine = Engine.open(checkpoint_path, engine_options)
-    apply_torch_settings(engine.device, compiled=engine.compile != "none")
+    apply_torch_settings(engine.device, compiled=engine.compile != "none", threads=engine.options.threads)
     run_server(engine, opts, write_stdout)
 
 
@@ -856,8 +866,10 @@ def eval_command(
     options = EvalOptions(text=text, dataset=dataset, max_tokens=max_tokens, window=window, stride=stride)
     from gpt_fast.engine.engine import Engine
     from gpt_fast.jobs.evaluate import builtin_text, run_eval
+    from gpt_fast.util.settings import apply_torch_settings
 
     engine = Engine.open(checkpoint_path, engine_options)
+    apply_torch_settings(engine.device, compiled=False, threads=engine.options.threads)
     content = read_text_file(text, "--text") if text is not None else builtin_text(options)
     run_eval(engine, options, content, as_json, write_stdout, write_stderr)
 
@@ -944,6 +956,7 @@ def flag_of(option: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the command, turning user errors into `error: …` on stderr."""
     args = sys.argv[1:] if argv is None else list(argv)
+    prefer_passive_waits()
     try:
         code = cli.main(args=args, prog_name="gpt-fast", standalone_mode=False, obj={"argv": args})
     except click.exceptions.Abort:

@@ -34,7 +34,8 @@ class EngineOptions:
     - ``aot_precompile``: the decode step compiled ahead of time and kept on disk for the next process
       (:mod:`gpt_fast.generation.precompile`; one prompt's plain decoding in one process);
     - ``batch_invariant``: every decode and verify step computes each token's row on its own, so that speculative
-      decoding gives plain decoding's tokens in any dtype (:mod:`gpt_fast.accel.invariant`).
+      decoding gives plain decoding's tokens in any dtype (:mod:`gpt_fast.accel.invariant`);
+    - ``threads``: torch's CPU threads for the commands (None: :func:`gpt_fast.util.settings.cpu_threads`' choice).
     """
 
     compile: str = "none"
@@ -48,6 +49,7 @@ class EngineOptions:
     kernel_tuning: str = COORDINATE_DESCENT
     aot_precompile: bool = False
     batch_invariant: bool = False
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         check_one_of("compile", self.compile, COMPILE_MODES)
@@ -58,6 +60,8 @@ class EngineOptions:
         if not isinstance(self.kernels, KernelOptions):
             raise OptionError(f"kernels must be a KernelOptions, got {self.kernels!r}")
         check_at_least("tp", self.tp, 1)
+        if self.threads is not None:
+            check_at_least("threads", self.threads, 1)
         if self.tp > 1 and self.speculative is not None:
             raise OptionError("speculative decoding does not run with tensor parallelism (tp) yet", "tp")
         if self.kernels.layers == "triton" and (self.tp > 1 or self.speculative is not None):

@@ -40,7 +40,11 @@ def compile_notes(options: EngineOptions) -> str:
 def load_reporting(engine: Engine, write: Write, sampling_note: str | None = None) -> None:
     """Read the weights, saying what is loaded where (with the CPU's thread count), how it samples
     (``sampling_note``: :meth:`Engine.sampling_choice`'s line) and how long loading took (the blog's first lines)."""
-    where = engine.device_name if engine.device.type != "cpu" else f"{engine.device_name}, {cpu_threads_note()}"
+    where = (
+        engine.device_name
+        if engine.device.type != "cpu"
+        else f"{engine.device_name}, {cpu_threads_note(engine.options.threads)}"
+    )
     write(
         f"Using device={engine.device} ({where}), dtype={engine.dtype_name}, "
         f"compile={engine.compile}{compile_notes(engine.options)}\n"

@@ -13,13 +13,15 @@ import torch
 CGROUP = Path("/sys/fs/cgroup")
 
 
-def apply_torch_settings(device: torch.device | None = None, *, compiled: bool = True) -> None:
-    """On the CPU, torch's thread count (:func:`cpu_threads`). When ``compiled``, inductor's settings for
-    generation: coordinate-descent tuning of the generated kernels (decode is made of matrix-vector products and
-    reductions whose block sizes it tunes), readable kernel names in traces, and the on-disk FX graph cache so a
-    second process starts warm. An eager run leaves inductor unimported (it takes seconds to import)."""
+def apply_torch_settings(
+    device: torch.device | None = None, *, compiled: bool = True, threads: int | None = None
+) -> None:
+    """On the CPU, torch's thread count (:func:`cpu_threads`, ``threads`` when given). When ``compiled``, inductor's
+    settings for generation: coordinate-descent tuning of the generated kernels (decode is made of matrix-vector
+    products and reductions whose block sizes it tunes), readable kernel names in traces, and the on-disk FX graph
+    cache so a second process starts warm. An eager run leaves inductor unimported (it takes seconds to import)."""
     if device is not None and device.type == "cpu":
-        torch.set_num_threads(cpu_threads()[0])
+        torch.set_num_threads(cpu_threads(threads)[0])
     if not compiled:
         return
     import torch._inductor.config as inductor_config
@@ -31,10 +33,12 @@ def apply_torch_settings(device: torch.device | None = None, *, compiled: bool =
     _keep_tuned_configs_on_load()
 
 
-def cpu_threads() -> tuple[int, str]:
-    """Torch's threads on the CPU and why: ``OMP_NUM_THREADS`` when set to a positive integer, else the cores this
-    process may run on: its CPU affinity, capped by its cgroup's CPU quota. More threads than cores only wait on
-    each other: on a loaded 2-core machine 2 threads decoded several times slower than 1."""
+def cpu_threads(requested: int | None = None) -> tuple[int, str]:
+    """Torch's threads on the CPU and why: ``requested`` when given, ``OMP_NUM_THREADS`` when set to a positive
+    integer, else the cores this process may run on: its CPU affinity, capped by its cgroup's CPU quota. More threads
+    than cores only wait on each other: on a loaded 2-core machine 2 threads decoded several times slower than 1."""
+    if requested is not None:
+        return requested, "as asked"
     setting = os.environ.get("OMP_NUM_THREADS", "").strip()
     if setting.isdigit() and int(setting) > 0:
         return int(setting), f"OMP_NUM_THREADS={int(setting)}"
@@ -62,10 +66,10 @@ def cgroup_cpu_quota() -> float | None:
     return None
 
 
-def cpu_threads_note() -> str:
+def cpu_threads_note(requested: int | None = None) -> str:
     """Torch's thread count for the first line of a run: ``1 thread (OMP_NUM_THREADS=1)``."""
     count = torch.get_num_threads()
-    threads, why = cpu_threads()
+    threads, why = cpu_threads(requested)
     return f"{count} thread{'s' if count != 1 else ''}" + (f" ({why})" if count == threads else "")
 
 
