@@ -38,6 +38,17 @@ def _own_user_cache(tmp_path_factory: pytest.TempPathFactory):
         yield
 
 
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    """Each test starts with the process's torch thread count: a command run in-process sets it for the process
+    (apply_torch_settings: OMP_NUM_THREADS, the affinity, the cgroup quota, --threads), which would otherwise hold
+    for every later test."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def pretend_gpu(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], torch.device]:
     """A function that makes ``cuda`` look like a CUDA GPU (not ROCm) with Triton, of the given compute capability's

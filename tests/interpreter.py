@@ -39,8 +39,9 @@ def interpret_all(commands: Sequence[Sequence[str]], timeout: float = 600) -> li
     """Run Python with each of ``commands``' arguments (``["-c", code]``, or a script and its arguments) in a process
     of its own with ``TRITON_INTERPRET=1`` (read when the kernels are defined), all at once: the interpreter keeps
     one core busy per process, so the machine's cores share the work. Each one's standard output, in order; one
-    that fails fails the test with the end of its standard error."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    that fails fails the test with the end of its standard error. Each process runs torch on one thread: the
+    processes already share the cores, and more OpenMP threads than cores only wait on each other."""
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     processes = [
         subprocess.Popen([sys.executable, *command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         for command in commands
