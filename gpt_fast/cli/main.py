@@ -44,6 +44,7 @@ from gpt_fast.util.openmp import prefer_passive_waits
 from gpt_fast.util.options import OptionError
 
 if TYPE_CHECKING:
+    from gpt_fast.engine.engine import Engine
     from gpt_fast.engine.options import EngineOptions
 
 EXIT_USER_ERROR = 1
@@ -456,7 +457,6 @@ def generate(
         engine_options = dataclasses.replace(engine_options, tp=tp)
     from gpt_fast.engine.engine import Engine, launched_world_size
     from gpt_fast.jobs.generate import run_generate
-    from gpt_fast.util.settings import apply_torch_settings
 
     if tp is None:
         engine_options = dataclasses.replace(engine_options, tp=launched_world_size())
@@ -467,9 +467,16 @@ def generate(
         launch_generate(engine.world_size, STDOUT in prompt)
         return
     chosen, described = engine.sampling_choice(**sampling)
-    apply_torch_settings(engine.device, compiled=engine.compile != "none", threads=engine.options.threads)
+    apply_settings(engine)
     write = write_stderr if str(opts.metrics_json) == STDOUT else write_stdout
     run_generate(engine, dataclasses.replace(opts, sampling=chosen), write, sampling_note=described)
+
+
+def apply_settings(engine: Engine) -> None:
+    """The process's torch settings for ``engine``: its CPU threads, and inductor's settings when it compiles."""
+    from gpt_fast.util.settings import apply_torch_settings
+
+    apply_torch_settings(engine.device, compiled=engine.compile != "none", threads=engine.options.threads)
 
 
 def launch_generate(tp: int, prompt_on_stdin: bool) -> None:
@@ -509,14 +516,13 @@ def chat(
     from gpt_fast.engine.engine import Engine, set_seed, user_turn
     from gpt_fast.jobs.chat import chat_loop, check_can_chat
     from gpt_fast.jobs.generate import load_reporting
-    from gpt_fast.util.settings import apply_torch_settings
 
     engine = Engine.open(checkpoint_path, engine_options)
     check_can_chat(engine)
     engine.check_fits(engine.chat_ids(user_turn("?", system)), max_new_tokens)  # also checks the system message
     chosen, described = engine.sampling_choice(**sampling)
     enable_line_editing()
-    apply_torch_settings(engine.device, compiled=engine.compile != "none", threads=engine.options.threads)
+    apply_settings(engine)
     load_reporting(engine, write_stdout, sampling_note=described)
     set_seed(seed)
     chat_loop(engine, chosen, max_new_tokens, input, write_stdout, system)
@@ -636,10 +642,9 @@ def serve(checkpoint_path: str | None, engine_options: EngineOptions, **kwargs: 
     opts = ServeOptions(**kwargs)  # checked before torch is imported
     from gpt_fast.engine.engine import Engine
     from gpt_fast.serve.server import serve as run_server
-    from gpt_fast.util.settings import apply_torch_settings
 
     engine = Engine.open(checkpoint_path, engine_options)
-    apply_torch_settings(engine.device, compiled=engine.compile != "none", threads=engine.options.threads)
+    apply_settings(engine)
     run_server(engine, opts, write_stdout)
 
 
@@ -866,10 +871,9 @@ def eval_command(
     options = EvalOptions(text=text, dataset=dataset, max_tokens=max_tokens, window=window, stride=stride)
     from gpt_fast.engine.engine import Engine
     from gpt_fast.jobs.evaluate import builtin_text, run_eval
-    from gpt_fast.util.settings import apply_torch_settings
 
     engine = Engine.open(checkpoint_path, engine_options)
-    apply_torch_settings(engine.device, compiled=False, threads=engine.options.threads)
+    apply_settings(engine)
     content = read_text_file(text, "--text") if text is not None else builtin_text(options)
     run_eval(engine, options, content, as_json, write_stdout, write_stderr)
 
