@@ -10,6 +10,7 @@ import base64
 import importlib.util
 import io
 import json
+import os
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +29,24 @@ _WORDS = (
     "café naïve über straße 数据 模型 東京 Привет мир 😀 🚀 👍🏽 tab code if else None True 3.14159 "
     "x = y + 1 ; ( ) [ ] { } : , . ! ? ' \" # -- == != <= >="
 ).split()
+
+
+MAX_WORKERS = 4  # each worker loads torch, transformers and real models: a few GB of memory each
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto`` (setup.cfg): a test process per core this one may use (its affinity and cgroup quota), at most
+    :data:`MAX_WORKERS`; one where a GPU is, since its tests would share it and its memory."""
+    from gpt_fast.util.settings import cpu_threads
+
+    if torch.cuda.is_available():
+        return 1
+    setting = os.environ.pop("OMP_NUM_THREADS", None)  # the cores, not torch's threads
+    try:
+        return min(cpu_threads()[0], MAX_WORKERS)
+    finally:
+        if setting is not None:
+            os.environ["OMP_NUM_THREADS"] = setting
 
 
 @pytest.fixture(scope="session", autouse=True)

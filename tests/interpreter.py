@@ -6,10 +6,12 @@ import os
 import subprocess
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+LAUNCHER = Path(__file__).with_name("interpreted.py")  # runs a kernel launch's helpers without re-patching Triton
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 old_numpy = pytest.mark.skipif(
     tuple(int(p) for p in np.__version__.split(".")[:2]) >= (2, 4),
@@ -35,17 +37,20 @@ def gemv_calls() -> list[str]:
     return calls
 
 
+def interpret(*command: str, timeout: float = 600) -> str:
+    """:func:`interpret_all` of one command: its standard output."""
+    return interpret_all([command], timeout)[0]
+
+
 def interpret_all(commands: Sequence[Sequence[str]], timeout: float = 600) -> list[str]:
     """Run Python with each of ``commands``' arguments (``["-c", code]``, or a script and its arguments) in a process
-    of its own with ``TRITON_INTERPRET=1`` (read when the kernels are defined), all at once: the interpreter keeps
-    one core busy per process, so the machine's cores share the work. Each one's standard output, in order; one
-    that fails fails the test with the end of its standard error. Each process runs torch on one thread: the
-    processes already share the cores, and more OpenMP threads than cores only wait on each other."""
+    of its own with ``TRITON_INTERPRET=1`` (read when the kernels are defined), through :data:`LAUNCHER`, all at
+    once: the interpreter keeps one core busy per process, so the machine's cores share the work. Each one's standard
+    output, in order; one that fails fails the test with the end of its standard error. Each process runs torch on
+    one thread: the processes already share the cores, and more OpenMP threads than cores only wait on each other."""
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    processes = [
-        subprocess.Popen([sys.executable, *command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        for command in commands
-    ]
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "env": env}
+    processes = [subprocess.Popen([sys.executable, str(LAUNCHER), *command], **pipes) for command in commands]
     outputs = []
     for process in processes:
         out, err = process.communicate(timeout=timeout)

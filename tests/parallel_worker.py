@@ -102,8 +102,10 @@ def run_fused(spec: dict) -> list[object]:
     from gpt_fast.model.config import ModelConfig
     from gpt_fast.model.transformer import Transformer
     from gpt_fast.parallel.tensor_parallel import join
+    from tests.interpreted import patch_once_per_launch
     from tests.interpreter import gemv_calls
 
+    patch_once_per_launch()
     config = ModelConfig(**spec["fused"])
     torch.manual_seed(0)
     whole = Transformer(config)

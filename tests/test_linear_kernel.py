@@ -4,9 +4,6 @@ and inside a compiled model, and its launch with programmatic dependent launch c
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,7 +19,7 @@ from gpt_fast.model.shapes import get_shape
 from gpt_fast.model.transformer import Transformer
 from gpt_fast.quant.layers import QuantizedLinear
 from gpt_fast.quant.layout import quantize_state
-from tests.interpreter import needs_triton, old_numpy
+from tests.interpreter import interpret, interpret_all, needs_triton, old_numpy
 
 TINY = dataclasses.replace(get_shape("tiny"), qkv_bias=True)  # a bias too
 
@@ -224,10 +221,7 @@ def test_the_kernel_in_the_interpreter_matches_a_float64_product():
     interpreter makes by truncation where a GPU rounds to nearest (tests/test_linear_kernel_gpu.py: 1e-2). With a
     norm inside (against the model's rms_norm, then the float64 product) or a residual added (to the product rounded
     as the model's layer output is): float32 to 1e-6, bfloat16 to the truncations of the extra roundings."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    worst = json.loads(result.stdout)
+    worst = json.loads(interpret("-c", INTERPRETED, timeout=300))
     assert worst["torch.float32"] < 1e-6 and worst["torch.bfloat16"] < 5e-3, worst
     assert worst["gated torch.float32"] < 1e-6 and worst["gated torch.bfloat16"] < 3e-2, worst
     for name, bfloat16 in (("normed", 2e-2), ("plus residual", 1e-2), ("gated normed", 4e-2)):
@@ -266,10 +260,7 @@ def test_a_compiled_one_token_step_calls_the_kernel_and_matches_the_model():
     one-token step equals the model's own within float32 rounding. Each layer made four products: wqkv of the
     attention norm's output, wo plus the residual, w13 and the activation of the MLP norm's output, w2 plus the
     residual: no norm or residual add outside them."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-c", COMPILED], capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    outcome = json.loads(result.stdout)
+    outcome = json.loads(interpret("-c", COMPILED, timeout=300))
     layer = ["linear_gemv normed", "linear_gemv plus residual", "gated_gemv normed", "linear_gemv plus residual"]
     assert outcome["calls"] == layer * TINY.n_layer and outcome["error"] < 1e-5
 
@@ -303,7 +294,7 @@ config = dataclasses.replace(get_shape("tiny"), intermediate_size=128)
 quant_kernels.register_triton_ops()
 register_triton_ops()
 outcome = {}
-for scheme in (QuantConfig("int8"), QuantConfig("int4", 32)):
+for scheme in SCHEMES:
     model = quantized_model(config, scheme, torch.float16)
     model.setup_caches(1, 32)
     x = torch.randint(0, config.vocab_size, (1, 1))
@@ -327,10 +318,10 @@ def test_a_compiled_quantized_one_token_step_fuses_each_layer_and_matches_the_mo
     residual added, the MLP norm and activation inside, the residual added; no norm, residual add or activation
     outside them. The logits (about 0.5 in magnitude) equal the eager step's, where each norm, add and activation
     is rounded to float16 on its own, within 2e-3 (measured: 2.4e-4 to 5e-4)."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-c", QUANTIZED], capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    outcome = json.loads(result.stdout)
+    schemes = ('(QuantConfig("int8"),)', '(QuantConfig("int4", 32),)')  # a process each
+    outcome = {}
+    for out in interpret_all([["-c", QUANTIZED.replace("SCHEMES", s)] for s in schemes], timeout=300):
+        outcome |= json.loads(out)
     for mode in ("int8", "int4"):
         kernel = f"{mode}_gemv"
         layer = [f"{kernel} normed", f"{kernel} plus residual", f"{kernel} normed gated", f"{kernel} plus residual"]

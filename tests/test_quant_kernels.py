@@ -179,7 +179,12 @@ def test_a_rocm_build_falls_back_to_plain_pytorch(monkeypatch):
     assert resolve_kernel("auto", gpu) == "dequant"
 
 
-INTERPRETED_SHAPES = [(1, 64, 256), (3, 37, 200), (2, 16, 1024), (3, 37, 192)]  # rows, n, k
+# rows, n, k. The interpreter runs a launch's programs one after another, each step of each in Python: the cost is
+# programs times steps, whatever a program's tile holds. So n is only as large as the paths need: 16 and 8 are
+# multiples of every tile's rows (1, 2, 4, 8: the unmasked paths, several programs per row where the tile is
+# smaller than n), 13 leaves every tile of several rows a last program with masked rows; k = 1024 is the one that
+# float32 int4's default tile of 1024 columns divides.
+INTERPRETED_SHAPES = [(1, 16, 256), (3, 13, 200), (2, 8, 1024), (3, 13, 192)]
 TRITON_CHECK = """
 import torch
 from gpt_fast.kernels import triton_gemv
@@ -247,7 +252,7 @@ from gpt_fast.quant.schemes import quantize_int4, quantize_int8
 from gpt_fast.kernels.triton_gemv import NOTHING_INSIDE, Inside
 worst = {}
 for dtype in DTYPES:
-    for rows, n, k in [(1, 64, 256), (2, 38, 192)]:
+    for rows, n, k in [(1, 32, 256), (2, 22, 192)]:  # n: whole tiles of 8 and 16 rows, then a ragged last one
         g = torch.Generator().manual_seed(n * k)
         w = torch.randn(n, k, generator=g) / k**0.5
         x = (3 * torch.randn(rows, k, generator=g)).to(dtype)

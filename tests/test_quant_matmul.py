@@ -3,9 +3,6 @@ order against the words' layout in PyTorch, the kernel in Triton's interpreter a
 the kernel compiled for an H200 in each of its tiles."""
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -13,7 +10,7 @@ import torch
 
 from gpt_fast.quant.products import group_columns, group_interleave, int8_interleave, interleave_columns
 from gpt_fast.quant.schemes import quantize_int4, quantize_int8, unpack_int4
-from tests.interpreter import needs_triton, old_numpy
+from tests.interpreter import interpret, needs_triton, old_numpy
 
 
 @pytest.mark.parametrize("cols, group_size", [(256, 32), (200, 64), (384, 128), (512, 256)])
@@ -70,11 +67,7 @@ def test_the_matmul_in_the_interpreter_matches_a_float64_product():
     Triton's interpreter (a process of its own: TRITON_INTERPRET is read when the kernels are defined), within
     float16's rounding of the output. Float16 only: the interpreter's ``tl.dot`` of bfloat16 operands returns
     garbage (Triton 3.6); bfloat16 is checked on the GPU (tests/test_quant_gpu.py)."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    command = [sys.executable, "-c", textwrap.dedent(MATMUL_CHECK)]
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-    assert result.returncode == 0, result.stderr[-2000:]
-    worst = json.loads(result.stdout)
+    worst = json.loads(interpret("-c", textwrap.dedent(MATMUL_CHECK)))
     assert worst["int4"] < 2e-3 and worst["int8"] < 2e-3, worst
 
 

@@ -3,9 +3,6 @@ refused, when :func:`gpt_fast.generation.sampling.sample` hands the logits to it
 interpreter against the PyTorch reference of their semantics (tests/top_k_reference.py)."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +13,7 @@ from gpt_fast.accel.top_k import resolve_sampling_kernel
 from gpt_fast.engine.engine import Engine, EngineOptions
 from gpt_fast.generation.sampling import SamplingConfig, sample
 from gpt_fast.model.shapes import get_shape
-from tests.interpreter import needs_triton, old_numpy
+from tests.interpreter import interpret, needs_triton, old_numpy
 from tests.top_k_reference import reference
 
 
@@ -99,8 +96,4 @@ def test_sample_keeps_the_pytorch_code_for_what_the_kernels_do_not_take(dtype, c
 def test_the_kernels_in_the_interpreter_draw_the_references_tokens():
     """Every case of tests/top_k_reference.py, ties at the k-th largest among them (their lowest ids taken, counted
     across programs' chunks), bfloat16 and float16, several rows."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    script = Path(__file__).with_name("top_k_reference.py")
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert json.loads(result.stdout) == []
+    assert json.loads(interpret(str(Path(__file__).with_name("top_k_reference.py")), timeout=300)) == []
