@@ -176,6 +176,24 @@ def test_row_noise_depends_on_key_and_position_alone():
     assert abs(draws.mean() - 1) < 0.01 and abs(draws.std() - 1) < 0.01  # Exp(1): mean and deviation 1
 
 
+def test_a_row_never_samples_a_token_it_filtered_out():
+    """Each token's noise is positive: at the positions where a token of the 49152 draws its smallest noise, a row
+    whose only candidate is another token (top-k 1, or a constraint's mask) still samples that one. (A draw of 0
+    made 0 / 0 of a filtered token, which argmax took.)"""
+    vocab, key, positions = 49152, torch.tensor([seed_key(41)]), torch.arange(512)  # two such positions: 48, 274
+    smallest = [row_noise(key.expand(128), chunk, vocab).min(dim=-1) for chunk in positions.split(128)]  # [128] each
+    least, tokens = torch.cat([s.values for s in smallest]), torch.cat([s.indices for s in smallest])  # [512]
+    assert (least > 0).all()
+    logits = torch.zeros(1, vocab)
+    for position in least.topk(8, largest=False).indices.tolist():
+        only = (tokens[position].item() + 1) % vocab
+        filtered = torch.full((1, vocab), float("-inf")).index_fill_(1, torch.tensor([only]), 0.0)
+        ones = torch.ones(1)
+        for scores, top_k in ((logits.index_fill(1, torch.tensor([only]), 1.0), 1), (filtered, vocab)):
+            got = sample_rows(scores, ones, torch.tensor([top_k]), ones, key, torch.tensor([position]))
+            assert got.item() == only
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 def test_row_noise_is_the_same_on_the_gpu():

@@ -89,7 +89,10 @@ def kernel_samples(logits: torch.Tensor, config: SamplingConfig) -> bool:
 
 MASK32 = 0xFFFFFFFF
 _HASH_MULTIPLIER = 0x45D9F3B  # below 2**27: a product with a 32-bit value stays below 2**63, exact in int64
-_UNIFORM_BITS = 24  # float32 holds these exactly
+# Bits of a uniform draw: float32 holds each value and the half step above it exactly (24 significant bits), so that
+# the draw is strictly inside (0, 1). With 24 bits the largest value plus a half rounded up to 1, whose noise, 0,
+# made a token outside top-k (probability 0, so 0 / 0) win the argmax: a few draws in a thousand over 49152 tokens.
+_UNIFORM_BITS = 23
 
 
 def seed_key(seed: int) -> int:
