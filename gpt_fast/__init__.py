@@ -15,18 +15,27 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["Completion", "Engine", "EngineOptions", "SamplingConfig", "SpeculativeOptions", "__version__"]
+__all__ = [
+    "Completion",
+    "Engine",
+    "EngineOptions",
+    "OutputConstraint",
+    "SamplingConfig",
+    "SpeculativeOptions",
+    "__version__",
+]
 _HOMES = {
     "Completion": "engine.engine",
     "Engine": "engine.engine",
     "EngineOptions": "engine.options",
+    "OutputConstraint": "generation.options",
     "SamplingConfig": "generation.options",
     "SpeculativeOptions": "generation.options",
 }
 
 if TYPE_CHECKING:
     from gpt_fast.engine.engine import Completion, Engine, EngineOptions
-    from gpt_fast.generation.options import SpeculativeOptions
+    from gpt_fast.generation.options import OutputConstraint, SpeculativeOptions
     from gpt_fast.generation.sampling import SamplingConfig
 
 

@@ -113,13 +113,17 @@ def test_commands_reach_the_model_through_the_engine(name):
             assert not {i for i in imports if any(i == p or i.startswith(p + ".") for p in ENGINE_PRIVATE)}, module
 
 
-# What commands may take from generation: values and types (sampling settings, figures, profile marks, results);
-# never the loop, a step or a drafter, which only the engine drives.
+# What commands may take from generation: values and types (sampling settings, output constraints and their errors,
+# figures, profile marks, results); never the loop, a step, a drafter or a matcher, which only the engine drives.
 GENERATION_FOR_COMMANDS = {
     "generation.options",
     "generation.options.SamplingConfig",
     "generation.options.SpeculativeOptions",
     "generation.options.LogitAdjustments",
+    "generation.options.OutputConstraint",
+    "generation.options.ToolSpec",
+    "generation.constraint",
+    "generation.constraint.GrammarError",
     "generation.options.MAX_BIAS",
     "generation.options.MAX_BIASED",
     "generation.options.MAX_PENALTY",

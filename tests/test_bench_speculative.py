@@ -13,6 +13,7 @@ from gpt_fast.convert.random_init import make_random_checkpoint
 from gpt_fast.generation.decode import cache_length
 from gpt_fast.generation.speculative import MAX_ROUNDS_AHEAD, speculative_cache_length
 from gpt_fast.model.shapes import get_shape
+from tests.tiny import one_torch_thread
 
 COMMON = {"device": "cpu", "mode": "none", "dtype": "float32", "new_tokens": 24, "repeats": 1}
 COMMON_ARGS = ["--device", "cpu", "--mode", "none", "--dtype", "float32", "--new_tokens", "24", "--repeats", "1"]
@@ -20,10 +21,8 @@ COMMON_ARGS = ["--device", "cpu", "--mode", "none", "--dtype", "float32", "--new
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield
 
 
 def test_random_shapes_with_a_draft(tmp_path, capsys):

@@ -177,3 +177,60 @@ def test_download_failure_is_one_clear_line(tmp_path, monkeypatch):
     monkeypatch.setattr(default_model.subprocess, "run", lambda command, **kwargs: failed)
     with pytest.raises(FileNotFoundError, match="could not fetch the default model .*No matching distribution"):
         default_model.download_gguf(tmp_path / "cache")
+
+
+def test_the_int4_form_holds_the_float_forms_numbers(smollm2_gguf, smollm2_checkpoint, tmp_path, monkeypatch):
+    """The CPU's form of the default model: every layer's projections in int4 groups of 32 taken from the GGUF's
+    Q4_1 blocks, which dequantize to exactly the float32 form's weights; every other tensor the same."""
+    from gpt_fast.quant.schemes import dequantize_int4
+
+    def load_state(path):
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+    monkeypatch.setenv("GPT_FAST_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(default_model, "installed_gguf", lambda: smollm2_gguf)
+    weights = default_model.ensure_default_checkpoint(int4=True)
+    assert weights == tmp_path / "cache/HuggingFaceTB/SmolLM2-135M-Instruct-int4/model.pth"
+    config = load_checkpoint_config(weights.parent)
+    assert config.quantization == default_model.INT4_FORM and config.generation is not None
+    int4, float32 = load_state(weights), load_state(smollm2_checkpoint / "model.pth")
+    quantized = {name.removesuffix(".scales") for name in int4 if name.endswith(".scales")}
+    assert len(quantized) == 4 * config.model.n_layer
+    for prefix in quantized:
+        parts = (int4[f"{prefix}.{suffix}"] for suffix in ("weight", "scales", "zeros"))
+        assert torch.equal(dequantize_int4(*parts, 32), float32[f"{prefix}.weight"]), prefix
+    plain = {name for name in int4 if name.rpartition(".")[0] not in quantized}
+    assert plain == {name for name in float32 if name.removesuffix(".weight") not in quantized}
+    assert all(torch.equal(int4[name], float32[name]) for name in plain)
+
+
+@pytest.mark.parametrize(
+    "options, int4",
+    [
+        ({}, True),
+        ({"dtype": "float32"}, True),
+        ({"dtype": "bfloat16"}, False),
+        ({"batch_invariant": True}, False),
+        ({"kernels": "dequant"}, False),
+    ],
+)
+def test_a_cpu_with_our_kernels_opens_the_int4_form(options, int4, tmp_path, monkeypatch):
+    """The default model opens in its int4 form on a CPU whose quantized products are our C++ kernels, for float32
+    steps that take quantized layers, and the run says so; elsewhere in float32."""
+    from gpt_fast.accel.options import KernelOptions
+    from gpt_fast.convert.random_init import make_random_checkpoint
+    from gpt_fast.engine import engine as engine_module
+    from gpt_fast.engine.engine import EngineOptions
+    from gpt_fast.model.shapes import get_shape
+
+    tiny = make_random_checkpoint(get_shape("tiny"), tmp_path / "tiny", dtype=torch.float32, seed=0)
+    asked = []
+    monkeypatch.setattr(engine_module, "ensure_default_checkpoint", lambda int4: asked.append(int4) or tiny)
+    monkeypatch.setattr(engine_module, "cpp_usable", lambda device: device.type == "cpu")
+    if "kernels" in options:
+        options = {"kernels": KernelOptions(quant=options["kernels"])}
+    engine = Engine.open(None, EngineOptions(device="cpu", **options))
+    assert asked == [int4]
+    assert (engine.form_note == "the default SmolLM2-135M-Instruct, " + default_model.INT4_NOTE) == int4
+    assert (engine.form_note is None) != int4
+    assert Engine.open(tiny.parent, EngineOptions(device="cpu")).form_note is None and asked == [int4]

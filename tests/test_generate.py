@@ -256,7 +256,7 @@ def test_kernel_tuning_reaches_every_compiled_step(monkeypatch, tuning, coordina
     compiled = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compiled.append(kwargs["options"]) or fn)
     make_steps("reduce-overhead", compile_prefill=True, tuning=tuning)
-    assert len(compiled) == 3  # the decode step; the prefill, padded (captured) and not
+    assert len(compiled) == 4  # the decode step and its masked form; the prefill, padded (captured) and not
     assert all(options["coordinate_descent_tuning"] is coordinate_descent for options in compiled)
 
 

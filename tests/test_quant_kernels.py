@@ -158,12 +158,12 @@ def test_cpu_int4_kernel_needs_rows_in_sixteens():
 
 
 def test_kernel_choice():
+    """``auto`` on the CPU: tests/test_quant_cpu_kernels.py."""
     cpu = torch.device("cpu")
-    assert resolve_kernel("auto", cpu) == "aten"
     assert resolve_kernel("dequant", cpu) == "dequant"
     with pytest.raises(ValueError, match="the triton quantized kernels need a CUDA GPU"):
         resolve_kernel("triton", cpu)
-    with pytest.raises(ValueError, match="quantized kernel 'fast' is not one of auto, triton, aten, dequant"):
+    with pytest.raises(ValueError, match="quantized kernel 'fast' is not one of auto, triton, cpp, aten, dequant"):
         resolve_kernel("fast", cpu)
 
 

@@ -23,6 +23,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import jsonschema
 import openai
 import pytest
 import torch
@@ -34,6 +35,7 @@ from gpt_fast.model.config import load_checkpoint_config
 from gpt_fast.model.shapes import get_shape
 from gpt_fast.serve.server import signals_call
 from gpt_fast.text.textstream import TextStream
+from tests.tiny import one_torch_thread
 
 REPO = Path(__file__).resolve().parent.parent
 KEY = "test-key"
@@ -149,10 +151,8 @@ def smol_server(smollm2_checkpoint):
 
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_dir):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield Engine.load(tiny_dir, device="cpu")
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield Engine.load(tiny_dir, device="cpu")
 
 
 def generated(argv, tmp_path, capsys) -> dict:
@@ -662,8 +662,9 @@ def chromium() -> tuple[str, str]:
 
 @pytest.mark.slow
 def test_the_chat_page_streams_an_answer_and_stops_it(smol_server, tmp_path):
-    """In a headless Chromium: type a message, see the answer stream in, press stop; the tokens/sec are shown.
-    A screenshot is kept in test-artifacts/ (GPT_FAST_TEST_ARTIFACTS)."""
+    """In a headless Chromium: type a message, see the answer stream in, press stop; the tokens/sec are shown. Then
+    with a JSON schema in its box: the answer comes pretty-printed and said to match the schema (checked here by
+    jsonschema too). Screenshots are kept in test-artifacts/ (GPT_FAST_TEST_ARTIFACTS)."""
     webdriver = pytest.importorskip("selenium.webdriver")
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
@@ -703,5 +704,44 @@ def test_the_chat_page_streams_an_answer_and_stops_it(smol_server, tmp_path):
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         driver.save_screenshot(str(ARTIFACTS / "chat_page.png"))
         smol_server.wait_for(lambda h: h["busy"] == 0)  # stopping in the page freed the slot
+        answer_with_a_schema(driver, wait)
+        driver.execute_script("document.querySelector('aside').scrollTop = 0")
+        driver.save_screenshot(str(ARTIFACTS / "chat_page_json.png"))
     finally:
         driver.quit()
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "country": {"type": "string", "maxLength": 20},
+        "rank": {"type": "integer", "minimum": 1, "maximum": 10},
+    },
+    "required": ["city", "country", "rank"],
+    "additionalProperties": False,
+}
+
+
+def answer_with_a_schema(driver, wait) -> None:
+    """The page's JSON schema box: a schema that is not JSON is refused in the page; a schema holds the answer, which
+    is pretty-printed and said to match."""
+    from selenium.webdriver.common.by import By
+
+    driver.find_element(By.ID, "clear").click()
+    schema = driver.find_element(By.ID, "schema")
+    schema.send_keys("{not json")
+    driver.find_element(By.ID, "input").send_keys("Name a big city.")
+    driver.find_element(By.ID, "send").click()
+    refused = wait.until(lambda d: d.find_element(By.CSS_SELECTOR, ".assistant .stats.error"))
+    assert "the JSON schema is not JSON" in refused.text
+    driver.find_element(By.ID, "clear").click()
+    schema.clear()
+    schema.send_keys(json.dumps(SCHEMA))
+    driver.find_element(By.ID, "input").send_keys("Name a big city.")
+    driver.find_element(By.ID, "send").click()
+    verdict = wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".assistant.done .stats")[1:])[0]
+    content = driver.find_element(By.CSS_SELECTOR, ".assistant.json .content").text
+    assert verdict.text == "valid: matches the schema", verdict.text
+    jsonschema.validate(json.loads(content), SCHEMA)
+    assert content == json.dumps(json.loads(content), indent=2, ensure_ascii=False)

@@ -32,6 +32,7 @@ from gpt_fast.model.config import ModelConfig
 from gpt_fast.model.shapes import get_shape
 from gpt_fast.model.transformer import Transformer
 from gpt_fast.util.options import OptionError
+from tests.tiny import one_torch_thread
 
 GREEDY = SamplingConfig(temperature=0)
 PROMPTS = Path(__file__).resolve().parent.parent / "prompts"
@@ -54,11 +55,8 @@ def random_model(seed: int, std: float = 0.5, config: ModelConfig = CONFIG, like
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """Tiny models gain nothing from threads, and on a busy machine two threads wait on each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="module")

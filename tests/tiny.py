@@ -1,13 +1,16 @@
-"""Builders for tiny checkpoints used across the tests (random weights, built in seconds)."""
+"""Builders for tiny checkpoints used across the tests (random weights, built in seconds), and torch on one thread
+while they run (:func:`one_torch_thread`)."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
 import pickle
 import zipfile
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -21,6 +24,18 @@ CORPUS = [
 ] * 20
 
 BOS, EOS = "<s>", "</s>"
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Torch on one thread meanwhile: tiny models gain nothing from threads, and on a busy machine two threads wait
+    on each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def train_bpe_tokenizer(folder: Path, vocab_size: int = 320) -> Tokenizer:

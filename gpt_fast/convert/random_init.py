@@ -11,10 +11,10 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from gpt_fast.convert.tokenizer_common import bytes_to_unicode
 from gpt_fast.convert.writer import check_checkpoint_output, write_checkpoint
 from gpt_fast.model.config import CheckpointConfig, ModelConfig, TokenizerConfig
 from gpt_fast.model.transformer import weight_shapes
+from gpt_fast.text.tokenizer import bytes_to_unicode
 from gpt_fast.util.device import dtype_name
 
 TOKENIZER_FILE = "tokenizer.json"

@@ -1,5 +1,5 @@
-"""What both tokenizer converters share: file names, the byte alphabet of byte-level BPE, SentencePiece's piece
-types, and the stop token a chat template ends an assistant turn with."""
+"""What both tokenizer converters share: file names, SentencePiece's piece types, and the stop token a chat template
+ends an assistant turn with."""
 
 from __future__ import annotations
 
@@ -60,15 +60,3 @@ def _render_probe(template: str, bos_token: str | None, eos_token: str | None, w
         raise ValueError(f"{where}: {err}") from None
     except ChatTemplateError:  # a template that rejects the probe
         return None
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map of byte-level BPE vocabularies."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    mapping = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in mapping:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping

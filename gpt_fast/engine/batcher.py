@@ -12,6 +12,13 @@ just launched; each step's tokens are copied to host memory and handed out once 
 while the next step runs; a slot whose request has just finished may decode once more, harmlessly, before the host
 frees it.
 
+A request held to a constraint (:class:`~gpt_fast.generation.options.OutputConstraint`: a JSON schema, tool calls)
+gets its grammar matcher when it is submitted (a constraint the engine refuses is refused there). Its next token's
+mask depends on its last token, which the host reads back and hands to the matcher: so the steps it takes part in
+never run ahead of the host. While a constrained slot waits for its mask, the steps launched ahead hold it as it is
+(:mod:`gpt_fast.generation.slots`) and the other slots go on; the masked steps run only while a constrained request
+is in a slot, so that the others pay nothing for constraints otherwise.
+
 One thread drives a :class:`Batcher`: :meth:`Batcher.serve_forever` (a server) or :meth:`Batcher.run` (until every
 submitted request is done). :meth:`Batcher.submit` and :meth:`Batcher.cancel` may be called from any thread; the
 events of a request go to its callback, on the driving thread. The driving thread should be the one that compiles
@@ -35,8 +42,9 @@ from dataclasses import dataclass, field
 import torch
 
 from gpt_fast.engine.options import BatchOptions, require_int
+from gpt_fast.generation.constraint import GrammarError, Matcher
 from gpt_fast.generation.loop import Readbacks, Record, run_steps, turn
-from gpt_fast.generation.options import LogitAdjustments, SamplingConfig
+from gpt_fast.generation.options import LogitAdjustments, OutputConstraint, SamplingConfig
 from gpt_fast.generation.sampling import seed_key
 from gpt_fast.generation.slots import TOP_LOGPROBS, SlotState, SlotSteps, score_slot
 from gpt_fast.model.transformer import Transformer
@@ -46,6 +54,12 @@ from gpt_fast.util.options import OptionError
 
 MAX_STOP_TEXTS = 16
 IN_FLIGHT_STEPS = 2  # decode steps launched and not yet handed out, at most: the device always has the next one
+
+
+def masked_step(masked: bool) -> dict[str, bool]:
+    """The keyword of a step's masked form (:mod:`gpt_fast.generation.slots`): none for the plain one, which is
+    called as it always was."""
+    return {"masked": True} if masked else {}
 
 
 class QueueFull(RuntimeError):
@@ -59,8 +73,9 @@ class Request:
     ``top_logprobs`` (0 to 20), each token comes with its log-probability and that many alternatives'. With
     ``prompt_logprobs`` (0 to 20), the prompt's tokens too, before the first new one (:class:`PromptLogprobs`);
     ``max_new_tokens`` may then be 0 (the prompt scored, nothing generated). ``adjust``: penalties, a logit bias and
-    min-p (:class:`gpt_fast.generation.options.LogitAdjustments`). ``seed`` makes the sampled tokens
-    reproducible, whatever else is decoded at the same time (None: a random seed)."""
+    min-p (:class:`gpt_fast.generation.options.LogitAdjustments`). ``constraint``: what the answer must match (it
+    ends once the constraint is complete). ``seed`` makes the sampled tokens reproducible, whatever else is decoded
+    at the same time (None: a random seed)."""
 
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
@@ -72,6 +87,7 @@ class Request:
     top_logprobs: int | None = None
     prompt_logprobs: int | None = None
     adjust: LogitAdjustments = field(default_factory=LogitAdjustments)
+    constraint: OutputConstraint | None = None
 
 
 @dataclass(frozen=True)
@@ -119,6 +135,7 @@ class Finished:
 @dataclass(frozen=True)
 class Failed:
     message: str
+    status: int = 500  # 400: the request's own mistake (its constraint, which the grammar engine gave up on)
 
 
 Event = PromptLogprobs | Delta | Finished | Failed
@@ -133,9 +150,13 @@ class Job:
         on_event: Callable[[Event], None],
         tokenizer: Decoder | None,
         stop_ids: Sequence[int],
+        matcher: Matcher | None = None,
     ) -> None:
         self.request = request
         self.on_event = on_event
+        self.matcher = matcher  # the constraint's place, advanced by each token handed out
+        self.awaiting = False  # a step launched with this constrained slot has not been handed out yet
+        self.mask_stale = False  # its next mask is on the host, not yet in the slot's state
         self.key = seed_key(secrets.randbits(64) if request.seed is None else request.seed)
         self.stop_ids = frozenset(request.stop_ids) | frozenset(() if request.ignore_eos else stop_ids)
         self.slot: int | None = None
@@ -155,7 +176,8 @@ class Job:
         self.ids.append(token)
         self.first_token_at = self.first_token_at or time.perf_counter()
         stop_token = token in self.stop_ids
-        ending = stop_token or len(self.ids) == self.request.max_new_tokens
+        complete = self.matcher is not None and self.matcher.finished  # nothing may follow but a stop token
+        ending = stop_token or complete or len(self.ids) == self.request.max_new_tokens
         if self.stream is not None:
             if not stop_token:
                 self.stream.push(token)
@@ -169,7 +191,7 @@ class Job:
         self.on_event(Delta(token, text, logprob))
         if self.stops.stopped or ending:
             self.done = True
-            return "stop" if self.stops.stopped or stop_token else "length"
+            return "stop" if self.stops.stopped or stop_token or complete else "length"
         return None
 
     def finish(self, reason: str) -> None:
@@ -191,6 +213,7 @@ class Batcher:
         *,
         tokenizer: Decoder | None = None,
         stop_ids: Sequence[int] = (),
+        compile_constraint: Callable[[OutputConstraint], Matcher] | None = None,
     ) -> None:
         block_size = model.config.block_size
         if options.max_seq_length is not None and options.max_seq_length > block_size:
@@ -198,6 +221,8 @@ class Batcher:
             raise OptionError(message, "max_seq_length")
         self.model, self.steps, self.options = model, steps, options
         self.tokenizer, self.stop_ids = tokenizer, tuple(stop_ids)
+        self.compile_constraint = compile_constraint  # a constraint's matcher (None: no constraint can be served)
+        self.host_masks: torch.Tensor | None = None  # [N, W]: the constrained slots' next masks, made on first use
         self.max_seq_length = options.max_seq_length or block_size
         self.device = model.tok_embeddings.weight.device
         model.setup_caches(options.max_batch, self.max_seq_length)
@@ -230,12 +255,16 @@ class Batcher:
                 require_int(getattr(request, name), name, 0, min(TOP_LOGPROBS, vocab))
         if len(request.stop_texts) > MAX_STOP_TEXTS or not all(request.stop_texts):
             raise ValueError(f"stop strings must be non-empty, {MAX_STOP_TEXTS} at most")
+        if request.constraint is not None and self.compile_constraint is None:
+            raise ValueError("this model cannot hold an answer to a constraint (it has no tokenizer)")
 
     def submit(self, request: Request, on_event: Callable[[Event], None]) -> Job:
-        """Queue ``request``; its events go to ``on_event``. ValueError for a request that cannot be served,
-        QueueFull when every slot is busy and the queue full."""
+        """Queue ``request``; its events go to ``on_event``. ValueError for a request that cannot be served (a
+        constraint the grammar engine refuses: GrammarError), QueueFull when every slot is busy and the queue full.
+        The constraint is compiled here, in the caller's thread."""
         self.check(request)
-        job = Job(request, on_event, self.tokenizer, self.stop_ids)
+        matcher = None if request.constraint is None else self.compile_constraint(request.constraint)
+        job = Job(request, on_event, self.tokenizer, self.stop_ids, matcher)
         with self.lock:
             if self.closed:
                 raise QueueFull("the server is shutting down")
@@ -338,47 +367,95 @@ class Batcher:
     # --- the batcher as the loop's step producer ----------------------------------------------------------------
 
     def can_launch(self, pending: int) -> bool:
-        return pending < IN_FLIGHT_STEPS
+        """Fewer than :data:`IN_FLIGHT_STEPS` steps in flight, and a step would do something: give a request a token
+        (not while every busy slot is a constrained one waiting for its mask), free a cancelled one, or admit one."""
+        if pending >= IN_FLIGHT_STEPS:
+            return False
+        busy = [job for job in self.slots if job is not None]
+        admits = bool(self.waiting) and len(busy) < len(self.slots)
+        return admits or any(not job.awaiting or job.cancelled for job in busy)
 
     def launch(self, readbacks: Readbacks) -> None:
         """Free the slots of cancelled requests, prefill waiting requests into free slots, and launch one decode
-        step of the busy slots."""
+        step of the busy slots: the masked one while a constrained request is in them."""
         self._drop_cancelled()
         self._admit()
         rows = self._rows()
-        if rows:
-            cudagraph_step_begin()
-            self.steps.decode(self.model, self.state, rows)
-            self._read_back(0, rows)
+        if not rows:
+            return
+        owners = self.slots[:rows]
+        masked = any(job is not None and job.matcher is not None for job in owners)
+        held = self._set_masks(owners) if masked else frozenset()
+        cudagraph_step_begin()
+        self.steps.decode(self.model, self.state, rows, **masked_step(masked))
+        self._read_back(0, rows, held)
+
+    def _set_masks(self, owners: Sequence[Job | None]) -> frozenset[int]:
+        """Before a masked step: each constrained slot's new mask into the state, and the rows to hold (a
+        constrained slot whose last token has not been handed out yet). The copies come from pageable host memory,
+        which the driver stages at once: the host may write it again without waiting for the device."""
+        held = frozenset(row for row, job in enumerate(owners) if job is not None and job.awaiting)
+        for job in owners:
+            if job is not None and job.matcher is not None and not job.awaiting:
+                self._load_mask(job)
+                job.awaiting = True
+        hold = torch.tensor([row in held for row in range(len(owners))])
+        self.state.hold[: len(owners)].copy_(hold, non_blocking=True)
+        return held
+
+    def _load_mask(self, job: Job) -> None:
+        """Copy the constrained ``job``'s next mask, on the host, into its slot's state (once)."""
+        if job.mask_stale:
+            self.state.allowed[job.slot].copy_(self.host_masks[job.slot], non_blocking=True)
+            job.mask_stale = False
 
     def deliver(self, record: Record) -> Iterator[None]:
-        """Give each request its token of a step (its events go to its callback): nothing is yielded."""
-        owners, with_logprobs = record.tag
+        """Give each request its token of a step (its events go to its callback): nothing is yielded. A constrained
+        request's matcher takes the token and makes the next mask; one the grammar engine gives up on fails."""
+        owners, with_logprobs, held = record.tag
         tokens = record.host[0][: len(owners)].tolist()
         for row, job in enumerate(owners):
-            if job is None or job.done or job.cancelled:
+            if job is None or job.done or job.cancelled or row in held:
                 continue
             logprob = self._logprob(record, row, job) if with_logprobs else None
             self.tokens_generated += 1
+            try:
+                self._advance(job, tokens[row])
+            except GrammarError as err:
+                self._free(job)
+                job.done = True
+                job.on_event(Failed(str(err), 400))
+                continue
             reason = job.accept(tokens[row], logprob)
             if reason is not None:
                 self._free(job)
                 job.finish(reason)
         yield from ()
 
+    def _advance(self, job: Job, token: int) -> None:
+        """A constrained request's matcher takes ``token``; its next mask is made on the host."""
+        if job.matcher is None:
+            return
+        job.matcher.advance(token)
+        job.awaiting = False
+        if not job.matcher.finished:
+            self._fill_mask(job)
+
     def finished(self) -> bool:
         return not self.waiting and self.busy == 0
 
     @torch.no_grad()
-    def warm_up(self) -> None:
+    def warm_up(self, constrained: bool = False) -> None:
         """Compile (and, in the CUDA-graph modes, capture) the steps before the first request: a short prefill and
-        both decode shapes, three times (a CUDA graph is recorded on a later call than the first)."""
+        both decode shapes, three times (a CUDA graph is recorded on a later call than the first); with
+        ``constrained``, their masked forms too (else they are compiled when the first constrained request comes)."""
         prompt = torch.zeros((1, 2), dtype=torch.long, device=self.device)
-        for _ in range(3):
-            self.steps.prefill(self.model, self.state, 0, prompt)
-            for rows in sorted({1, self.options.max_batch}):
-                cudagraph_step_begin()
-                self.steps.decode(self.model, self.state, rows)
+        for masked in (False, True) if constrained else (False,):
+            for _ in range(3):
+                self.steps.prefill(self.model, self.state, 0, prompt, **masked_step(masked))
+                for rows in sorted({1, self.options.max_batch}):
+                    cudagraph_step_begin()
+                    self.steps.decode(self.model, self.state, rows, **masked_step(masked))
         device_synchronize(self.device)
 
     def _rows(self) -> int:
@@ -412,22 +489,35 @@ class Batcher:
             self.slots[job.slot] = job
             prompt = torch.tensor([job.request.prompt_ids], dtype=torch.long, device=self.device)  # [1, T]
             self.state.configure(job.slot, job.request.sampling, job.key, job.request.adjust, prompt[0])
-            if job.request.prompt_logprobs is None:
-                self.steps.prefill(self.model, self.state, job.slot, prompt)
+            masked = job.matcher is not None
+            if masked:
+                self._fill_mask(job)
+                self._load_mask(job)
+                job.awaiting = True
+            if job.request.prompt_logprobs is not None:
+                self._score(job, prompt, masked)
             else:
-                self._score(job, prompt)
+                self.steps.prefill(self.model, self.state, job.slot, prompt, **masked_step(masked))
             if job.request.max_new_tokens == 0:
                 self._free(job)
                 job.finish("length")
             else:
                 self._read_back(job.slot, 1)
 
+    def _fill_mask(self, job: Job) -> None:
+        """The constrained ``job``'s next mask, on the host."""
+        if self.host_masks is None:
+            self.host_masks = torch.empty(self.state.allowed.shape, dtype=torch.int32)
+        job.matcher.fill(self.host_masks[job.slot])
+        job.mask_stale = True
+
     @torch.no_grad()
-    def _score(self, job: Job, prompt: torch.Tensor) -> None:
+    def _score(self, job: Job, prompt: torch.Tensor, masked: bool) -> None:
         """Prefill ``job``'s slot with its prompt [1, T] scored, and tell the job its prompt's log-probabilities.
         The host waits for them: scoring is for evaluation, not for the latency of the other slots."""
         count, ids = job.request.prompt_logprobs, job.request.prompt_ids
-        chosen, best, best_ids = (t.tolist() for t in score_slot(self.model, self.state, job.slot, prompt, count))
+        scored = score_slot(self.model, self.state, job.slot, prompt, count, masked)
+        chosen, best, best_ids = (t.tolist() for t in scored)
         items = [TokenLogprob(ids[0], self._token_text(ids[0]), None, ())]
         for token, logprob, top, top_ids in zip(ids[1:], chosen, best, best_ids, strict=True):
             alternatives = tuple((t, self._token_text(t), lp) for t, lp in zip(top_ids, top, strict=True))
@@ -438,13 +528,14 @@ class Batcher:
         if job.slot is not None and self.slots[job.slot] is job:
             self.slots[job.slot] = None
 
-    def _read_back(self, first_row: int, rows: int) -> None:
-        """Queue the copies of a step's results for slots ``first_row`` onwards to host memory."""
+    def _read_back(self, first_row: int, rows: int, held: frozenset[int] = frozenset()) -> None:
+        """Queue the copies of a step's results for slots ``first_row`` onwards to host memory; the ``held`` rows
+        took no token in it."""
         owners = tuple(self.slots[first_row : first_row + rows])
         with_logprobs = any(job is not None and job.request.top_logprobs is not None for job in owners)
         state, end = self.state, first_row + rows
         results = (state.tokens, state.logprobs, state.top_ids) if with_logprobs else (state.tokens,)
-        self.readbacks.push([t[first_row:end] for t in results], (owners, with_logprobs))
+        self.readbacks.push([t[first_row:end] for t in results], (owners, with_logprobs, held))
 
     def _logprob(self, record: Record, row: int, job: Job) -> TokenLogprob | None:
         count = job.request.top_logprobs

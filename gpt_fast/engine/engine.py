@@ -13,12 +13,14 @@ An engine is opened in two steps so that a command can refuse a bad request befo
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import time
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,9 +28,10 @@ from gpt_fast.accel.choice import Context
 from gpt_fast.accel.invariant import INVARIANT_ROWS, check_invariant, use_invariant_kernels
 from gpt_fast.accel.registry import install_kernels, resolve_kernels
 from gpt_fast.checkpoint.load import checkpoint_tokenizer, load_model, model_from_state
-from gpt_fast.convert.default_model import ensure_default_checkpoint
+from gpt_fast.convert.default_model import DEFAULT_MODEL, INT4_NOTE, ensure_default_checkpoint
 from gpt_fast.engine.batcher import Batcher, Event, Finished, Request
 from gpt_fast.engine.options import MAX_BATCH, BatchOptions, EngineOptions
+from gpt_fast.generation.constraint import Grammars, Matcher, tool_call_constraint
 from gpt_fast.generation.decode import (
     CompileCacheUse,
     cache_length,
@@ -38,6 +41,7 @@ from gpt_fast.generation.decode import (
 )
 from gpt_fast.generation.drafters import Drafter
 from gpt_fast.generation.loop import GenerationResult, drain
+from gpt_fast.generation.options import OutputConstraint, ToolSpec
 from gpt_fast.generation.precompile import PrecompiledStep
 from gpt_fast.generation.profiling import record_trace
 from gpt_fast.generation.sampling import SamplingConfig
@@ -60,9 +64,11 @@ from gpt_fast.model.config import (
 )
 from gpt_fast.model.transformer import Transformer, weight_bytes_per_token
 from gpt_fast.parallel.tensor_parallel import TensorParallel, device_of, env_ranks, join
+from gpt_fast.quant.products import cpp_usable
 from gpt_fast.text.chat_template import chat_prompt_ids
 from gpt_fast.text.textstream import TextStream
 from gpt_fast.text.tokenizer import Tokenizer
+from gpt_fast.text.tool_calls import ToolCall, ToolCallFormat
 from gpt_fast.util.choices import DEFAULT_MAX_NEW_TOKENS
 from gpt_fast.util.device import (
     device_memory_bytes,
@@ -75,7 +81,7 @@ from gpt_fast.util.fileio import check_output_file
 from gpt_fast.util.options import OptionError
 from gpt_fast.util.paths import CHECKPOINTS_DIR
 
-Message = dict[str, str]  # {"role": ..., "content": ...}
+Message = dict[str, Any]  # {"role": ..., "content": ...}; an assistant's "tool_calls", a tool's "tool_call_id"
 _REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 
@@ -95,11 +101,12 @@ class Completion:
         return len(self.ids) / self.seconds
 
 
-def find_checkpoint(checkpoint: str | Path | None) -> Path:
+def find_checkpoint(checkpoint: str | Path | None, int4_default: bool = False) -> Path:
     """The checkpoint folder for a path (the folder or its ``model.pth``), an ``ORG/NAME`` prepared under
-    ``checkpoints/``, or None: the embedded default model (prepared on first use)."""
+    ``checkpoints/``, or None: the embedded default model (prepared on first use), in its int4 form with
+    ``int4_default``."""
     if checkpoint is None:
-        return ensure_default_checkpoint().parent
+        return ensure_default_checkpoint(int4=int4_default).parent
     path = Path(checkpoint)
     if path.exists():
         return resolve_checkpoint_dir(path)
@@ -112,6 +119,15 @@ def find_checkpoint(checkpoint: str | Path | None) -> Path:
             f"checkpoint not found: {name} (nor {prepared}); prepare it with: gpt-fast prepare {name}"
         )
     raise FileNotFoundError(f"checkpoint not found: {path}")
+
+
+def default_in_int4(options: EngineOptions) -> bool:
+    """Whether the default model opens in its int4 form (:mod:`gpt_fast.convert.default_model`, the same weights
+    as float32): float32 steps of one process on a CPU whose quantized products are our C++ kernels, where it
+    decodes faster (docs/cpu.md), and which take quantized layers (not batch-invariant steps)."""
+    device = resolve_device(options.device)
+    plain = options.tp == 1 and not options.batch_invariant and options.dtype in ("auto", "float32")
+    return plain and options.kernels.quant in ("auto", "cpp") and cpp_usable(device)
 
 
 class Engine:
@@ -172,20 +188,25 @@ class Engine:
         self._drafter: Drafter | None = None  # made from options.speculative once the weights are loaded
         self._spec_steps: SpeculativeSteps | None = None
         self._profile_marks = False
+        self._grammars: Grammars | None = None  # the grammar engine over the vocabulary, made on first use
         self.load_seconds: float | None = None
+        self.form_note: str | None = None  # which form of the default model was opened, where it says so
 
     @classmethod
     def open(cls, checkpoint: str | Path | None = None, options: EngineOptions | None = None) -> Engine:
         """Everything but the weights: every check that needs no weights happens here."""
-        directory = find_checkpoint(checkpoint)
-        config = load_checkpoint_config(directory)
         options = options or EngineOptions()
+        int4_default = checkpoint is None and default_in_int4(options)
+        directory = find_checkpoint(checkpoint, int4_default)
+        config = load_checkpoint_config(directory)
         draft = None
         if options.speculative is not None and options.speculative.draft_checkpoint is not None:
             draft_options = replace(options, speculative=None, batch_invariant=False)  # its rounding does not matter
             draft = cls.open(options.speculative.draft_checkpoint, draft_options)
             check_draft_config(config, draft.config, draft.checkpoint_dir)
-        return cls(options, config.model, checkpoint_dir=directory, config=config, draft=draft)
+        engine = cls(options, config.model, checkpoint_dir=directory, config=config, draft=draft)
+        engine.form_note = f"the default {DEFAULT_MODEL.split('/')[-1]}, {INT4_NOTE}" if int4_default else None
+        return engine
 
     @classmethod
     def load(
@@ -360,9 +381,59 @@ class Engine:
     def chat_template(self) -> str | None:
         return self.config.chat_template if self.config is not None else None
 
-    def chat_ids(self, messages: Sequence[Message]) -> list[int]:
-        """Prompt ids of a conversation rendered with the checkpoint's chat template, ready for the answer."""
-        return chat_prompt_ids(self.tokenizer, self.chat_template, list(messages))
+    def chat_ids(self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        """Prompt ids of a conversation rendered with the checkpoint's chat template, ready for the answer; ``tools``
+        (OpenAI's ``{"type": "function", "function": {...}}`` objects) go to the template as transformers passes
+        them. ValueError for tools a template does not write (:attr:`tool_call_format`)."""
+        if tools is not None and self.tool_call_format is None:
+            raise ValueError("this model's chat template does not write tool calls: it cannot be given tools")
+        return chat_prompt_ids(
+            self.tokenizer, self.chat_template, list(messages), None if tools is None else list(tools)
+        )
+
+    @functools.cached_property
+    def tool_call_format(self) -> ToolCallFormat | None:
+        """How the chat template writes an assistant's tool calls (None: it writes none, or renders no tools)."""
+        if not self.chat_template:
+            return None
+        tok = self.tokenizer
+        stops = [tok.decode([token]) for token in tok.stop_ids]
+        return ToolCallFormat.of_template(self.chat_template, tok.bos_token, tok.eos_token, stops)
+
+    def tool_call_constraint(
+        self,
+        tools: Sequence[ToolSpec],
+        only: str | None = None,
+        parallel: bool = True,
+        answer: OutputConstraint | None = None,
+    ) -> OutputConstraint:
+        """The constraint of an answer made of calls of ``tools`` (of the one named ``only``) as the template
+        writes them: one, or several where ``parallel`` and the template allow; or, with ``answer`` (a JSON
+        schema's constraint), a document matching it instead."""
+        if self.tool_call_format is None:
+            raise ValueError("this model's chat template does not write tool calls")
+        vocab = self.model_config.vocab_size
+        specials = {text: token for text, token in self.tokenizer.special_tokens.items() if token < vocab}
+        return tool_call_constraint(self.tool_call_format, tools, specials, only=only, parallel=parallel, answer=answer)
+
+    def parse_tool_calls(self, ids: Sequence[int], names: Collection[str]) -> tuple[str, list[ToolCall]]:
+        """The calls of the functions ``names`` an answer's ``ids`` make, written as the template writes them, and
+        the answer's text before them; ``(text, [])`` if it makes none."""
+        text = self.tokenizer.decode([token for token in ids if token not in self.stop_ids])
+        if self.tool_call_format is None:
+            return text, []
+        return self.tool_call_format.parse(text, names)
+
+    @property
+    def grammars(self) -> Grammars:
+        """The grammar engine over this checkpoint's vocabulary (made on first use: about half a second)."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
+        return self._grammars
+
+    def compile_constraint(self, constraint: OutputConstraint) -> Matcher:
+        """A matcher at the start of ``constraint`` (GrammarError, a ValueError, if the engine refuses it)."""
+        return self.grammars.matcher(constraint)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``, special tokens left out."""
@@ -441,22 +512,32 @@ class Engine:
         chat: bool = False,
         system: str | None = None,
         ignore_eos: bool = False,
+        constraint: OutputConstraint | None = None,
     ) -> list[Completion]:
         """A completion for each prompt; several prompts are generated together (:meth:`generate_many_ids`), or,
         with speculative decoding, one after another. Every prompt is encoded and checked against the context
         before the first is generated. Without ``sampling``, the checkpoint's recommended sampling
-        (:meth:`sampling_choice`)."""
+        (:meth:`sampling_choice`). ``constraint``: what each answer must match (a JSON schema, a grammar)."""
         texts = [prompts] if isinstance(prompts, str) else list(prompts)
         all_ids = [self.encode(text, chat=chat, system=system) for text in texts]
         for ids in all_ids:
             self.check_fits(ids, max_new_tokens)
         sampling = sampling or self.sampling_choice()[0]
         if len(all_ids) > 1 and self.options.speculative is None:
-            return self.generate_many_ids(all_ids, max_new_tokens, sampling, ignore_eos=ignore_eos)
-        return [self._complete(ids, max_new_tokens, sampling, ignore_eos) for ids in all_ids]
+            return self.generate_many_ids(
+                all_ids, max_new_tokens, sampling, ignore_eos=ignore_eos, constraint=constraint
+            )
+        return [self._complete(ids, max_new_tokens, sampling, ignore_eos, constraint) for ids in all_ids]
 
-    def _complete(self, ids: list[int], max_new_tokens: int, sampling: SamplingConfig, ignore_eos: bool) -> Completion:
-        result = self.generate_ids(ids, max_new_tokens, sampling, ignore_eos=ignore_eos)
+    def _complete(
+        self,
+        ids: list[int],
+        max_new_tokens: int,
+        sampling: SamplingConfig,
+        ignore_eos: bool,
+        constraint: OutputConstraint | None,
+    ) -> Completion:
+        result = self.generate_ids(ids, max_new_tokens, sampling, ignore_eos=ignore_eos, constraint=constraint)
         new = result.tokens[0]
         finish = "stop" if new and new[-1] in self.stop_ids and not ignore_eos else "length"
         return Completion(ids, new, self.decode(new), finish, result.seconds, result.ttft_seconds)
@@ -469,19 +550,27 @@ class Engine:
         *,
         chat: bool = False,
         system: str | None = None,
+        constraint: OutputConstraint | None = None,
     ) -> Iterator[str]:
         """The continuation's text, piece by piece as it is generated (a piece is held back until it is whole
         UTF-8). Stops at a stop token or after ``max_new_tokens``. Without ``sampling``, the checkpoint's recommended
-        sampling (:meth:`sampling_choice`)."""
+        sampling (:meth:`sampling_choice`); ``constraint``: what the answer must match."""
         ids = self.encode(prompt, chat=chat, system=system)
-        return self.stream_ids(ids, max_new_tokens, sampling or self.sampling_choice()[0])
+        return self.stream_ids(ids, max_new_tokens, sampling or self.sampling_choice()[0], constraint)
 
-    def stream_ids(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingConfig) -> Iterator[str]:
+    def stream_ids(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        sampling: SamplingConfig,
+        constraint: OutputConstraint | None = None,
+    ) -> Iterator[str]:
         """:meth:`stream` for prompt ids already encoded."""
         self.check_fits(prompt_ids, max_new_tokens)
         pieces: list[str] = []
         text = TextStream(self.tokenizer, prompt_ids, pieces.append)
-        for step_tokens in self._token_stream(prompt_ids, max_new_tokens, sampling, stop_ids=self.stop_ids):
+        tokens = self._token_stream(prompt_ids, max_new_tokens, sampling, stop_ids=self.stop_ids, constraint=constraint)
+        for step_tokens in tokens:
             text.push(step_tokens[0])
             yield from pieces
             pieces.clear()
@@ -496,11 +585,13 @@ class Engine:
         ignore_eos: bool = False,
         on_text: Callable[[str], None] | None = None,
         drafter: Drafter | None = None,
+        constraint: OutputConstraint | None = None,
     ) -> GenerationResult:
         """The lower-level call the commands use: ``batch_size`` copies of one prompt already encoded; the first
         row's text goes to ``on_text`` as it is generated. With speculative decoding (the engine's options, or
         ``drafter``: benchmarks pass their own) the result is a
-        :class:`gpt_fast.generation.speculative.SpeculativeResult`."""
+        :class:`gpt_fast.generation.speculative.SpeculativeResult`. ``constraint``: what each row's answer must
+        match (decoded plainly, each token read back before the next step)."""
         self.check_fits(prompt_ids, max_new_tokens)
         self.check_batch_size(batch_size, len(prompt_ids), max_new_tokens)
         on_tokens = None
@@ -518,6 +609,7 @@ class Engine:
             stop_ids=() if ignore_eos else self.stop_ids,
             emit=on_tokens is not None,
             drafter=drafter,
+            constraint=constraint,
         )
         return drain(stream, on_tokens)
 
@@ -531,8 +623,10 @@ class Engine:
         batch_size: int = 1,
         emit: bool = True,
         drafter: Drafter | None = None,
+        constraint: OutputConstraint | None = None,
     ) -> Generator[list[int], None, GenerationResult]:
-        """Plain decoding, or speculative decoding with ``drafter`` or the engine's own."""
+        """Plain decoding (held to ``constraint`` where given), or speculative decoding with ``drafter`` or the
+        engine's own."""
         drafter = drafter if drafter is not None else self._drafter
         common = {
             "max_new_tokens": max_new_tokens,
@@ -543,6 +637,13 @@ class Engine:
             "emit": emit,
             "profile_marks": self._profile_marks,
         }
+        if constraint is not None:
+            if drafter is not None:
+                raise OptionError(
+                    "a constrained answer is decoded plainly: turn speculative decoding off", "speculative"
+                )
+            matchers = [self.compile_constraint(constraint) for _ in range(batch_size)]
+            return generate_stream(self.model, prompt_ids, **common, matchers=matchers)
         if drafter is None:
             stream = generate_stream(self.model, prompt_ids, **common)
             return stream if self._parallel is None else self._same_on_every_rank(stream)
@@ -568,10 +669,11 @@ class Engine:
         sampling: SamplingConfig,
         *,
         ignore_eos: bool = False,
+        constraint: OutputConstraint | None = None,
     ) -> list[Completion]:
         """A completion for each of several prompts already encoded, generated together by continuous batching (up
-        to MAX_BATCH at once; more wait for a slot). Each row samples with its own seed, drawn from torch's
-        generator, so that :func:`set_seed` makes the whole batch reproducible."""
+        to MAX_BATCH at once; more wait for a slot), each held to ``constraint`` where given. Each row samples with
+        its own seed, drawn from torch's generator, so that :func:`set_seed` makes the whole batch reproducible."""
         for ids in prompts_ids:
             self.check_fits(ids, max_new_tokens)
         longest = max(len(ids) for ids in prompts_ids)
@@ -589,7 +691,9 @@ class Engine:
                 if isinstance(event, Finished):
                     finished[row] = event
 
-            request = Request(tuple(ids), max_new_tokens, sampling, seed=seed, ignore_eos=ignore_eos)
+            request = Request(
+                tuple(ids), max_new_tokens, sampling, seed=seed, ignore_eos=ignore_eos, constraint=constraint
+            )
             batcher.submit(request, keep)
         batcher.run()
         return [self._completion(list(ids), finished[row]) for row, ids in enumerate(prompts_ids)]
@@ -609,7 +713,12 @@ class Engine:
                 opts.compile, opts.compile_prefill, opts.kernel_tuning, exact=opts.batch_invariant
             )
         return Batcher(
-            self.model, self._slot_steps, options or BatchOptions(), tokenizer=self._tokenizer, stop_ids=self.stop_ids
+            self.model,
+            self._slot_steps,
+            options or BatchOptions(),
+            tokenizer=self._tokenizer,
+            stop_ids=self.stop_ids,
+            compile_constraint=self.compile_constraint if self._tokenizer is not None else None,
         )
 
     @contextlib.contextmanager

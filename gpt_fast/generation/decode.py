@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from gpt_fast.generation.constraint import Matcher
 from gpt_fast.generation.loop import (
     GenerationResult,
     Mark,
@@ -24,7 +25,7 @@ from gpt_fast.generation.loop import (
 )
 from gpt_fast.generation.precompile import PrecompiledStep
 from gpt_fast.generation.profiling import DECODE_MARK
-from gpt_fast.generation.sampling import SamplingConfig, sample
+from gpt_fast.generation.sampling import SamplingConfig, mask_logits, sample
 from gpt_fast.model.transformer import Transformer
 from gpt_fast.util.choices import COMPILE_MODES, COORDINATE_DESCENT, KERNEL_TUNINGS
 from gpt_fast.util.device import cudagraph_step_begin
@@ -32,13 +33,18 @@ from gpt_fast.util.device import cudagraph_step_begin
 CACHE_LENGTH_MULTIPLE = 64  # round cache lengths up so nearby request lengths share one compiled graph
 
 
-def prefill(model: Transformer, idx: torch.Tensor, sampling: SamplingConfig) -> None:
-    """Run the prompt ``idx`` [B, T] through the model and leave the decode state at its first new token."""
+def prefill(
+    model: Transformer, idx: torch.Tensor, sampling: SamplingConfig, allowed: torch.Tensor | None = None
+) -> None:
+    """Run the prompt ``idx`` [B, T] through the model and leave the decode state at its first new token; with
+    ``allowed`` [B, W], among the tokens a constraint allows (:func:`mask_logits`)."""
     state, length = model.decode_state, idx.shape[1]
     input_pos = torch.arange(length, device=idx.device)
-    logits = model(idx, input_pos, last_only=True, from_start=True)  # [B, 1, V]
+    logits = model(idx, input_pos, last_only=True, from_start=True)[:, -1]  # [B, V]
+    if allowed is not None:
+        logits = mask_logits(logits, allowed)
     state.tokens[:, :length] = idx
-    state.tokens[:, length] = sample(logits[:, -1], sampling, model.top_k_sampler)
+    state.tokens[:, length] = sample(logits, sampling, model.top_k_sampler)
     state.input_pos.fill_(length)
 
 
@@ -59,12 +65,26 @@ def decode_one_token(model: Transformer, sampling: SamplingConfig) -> None:
     """One decode step, entirely on the device: the token at ``input_pos`` goes in, the next one is written
     after it, and ``input_pos`` advances."""
     state = model.decode_state
+    tokens = sample(_next_logits(model), sampling, model.top_k_sampler)  # [B]
+    state.tokens.index_copy_(1, state.input_pos + 1, tokens[:, None])
+    state.input_pos.add_(1)
+
+
+def decode_one_token_masked(model: Transformer, sampling: SamplingConfig, allowed: torch.Tensor) -> None:
+    """:func:`decode_one_token` among the tokens a constraint allows: ``allowed`` [B, W] (:func:`mask_logits`)."""
+    state = model.decode_state
+    tokens = sample(mask_logits(_next_logits(model), allowed), sampling, model.top_k_sampler)  # [B]
+    state.tokens.index_copy_(1, state.input_pos + 1, tokens[:, None])
+    state.input_pos.add_(1)
+
+
+def _next_logits(model: Transformer) -> torch.Tensor:
+    """The logits [B, V] after the token at ``input_pos``, its keys and values written into the cache."""
+    state = model.decode_state
     cur = state.tokens.index_select(1, state.input_pos)  # [B, 1]
     # every keyword is spelled out: torch 2.11 cannot load an ahead-of-time package that guards a default argument
     # ("DefaultsSource.__init__() takes from 3 to 4 positional arguments"); tests/test_generate.py checks it
-    logits = model(cur, state.input_pos, last_only=False, first_row=0, from_start=False, last_index=None)  # [B, 1, V]
-    state.tokens.index_copy_(1, state.input_pos + 1, sample(logits[:, -1], sampling, model.top_k_sampler)[:, None])
-    state.input_pos.add_(1)
+    return model(cur, state.input_pos, last_only=False, first_row=0, from_start=False, last_index=None)[:, -1]
 
 
 # A prompt is padded to a multiple of this many tokens, so that few graphs serve all; the caches' multiple, so that
@@ -176,11 +196,15 @@ def clear_blas_workspaces() -> None:
 
 @dataclass(frozen=True)
 class Steps:
-    """The prefill and decode functions, compiled or not."""
+    """The prefill and decode functions, compiled or not; the decode step of a constrained request
+    (:func:`decode_one_token_masked`) and its prefill (:func:`prefill` with a mask, never from a CUDA graph) are
+    their own graphs, compiled on first use."""
 
     prefill: Callable[..., torch.Tensor]
     decode: Callable[..., torch.Tensor]
     mode: str
+    prefill_masked: Callable[..., None] = prefill
+    decode_masked: Callable[..., None] = decode_one_token_masked
 
 
 def make_steps(
@@ -206,14 +230,16 @@ def make_steps(
         decode: Callable[..., None] = PrecompiledStep(decode_one_token, options)
     else:
         decode = torch.compile(decode_one_token, options=options, fullgraph=True)
+    masked = {"decode_masked": torch.compile(decode_one_token_masked, options=options, fullgraph=True)}
     graphs = graph_prefill and bool(options.get("triton.cudagraphs"))
     if compile_prefill:
         unpadded = compiled_prefill(tuning)
+        masked["prefill_masked"] = unpadded
         if not graphs:
-            return Steps(unpadded, decode, mode)
+            return Steps(unpadded, decode, mode, **masked)
         padded = compiled_prefill(tuning, prefill_padded)
-        return Steps(GraphedPrefill(padded, unpadded, COMPILED_PREFILL_GRAPH_TOKENS), decode, mode)
-    return Steps(GraphedPrefill() if graphs else prefill, decode, mode)
+        return Steps(GraphedPrefill(padded, unpadded, COMPILED_PREFILL_GRAPH_TOKENS), decode, mode, **masked)
+    return Steps(GraphedPrefill() if graphs else prefill, decode, mode, **masked)
 
 
 def tuning_options(tuning: str) -> dict[str, Any]:
@@ -306,9 +332,9 @@ def cache_length(prompt_length: int, max_new_tokens: int, block_size: int) -> in
 
 class PlainSteps:
     """Plain decoding as a step producer of the one loop (:func:`gpt_fast.generation.loop.decode_rows`):
-    ``batch_size`` copies of one prompt, one token per row and step."""
-
-    always_read = False
+    ``batch_size`` copies of one prompt, one token per row and step. With ``matchers`` (one per row), each row's
+    tokens are held to its constraint: every token is read back and advances its row's matcher on the host before
+    the next step is launched with the rows' masks (so such a generation never runs ahead of the host)."""
 
     def __init__(
         self,
@@ -318,31 +344,57 @@ class PlainSteps:
         steps: Steps,
         batch_size: int,
         mark: Mark,
+        matchers: Sequence[Matcher] | None = None,
     ) -> None:
         self.model, self.sampling, self.steps, self.batch_size = model, sampling, steps, batch_size
+        device = model.tok_embeddings.weight.device
         self.length = len(prompt_ids)
-        self.prompt = prompt_rows(prompt_ids, batch_size, model.tok_embeddings.weight.device)  # [B, T]
+        self.prompt = prompt_rows(prompt_ids, batch_size, device)  # [B, T]
         self.produced = 0
         self.mark = mark  # the profiler's range around each decode step
+        self.matchers = matchers
+        self.always_read = matchers is not None
+        if matchers is not None:
+            words = (batch_size, matchers[0].words)
+            self.host_masks = torch.empty(words, dtype=torch.int32)  # [B, W]: pageable, staged at once by the copy
+            self.masks = torch.empty(words, dtype=torch.int32, device=device)  # [B, W]
 
     def prefill(self) -> None:
-        self.steps.prefill(self.model, self.prompt, self.sampling)
+        if self.matchers is None:
+            self.steps.prefill(self.model, self.prompt, self.sampling)
+        else:
+            self.steps.prefill_masked(self.model, self.prompt, self.sampling, self._next_masks())
         self.produced = 1
 
     def step(self) -> None:
         with self.mark(DECODE_MARK):
             cudagraph_step_begin()
-            self.steps.decode(self.model, self.sampling)
+            if self.matchers is None:
+                self.steps.decode(self.model, self.sampling)
+            else:
+                self.steps.decode_masked(self.model, self.sampling, self._next_masks())
         self.produced += 1
+
+    def _next_masks(self) -> torch.Tensor:
+        """Each row's mask of its next token, on the device [B, W]."""
+        for row, matcher in enumerate(self.matchers):
+            matcher.fill(self.host_masks[row])
+        return self.masks.copy_(self.host_masks, non_blocking=True)
 
     def latest(self) -> tuple[torch.Tensor]:
         return (self.model.decode_state.tokens[:, self.length + self.produced - 1],)  # [B]
 
     def may_run_ahead(self, pending: int, budget_left: int) -> bool:
+        if self.matchers is not None:  # the next masks need this step's tokens
+            return pending == 0 < budget_left
         return pending < budget_left  # each step gives one token per row
 
     def unpack(self, record: Record) -> list[list[int]]:
-        return [record.host[0].tolist()]
+        tokens = record.host[0].tolist()
+        if self.matchers is not None:
+            for matcher, token in zip(self.matchers, tokens, strict=True):
+                matcher.advance(token)
+        return [tokens]
 
     def all_tokens(self, produced: int) -> list[list[int]]:
         return self.model.decode_state.tokens[:, self.length : self.length + produced].tolist()
@@ -400,12 +452,14 @@ def generate_stream(
     stop_ids: Sequence[int] = (),
     emit: bool = True,
     profile_marks: bool = False,
+    matchers: Sequence[Matcher] | None = None,
 ) -> Generator[list[int], None, GenerationResult]:
     """:func:`generate` as a generator: yields each step's tokens (one per batch row) once the device has produced
-    them (with ``emit``; else nothing), and returns the :class:`GenerationResult`."""
+    them (with ``emit``; else nothing), and returns the :class:`GenerationResult`. ``matchers``: each row held to
+    a constraint (:class:`PlainSteps`)."""
     check_request(prompt_ids, max_new_tokens)
     model.setup_caches(batch_size, cache_length(len(prompt_ids), max_new_tokens, model.config.block_size))
-    plain = PlainSteps(model, prompt_ids, sampling, steps, batch_size, profile_mark(profile_marks))
+    plain = PlainSteps(model, prompt_ids, sampling, steps, batch_size, profile_mark(profile_marks), matchers)
     device = model.tok_embeddings.weight.device
     return (
         yield from decode_rows(

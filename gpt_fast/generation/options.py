@@ -1,12 +1,16 @@
 """The options of generation, as values checked once: what a request samples with (:class:`SamplingConfig`:
-temperature, top-k, top-p; a batched request's :class:`LogitAdjustments`) and speculative decoding
-(:class:`SpeculativeOptions`). Imports no torch, so that the command line checks them before loading anything
-(:mod:`gpt_fast.generation.sampling` and :mod:`gpt_fast.generation.speculative` use them)."""
+temperature, top-k, top-p; a batched request's :class:`LogitAdjustments`), what its answer must match
+(:class:`OutputConstraint`) and speculative decoding (:class:`SpeculativeOptions`). Imports no torch, so that the
+command line checks them before loading anything (:mod:`gpt_fast.generation.sampling`,
+:mod:`gpt_fast.generation.constraint` and :mod:`gpt_fast.generation.speculative` use them)."""
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from gpt_fast.util.choices import DEFAULT_SPECULATE_K
 from gpt_fast.util.options import OptionError
@@ -87,6 +91,96 @@ def _require_number(value: object, name: str, low: float, high: float, *, low_op
     if not in_range:
         bounds = f"{'above' if low_open else 'from'} {low:g}" + ("" if math.isinf(high) else f" to {high:g}")
         raise ValueError(f"{name} must be a number {bounds}, got {value!r}")
+
+
+# A schema's bounds, OpenAI's for strict schemas where it has one: properties and enum values in all, the enum values'
+# characters in all; and ours: the schema's nesting (JSON levels) and size, and a grammar's size.
+MAX_PROPERTIES = 5000
+MAX_ENUM_VALUES = 1000
+MAX_ENUM_CHARS = 15_000
+MAX_SCHEMA_DEPTH = 64
+MAX_CONSTRAINT_CHARS = 1 << 18
+JSON_OBJECT = '{"type": "object"}'  # OpenAI's json_object: any JSON object
+
+
+@dataclass(frozen=True)
+class OutputConstraint:
+    """What a request's answer must be, held to it token by token by the grammar engine
+    (:mod:`gpt_fast.generation.constraint`): one JSON document matching ``json_schema`` (a JSON Schema as JSON
+    text; :data:`JSON_OBJECT` for any object), or text of ``grammar`` (a Lark grammar as llguidance reads it, which
+    may embed JSON schemas: what tool calls are held to). Checked here: one of the two, its size, and a schema's
+    nesting, properties and enum values (:data:`MAX_PROPERTIES` and the others); whether a schema is JSON Schema the
+    engine says when it compiles it."""
+
+    json_schema: str | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json_schema", "grammar") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise OptionError("an output constraint is a json_schema or a grammar", "json_schema", "grammar")
+        text = getattr(self, given[0])
+        if not isinstance(text, str) or not text.strip() or len(text) > MAX_CONSTRAINT_CHARS:
+            raise OptionError(
+                f"{given[0]} must be non-empty text of at most {MAX_CONSTRAINT_CHARS} characters", given[0]
+            )
+        if self.json_schema is not None:
+            check_schema(self.json_schema)
+
+    @classmethod
+    def from_schema(cls, schema: Mapping[str, Any]) -> OutputConstraint:
+        """The constraint of a JSON Schema given as a dict (a Pydantic model's ``model_json_schema()``, say)."""
+        try:
+            text = json.dumps(schema, ensure_ascii=False)
+        except (TypeError, ValueError, RecursionError) as err:
+            raise OptionError(f"json_schema is not JSON: {err}", "json_schema") from None
+        return cls(json_schema=text)
+
+    @classmethod
+    def json_object(cls) -> OutputConstraint:
+        """Any JSON object (OpenAI's ``response_format`` ``json_object``)."""
+        return cls(json_schema=JSON_OBJECT)
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A function a model may call: its name and its parameters' JSON Schema (None: any object)."""
+
+    name: str
+    parameters: Mapping[str, Any] | None = None
+
+
+def check_schema(text: str) -> None:
+    """OptionError unless ``text`` is a JSON object within the bounds :class:`OutputConstraint` names."""
+    try:
+        schema = json.loads(text)
+    except (ValueError, RecursionError):
+        raise OptionError("json_schema is not JSON (or is nested too deeply)", "json_schema") from None
+    if not isinstance(schema, dict):
+        raise OptionError("json_schema must be a JSON object (a JSON Schema)", "json_schema")
+    properties = enum_values = enum_chars = 0
+    stack: list[tuple[Any, int]] = [(schema, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise OptionError(f"json_schema is nested deeper than {MAX_SCHEMA_DEPTH} levels", "json_schema")
+        if isinstance(value, dict):
+            if isinstance(value.get("properties"), dict):
+                properties += len(value["properties"])
+            if isinstance(value.get("enum"), list):
+                enum_values += len(value["enum"])
+                enum_chars += sum(len(json.dumps(item)) for item in value["enum"])
+            stack.extend((item, depth + 1) for item in value.values())
+        elif isinstance(value, list):
+            stack.extend((item, depth + 1) for item in value)
+    bounds = [
+        (properties, MAX_PROPERTIES, "properties"),
+        (enum_values, MAX_ENUM_VALUES, "enum values"),
+        (enum_chars, MAX_ENUM_CHARS, "characters of enum values"),
+    ]
+    for count, limit, what in bounds:
+        if count > limit:
+            raise OptionError(f"json_schema has {count} {what}, more than the {limit} allowed", "json_schema")
 
 
 MAX_SPECULATE_K = 16  # proposals per round; past a handful the verify step stops being as cheap as a decode step

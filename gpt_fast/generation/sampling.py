@@ -141,6 +141,14 @@ def sample_rows(
     return torch.where(temperature < MIN_TEMPERATURE, logits.argmax(dim=-1), index.gather(1, choice).squeeze(1))
 
 
+def mask_logits(logits: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """``logits`` [B, V] with the tokens a constraint does not allow at -inf: ``words`` [B, W] (int32) holds one bit
+    per token, token ``32 * j + i`` in bit ``i`` of word ``j`` (:mod:`gpt_fast.generation.constraint`)."""
+    bits = torch.arange(32, dtype=torch.int32, device=words.device)
+    allowed = ((words[:, :, None] >> bits) & 1).flatten(1)[:, : logits.shape[-1]]  # [B, V]
+    return logits.masked_fill(allowed == 0, float("-inf"))
+
+
 def sample_weights(weights: torch.Tensor) -> torch.Tensor:
     """An index along the last dimension of ``weights`` [..., N] (non-negative, not necessarily normalized) drawn
     in proportion to them: the exponential trick, argmax of w / Exp(1). Returns int64 [...]."""

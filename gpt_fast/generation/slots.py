@@ -6,6 +6,13 @@ Every slot's state (its last token, its position, its sampling settings, the log
 a buffer of :class:`SlotState` with a fixed address, so that the decode step is one CUDA graph in the CUDA-graph
 compile modes: its shapes depend only on ``rows``, and a scheduler uses two values of it (slot 0 alone, or all
 slots), each compiled once.
+
+A request held to a constraint (:mod:`gpt_fast.generation.constraint`) needs the mask of its next token, computed
+on the host from its last one, before the step that samples it: while any busy slot is constrained the scheduler
+runs the *masked* steps (``masked=True``: their own graphs), which apply each slot's mask (``allowed``; all tokens
+for the others) and leave the slots marked ``hold`` as they are (their mask is not ready: the step samples for
+them, harmlessly, and keeps their token and position). Steps without a constrained slot are the plain ones,
+unchanged.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from torch import nn
 
 from gpt_fast.generation.decode import COORDINATE_DESCENT, compile_options, tuning_options
 from gpt_fast.generation.options import MIN_TEMPERATURE, LogitAdjustments, SamplingConfig
-from gpt_fast.generation.sampling import sample_rows
+from gpt_fast.generation.sampling import mask_logits, sample_rows
 from gpt_fast.model.transformer import Transformer
 
 TOP_LOGPROBS = 20  # the most alternatives a step reports per token (OpenAI's limit for top_logprobs)
@@ -50,6 +57,9 @@ class SlotState(nn.Module):
         buffer("bias", 0.0, vocab_size, dtype=torch.float32)  # [N, V]
         buffer("counts", 0, vocab_size, dtype=torch.int32)  # [N, V]: each token's count in the answer so far
         buffer("seen", False, vocab_size, dtype=torch.bool)  # [N, V]: in the prompt or the answer
+        # constraints, read by the masked steps only: each slot's allowed tokens, one bit each (all by default)
+        buffer("allowed", -1, (vocab_size + 31) // 32, dtype=torch.int32)  # [N, W]
+        buffer("hold", False, dtype=torch.bool)  # [N]: the slot keeps its token and position this step
         self.vocab_size = vocab_size
 
     def configure(
@@ -75,6 +85,8 @@ class SlotState(nn.Module):
         self.counts[slot] = 0
         self.seen[slot] = False
         self.seen[slot, prompt] = True
+        self.allowed[slot] = -1
+        self.hold[slot] = False
 
 
 def adjusted_logits(state: SlotState, rows: slice, logits: torch.Tensor) -> torch.Tensor:
@@ -96,15 +108,25 @@ def min_p_filter(state: SlotState, rows: slice, scores: torch.Tensor) -> torch.T
     return scores.masked_fill(relative < state.min_p[rows, None].log(), float("-inf"))
 
 
-def sample_into(state: SlotState, rows: slice, logits: torch.Tensor, positions: torch.Tensor) -> None:
+def sample_into(
+    state: SlotState, rows: slice, logits: torch.Tensor, positions: torch.Tensor, masked: bool = False
+) -> None:
     """Sample the next token of the slots ``rows`` from their ``logits`` [n, V] as their requests adjust them
     (:func:`adjusted_logits`, :func:`min_p_filter`), for ``positions`` [n], into the state, with the model's
-    log-probabilities (before any adjustment, temperature and filtering) of it and of the K best tokens."""
-    scores = min_p_filter(state, rows, adjusted_logits(state, rows, logits))  # [n, V]
+    log-probabilities (before any adjustment, temperature and filtering) of it and of the K best tokens. ``masked``:
+    among the tokens each slot's constraint allows, the slots marked ``hold`` keeping their token (uncounted)."""
+    scores = adjusted_logits(state, rows, logits)
+    if masked:
+        scores = mask_logits(scores, state.allowed[rows])
+    scores = min_p_filter(state, rows, scores)  # [n, V]
     tokens = sample_rows(
         scores, state.temperature[rows], state.top_k[rows], state.top_p[rows], state.keys[rows], positions
     )  # [n]
-    state.counts[rows].scatter_add_(1, tokens[:, None], torch.ones_like(tokens[:, None], dtype=torch.int32))
+    took = torch.ones_like(tokens[:, None], dtype=torch.int32)  # [n, 1]
+    if masked:
+        tokens = torch.where(state.hold[rows], state.tokens[rows], tokens)
+        took = (~state.hold[rows, None]).int()
+    state.counts[rows].scatter_add_(1, tokens[:, None], took)
     state.seen[rows].scatter_(1, tokens[:, None], True)
     logprobs = logits.float().log_softmax(dim=-1)  # [n, V]
     best, best_ids = logprobs.topk(state.top_ids.shape[1], dim=-1)  # [n, K]
@@ -113,52 +135,57 @@ def sample_into(state: SlotState, rows: slice, logits: torch.Tensor, positions: 
     state.top_ids[rows] = best_ids
 
 
-def prefill_slot(model: Transformer, state: SlotState, slot: int, idx: torch.Tensor) -> None:
-    """Run the prompt ``idx`` [1, T] through the model into the cache row of ``slot`` and sample its first token;
-    the other slots are left as they are."""
-    _prefill(model, state, slot, idx, last_only=True)
+def prefill_slot(model: Transformer, state: SlotState, slot: int, idx: torch.Tensor, masked: bool = False) -> None:
+    """Run the prompt ``idx`` [1, T] through the model into the cache row of ``slot`` and sample its first token
+    (``masked``: among those the slot's constraint allows); the other slots are left as they are."""
+    _prefill(model, state, slot, idx, last_only=True, masked=masked)
 
 
-def _prefill(model: Transformer, state: SlotState, slot: int, idx: torch.Tensor, *, last_only: bool) -> torch.Tensor:
+def _prefill(
+    model: Transformer, state: SlotState, slot: int, idx: torch.Tensor, *, last_only: bool, masked: bool = False
+) -> torch.Tensor:
     """:func:`prefill_slot`'s work; the logits [1, T, V] ([1, 1, V] with ``last_only``)."""
     length = idx.shape[1]
     positions = torch.arange(length, device=idx.device)
     logits = model(idx, positions, last_only=last_only, first_row=slot, from_start=True)
     state.input_pos[slot] = length
-    sample_into(state, slice(slot, slot + 1), logits[:, -1], state.input_pos[slot : slot + 1])
+    sample_into(state, slice(slot, slot + 1), logits[:, -1], state.input_pos[slot : slot + 1], masked)
     return logits
 
 
 def score_slot(
-    model: Transformer, state: SlotState, slot: int, idx: torch.Tensor, top: int
+    model: Transformer, state: SlotState, slot: int, idx: torch.Tensor, top: int, masked: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`prefill_slot`, and the model's log-probability of each prompt token after the ones before it:
     ``idx[0, 1:]``'s [T - 1], with the ``top`` most likely tokens at each of those positions, log-probabilities
     [T - 1, top] and ids [T - 1, top]. Eager: the logits of every position [1, T, V] are kept for this."""
-    logits = _prefill(model, state, slot, idx, last_only=False)  # [1, T, V]
+    logits = _prefill(model, state, slot, idx, last_only=False, masked=masked)  # [1, T, V]
     logprobs = logits[0, :-1].float().log_softmax(dim=-1)  # [T - 1, V]
     chosen = logprobs.gather(1, idx[0, 1:, None])[:, 0]  # [T - 1]
     best, best_ids = logprobs.topk(top, dim=-1)  # [T - 1, top]
     return chosen, best, best_ids
 
 
-def decode_slots(model: Transformer, state: SlotState, rows: int) -> None:
+def decode_slots(model: Transformer, state: SlotState, rows: int, masked: bool = False) -> None:
     """One decode step of slots ``0 .. rows - 1``, entirely on the device: each slot's last token goes in at its
-    position, the next one is sampled, and the position advances. A slot with no request decodes too, harmlessly;
-    positions stop at the cache's end, so that no slot ever writes outside it."""
+    position, the next one is sampled, and the position advances (``masked``: each slot held to its constraint,
+    those marked ``hold`` kept as they are). A slot with no request decodes too, harmlessly; positions stop at the
+    cache's end, so that no slot ever writes outside it."""
     positions = state.input_pos[:rows]  # [n]
     logits = model(state.tokens[:rows, None], positions[:, None])  # [n, 1, V]
     following = positions + 1
-    sample_into(state, slice(0, rows), logits[:, -1], following)
+    sample_into(state, slice(0, rows), logits[:, -1], following, masked)
+    if masked:
+        following = torch.where(state.hold[:rows], positions, following)
     state.input_pos[:rows] = following.clamp(max=model.max_seq_length - 1)
 
 
 @dataclass(frozen=True)
 class SlotSteps:
-    """The two steps, compiled or not."""
+    """The two steps, compiled or not; each takes ``masked`` last (:func:`decode_slots`)."""
 
-    prefill: Callable[[Transformer, SlotState, int, torch.Tensor], None]
-    decode: Callable[[Transformer, SlotState, int], None]
+    prefill: Callable[..., None]
+    decode: Callable[..., None]
     mode: str
 
 
@@ -177,8 +204,8 @@ def make_slot_steps(
     if compile_prefill:
         compiled = torch.compile(prefill_slot, fullgraph=True, options=tuning_options(tuning))
 
-        def prefill(model: Transformer, state: SlotState, slot: int, idx: torch.Tensor) -> None:
+        def prefill(model: Transformer, state: SlotState, slot: int, idx: torch.Tensor, masked: bool = False) -> None:
             torch._dynamo.maybe_mark_dynamic(idx, 1)
-            compiled(model, state, slot, idx)
+            compiled(model, state, slot, idx, masked)
 
     return SlotSteps(prefill, decode, mode)

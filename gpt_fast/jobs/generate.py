@@ -49,6 +49,8 @@ def load_reporting(engine: Engine, write: Write, sampling_note: str | None = Non
         f"Using device={engine.device} ({where}), dtype={engine.dtype_name}, "
         f"compile={engine.compile}{compile_notes(engine.options)}\n"
     )
+    if engine.form_note is not None:
+        write(f"Model: {engine.form_note}\n")
     if sampling_note is not None:
         write(f"Sampling: {sampling_note}\n")
     if engine.world_size > 1:
@@ -88,6 +90,7 @@ class SampleRunner:
             batch_size=opts.batch_size,
             ignore_eos=opts.ignore_eos,
             on_text=on_text,
+            constraint=opts.constraint,
         )
         if opts.stream and on_text is None:
             for row, ids in enumerate(result.tokens):
@@ -98,7 +101,7 @@ class SampleRunner:
         """Several prompts on continuous batching; each row's text printed at the end."""
         opts = self.opts
         completions = self.engine.generate_many_ids(
-            self.prompts_ids, opts.max_new_tokens, opts.sampling, ignore_eos=opts.ignore_eos
+            self.prompts_ids, opts.max_new_tokens, opts.sampling, ignore_eos=opts.ignore_eos, constraint=opts.constraint
         )
         if opts.stream:
             for row, (text, completion) in enumerate(zip(opts.prompts, completions, strict=True)):

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpt_fast.generation.options import SamplingConfig
+from gpt_fast.generation.options import OutputConstraint, SamplingConfig
 from gpt_fast.util.choices import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_NUM_SAMPLES,
@@ -42,6 +42,7 @@ class GenerateOptions:
     ignore_eos: bool = False
     metrics_json: Path | None = None  # "-": standard output
     stream: bool = True
+    constraint: OutputConstraint | None = None  # what every answer must match (--json_schema)
 
     def __post_init__(self) -> None:
         if not all(self.all_prompts):

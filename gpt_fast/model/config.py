@@ -29,7 +29,7 @@ MAX_EXPERTS = 1024  # far above any released mixture of experts (Qwen3-MoE: 128,
 TOKENIZER_KINDS = ("sentencepiece", "tiktoken", "huggingface")
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16")  # what a weights file may hold (gpt_fast.util.device.DTYPES)
 QUANT_MODES = ("int8", "int4")
-QUANT_KERNELS = ("auto", "triton", "aten", "dequant")  # a quantized layer's products: gpt_fast.quant.products
+QUANT_KERNELS = ("auto", "triton", "cpp", "aten", "dequant")  # a quantized layer's products: gpt_fast.quant.products
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 QUANT_METHODS = ("rtn", "gptq")  # round-to-nearest (data-free), GPTQ (calibrated; int4 only)
 # The linear layers a scheme quantizes, by name; ``quantization.keep_float`` names some of them to keep in float.

@@ -15,16 +15,20 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from gpt_fast.kernels.cpu_gemv import INT4_COLUMNS, INT4_GROUPS, INT8_COLUMNS
 from gpt_fast.model.config import ModelConfig, QuantConfig
 from gpt_fast.quant.layout import quantized_linears, quantized_tensors
 from gpt_fast.quant.products import (
+    CPP_ROWS,
     FEW_ROWS,
     INT4_GEMV_ROWS,
     INT8_BLOCK,
     SIXTEEN_BITS,
+    cpp_takes,
     group_columns,
     group_interleave,
     int4_aten_linear,
+    int4_cpp_linear,
     int4_linear,
     int4_triton_linear,
     int4_words_linear,
@@ -101,8 +105,10 @@ class Int8Linear(QuantizedLinear):
         """``triton``, for a 16-bit model (its scales' dtype) whose inputs are a multiple of 64: the weights
         repacked for our float16-pairs kernel (:func:`gpt_fast.quant.products.int8_interleave`) into ``words``,
         which replaces ``weight`` (prefills read it too): one copy of the weights in memory. Otherwise
-        ``weight`` stays, read as it is."""
-        self.kernel = kernel
+        ``weight`` stays, read as it is; ``cpp`` where our C++ kernel does not take the layer
+        (:func:`gpt_fast.quant.products.cpp_takes`) means ``dequant``."""
+        takes = cpp_takes(self.weight, self.scales, self.in_features, INT8_COLUMNS)
+        self.kernel = "dequant" if kernel == "cpp" and not takes else kernel
         sixteen_bits = self.scales.dtype in SIXTEEN_BITS
         if kernel == "triton" and sixteen_bits and self.weight.shape[1] % INT8_BLOCK == 0:
             self.words = nn.Parameter(int8_interleave(self.weight), requires_grad=False)
@@ -132,10 +138,15 @@ class Int4Linear(QuantizedLinear):
         on the CPU ``_weight_int4pack_mm_for_cpu``; on CUDA (bf16 only) tinygemm, ``_weight_int4pack_mm``; where
         that kernel does not take the shape or dtype, ``aten`` means ``dequant``. ``triton`` repacks the weights for
         our Triton kernel (:func:`gpt_fast.quant.products.group_interleave`) into ``words``, which replaces
-        ``weight`` (prefills read it too): one copy of the weights in memory."""
+        ``weight`` (prefills read it too): one copy of the weights in memory. ``cpp`` reads the weights as they are;
+        where our C++ kernel does not take the layer (:func:`gpt_fast.quant.products.cpp_takes`, groups of a
+        multiple of 32) it means ``dequant``."""
         repack = {"cpu": self._repack_cpu, "cuda": self._repack_cuda}.get(self.weight.device.type)
         if kernel == "aten" and repack is not None and repack():
             self.kernel = "aten"
+        elif kernel == "cpp":
+            takes = cpp_takes(self.weight, self.scales, self.in_features, INT4_COLUMNS)
+            self.kernel = "cpp" if takes and self.group_size % INT4_GROUPS == 0 else "dequant"
         else:
             self.kernel = "dequant" if kernel == "aten" else kernel
         if self.kernel == "triton":
@@ -183,6 +194,8 @@ class Int4Linear(QuantizedLinear):
         if self.kernel == "triton" and takes_matmul(rows, INT4_GEMV_ROWS):
             group = self.group_size
             out = torch.ops.gpt_fast.int4_matmul(group_columns(rows, group), self.words, self.scales, self.zeros, group)
+        elif self.kernel == "cpp" and rows.shape[0] <= CPP_ROWS:
+            out = int4_cpp_linear(rows, self.weight, self.scales, self.zeros, self.group_size)
         elif self.kernel == "aten" and few:
             out = int4_aten_linear(rows, self.packed, self.scales_and_zeros, self.group_size)
         elif self.kernel == "triton" and few:

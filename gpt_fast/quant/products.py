@@ -18,10 +18,13 @@ for 1024 rows.
   where our bf16 GEMVs run a layer's norms and residual adds inside (``FusedRow``), both kernels do too, and the gated
   activation (``int8_row``, ``int4_row``): on an H200, 7B step int8 384.8 tok/s against 373.9 with them apart, int4
   427.5 against 417.0 (docs/bench/HISTORY.md, 2026-11-25c).
+- ``cpp``: our C++ kernels for an x86 CPU with AVX2 (:mod:`gpt_fast.kernels.cpu_gemv`), float32 activations, on
+  the weights as the checkpoint holds them, up to :data:`CPP_ROWS` rows. The CPU's choice where they build:
+  PyTorch's own kernels are scalar code there, slower than float32 (docs/cpu.md, "Quantized products").
 - ``aten``: PyTorch's own weight-only kernels, ``torch.ops.aten._weight_int8pack_mm``, and for int4
   ``_weight_int4pack_mm_for_cpu`` or CUDA's tinygemm ``_weight_int4pack_mm`` (on a copy of the weights repacked
-  once at load, :mod:`gpt_fast.quant.layers`). The CPU's choice: they read the weights as they are, where
-  ``dequant`` makes a float copy of them per call.
+  once at load, :mod:`gpt_fast.quant.layers`). The CPU's choice where ``cpp`` is not usable (another CPU, no C++
+  compiler): they read the weights as they are, where ``dequant`` makes a float copy of them per call.
 - ``dequant``: plain PyTorch, dequantize then ``F.linear``: runs everywhere (ROCm included, where our kernels are
   not used) and in every compile mode; inductor fuses it into a dequantizing matrix-vector kernel for one row.
   For int8 it is upstream gpt-fast's ``WeightOnlyInt8Linear`` formula, ``F.linear(x, w.to(x.dtype)) * scales``.
@@ -34,26 +37,68 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from gpt_fast.kernels import cpu_gemv
 from gpt_fast.kernels.available import triton_usable
 from gpt_fast.model.config import QUANT_KERNELS as KERNELS
 from gpt_fast.quant.schemes import INT4_MID, pack_int4, unpack_int4
 
 SIXTEEN_BITS = (torch.float16, torch.bfloat16)  # what our float16-pairs kernels and the tensor cores multiply
 FEW_ROWS = 16  # activation rows the specialized kernels take; more are a matrix product
+# Rows our C++ CPU kernels take (they widen each weight once for every 4 rows): against dequantize + F.linear on the
+# SmolLM2 shapes they were faster up to 64 rows and even at about 128 (BENCHMARKS.md, 2026-11-29, the CPU's quantized
+# products), so that a chat prompt's prefill takes them too
+CPP_ROWS = 64
 
 
 def resolve_kernel(kernel: str, device: torch.device) -> str:
-    """``auto``: Triton on a CUDA GPU, PyTorch's own kernels on the CPU, plain PyTorch elsewhere. Choosing Triton
-    registers its operators (:func:`register_triton_ops`), before anything is compiled."""
+    """``auto``: Triton on a CUDA GPU, on the CPU our C++ kernels where they are usable, else PyTorch's own,
+    plain PyTorch elsewhere. Choosing Triton or C++ registers its operators (:func:`register_triton_ops`,
+    :func:`register_cpu_ops`), before anything is compiled."""
     if kernel not in KERNELS:
         raise ValueError(f"quantized kernel {kernel!r} is not one of {', '.join(KERNELS)}")
     if kernel == "triton" and not triton_usable(device):
         raise ValueError(f"the triton quantized kernels need a CUDA GPU with Triton installed, not {device}")
+    if kernel == "cpp" and not cpp_usable(device):
+        raise ValueError(f"the cpp quantized kernels need an x86 CPU with AVX2, a C++ compiler and ninja, not {device}")
     if kernel == "auto":
-        kernel = "triton" if triton_usable(device) else "aten" if device.type == "cpu" else "dequant"
+        kernel = "triton" if triton_usable(device) else "cpp" if cpp_usable(device) else _plain(device)
     if kernel == "triton":
         register_triton_ops()
+    if kernel == "cpp":
+        register_cpu_ops()
     return kernel
+
+
+def _plain(device: torch.device) -> str:
+    return "aten" if device.type == "cpu" else "dequant"
+
+
+def cpp_usable(device: torch.device) -> bool:
+    """Whether our C++ kernels run on ``device``: the CPU of a machine that can build them."""
+    return device.type == "cpu" and cpu_gemv.cpu_kernels_usable()
+
+
+@functools.cache
+def register_cpu_ops() -> None:
+    """Build and load our C++ kernels (:mod:`gpt_fast.kernels.cpu_gemv`, which registers
+    ``torch.ops.gpt_fast.int8_gemv_cpu`` and ``int4_gemv_cpu``) and give ``torch.compile`` their output shapes,
+    eagerly (see :func:`register_triton_ops`). Nothing happens at import."""
+    cpu_gemv.load_cpu_kernels()
+
+    @torch.library.register_fake("gpt_fast::int8_gemv_cpu")
+    def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((x.shape[0], weight.shape[0]))
+
+    @torch.library.register_fake("gpt_fast::int4_gemv_cpu")
+    def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def cpp_takes(weight: torch.Tensor, scales: torch.Tensor, columns: int, multiple: int) -> bool:
+    """Whether our C++ kernels take a layer's ``weight`` and ``scales`` of ``columns`` inputs: on the CPU, float32
+    scales (those of a float32 model, whose activations are float32), inputs a multiple of ``multiple`` (the
+    kernel's, :mod:`gpt_fast.kernels.cpu_gemv`)."""
+    return weight.device.type == "cpu" and scales.dtype == torch.float32 and columns % multiple == 0
 
 
 @functools.cache
@@ -208,6 +253,8 @@ def int8_linear(
     elif kernel == "triton" and few:
         gemv = torch.ops.gpt_fast.int8_gemv_pdl if pdl else torch.ops.gpt_fast.int8_gemv
         out = gemv(rows.contiguous(), weight, scales)
+    elif kernel == "cpp" and rows.shape[0] <= CPP_ROWS:
+        out = cpu_gemv.int8_gemv(rows, weight, scales)
     elif kernel == "aten" and few:
         out = torch.ops.aten._weight_int8pack_mm(rows, weight, scales)
     elif words:  # the words' bytes are the columns in interleaved order: so are the rows'
@@ -314,6 +361,15 @@ def int4_triton_linear(
     :class:`gpt_fast.quant.layers.Int4Linear`); ``pdl`` as for :func:`int8_linear`."""
     gemv = torch.ops.gpt_fast.int4_gemv_pdl if pdl else torch.ops.gpt_fast.int4_gemv
     return gemv(rows.contiguous(), words, scales, zeros, group_size)
+
+
+def int4_cpp_linear(
+    rows: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """``rows`` [M, K] (at most :data:`CPP_ROWS`, float32) times the int4 ``weight`` [N, K / 2] as the checkpoint
+    holds it, with our C++ kernel (:func:`gpt_fast.kernels.cpu_gemv.int4_gemv`; a layer takes it where
+    :func:`cpp_takes` says so)."""
+    return cpu_gemv.int4_gemv(rows, weight, scales, zeros, group_size)
 
 
 def int4_aten_linear(

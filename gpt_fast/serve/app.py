@@ -25,17 +25,11 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from gpt_fast.engine.batcher import Batcher, Delta, Failed, Finished, Job, PromptLogprobs, QueueFull, TokenLogprob
-from gpt_fast.serve.openai_api import (
-    APIError,
-    Call,
-    Context,
-    Responder,
-    detokenize,
-    parse_chat,
-    parse_completion,
-    tokenize,
-)
+from gpt_fast.generation.constraint import GrammarError
+from gpt_fast.serve.errors import APIError
+from gpt_fast.serve.openai_api import Call, Context, Responder, detokenize, parse_chat, parse_completion, tokenize
 from gpt_fast.serve.sse import DONE, Bridge, EventStream, event
+from gpt_fast.serve.structured import ToolStream, tool_finish
 
 MAX_BODY_BYTES = 4 << 20
 PAGE = Path(__file__).resolve().parent / "static" / "index.html"
@@ -133,17 +127,20 @@ class OpenAIServer:
     async def answer(self, request: Request, call: Call) -> Response:
         self.log_ignored(call.ignored)
         bridge = Bridge(asyncio.get_running_loop())
-        jobs = self.submit(call, bridge)
+        if any(choice.constraint is not None for choice in call.requests):  # compiled off the event loop
+            jobs = await asyncio.to_thread(self.submit, call, bridge)
+        else:
+            jobs = self.submit(call, bridge)
 
         def cancel() -> None:
             for job in jobs:
                 self.batcher.cancel(job)
 
-        responder = Responder(call, self.ctx.model_id)
+        responder = Responder(call, self.ctx.model_id, self.ctx.parse_tool_calls)
         if call.stream:
-            return EventStream(stream(call, responder, bridge), on_close=cancel)
+            return EventStream(stream(call, responder, bridge, self.ctx.tool_marker or ""), on_close=cancel)
         try:
-            ends = await until_disconnected(request, collect(bridge, len(jobs)))
+            ends = await until_disconnected(request, collect(bridge, len(jobs), call.constraint_param))
         finally:
             cancel()
         if ends is None:  # the client has gone: nobody reads the answer
@@ -159,6 +156,8 @@ class OpenAIServer:
         except (QueueFull, ValueError) as err:
             for job in jobs:
                 self.batcher.cancel(job)
+            if isinstance(err, GrammarError):  # the constraint the engine refuses, named by its field
+                raise APIError(400, f"{call.constraint_param}: {err}", param=call.constraint_param) from None
             if isinstance(err, ValueError):
                 raise APIError(400, str(err)) from None
             message = f"the server is busy: {err}; try again"
@@ -189,11 +188,12 @@ async def read_json(request: Request) -> Any:
         raise APIError(400, "the request body is not valid JSON") from None
 
 
-async def stream(call: Call, responder: Responder, bridge: Bridge) -> AsyncIterator[bytes]:
+async def stream(call: Call, responder: Responder, bridge: Bridge, tool_marker: str) -> AsyncIterator[bytes]:
     """The answer as server-sent events, each chunk naming its choice: with ``echo``, each prompt first (with its
     tokens' log-probabilities where asked); a chunk for each piece of text (with the log-probabilities of the tokens
     behind it), one with each choice's finish reason, the usage if asked once every choice has ended, then
-    ``[DONE]``."""
+    ``[DONE]``. With tools, a choice's text is held from where its calls may begin (``tool_marker``, the text that
+    opens them), and its calls come whole in one chunk once it has ended (:class:`ToolStream`)."""
     count = len(call.requests)
     for index, choice in enumerate(call.requests):
         if call.chat:
@@ -201,6 +201,8 @@ async def stream(call: Call, responder: Responder, bridge: Bridge) -> AsyncItera
         if call.echo is not None and choice.prompt_logprobs is None:
             yield event(responder.chunk(responder.echoed(index), [], index=index))
     pending: list[list[TokenLogprob]] = [[] for _ in range(count)]
+    tools = call.tools
+    held = [ToolStream(tool_marker, tools.forced) if tools is not None else None for _ in range(count)]
     ends: dict[int, Finished] = {}
     while len(ends) < count:
         index, item = await bridge.get()
@@ -209,14 +211,16 @@ async def stream(call: Call, responder: Responder, bridge: Bridge) -> AsyncItera
                 yield event(responder.chunk(responder.echoed(index), list(item.items), index=index))
         elif isinstance(item, Delta):
             pending[index] += [item.logprob] if item.logprob is not None else []
-            if item.text:
-                yield event(responder.chunk(item.text, pending[index], index=index))
+            text = item.text if held[index] is None else held[index].push(item.text)
+            if text:
+                yield event(responder.chunk(text, pending[index], index=index))
                 pending[index] = []
         elif isinstance(item, Finished):
-            yield event(responder.chunk("", pending[index], item.finish_reason, index))
+            for chunk in finish_chunks(responder, held[index], item, pending[index], index):
+                yield event(chunk)
             ends[index] = item
         else:
-            yield event(APIError(500, item.message, kind="server_error").body())
+            yield event(failure(item, call.constraint_param).body())
             break
     else:
         if call.include_usage:
@@ -224,15 +228,35 @@ async def stream(call: Call, responder: Responder, bridge: Bridge) -> AsyncItera
     yield DONE
 
 
-async def collect(bridge: Bridge, count: int) -> list[tuple[Finished, list[TokenLogprob]]]:
+def finish_chunks(
+    responder: Responder, held: ToolStream | None, finished: Finished, logprobs: list[TokenLogprob], index: int
+) -> list[dict[str, Any]]:
+    """The chunks that end a streamed choice: its calls, or the text held back for them; then its finish reason."""
+    reason, chunks = finished.finish_reason, []
+    if held is not None:
+        _, calls = responder.tool_calls(finished)
+        rest = held.end(calls)
+        if rest:
+            chunks.append(responder.chunk(rest, logprobs, index=index))
+            logprobs = []
+        if calls:
+            chunks.append(responder.tool_calls_chunk(calls, index))
+            reason = tool_finish(reason)
+    return [*chunks, responder.chunk("", logprobs, reason, index)]
+
+
+async def collect(
+    bridge: Bridge, count: int, constraint_param: str | None = None
+) -> list[tuple[Finished, list[TokenLogprob]]]:
     """The end of each of ``count`` requests, in order, with the log-probabilities of its tokens (the prompt's
-    first, where they were asked for)."""
+    first, where they were asked for). A request that fails is an error: a 400 names the field its constraint came
+    from (``constraint_param``: the grammar engine gave up on it while generating)."""
     ends: dict[int, Finished] = {}
     logprobs: list[list[TokenLogprob]] = [[] for _ in range(count)]
     while len(ends) < count:
         index, item = await bridge.get()
         if isinstance(item, Failed):
-            raise APIError(500, item.message, kind="server_error")
+            raise failure(item, constraint_param)
         if isinstance(item, Finished):
             ends[index] = item
         elif isinstance(item, PromptLogprobs):
@@ -240,6 +264,14 @@ async def collect(bridge: Bridge, count: int) -> list[tuple[Finished, list[Token
         elif item.logprob is not None:
             logprobs[index].append(item.logprob)
     return [(ends[index], logprobs[index]) for index in range(count)]
+
+
+def failure(failed: Failed, constraint_param: str | None) -> APIError:
+    """A request's failure as an error: the server's (500), or its constraint's, which the grammar engine gave up on
+    while generating (400, naming the field it came from)."""
+    if failed.status != 400:
+        return APIError(failed.status, failed.message, kind="server_error")
+    return APIError(400, f"{constraint_param}: {failed.message}", param=constraint_param)
 
 
 async def until_disconnected(request: Request, work: Any) -> Any:

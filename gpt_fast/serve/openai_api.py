@@ -2,15 +2,15 @@
 
 Anything wrong with a request is an :class:`APIError` carrying the status and OpenAI's error object
 (``{"error": {"message", "type", "param", "code"}}``). Fields OpenAI defines that this server cannot honour
-(``suffix``, ``best_of``, tools, ...) are refused by name rather than ignored, and so is any field
-OpenAI does not define (as OpenAI does). The OpenAI fields that change no answer (:data:`IGNORED_FIELDS`: request
-metadata, storage, service tier, end-user id, ``parallel_tool_calls`` without tools) are checked, then accepted and
-named in the server's log once, as vLLM does. ``n`` choices per prompt (each its own request, seeded ``seed``,
-``seed + 1``, ...), ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` apply per request in the batched
-step (:class:`gpt_fast.generation.options.LogitAdjustments`). Extensions: ``top_k``, ``min_p``,
-``repetition_penalty``; token ids in ``stop`` and as ``prompt``; ``ignore_eos`` (generate ``max_tokens`` whatever
-the model's stop tokens: for benchmarks); vLLM's ``/tokenize`` and ``/detokenize`` (:func:`tokenize`,
-:func:`detokenize`).
+(``suffix``, ``best_of``, ...) are refused by name rather than ignored, and so is any field OpenAI does not define
+(as OpenAI does). ``response_format``, ``tools`` and ``tool_choice``: :mod:`gpt_fast.serve.structured`. The OpenAI
+fields that change no answer (:data:`IGNORED_FIELDS`: request metadata, storage, service tier, end-user id,
+``parallel_tool_calls`` without tools) are checked, then accepted and named in the server's log once, as vLLM does.
+``n`` choices per prompt (each its own request, seeded ``seed``, ``seed + 1``, ...), ``presence_penalty``,
+``frequency_penalty`` and ``logit_bias`` apply per request in the batched step
+(:class:`gpt_fast.generation.options.LogitAdjustments`). Extensions: ``top_k``, ``min_p``, ``repetition_penalty``;
+token ids in ``stop`` and as ``prompt``; ``ignore_eos`` (generate ``max_tokens`` whatever the model's stop tokens:
+for benchmarks); vLLM's ``/tokenize`` and ``/detokenize`` (:func:`tokenize`, :func:`detokenize`).
 
 Completions take several prompts in one request (a choice each, in order, answered whole) and ``echo``: the prompt
 before each answer, with ``logprobs`` the prompt tokens' log-probabilities too (the first one null, as OpenAI gives
@@ -24,12 +24,30 @@ import dataclasses
 import math
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from gpt_fast.engine.batcher import MAX_STOP_TEXTS, Finished, Request, TokenLogprob
-from gpt_fast.generation.options import MAX_BIAS, MAX_BIASED, MAX_PENALTY, LogitAdjustments, SamplingConfig
+from gpt_fast.generation.options import (
+    MAX_BIAS,
+    MAX_BIASED,
+    MAX_PENALTY,
+    LogitAdjustments,
+    OutputConstraint,
+    SamplingConfig,
+    ToolSpec,
+)
+from gpt_fast.serve.errors import APIError
+from gpt_fast.serve.structured import (
+    ToolCallList,
+    Tools,
+    response_format,
+    tool_call_objects,
+    tool_fields,
+    tool_finish,
+    tools_of,
+)
 
 MAX_TEMPERATURE = 2.0  # OpenAI's range is 0..2
 CHAT_TOP_LOGPROBS = 20  # OpenAI's limits for top_logprobs (chat) and logprobs (completions)
@@ -39,7 +57,7 @@ MAX_CHOICES = 16  # n
 MAX_SEED = 2**63 - 1
 MAX_METADATA = 16  # OpenAI's limits for metadata: pairs, key and value lengths
 MAX_METADATA_KEY, MAX_METADATA_VALUE = 64, 512
-ROLES = ("system", "developer", "user", "assistant")  # "developer" is OpenAI's newer name for "system"
+ROLES = ("system", "developer", "user", "assistant", "tool")  # "developer" is OpenAI's newer name for "system"
 COMMON_FIELDS = frozenset(
     {
         "model",
@@ -64,44 +82,34 @@ COMMON_FIELDS = frozenset(
         "store",
         "service_tier",
         "parallel_tool_calls",
+        "response_format",
     }
 )
 IGNORED_FIELDS = ("metadata", "store", "service_tier", "user", "parallel_tool_calls")  # they change no answer
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
-
-
-class APIError(Exception):
-    """A request the server refuses: an HTTP status and OpenAI's error object."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        kind: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
 @dataclass(frozen=True)
 class Context:
     """What requests are checked against: the served model's id, its context per slot and vocabulary, and how
-    text and conversations become token ids (``chat_ids`` None: the model has no chat template)."""
+    text and conversations (with tools) become token ids (``chat_ids`` None: the model has no chat template). Tool
+    calls as the chat template writes them (``tool_marker`` None: it writes none): the text that opens them in a
+    streamed answer (empty: none visible), the constraint of an answer of calls, and the calls an answer makes."""
 
     model_id: str
     max_seq_length: int
     vocab_size: int
     encode: Callable[[str], list[int]]
-    chat_ids: Callable[[list[dict[str, str]]], list[int]] | None
+    chat_ids: Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], list[int]] | None
     tokenize: Callable[[str, bool], list[int]]  # text, with the checkpoint's special tokens (BOS) or without
     detokenize: Callable[[list[int]], str]  # special tokens written out
+    tool_marker: str | None = None
+    # tools, the one function named, several calls allowed, or else a document of this constraint
+    tool_constraint: (
+        Callable[[Sequence[ToolSpec], str | None, bool, OutputConstraint | None], OutputConstraint] | None
+    ) = None
+    parse_tool_calls: Callable[[Sequence[int], Collection[str]], tuple[str, ToolCallList]] | None = None
 
 
 @dataclass(frozen=True)
@@ -114,6 +122,8 @@ class Call:
     include_usage: bool
     ignored: tuple[str, ...] = ()  # the IGNORED_FIELDS the request gave
     echo: tuple[str, ...] | None = None  # completions with echo: each choice's prompt text, before its answer
+    tools: Tools | None = None  # chat: the functions the model may call (their calls read from each answer)
+    constraint_param: str | None = None  # the field the requests' constraint comes from
 
     @property
     def top_logprobs(self) -> int | None:
@@ -155,7 +165,8 @@ class Fields:
         return bool(value)
 
     def ignored(self) -> tuple[str, ...]:
-        """The :data:`IGNORED_FIELDS` given, once checked to be of OpenAI's types."""
+        """The :data:`IGNORED_FIELDS` given (``parallel_tool_calls`` only without tools), once checked to be of
+        OpenAI's types."""
         metadata = self.get("metadata")
         if metadata is not None and not valid_metadata(metadata):
             message = (
@@ -168,7 +179,8 @@ class Fields:
                 raise APIError(400, f"{name} must be a string", param=name)
         self.boolean("store")
         self.boolean("parallel_tool_calls")
-        return tuple(name for name in IGNORED_FIELDS if self.get(name) is not None)
+        honoured = {"parallel_tool_calls"} if self.get("tools") is not None else set()
+        return tuple(name for name in IGNORED_FIELDS if self.get(name) is not None and name not in honoured)
 
     def unsupported(self, name: str, allowed: Sequence[Any], what: str) -> None:
         """Refuse ``name`` unless absent or one of ``allowed`` (the values that change nothing)."""
@@ -181,7 +193,13 @@ def parse_chat(body: Any, ctx: Context) -> Call:
     """A ``/v1/chat/completions`` body as a Call."""
     fields = Fields(body, CHAT_FIELDS)
     check_model(fields, ctx)
-    prompt = chat_prompt(fields, ctx)
+    fields.boolean("parallel_tool_calls")
+    tools = tools_of(fields.get("tools"), fields.get("tool_choice"), fields.get("parallel_tool_calls") is not False)
+    if tools is not None and ctx.tool_marker is None:
+        raise APIError(
+            400, "this model's chat template does not write tool calls: it cannot be given tools", param="tools"
+        )
+    prompt = chat_prompt(fields, ctx, tools)
     new_max, old_max = fields.integer("max_completion_tokens", 1, 2**31), fields.integer("max_tokens", 1, 2**31)
     if new_max is not None and old_max is not None and new_max != old_max:
         raise APIError(400, "max_completion_tokens and max_tokens differ; give one", param="max_tokens")
@@ -191,7 +209,18 @@ def parse_chat(body: Any, ctx: Context) -> Call:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     top_logprobs = (top or 0) if logprobs else None
     max_tokens = new_max if new_max is not None else old_max
-    return make_call(fields, ctx, True, [prompt], max_tokens, top_logprobs)
+    answer = response_format(fields.get("response_format"))
+    constraint = answer_constraint(answer, tools, ctx)
+    call = make_call(fields, ctx, True, [prompt], max_tokens, top_logprobs, constraint=constraint)
+    return dataclasses.replace(call, tools=tools, constraint_param="response_format" if answer else "tools")
+
+
+def answer_constraint(answer: OutputConstraint | None, tools: Tools | None, ctx: Context) -> OutputConstraint | None:
+    """What an answer is held to: calls of the tools where they are forced, calls or the ``response_format``'s
+    document where the model chooses, else the document (or nothing)."""
+    if tools is None or (answer is None and not tools.forced):
+        return answer
+    return ctx.tool_constraint(tools.specs, tools.only, tools.parallel, None if tools.forced else answer)
 
 
 def parse_completion(body: Any, ctx: Context) -> Call:
@@ -205,7 +234,9 @@ def parse_completion(body: Any, ctx: Context) -> Call:
     top_logprobs = fields.integer("logprobs", 0, COMPLETION_LOGPROBS)
     max_tokens = fields.integer("max_tokens", 0 if echo else 1, 2**31)
     scored = top_logprobs if echo and top_logprobs is not None else 0 if max_tokens == 0 else None
-    call = make_call(fields, ctx, False, prompts, max_tokens, top_logprobs, scored)
+    constraint = response_format(fields.get("response_format"))
+    call = make_call(fields, ctx, False, prompts, max_tokens, top_logprobs, scored, constraint)
+    call = dataclasses.replace(call, constraint_param="response_format")
     if not echo:
         return call
     echoed = tuple(ctx.detokenize(ids) if text is None else text for text, ids in zip(texts, prompts, strict=True))
@@ -229,8 +260,9 @@ def make_call(
     max_tokens: int | None,
     top_logprobs: int | None,
     prompt_logprobs: int | None = None,
+    constraint: OutputConstraint | None = None,
 ) -> Call:
-    """The fields chat and completions share, and ``n`` requests for each prompt."""
+    """The fields chat and completions share, and ``n`` requests for each prompt (each held to ``constraint``)."""
     n = fields.integer("n", 1, MAX_CHOICES) or 1
     adjust = adjustments(fields, ctx.vocab_size)
     ignored = fields.ignored()
@@ -254,6 +286,7 @@ def make_call(
             top_logprobs=top_logprobs,
             prompt_logprobs=prompt_logprobs,
             adjust=adjust,
+            constraint=constraint,
         )
         for prompt in prompts
         for choice in range(n)
@@ -310,7 +343,7 @@ def tokenize(body: Any, ctx: Context) -> dict[str, Any]:
     if messages is not None:
         if fields.get("add_generation_prompt") is False:
             raise APIError(400, "the chat template is rendered ready for the answer", param="add_generation_prompt")
-        ids = chat_prompt(fields, ctx)
+        ids = chat_prompt(fields, ctx, None)
     elif isinstance(prompt, str):
         special = fields.get("add_special_tokens")
         ids = encoded(lambda: ctx.tokenize(prompt, special is None or fields.boolean("add_special_tokens")))
@@ -343,43 +376,56 @@ def encoded(encode: Callable[[], list[int]]) -> list[int]:
         raise APIError(400, str(err), param="prompt") from None
 
 
-def chat_prompt(fields: Fields, ctx: Context) -> list[int]:
-    """The prompt ids of the request's ``messages`` through the chat template."""
+def chat_prompt(fields: Fields, ctx: Context, tools: Tools | None) -> list[int]:
+    """The prompt ids of the request's ``messages`` (and ``tools``) through the chat template."""
     messages = chat_messages(fields.get("messages"))
     if ctx.chat_ids is None:
         raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
     try:
-        return ctx.chat_ids(messages)
+        return ctx.chat_ids(messages, None if tools is None else list(tools.functions))
     except ValueError as err:  # the template refused the conversation, or a message is not valid text
         raise APIError(400, str(err), param="messages") from None
 
 
-def chat_messages(value: Any) -> list[dict[str, str]]:
-    """The conversation as ``{"role", "content"}`` dicts of text: content given as a string, or as an array of text
-    parts (joined by newlines)."""
+MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
+
+
+def chat_messages(value: Any) -> list[dict[str, Any]]:
+    """The conversation as ``{"role", "content"}`` dicts of text (content given as a string, or as an array of text
+    parts, joined by newlines), with an assistant's tool calls and a tool message's call id
+    (:func:`gpt_fast.serve.structured.tool_fields`)."""
     if not isinstance(value, list) or not value:
         raise APIError(400, "messages must be a non-empty array", param="messages")
     messages = []
+    calls: dict[str, str] = {}  # the assistant's calls so far: id -> function name
     for i, message in enumerate(value):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
             raise APIError(400, f"{where} must be an object", param=where)
-        extra = sorted(set(message) - {"role", "content", "name"})
+        extra = sorted(set(message) - MESSAGE_FIELDS)
         if extra:
             raise APIError(400, f"{where}.{extra[0]} is not supported by this server", param=f"{where}.{extra[0]}")
         role = message.get("role")
         if role not in ROLES:
             raise APIError(400, f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", param=f"{where}.role")
-        content = message.get("content")
-        if isinstance(content, list) and all(
-            isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-            for part in content
-        ):
-            content = "\n".join(part["text"] for part in content)
-        if not isinstance(content, str):
-            raise APIError(400, f"{where}.content must be a string or an array of text parts", param=f"{where}.content")
-        messages.append({"role": "system" if role == "developer" else role, "content": content})
+        fields = tool_fields(message, where, calls)
+        content = message_text(message.get("content"), where, optional="tool_calls" in fields)
+        messages.append({"role": "system" if role == "developer" else role, "content": content} | fields)
     return messages
+
+
+def message_text(content: Any, where: str, optional: bool) -> str | None:
+    """A message's text: a string, or an array of text parts (joined by newlines); None where ``optional`` (an
+    assistant's message of tool calls)."""
+    if content is None and optional:
+        return None
+    if isinstance(content, list) and all(
+        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) for part in content
+    ):
+        content = "\n".join(part["text"] for part in content)
+    if not isinstance(content, str):
+        raise APIError(400, f"{where}.content must be a string or an array of text parts", param=f"{where}.content")
+    return content
 
 
 def completion_prompts(value: Any, ctx: Context) -> tuple[list[str | None], list[list[int]]]:
@@ -465,8 +511,13 @@ class Responder:
     """The response objects of one call: the whole answer, or its stream of chunks; a choice per request, in order.
     A choice's log-probabilities are items of :class:`TokenLogprob`, the echoed prompt's first."""
 
-    def __init__(self, call: Call, model_id: str) -> None:
-        self.call, self.model = call, model_id
+    def __init__(
+        self,
+        call: Call,
+        model_id: str,
+        parse_tool_calls: Callable[[Sequence[int], Collection[str]], tuple[str, ToolCallList]] | None = None,
+    ) -> None:
+        self.call, self.model, self.parse_tool_calls = call, model_id, parse_tool_calls
         self.id = ("chatcmpl-" if call.chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
         self.text_offset = [0] * len(call.requests)  # completions' logprobs: where each choice's next token starts
@@ -478,11 +529,16 @@ class Responder:
         """The whole answer: each choice's end and log-probabilities, in order."""
         choices = []
         for index, (finished, logprobs) in enumerate(ends):
+            reason = finished.finish_reason
             if self.call.chat:
-                choice = {"index": index, "message": {"role": "assistant", "content": finished.text}}
+                content, calls = self.tool_calls(finished)
+                message = {"role": "assistant", "content": content}
+                if calls:
+                    message, reason = message | {"tool_calls": tool_call_objects(calls)}, tool_finish(reason)
+                choice = {"index": index, "message": message}
             else:
                 choice = {"index": index, "text": self.echoed(index) + finished.text}
-            choice |= {"logprobs": self._logprobs(index, logprobs), "finish_reason": finished.finish_reason}
+            choice |= {"logprobs": self._logprobs(index, logprobs), "finish_reason": reason}
             choices.append(choice)
         body = self._object("chat.completion" if self.call.chat else "text_completion", choices)
         body["usage"] = usage([finished for finished, _ in ends])
@@ -490,6 +546,26 @@ class Responder:
 
     def echoed(self, index: int) -> str:
         return "" if self.call.echo is None else self.call.echo[index]
+
+    def tool_calls(self, finished: Finished) -> tuple[str | None, ToolCallList]:
+        """A chat answer's text (None when it is only calls) and the calls it makes (none without tools; the first
+        alone where several are not allowed)."""
+        tools = self.call.tools
+        if tools is None:
+            return finished.text, []
+        content, calls = self.parse_tool_calls(finished.ids, tools.names)
+        if not calls:
+            return finished.text, []
+        return content or None, calls if tools.parallel else calls[:1]
+
+    def tool_calls_chunk(self, calls: ToolCallList, index: int) -> dict[str, Any]:
+        """A chunk of a stream holding choice ``index``'s calls, whole."""
+        objects = [{"index": i} | call for i, call in enumerate(tool_call_objects(calls))]
+        body = self._object("chat.completion.chunk", [{"index": index, "delta": {"tool_calls": objects}}])
+        body["choices"][0] |= {"logprobs": None, "finish_reason": None}
+        if self.call.include_usage:
+            body["usage"] = None
+        return body
 
     def chunk(
         self, text: str, logprobs: list[TokenLogprob], finish_reason: str | None = None, index: int = 0

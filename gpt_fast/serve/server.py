@@ -10,7 +10,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 
 import uvicorn
 
@@ -73,6 +73,9 @@ def http_server(engine: Engine, batcher: Batcher, model_id: str, api_key: str | 
         engine.chat_ids if engine.chat_template else None,
         tokenize=lambda text, special: tokenizer.encode(text, bos=special),
         detokenize=tokenizer.decode,
+        tool_marker=tool_marker(engine),
+        tool_constraint=engine.tool_call_constraint,
+        parse_tool_calls=lambda ids, names: parsed_calls(engine, ids, names),
     )
     app = OpenAIServer(batcher, ctx, api_key, log=lambda line: write(line + "\n")).app()
     config = uvicorn.Config(
@@ -81,16 +84,33 @@ def http_server(engine: Engine, batcher: Batcher, model_id: str, api_key: str | 
     return uvicorn.Server(config)
 
 
+def tool_marker(engine: Engine) -> str | None:
+    """The text that opens the model's tool calls as its answer's stream shows it (special tokens left out); None if
+    its chat template writes no tool calls."""
+    layout = engine.tool_call_format
+    if layout is None:
+        return None
+    return engine.decode(engine.tokenizer.encode(layout.start.strip(), bos=False)).strip()
+
+
+def parsed_calls(engine: Engine, ids: Sequence[int], names: Collection[str]) -> tuple[str, list[tuple[str, str]]]:
+    """The text before the calls an answer makes, and each call's function name and arguments (JSON text)."""
+    content, calls = engine.parse_tool_calls(ids, names)
+    return content, [(call.name, call.arguments) for call in calls]
+
+
 def warmed_up_batcher(engine: Engine, batch_options: BatchOptions, write: Write) -> Batcher:
-    """Read the weights, and make the batcher and warm its steps up in this thread, the one that will drive it."""
+    """Read the weights, and make the batcher and warm its steps up in this thread, the one that will drive it: the
+    plain steps and the masked ones of constrained requests (so that the first such request compiles nothing)."""
     write(f"Using device={engine.device} ({engine.device_name}), dtype={engine.dtype_name}, compile={engine.compile}\n")
     engine.load_weights()
     write(f"Time to load model: {engine.load_seconds:.2f} seconds\n")
     batcher = engine.batcher(batch_options)
     start = time.perf_counter()
-    batcher.warm_up()
+    batcher.warm_up(constrained=True)
     seconds = time.perf_counter() - start
-    write(f"Warm-up (the steps for 1 and {batch_options.max_batch} slots, compiled if asked): {seconds:.2f} seconds\n")
+    slots = f"the steps for 1 and {batch_options.max_batch} slots, plain and constrained, compiled if asked"
+    write(f"Warm-up ({slots}): {seconds:.2f} seconds\n")
     return batcher
 
 

@@ -77,32 +77,37 @@ def _compile(template: str) -> jinja2.Template:
 
 def render_chat(
     template: str,
-    messages: list[dict[str, str]],
+    messages: list[dict[str, Any]],
     *,
     bos_token: str | None,
     eos_token: str | None,
     add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """The prompt text of ``messages`` (dicts with "role" and "content"), as transformers'
-    ``apply_chat_template(..., tokenize=False)`` renders it. ChatTemplateError if the template fails.
+    """The prompt text of ``messages`` (dicts with "role" and "content"; an assistant's "tool_calls", a tool's
+    "tool_call_id"), as transformers' ``apply_chat_template(..., tokenize=False)`` renders it, with ``tools`` (the
+    functions the model may call, as JSON Schema dicts) as its ``tools`` argument. ChatTemplateError if the template
+    fails.
 
     Like transformers, keys whose value is None are dropped from the messages, and a BOS/EOS token the
     tokenizer does not have is left undefined in the template rather than passed as None.
     """
-    return _Chat(template, bos_token, eos_token, add_generation_prompt).render(messages)
+    return _Chat(template, bos_token, eos_token, add_generation_prompt).render(messages, tools)
 
 
 def render_chat_spans(
     template: str,
-    messages: list[dict[str, str]],
+    messages: list[dict[str, Any]],
     *,
     special_tokens: Iterable[str],
     bos_token: str | None,
     eos_token: str | None,
     add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[str, list[tuple[int, int]]]:
-    """:func:`render_chat`'s text, and the ``[start, end)`` spans of it that message text put there and that hold
-    a ``special_tokens`` string or part of one: the tokenizer reads those as text (``literal_spans``).
+    """:func:`render_chat`'s text, and the ``[start, end)`` spans of it that message text (or the text of tool calls
+    and tools) put there and that hold a ``special_tokens`` string or part of one: the tokenizer reads those as text
+    (``literal_spans``).
 
     The chat is rendered a second time with those characters of the messages (a special-token string, or the
     start or end of one at a message's edge) replaced by private-use characters, keeping lengths and whitespace:
@@ -111,18 +116,24 @@ def render_chat_spans(
     such a string in a message.
     """
     chat = _Chat(template, bos_token, eos_token, add_generation_prompt)
-    text = chat.render(messages)
+    text = chat.render(messages, tools)
     shadows = _Shadows(special_tokens)
     shadowed = [{key: shadows.message_value(key, value) for key, value in message.items()} for message in messages]
-    if shadowed == messages:
+    shadowed_tools = None if tools is None else shadows.value(tools)
+    if shadowed == messages and shadowed_tools == tools:
         return text, []
-    return text, _copied_spans(text, chat.render(shadowed))
+    return text, _copied_spans(text, chat.render(shadowed, shadowed_tools))
 
 
-def chat_prompt_ids(tokenizer: Tokenizer, template: str | None, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of the rendered chat, in which only the template's own markup becomes control tokens: a
-    special-token string typed in a message is encoded as text (as transformers does with
-    ``split_special_tokens=True``). No BOS is added: the template writes it when the model wants one (as
+def chat_prompt_ids(
+    tokenizer: Tokenizer,
+    template: str | None,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
+    """Token ids of the rendered chat (with ``tools``, see :func:`render_chat`), in which only the template's own
+    markup becomes control tokens: a special-token string typed in a message is encoded as text (as transformers
+    does with ``split_special_tokens=True``). No BOS is added: the template writes it when the model wants one (as
     transformers' ``apply_chat_template`` tokenizes with ``add_special_tokens=False``)."""
     if not template:
         raise ValueError(NO_TEMPLATE_MESSAGE)
@@ -132,6 +143,7 @@ def chat_prompt_ids(tokenizer: Tokenizer, template: str | None, messages: list[d
         special_tokens=tokenizer.special_tokens,
         bos_token=tokenizer.bos_token,
         eos_token=tokenizer.eos_token,
+        tools=tools,
     )
     return tokenizer.encode(text, bos=False, literal_spans=spans)
 
@@ -145,18 +157,18 @@ class _Chat:
         named = {"bos_token": bos_token, "eos_token": eos_token}
         self.variables = {
             **{name: value for name, value in named.items() if value is not None},
-            "tools": None,
             "documents": None,
             "add_generation_prompt": generation_prompt,
             "strftime_now": now.strftime,
         }
 
-    def render(self, messages: list[dict[str, Any]]) -> str:
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         cleaned = [{key: value for key, value in message.items() if value is not None} for message in messages]
         try:
             if len(self.template) > MAX_TEXT:
                 raise jinja2.exceptions.SecurityError(f"it is longer than {MAX_TEXT:,} characters")
-            return render_bounded(_compile(self.template), {**self.variables, "messages": cleaned})
+            variables = {**self.variables, "messages": cleaned, "tools": tools}
+            return render_bounded(_compile(self.template), variables)
         except RecursionError:
             raise ChatTemplateBoundError("chat template: it recurses too deeply") from None
         except _TEMPLATE_ERRORS as err:
@@ -189,7 +201,17 @@ class _Shadows:
         self._longest = max(map(len, self._tokens), default=0)
 
     def message_value(self, key: str, value: Any) -> Any:
-        return self.text(value) if isinstance(value, str) and key != "role" else value
+        return value if key == "role" else self.value(value)
+
+    def value(self, value: Any) -> Any:
+        """A message's (or a tool's) value with the text in it shadowed, through lists and dicts (not their keys)."""
+        if isinstance(value, str):
+            return self.text(value)
+        if isinstance(value, list):
+            return [self.value(item) for item in value]
+        if isinstance(value, dict):
+            return {key: self.value(item) for key, item in value.items()}
+        return value
 
     def text(self, text: str) -> str:
         spans = self._spans(text)

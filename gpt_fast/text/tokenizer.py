@@ -86,6 +86,23 @@ class Tokenizer(ABC):
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         """Text of ``ids``; ids the tokenizer does not know are left out."""
 
+    @functools.cached_property
+    def token_bytes(self) -> tuple[bytes, ...]:
+        """What each id ``0 .. vocab_size - 1`` writes into the text, as UTF-8 bytes, wherever it stands (a token
+        that starts the text writes its leading space too, which decoding a whole text may drop); a special
+        token's entry is its text, an id the tokenizer does not know writes nothing (``b""``). A grammar engine
+        reads the vocabulary so (:mod:`gpt_fast.generation.constraint`). ValueError for a tokenizer whose pieces
+        do not say their bytes."""
+        return tuple(self._token_bytes())
+
+    @abstractmethod
+    def _token_bytes(self) -> list[bytes]: ...
+
+    @property
+    @abstractmethod
+    def control_ids(self) -> frozenset[int]:
+        """The ids that are never text: special and control tokens (stop tokens among them)."""
+
 
 def check_text(text: str) -> None:
     """ValueError unless ``text`` is valid Unicode text. Python keeps the bytes of a command-line argument that are
@@ -320,6 +337,25 @@ class SentencePieceTokenizer(Tokenizer):
         out.append(_utf8_or_replacement(pending))
         return "".join(out)
 
+    def _token_bytes(self) -> list[bytes]:
+        """A piece's text with "▁" as a space, a byte piece its byte, a special token its text, a control or unknown
+        piece nothing."""
+        out = []
+        for token_id in range(self.vocab_size):
+            if token_id in self._special_text:
+                out.append(self._special_text[token_id].encode())
+            elif token_id in self._bytes:
+                out.append(bytes([self._bytes[token_id]]))
+            elif token_id in self._skipped or token_id >= self._pieces:
+                out.append(b"")
+            else:
+                out.append(self._sp.id_to_piece(token_id).replace(SPACE_MARK, " ").encode())
+        return out
+
+    @property
+    def control_ids(self) -> frozenset[int]:
+        return frozenset(self._skipped | set(self._special_text))
+
 
 def _processor(path: Path, proto: Any, **normalizer: Any) -> spm.SentencePieceProcessor:
     """A sentencepiece processor for ``proto`` with the given fields of its normalizer spec changed."""
@@ -372,12 +408,20 @@ class TiktokenTokenizer(Tokenizer):
         kept = [i for i in ids if i in self._known and not (skip_special and i in self._special)]
         return self._enc.decode(kept, errors="replace")
 
+    def _token_bytes(self) -> list[bytes]:
+        return [self._enc.decode_single_token_bytes(i) if i in self._known else b"" for i in range(self.vocab_size)]
+
+    @property
+    def control_ids(self) -> frozenset[int]:
+        return frozenset(self._special)
+
 
 class HuggingFaceTokenizer(Tokenizer):
     """A Hugging Face ``tokenizer.json``, through the ``tokenizers`` library (BOS is added by us, not by it)."""
 
     def __init__(self, path: Path, cfg: TokenizerConfig) -> None:
         super().__init__(cfg)
+        self._path = path
         self._tok = read_tokenizer_json(path)
         self._register_specials(path)
         self._splitter = _SpecialSplitter(cfg.special_tokens)
@@ -463,10 +507,78 @@ class HuggingFaceTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special)
 
+    def _token_bytes(self) -> list[bytes]:
+        """Each token's piece read as the decoder reads it (:class:`_PieceBytes`); an added token's text as it is."""
+        pieces = _PieceBytes(json.loads(self._tok.to_str())["decoder"], self._path)
+        added = {token_id: token.content for token_id, token in self._tok.get_added_tokens_decoder().items()}
+        out = []
+        for token_id in range(self.vocab_size):
+            piece = self._tok.id_to_token(token_id)
+            if token_id in added:
+                out.append(added[token_id].encode())
+            else:
+                out.append(b"" if piece is None else pieces.bytes_of(piece))
+        return out
+
+    @property
+    def control_ids(self) -> frozenset[int]:
+        special = {token_id for token_id, token in self._tok.get_added_tokens_decoder().items() if token.special}
+        return frozenset(special | set(self.cfg.special_tokens.values()))
+
+
+_BYTE_PIECE = re.compile("<0x([0-9A-Fa-f]{2})>")
+
+
+class _PieceBytes:
+    """The bytes of a ``tokenizer.json`` vocabulary piece, read from its decoder: byte-level BPE writes every byte as
+    a printable character (:func:`bytes_to_unicode`); SentencePiece-style vocabularies write a space as "▁" (a
+    ``Metaspace`` decoder, or a ``Replace`` of it) and, with ``ByteFallback``, a lone byte as ``<0xNN>``. Other
+    decoders (WordPiece's "##", a BPE word suffix) are refused: their pieces' bytes depend on their neighbours."""
+
+    def __init__(self, decoder: dict[str, Any] | None, path: Path) -> None:
+        steps = [] if decoder is None else decoder.get("decoders", [decoder])
+        kinds = {step["type"] for step in steps}
+        unknown = kinds - {"ByteLevel", "Metaspace", "Replace", "ByteFallback", "Fuse", "Strip"}
+        if unknown:
+            raise ValueError(f"{path}: its {', '.join(sorted(unknown))} decoder does not say each token's bytes")
+        self.byte_level = "ByteLevel" in kinds
+        self.byte_fallback = "ByteFallback" in kinds
+        self.replace = [(step["replacement"], " ") for step in steps if step["type"] == "Metaspace"]
+        self.replace += [
+            (step["pattern"]["String"], step["content"])
+            for step in steps
+            if step["type"] == "Replace" and "String" in step["pattern"]
+        ]
+
+    def bytes_of(self, piece: str) -> bytes:
+        if self.byte_level and all(char in _BYTE_OF_CHAR for char in piece):
+            return bytes(_BYTE_OF_CHAR[char] for char in piece)
+        byte = _BYTE_PIECE.fullmatch(piece) if self.byte_fallback else None
+        if byte is not None:
+            return bytes([int(byte.group(1), 16)])
+        for pattern, content in self.replace:
+            piece = piece.replace(pattern, content)
+        return piece.encode()
+
 
 _SENTINEL_CHAR = "\ufdd0"  # a Unicode noncharacter, kept for internal use: a run longer than any in the text
 # White_Space and word characters, as the regex crate that ``tokenizers`` uses reads ``\s`` and ``\w``.
 _WHITE_SPACE = "\t\n\v\f\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000" + "".join(map(chr, range(0x2000, 0x200B)))
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map of byte-level BPE vocabularies."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+_BYTE_OF_CHAR = {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 def _is_word_char(char: str) -> bool:

@@ -1,0 +1,224 @@
+// The products of a few rows of float32 activations with int8 or int4 weights on an x86 CPU with AVX2 and FMA, as
+// the operators gpt_fast::int8_gemv_cpu and gpt_fast::int4_gemv_cpu (built by gpt_fast/kernels/cpu_gemv.py).
+//
+// Each weight is widened to float32 and multiplied by the activation in float32, as the dequantized reference does:
+// the results differ from it by the order of the float32 sums only (the activations are never rounded to integers).
+// Output rows are shared among torch's threads (at::parallel_for); each reads its rows of weights once for all the
+// activation rows, and widens each weight once for every ROWS of them.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <type_traits>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t INT8_STEP = 16;   // int8 columns per step: two vectors of 8
+constexpr int64_t INT4_BLOCK = 64;  // int4 columns per step: 32 bytes read as 8 words of 8 nibbles
+constexpr int64_t MIN_GROUP = 32;   // the smallest int4 group: a block holds one or two groups
+constexpr float MID = 8.f;          // the int4 level whose value is the group's zero
+constexpr int64_t GRAIN = 16;       // output rows per task of at::parallel_for
+constexpr int ROWS = 4;             // activation rows that share each widened weight
+
+// f(std::integral_constant<int, R>, m) for the activation rows m .. m + R - 1 of M, R = ROWS but at the end
+template <typename F>
+inline void by_rows(int64_t M, F&& f) {
+  int64_t m = 0;
+  for (; m + ROWS <= M; m += ROWS) f(std::integral_constant<int, ROWS>{}, m);
+  switch (M - m) {
+    case 3: f(std::integral_constant<int, 3>{}, m); break;
+    case 2: f(std::integral_constant<int, 2>{}, m); break;
+    case 1: f(std::integral_constant<int, 1>{}, m); break;
+    default: break;
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline float sum_lanes(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// the 8 signed bytes at p as floats
+inline __m256 int8_floats(const int8_t* p) {
+  __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+}
+
+// the low nibble of each of the 8 words v as floats
+inline __m256 low_nibbles(__m256i v) {
+  return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xF)));
+}
+
+// levels[i]: nibble i of each of the 8 words v, as floats
+inline void nibble_floats(__m256i v, __m256* levels) {
+  levels[0] = low_nibbles(v);
+  levels[1] = low_nibbles(_mm256_srli_epi32(v, 4));
+  levels[2] = low_nibbles(_mm256_srli_epi32(v, 8));
+  levels[3] = low_nibbles(_mm256_srli_epi32(v, 12));
+  levels[4] = low_nibbles(_mm256_srli_epi32(v, 16));
+  levels[5] = low_nibbles(_mm256_srli_epi32(v, 20));
+  levels[6] = low_nibbles(_mm256_srli_epi32(v, 24));
+  levels[7] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 28));
+}
+#endif
+
+// out[r * N] = x[r] . w * scale for the R rows x [R, K] (K a multiple of INT8_STEP) and the int8 weight row w [K]
+template <int R>
+inline void int8_rows(const float* x, int64_t K, const int8_t* w, float scale, float* out, int64_t N) {
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += INT8_STEP) {
+    const __m256 w0 = int8_floats(w + k), w1 = int8_floats(w + k + 8);
+    for (int r = 0; r < R; ++r) {
+      lo[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k), w0, lo[r]);
+      hi[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k + 8), w1, hi[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * N] = sum_lanes(_mm256_add_ps(lo[r], hi[r])) * scale;
+#else
+  for (int r = 0; r < R; ++r) {
+    float acc = 0.f;
+    for (int64_t k = 0; k < K; ++k) acc += x[r * K + k] * static_cast<float>(w[k]);
+    out[r * N] = acc * scale;
+  }
+#endif
+}
+
+// x [K] with each block of 64 columns transposed, out[64 b + 8 i + j] = x[64 b + 8 j + i]: nibble i of word j of
+// a block's bytes is its column 8 j + i (column 2 t in the low nibble of byte t), so that nibble i of the block's
+// 8 words meets 8 consecutive floats
+void transpose_blocks(const float* x, float* out, int64_t K) {
+  for (int64_t b = 0; b < K; b += INT4_BLOCK)
+    for (int64_t i = 0; i < 8; ++i)
+      for (int64_t j = 0; j < 8; ++j) out[b + 8 * i + j] = x[b + 8 * j + i];
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// the scale of each lane of block b (columns 64 b + 8 j ... + 7): groups of 32 change half way
+inline __m256 block_scales(const float* scales, int64_t b, int64_t group) {
+  if (group == MIN_GROUP) return _mm256_set_m128(_mm_set1_ps(scales[2 * b + 1]), _mm_set1_ps(scales[2 * b]));
+  return _mm256_set1_ps(scales[b * INT4_BLOCK / group]);
+}
+#endif
+
+// out[r * N] for the R rows of xt [R, K] (x transposed by transpose_blocks, K a multiple of INT4_BLOCK) and one
+// row of int4 weights w [K / 2]: the sum over groups g of scale[g] * (levels . x over the group) plus
+// (zero[g] - 8 scale[g]) * xsums[r, g], the sum of x over the group
+template <int R>
+inline void int4_rows(const float* xt, const float* xsums, int64_t K, int64_t G, const uint8_t* w,
+                      const float* scales, const float* zeros, int64_t group, float* out, int64_t N) {
+  float acc[R] = {};
+  for (int r = 0; r < R; ++r)
+    for (int64_t g = 0; g < G; ++g) acc[r] += (zeros[g] - MID * scales[g]) * xsums[r * G + g];
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 total[R];
+  for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < K / INT4_BLOCK; ++b) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * INT4_BLOCK / 2));
+    __m256 levels[8];
+    nibble_floats(v, levels);
+    const __m256 s = block_scales(scales, b, group);
+    for (int r = 0; r < R; ++r) {
+      const float* xb = xt + r * K + b * INT4_BLOCK;
+      __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(xb), levels[0]);
+      __m256 a1 = _mm256_mul_ps(_mm256_loadu_ps(xb + 8), levels[1]);
+      for (int i = 2; i < 8; i += 2) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8 * i), levels[i], a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8 * i + 8), levels[i + 1], a1);
+      }
+      total[r] = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), s, total[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * N] = acc[r] + sum_lanes(total[r]);
+#else
+  for (int r = 0; r < R; ++r) {
+    for (int64_t b = 0; b < K; b += INT4_BLOCK)
+      for (int64_t j = 0; j < 8; ++j)
+        for (int64_t i = 0; i < 8; ++i) {
+          int64_t col = b + 8 * j + i;
+          acc[r] += scales[col / group] * xt[r * K + b + 8 * i + j] * ((w[col / 2] >> (4 * (col % 2))) & 0xF);
+        }
+    out[r * N] = acc[r];
+  }
+#endif
+}
+
+void check_rows(const at::Tensor& x, const at::Tensor& weight, int64_t packing) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [M, K] float32");
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) * packing == x.size(1), "weight must be [N, K / ", packing, "]");
+}
+
+// x [M, K] float32 times the int8 weight [N, K] with scales [N] float32: [M, N]; K a multiple of 16
+at::Tensor int8_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
+  check_rows(x, weight, 1);
+  TORCH_CHECK(weight.scalar_type() == at::kChar && x.size(1) % INT8_STEP == 0, "int8 weight with K % 16 == 0");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == weight.size(0), "scales must be [N] float32");
+  auto xc = x.contiguous(), wc = weight.contiguous(), sc = scales.contiguous();
+  const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
+  auto out = at::empty({M, N}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const int8_t* wp = wc.data_ptr<int8_t>();
+  const float* sp = sc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, GRAIN, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      by_rows(M, [&](auto rows, int64_t m) {
+        int8_rows<decltype(rows)::value>(xp + m * K, K, wp + n * K, sp[n], op + m * N + n, N);
+      });
+  });
+  return out;
+}
+
+// x [M, K] float32 times the int4 weight [N, K / 2] (column 2 t in the low nibble of byte t) with scales and zeros
+// [N, groups] float32 (a level q stands for (q - 8) * scale + zero): [M, N]; K a multiple of 64, group_size of 32
+at::Tensor int4_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                         const at::Tensor& zeros, int64_t group) {
+  check_rows(x, weight, 2);
+  const int64_t M = x.size(0), N = weight.size(0), K = x.size(1), G = (K + group - 1) / group;
+  TORCH_CHECK(weight.scalar_type() == at::kByte && K % INT4_BLOCK == 0 && group % MIN_GROUP == 0,
+              "uint8 weight with K % 64 == 0 and group_size % 32 == 0");
+  for (const auto& t : {scales, zeros})
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 2 && t.size(0) == N && t.size(1) == G,
+                "scales and zeros must be [N, groups] float32");
+  auto xc = x.contiguous(), wc = weight.contiguous(), sc = scales.contiguous(), zc = zeros.contiguous();
+  auto xt = at::empty({M, K}, x.options()), xsums = at::zeros({M, G}, x.options());
+  const float* xd = xc.data_ptr<float>();
+  float *xtp = xt.data_ptr<float>(), *xs = xsums.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    transpose_blocks(xd + m * K, xtp + m * K, K);
+    for (int64_t k = 0; k < K; ++k) xs[m * G + k / group] += xd[m * K + k];
+  }
+  auto out = at::empty({M, N}, x.options());
+  const uint8_t* wp = wc.data_ptr<uint8_t>();
+  const float *sp = sc.data_ptr<float>(), *zp = zc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, GRAIN, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      by_rows(M, [&](auto rows, int64_t m) {
+        int4_rows<decltype(rows)::value>(xtp + m * K, xs + m * G, K, G, wp + n * K / 2, sp + n * G, zp + n * G, group,
+                                         op + m * N + n, N);
+      });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(gpt_fast, m) {
+  m.def("int8_gemv_cpu(Tensor x, Tensor weight, Tensor scales) -> Tensor");
+  m.def("int4_gemv_cpu(Tensor x, Tensor weight, Tensor scales, Tensor zeros, int group_size) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(gpt_fast, CPU, m) {
+  m.impl("int8_gemv_cpu", &int8_gemv_cpu);
+  m.impl("int4_gemv_cpu", &int4_gemv_cpu);
+}

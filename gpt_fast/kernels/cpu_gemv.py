@@ -1,0 +1,80 @@
+"""Our C++ kernels for the quantized products of a few rows on an x86 CPU (``cpu_gemv.cpp`` beside this file): the
+operators ``torch.ops.gpt_fast.int8_gemv_cpu`` and ``int4_gemv_cpu``.
+
+They exist because PyTorch's own weight-only CPU kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``)
+are vectorized for AVX-512 only: on an AVX2 CPU they run scalar code, slower than the float32 product they replace,
+and inductor turns a dequantizing product into a float copy of the weights and a matrix product
+(docs/cpu.md, "Quantized products"). The source is compiled once per machine with torch's own extension builder
+(a C++ compiler and ninja; torch keeps the library in its extensions folder and rebuilds it when the source
+changes), when a checkpoint first asks for these kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
+LIBRARY = "gpt_fast_cpu_gemv_avx2"
+FLAGS = ["-O3", "-mavx2", "-mfma"]
+CAPABILITIES = ("AVX2", "AVX512")  # torch.backends.cpu.get_cpu_capability() of a CPU with AVX2 and FMA
+INT8_COLUMNS = 16  # the int8 kernel's inputs: a multiple of this
+INT4_COLUMNS = 64  # the int4 kernel's inputs: a multiple of this
+INT4_GROUPS = 32  # the int4 kernel's group sizes: a multiple of this
+BUILD_NOTE_SECONDS = 2.0  # a load slower than this compiled the library
+
+
+def cpu_kernels_usable() -> bool:
+    """Whether this machine can build and run the kernels: an x86 CPU with AVX2 (and FMA, which every AVX2 CPU
+    PyTorch dispatches to has), a C++ compiler and ninja."""
+    from torch.utils.cpp_extension import is_ninja_available
+
+    _put_ninja_on_path()
+    compiler = os.environ.get("CXX", "c++")
+    capability = torch.backends.cpu.get_cpu_capability()
+    return capability in CAPABILITIES and shutil.which(compiler) is not None and is_ninja_available()
+
+
+def _put_ninja_on_path() -> None:
+    """torch's extension builder runs ``ninja`` from PATH; the ``ninja`` package that gpt-fast installs keeps it
+    beside the environment's Python, on PATH only where the environment is activated."""
+    if shutil.which("ninja") is None:
+        with contextlib.suppress(ImportError):
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+@functools.cache
+def load_cpu_kernels() -> None:
+    """Build (the first time on this machine, some 20 s, said on standard error) and load the library that
+    registers the operators."""
+    from torch.utils.cpp_extension import load
+
+    start = time.perf_counter()
+    load(LIBRARY, sources=[str(SOURCE)], extra_cflags=FLAGS, is_python_module=False)
+    seconds = time.perf_counter() - start
+    if seconds > BUILD_NOTE_SECONDS:
+        print(f"Built gpt-fast's CPU quantized kernels in {seconds:.1f} s (once on this machine)", file=sys.stderr)
+
+
+def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x`` [M, K] float32 times the int8 ``weight`` [N, K] (K a multiple of :data:`INT8_COLUMNS`) with
+    ``scales`` [N] float32: [M, N]."""
+    return torch.ops.gpt_fast.int8_gemv_cpu(x, weight, scales)
+
+
+def int4_gemv(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """``x`` [M, K] float32 (K a multiple of :data:`INT4_COLUMNS`) times the int4 ``weight`` [N, K / 2] (two
+    columns a byte, the even one in the low nibble) with ``scales`` and ``zeros`` [N, groups] float32 (``group_size`` a
+    multiple of :data:`INT4_GROUPS`; a level q stands for (q - 8) * scale + zero): [M, N]."""
+    return torch.ops.gpt_fast.int4_gemv_cpu(x, weight, scales, zeros, group_size)

@@ -1,0 +1,161 @@
+"""Our C++ CPU kernels for the quantized products (``cpp``, :mod:`gpt_fast.kernels.cpu_gemv`) against a float64
+product with the dequantized weights, the layers' fallbacks where the kernels do not take a shape or dtype, the
+choice of ``auto``, and greedy decoding unchanged against the dequantizing kernel, eager and compiled."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from gpt_fast import Engine, EngineOptions, SamplingConfig
+from gpt_fast.accel.options import KernelOptions
+from gpt_fast.convert.random_init import random_weights
+from gpt_fast.kernels import cpu_gemv
+from gpt_fast.model.config import QuantConfig
+from gpt_fast.model.shapes import get_shape
+from gpt_fast.quant.layers import Int4Linear, Int8Linear
+from gpt_fast.quant.layout import quantize_state
+from gpt_fast.quant.products import CPP_ROWS, FEW_ROWS, int8_linear, register_cpu_ops, resolve_kernel
+from gpt_fast.quant.schemes import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+
+needs_cpp = pytest.mark.skipif(not cpu_gemv.cpu_kernels_usable(), reason="needs an AVX2 CPU, a C++ compiler, ninja")
+
+# Relative error ||ours - exact|| / ||exact|| allowed against the float64 product: the kernels multiply and sum in
+# float32 (each weight widened exactly), so they land near 1e-7, as float32's F.linear does.
+TOLERANCE = 1e-5
+
+
+def relative_error(got, expected):
+    return ((got.double() - expected).norm() / expected.norm()).item()
+
+
+def int4_layer(out_features, cols, group_size, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    q, scales, zeros = quantize_int4(torch.randn(out_features, cols), group_size, dtype)
+    layer = Int4Linear(cols, out_features, QuantConfig("int4", group_size), bias=False)
+    layer.load_state_dict({"weight": q, "scales": scales, "zeros": zeros}, assign=True)
+    return layer, dequantize_int4(q, scales, zeros, group_size).double()
+
+
+def int8_layer(out_features, cols, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    q, scales = quantize_int8(torch.randn(out_features, cols), dtype)
+    layer = Int8Linear(cols, out_features, QuantConfig("int8"), bias=False)
+    layer.load_state_dict({"weight": q, "scales": scales}, assign=True)
+    return layer, dequantize_int8(q, scales).double()
+
+
+@needs_cpp
+@pytest.mark.parametrize("rows", [1, 5, FEW_ROWS, CPP_ROWS])
+@pytest.mark.parametrize("out_features, cols", [(96, 160), (40, 576), (17, 1536)])
+def test_int8_kernel_matches_the_float_product(rows, out_features, cols):
+    register_cpu_ops()
+    torch.manual_seed(rows)
+    q, scales = quantize_int8(torch.randn(out_features, cols), torch.float32)
+    x = torch.randn(2, rows, cols)
+    expected = x.double() @ dequantize_int8(q, scales).double().T
+    got = int8_linear(x, q, scales, "cpp")
+    assert got.shape == (2, rows, out_features) and got.dtype == torch.float32
+    assert relative_error(got, expected) < TOLERANCE
+
+
+@needs_cpp
+@pytest.mark.parametrize("rows", [1, 3, FEW_ROWS + 2, CPP_ROWS])
+@pytest.mark.parametrize(
+    "out_features, cols, group_size",
+    [(96, 256, 32), (40, 576, 64), (33, 576, 128), (24, 1536, 256), (8, 64, 32)],
+    ids=["g32", "g64", "g128-short-last-group", "g256", "one-block"],
+)
+def test_int4_kernel_matches_the_float_product(rows, out_features, cols, group_size):
+    """Through the layer, on the weights as the checkpoint holds them; groups of 32 split a block of 64 columns,
+    576 columns in groups of 128 end with a group of 64."""
+    register_cpu_ops()
+    layer, dequantized = int4_layer(out_features, cols, group_size, seed=rows)
+    layer.prepare("cpp")
+    assert layer.kernel == "cpp"
+    x = torch.randn(rows, cols)
+    got = layer(x)
+    assert got.shape == (rows, out_features)
+    assert relative_error(got, x.double() @ dequantized.T) < TOLERANCE
+
+
+@needs_cpp
+def test_int4_kernel_reads_every_level_and_a_zero_of_its_own_per_group():
+    """Weights of every level 0..15 at every column position, scales and zeros that differ per group and row: each
+    nibble and each group's numbers land where the scheme says (an exact float64 check of small integers)."""
+    register_cpu_ops()
+    out_features, cols, group_size = 16, 128, 32
+    levels = (torch.arange(out_features)[:, None] + torch.arange(cols)[None, :] * 7) % 16  # [N, K]
+    packed = (levels[:, 0::2] | (levels[:, 1::2] << 4)).to(torch.uint8)
+    scales = torch.arange(1, 1 + out_features * 4, dtype=torch.float32).reshape(out_features, 4) / 4
+    zeros = -torch.arange(out_features * 4, dtype=torch.float32).reshape(out_features, 4)
+    x = torch.randint(-3, 4, (2, cols)).float()
+    expected = x.double() @ dequantize_int4(packed, scales, zeros, group_size).double().T
+    got = cpu_gemv.int4_gemv(x, packed, scales, zeros, group_size)
+    assert torch.equal(got.double(), expected)
+
+
+@needs_cpp
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_many_rows_take_the_dequantized_product(kind, monkeypatch):
+    """A long prefill (more rows than :data:`CPP_ROWS`) dequantizes and calls F.linear, on the same weights."""
+    register_cpu_ops()
+    layer, dequantized = int8_layer(48, 192) if kind == "int8" else int4_layer(48, 192, 64)
+    layer.prepare("cpp")
+    monkeypatch.setattr(cpu_gemv, "int8_gemv", lambda *args: pytest.fail("the kernel took too many rows"))
+    monkeypatch.setattr(cpu_gemv, "int4_gemv", lambda *args: pytest.fail("the kernel took too many rows"))
+    x = torch.randn(CPP_ROWS + 5, 192)
+    assert relative_error(layer(x), x.double() @ dequantized.T) < TOLERANCE
+
+
+@needs_cpp
+def test_layers_the_kernels_do_not_take_dequantize():
+    """int8 inputs not a multiple of 16, int4 inputs not a multiple of 64, or bfloat16 scales (a bfloat16 model):
+    ``cpp`` means ``dequant`` for that layer, whose products are still right."""
+    register_cpu_ops()
+    cases = [int8_layer(24, 200), int8_layer(24, 192, torch.bfloat16), int4_layer(24, 200, 32)]
+    cases.append(int4_layer(24, 192, 64, torch.bfloat16))
+    for layer, dequantized in cases:
+        layer.prepare("cpp")
+        assert layer.kernel == "dequant"
+        x = torch.randn(1, layer.in_features, dtype=layer.scales.dtype)
+        assert relative_error(layer(x), x.double() @ dequantized.T) < 1e-2
+
+
+def test_kernel_choice_on_the_cpu(monkeypatch):
+    """``auto`` takes our C++ kernels where they can be built and run, else PyTorch's own; asking for them where
+    they cannot be is an error that says why."""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(cpu_gemv, "cpu_kernels_usable", lambda: False)
+    assert resolve_kernel("auto", cpu) == "aten"
+    with pytest.raises(ValueError, match="the cpp quantized kernels need an x86 CPU with AVX2, a C\\+\\+ compiler"):
+        resolve_kernel("cpp", cpu)
+    with pytest.raises(ValueError, match="the cpp quantized kernels need"):
+        resolve_kernel("cpp", torch.device("cuda"))
+
+
+@needs_cpp
+def test_auto_takes_the_cpp_kernels_on_this_cpu():
+    assert resolve_kernel("auto", torch.device("cpu")) == "cpp"
+
+
+@needs_cpp
+@pytest.mark.parametrize("quant", [QuantConfig("int8"), QuantConfig("int4", 32)], ids=["int8", "int4"])
+def test_greedy_tokens_match_the_dequantizing_kernel(quant):
+    """A model every product of which the kernels take (inputs multiples of 64) decodes the same greedy tokens with
+    ``cpp`` as with ``dequant``, eager and compiled (the operators' output shapes registered for inductor)."""
+    shape = dataclasses.replace(get_shape("tiny"), intermediate_size=192)
+    state = quantize_state(random_weights(shape, torch.float32, seed=1), shape, quant, torch.float32)
+    greedy = SamplingConfig(temperature=0)
+
+    def tokens(kernel, compile_mode):
+        torch._dynamo.reset()
+        options = EngineOptions(compile=compile_mode, device="cpu", kernels=KernelOptions(quant=kernel))
+        engine = Engine.from_state(shape, state, options, quant)
+        layers = [m for m in engine.model.modules() if isinstance(m, (Int8Linear, Int4Linear))]
+        assert layers and all(m.kernel == kernel for m in layers)
+        return engine.generate_ids([1, 2, 3], 24, greedy).tokens
+
+    reference = tokens("dequant", "none")
+    assert tokens("cpp", "none") == reference
+    assert tokens("cpp", "default") == reference
