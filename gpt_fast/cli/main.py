@@ -902,6 +902,50 @@ def eval_command(
     run_eval(engine, options, content, as_json, write_stdout, write_stderr)
 
 
+LM_EVAL_MISSING = "lm-eval needs lm-evaluation-harness, which is not installed: pip install 'gpt-fast[lm-eval]'"
+
+
+@cli.command("lm-eval")
+@checkpoint_option
+@option("--tasks", required=True, help="lm-evaluation-harness tasks or groups, separated by commas (e.g. arc_easy).")
+@option(
+    "--include_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="A folder of task YAMLs, looked up before lm-eval's own tasks.",
+)
+@option("--num_fewshot", type=int, default=None, help="Examples in each prompt. [default: each task's own]")
+@option("--limit", type=float, default=None, help="Documents per task: a count, or a fraction below 1 (for tests).")
+@option("--output_path", type=click.Path(path_type=Path), default=None, help="Write the results as JSON here.")
+@engine_options
+def lm_eval_command(
+    checkpoint_path: str | None,
+    tasks: str,
+    include_path: Path | None,
+    num_fewshot: int | None,
+    limit: float | None,
+    output_path: Path | None,
+    engine_options: EngineOptions,
+) -> None:
+    """lm-evaluation-harness tasks on a checkpoint, in this process (the lm-eval extra); prints lm-eval's table."""
+    from gpt_fast.jobs.options import LmEvalOptions
+
+    names = tuple(name.strip() for name in tasks.split(","))
+    options = LmEvalOptions(names, include_path, num_fewshot, limit, output_path)
+    try:
+        from gpt_fast.jobs.lm_eval_model import run_lm_eval, task_manager
+    except ModuleNotFoundError as err:
+        if err.name is None or err.name.split(".")[0] != "lm_eval":
+            raise
+        raise click.ClickException(LM_EVAL_MISSING) from None
+    from gpt_fast.engine.engine import Engine
+
+    manager = task_manager(options)
+    engine = Engine.open(checkpoint_path, engine_options)
+    apply_settings(engine)
+    run_lm_eval(engine, options, manager, write_stdout)
+
+
 def hub_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """REPO_ID, --hf_token, --revision."""
     func = option("--revision", default=None, help="Branch, tag or commit (default: main).")(func)

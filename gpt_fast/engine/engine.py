@@ -45,7 +45,7 @@ from gpt_fast.generation.options import OutputConstraint, ToolSpec
 from gpt_fast.generation.precompile import PrecompiledStep
 from gpt_fast.generation.profiling import record_trace
 from gpt_fast.generation.sampling import SamplingConfig
-from gpt_fast.generation.scoring import token_log_likelihoods
+from gpt_fast.generation.scoring import token_scores
 from gpt_fast.generation.slots import SlotSteps, make_slot_steps
 from gpt_fast.generation.speculative import (
     SpeculativeOptions,
@@ -467,13 +467,18 @@ class Engine:
     def log_likelihoods(self, ids: Sequence[int]) -> torch.Tensor:
         """``log p(ids[i] | ids[:i])`` for ``i = 1 .. len(ids) - 1`` under the model, float32 on the CPU: one
         window of text scored in one forward pass (perplexity, :mod:`gpt_fast.jobs.evaluate`)."""
+        return self.token_scores(ids)[0]
+
+    def token_scores(self, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`log_likelihoods`, and whether each ``ids[i]`` is the model's most likely token there (bool): an
+        evaluation asks both of a continuation (:mod:`gpt_fast.jobs.lm_eval_model`)."""
         if len(ids) < 2:
             raise ValueError(f"a window to score needs at least 2 tokens, got {len(ids)}")
         if len(ids) > self.model_config.block_size:
             raise ValueError(
                 f"a window of {len(ids)} tokens exceeds the model's context of {self.model_config.block_size} tokens"
             )
-        return token_log_likelihoods(self.model, ids)
+        return token_scores(self.model, ids)
 
     # --- generation ---------------------------------------------------------------------------------------------
 

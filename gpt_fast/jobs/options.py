@@ -1,5 +1,5 @@
-"""The options of `gpt-fast generate` and `gpt-fast eval`, checked once as they are made. Imports no torch: the
-command line checks its arguments before it loads anything."""
+"""The options of `gpt-fast generate`, `gpt-fast eval` and `gpt-fast lm-eval`, checked once as they are made.
+Imports no torch: the command line checks its arguments before it loads anything."""
 
 from __future__ import annotations
 
@@ -130,3 +130,32 @@ class EvalOptions:
     @property
     def text_name(self) -> str:
         return str(self.text) if self.text is not None else self.dataset or DEFAULT_TEXT
+
+
+@dataclass(frozen=True)
+class LmEvalOptions:
+    """What `gpt-fast lm-eval` runs and where its results go; checked when made, before lm-eval or the weights are
+    loaded."""
+
+    tasks: tuple[str, ...]
+    include_path: Path | None = None  # a folder of task YAMLs, looked up before lm-eval's own tasks
+    num_fewshot: int | None = None  # None: each task's own
+    limit: float | None = None  # documents per task: a count, or a fraction below 1
+    output_path: Path | None = None  # the results as JSON
+
+    def __post_init__(self) -> None:
+        if not self.tasks or not all(self.tasks):
+            raise ValueError("--tasks needs task names, separated by commas")
+        if self.include_path is not None and not self.include_path.is_dir():
+            raise ValueError(f"--include_path {self.include_path} is not a folder")
+        if self.num_fewshot is not None and self.num_fewshot < 0:
+            raise ValueError(f"--num_fewshot must be >= 0, got {self.num_fewshot}")
+        if self.limit is not None and not (0 < self.limit < 1 or (self.limit >= 1 and self.limit == int(self.limit))):
+            raise ValueError(f"--limit must be a whole number of documents or a fraction in (0, 1), got {self.limit}")
+        if self.output_path is not None:
+            check_output_file(self.output_path, "--output_path")
+
+    @property
+    def limit_value(self) -> int | float | None:
+        """``limit`` as lm-eval reads it: a count as an integer, a fraction as a float."""
+        return int(self.limit) if self.limit is not None and self.limit >= 1 else self.limit
