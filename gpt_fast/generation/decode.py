@@ -64,16 +64,17 @@ def prefill_padded(model: Transformer, idx: torch.Tensor, length: torch.Tensor, 
 def decode_one_token(model: Transformer, sampling: SamplingConfig) -> None:
     """One decode step, entirely on the device: the token at ``input_pos`` goes in, the next one is written
     after it, and ``input_pos`` advances."""
-    state = model.decode_state
-    tokens = sample(_next_logits(model), sampling, model.top_k_sampler)  # [B]
-    state.tokens.index_copy_(1, state.input_pos + 1, tokens[:, None])
-    state.input_pos.add_(1)
+    _write_next(model, sample(_next_logits(model), sampling, model.top_k_sampler))
 
 
 def decode_one_token_masked(model: Transformer, sampling: SamplingConfig, allowed: torch.Tensor) -> None:
     """:func:`decode_one_token` among the tokens a constraint allows: ``allowed`` [B, W] (:func:`mask_logits`)."""
+    _write_next(model, sample(mask_logits(_next_logits(model), allowed), sampling, model.top_k_sampler))
+
+
+def _write_next(model: Transformer, tokens: torch.Tensor) -> None:
+    """Write the sampled ``tokens`` [B] after the token at ``input_pos``, and advance ``input_pos``."""
     state = model.decode_state
-    tokens = sample(mask_logits(_next_logits(model), allowed), sampling, model.top_k_sampler)  # [B]
     state.tokens.index_copy_(1, state.input_pos + 1, tokens[:, None])
     state.input_pos.add_(1)
 

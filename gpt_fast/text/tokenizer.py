@@ -551,8 +551,9 @@ class _PieceBytes:
         ]
 
     def bytes_of(self, piece: str) -> bytes:
-        if self.byte_level and all(char in _BYTE_OF_CHAR for char in piece):
-            return bytes(_BYTE_OF_CHAR[char] for char in piece)
+        byte_of_char = _byte_of_char()
+        if self.byte_level and all(char in byte_of_char for char in piece):
+            return bytes(byte_of_char[char] for char in piece)
         byte = _BYTE_PIECE.fullmatch(piece) if self.byte_fallback else None
         if byte is not None:
             return bytes([int(byte.group(1), 16)])
@@ -578,7 +579,10 @@ def bytes_to_unicode() -> dict[int, str]:
     return mapping
 
 
-_BYTE_OF_CHAR = {char: byte for byte, char in bytes_to_unicode().items()}
+@functools.cache
+def _byte_of_char() -> dict[str, int]:
+    """The inverse of :func:`bytes_to_unicode`, made on first use."""
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 def _is_word_char(char: str) -> bool:
