@@ -141,6 +141,18 @@ class Failed:
 Event = PromptLogprobs | Delta | Finished | Failed
 
 
+@dataclass(frozen=True)
+class CacheUsage:
+    """The KV cache's blocks at one moment, and what the prefix cache has saved since the batcher started."""
+
+    block_size: int  # tokens per block
+    blocks: int  # blocks the sequences may hold
+    blocks_used: int  # blocks held by the requests in the slots
+    prefix_tokens_queried: int  # prompt tokens looked up in the prefix cache
+    prefix_tokens_hit: int  # of those, the tokens whose keys and values were found already computed
+    preemptions: int  # requests taken out of their slot to free blocks, and resumed later
+
+
 class Job:
     """A submitted request: its slot, what it has generated, and whom to tell."""
 
@@ -296,6 +308,10 @@ class Batcher:
     def queued(self) -> int:
         """Requests waiting for a slot."""
         return len(self.waiting)
+
+    def cache_usage(self) -> CacheUsage:
+        """The cache's use now: one block of ``max_seq_length`` tokens per slot."""
+        return CacheUsage(self.max_seq_length, self.options.max_batch, self.busy, 0, 0, 0)
 
     # --- the driving thread -------------------------------------------------------------------------------------
 
