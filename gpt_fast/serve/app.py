@@ -1,5 +1,5 @@
-"""The Starlette application: the OpenAI endpoints, vLLM's ``/tokenize`` and ``/detokenize``, the health check and
-the chat page.
+"""The Starlette application: the OpenAI endpoints, vLLM's ``/tokenize`` and ``/detokenize``, the health check, the
+Prometheus metrics (:mod:`gpt_fast.serve.metrics`) and the chat page.
 
 Each request is checked (:mod:`gpt_fast.serve.openai_api`), submitted to the batcher, and answered from its events:
 as one JSON object, or as server-sent events ending in ``data: [DONE]``. A client that goes away cancels its
@@ -27,6 +27,7 @@ from starlette.routing import Route
 from gpt_fast.engine.batcher import Batcher, Delta, Failed, Finished, Job, PromptLogprobs, QueueFull, TokenLogprob
 from gpt_fast.generation.constraint import GrammarError
 from gpt_fast.serve.errors import APIError
+from gpt_fast.serve.metrics import ServerMetrics
 from gpt_fast.serve.openai_api import Call, Context, Responder, detokenize, parse_chat, parse_completion, tokenize
 from gpt_fast.serve.sse import DONE, Bridge, EventStream, event
 from gpt_fast.serve.structured import ToolStream, tool_finish
@@ -46,11 +47,13 @@ class OpenAIServer:
         self.created = int(time.time())
         self.page = PAGE.read_bytes()
         self.ignored_seen: set[str] = set()
+        self.metrics = ServerMetrics(batcher)
 
     def app(self) -> Starlette:
         routes = [
             Route("/", self.chat_page),
             Route("/health", self.health),
+            Route("/metrics", self.scrape),
             Route("/v1/models", self.models),
             Route("/v1/models/{model:path}", self.model),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -76,6 +79,11 @@ class OpenAIServer:
                 "tokens_generated": batcher.tokens_generated,
             }
         )
+
+    async def scrape(self, request: Request) -> Response:
+        self.authorize(request)
+        body, content_type = self.metrics.exposition(request.headers.get("accept", ""))
+        return Response(body, media_type=content_type)
 
     def model_card(self) -> dict[str, Any]:
         return {
@@ -114,8 +122,8 @@ class OpenAIServer:
         return JSONResponse(detokenize(await read_json(request), self.ctx))
 
     def authorize(self, request: Request) -> None:
-        """With an API key set, every /v1 request (and /tokenize, /detokenize) carries it as
-        ``Authorization: Bearer KEY``."""
+        """With an API key set, every request but the health check and the page (/v1, /tokenize, /detokenize,
+        /metrics) carries it as ``Authorization: Bearer KEY``."""
         if self.api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
@@ -152,7 +160,8 @@ class OpenAIServer:
         jobs: list[Job] = []
         try:
             for index, choice in enumerate(call.requests):
-                jobs.append(self.batcher.submit(choice, functools.partial(bridge.put, index)))
+                on_event = self.metrics.observe(len(choice.prompt_ids), functools.partial(bridge.put, index))
+                jobs.append(self.batcher.submit(choice, on_event))
         except (QueueFull, ValueError) as err:
             for job in jobs:
                 self.batcher.cancel(job)
