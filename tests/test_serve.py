@@ -31,6 +31,7 @@ import torch
 from gpt_fast import Engine, SamplingConfig
 from gpt_fast.cli.main import main
 from gpt_fast.convert.random_init import make_random_checkpoint
+from gpt_fast.engine.batcher import CacheUsage
 from gpt_fast.model.config import load_checkpoint_config
 from gpt_fast.model.shapes import get_shape
 from gpt_fast.serve.server import signals_call
@@ -182,6 +183,7 @@ def test_models_and_health(tiny_server):
     assert [m.id for m in models.data] == ["tiny"]
     health = tiny_server.health()
     assert health["status"] == "ok" and health["slots"] == 4 and health["model"] == "tiny"
+    assert set(health["cache"]) == {field.name for field in dataclasses.fields(CacheUsage)}
 
 
 def test_completions_equal_gpt_fast_generate(tiny_server, tiny_dir, tmp_path, capsys):

@@ -16,6 +16,17 @@ from gpt_fast.util.options import OptionError, check_at_least, check_names, chec
 DEFAULT_AGREEMENTS = (0.5, 0.7, 0.8, 0.9)
 RUN_TIMEOUT_S = 480.0  # one world size's run of the tensor-parallel benchmark, start to end
 SERVE_DTYPES = ("bfloat16", "float16", "float32")
+WORKLOADS = ("fixed", "mixed")
+MIXED_PROMPT_TOKENS = (64, 1024)  # the mixed workload's prompt lengths, LOW and HIGH included
+MIXED_ANSWER_TOKENS = (64, 512)
+
+
+def check_token_range(option: str, value: tuple[int, int]) -> None:
+    """``value``: (LOW, HIGH), token counts with 1 <= LOW <= HIGH."""
+    counts = isinstance(value, tuple) and len(value) == 2 and all(type(end) is int for end in value)
+    if not counts or not 1 <= value[0] <= value[1]:
+        shown = "-".join(map(str, value)) if counts else repr(value)
+        raise OptionError(f"{option} {shown} is not a range of token counts LOW-HIGH, 1 <= LOW <= HIGH", option)
 
 
 @dataclass(frozen=True)
@@ -59,17 +70,27 @@ class DecodeBenchOptions:
 
 @dataclass(frozen=True)
 class ServeBenchOptions:
-    """:mod:`gpt_fast.bench.serve`: `gpt-fast generate`, then the server with one client and with ``clients``.
-    ``workdir`` None: ``gpt-fast-bench-serve`` in the temporary folder."""
+    """:mod:`gpt_fast.bench.serve`: the server under load, one run for each count of ``clients`` (and one client,
+    the ratios' baseline), on one server with as many slots as the largest count. ``workload`` fixed: every prompt
+    one text, every answer ``max_tokens`` tokens, and `gpt-fast generate` on the same request beside them; mixed:
+    each request's prompt and answer lengths drawn uniformly from ``prompt_tokens`` and ``answer_tokens`` (LOW,
+    HIGH, both included), its prompt random token ids after a shared prefix of ``system_prompt_tokens``, all drawn
+    from ``seed``. ``rounds``: the requests each client sends, one after another, in a run. ``workdir`` None:
+    ``gpt-fast-bench-serve`` in the temporary folder."""
 
     shape: str = "llama-2-7b"
     workdir: str | None = None
     dtype: str = "bfloat16"
     device: str = "cuda"
     compile: str = "reduce-overhead"
-    clients: int = 8
+    clients: tuple[int, ...] = (8,)
     rounds: int = 5
     max_tokens: int = 256
+    workload: str = "fixed"
+    prompt_tokens: tuple[int, int] = MIXED_PROMPT_TOKENS
+    answer_tokens: tuple[int, int] = MIXED_ANSWER_TOKENS
+    system_prompt_tokens: int = 0
+    seed: int = 0
     temperature: float = 0.8
     top_k: int = 200
     output: str | None = None
@@ -78,9 +99,49 @@ class ServeBenchOptions:
         check_one_of("shape", self.shape, tuple(SHAPES))
         check_one_of("dtype", self.dtype, SERVE_DTYPES)
         check_one_of("compile", self.compile, COMPILE_MODES)
-        for name in ("clients", "rounds", "max_tokens", "top_k"):
+        check_names("clients", self.clients)
+        for count in self.clients:
+            check_at_least("clients", count, 1)
+        for name in ("rounds", "max_tokens", "top_k"):
             check_at_least(name, getattr(self, name), 1)
-        check_at_least("temperature", self.temperature, 0)
+        for name in ("system_prompt_tokens", "seed", "temperature"):
+            check_at_least(name, getattr(self, name), 0)
+        check_one_of("workload", self.workload, WORKLOADS)
+        check_token_range("prompt_tokens", self.prompt_tokens)
+        check_token_range("answer_tokens", self.answer_tokens)
+        if self.workload == "mixed":
+            self._check_mixed()
+        else:
+            self._check_fixed()
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        """The runs' client counts, in order: one client always, the baseline of the ratios."""
+        return tuple(sorted({1, *self.clients}))
+
+    def _check_fixed(self) -> None:
+        defaults = (
+            ("prompt_tokens", MIXED_PROMPT_TOKENS),
+            ("answer_tokens", MIXED_ANSWER_TOKENS),
+            ("system_prompt_tokens", 0),
+        )
+        given = [name for name, default in defaults if getattr(self, name) != default]
+        if given:
+            raise OptionError(f"{given[0]} needs workload mixed", given[0], "workload")
+
+    def _check_mixed(self) -> None:
+        if self.max_tokens != ServeBenchOptions.max_tokens:
+            message = "max_tokens is the fixed workload's; the mixed one draws answer_tokens"
+            raise OptionError(message, "max_tokens", "answer_tokens")
+        longest = self.system_prompt_tokens + self.prompt_tokens[1] + self.answer_tokens[1]
+        context = SHAPES[self.shape].block_size
+        if longest > context:
+            system = f"system_prompt_tokens {self.system_prompt_tokens} + " if self.system_prompt_tokens else ""
+            message = (
+                f"the longest request, {system}prompt_tokens {self.prompt_tokens[1]} + answer_tokens "
+                f"{self.answer_tokens[1]} = {longest} tokens, exceeds {self.shape}'s context of {context} tokens"
+            )
+            raise OptionError(message, "system_prompt_tokens", "prompt_tokens", "answer_tokens")
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,25 @@
-"""The server under load, in one run: `gpt-fast generate` alone, then `gpt-fast serve` with one streaming client and
-with N concurrent streaming clients, on the same checkpoint, compile mode and sampling. Prints one table: tokens/sec
-per client and in all, time to first token (p50/p99), and the issue's three ratios.
+"""The server under load, in one run: `gpt-fast serve` with one streaming client and with each count of
+``--clients`` at once, one run per count on one server (as many slots as the largest count), and with the fixed
+workload `gpt-fast generate` alone first, on the same checkpoint, compile mode, sampling and request. Prints one
+table, a row per run, and the issue's ratios.
 
-    gpt-fast bench serve --shape llama-2-7b --compile reduce-overhead
+    gpt-fast bench serve --shape llama-2-7b --compile reduce-overhead --clients 1,8,32,64
+    gpt-fast bench serve --shape llama-2-7b --clients 8,32 --workload mixed --system_prompt_tokens 256
 
 A random-weight checkpoint of ``--shape`` (byte-level tokenizer) is written to ``--workdir`` first, and kept for the
-next run. The clients are plain HTTP (``http.client``) threads in this process; the server and
-`generate` each run in a subprocess of their own. Every request asks for exactly ``--max_tokens`` tokens
-(``ignore_eos``), all from prompts of the same length.
+next run. The clients are plain HTTP (``http.client``) threads in this process; the server and `generate` each run
+in a subprocess of their own. The requests are planned before a run (:mod:`gpt_fast.bench.workload`: the fixed
+prompt text, or the mixed workload's random token ids and lengths); every answer runs to its planned length
+(``ignore_eos``).
+
+A run: every client sends one warm-up request, all at once; then, starting together, each sends ``--rounds``
+requests one after another. Its figures: tokens/sec per client (the client's tokens over its time in requests; the
+mean over clients, and the slowest) and in all (every token over the run's wall time); the time to the first token
+and the inter-token latency at p50 and p99, the latter from the arrival of each piece of streamed text after the
+first (as vLLM's and SGLang's benchmarks take it; a piece is one token unless the tokenizer held part of a
+character back); and from the server's ``/health`` (the batcher's :class:`~gpt_fast.engine.batcher.CacheUsage`),
+read every ``SAMPLE_SECONDS`` while the run lasts: the most KV blocks in use, the share of the prompt tokens looked
+up in the prefix cache during the run that it held, and the preemptions.
 """
 
 from __future__ import annotations
@@ -21,14 +33,17 @@ import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, replace
+from itertools import pairwise
 from pathlib import Path
 
 from gpt_fast.bench.options import ServeBenchOptions
+from gpt_fast.bench.workload import Planned, fixed_prompt, longest_answer, longest_prompt, plan
+from gpt_fast.engine.batcher import CacheUsage
 from gpt_fast.generation.decode import cache_length
 from gpt_fast.model.shapes import get_shape
 from gpt_fast.util.fileio import write_text_atomic
 
-PROMPT = "def quicksort(arr):\n    # sort the list in place, client {client:02d}, round {round:02d}\n"
+SAMPLE_SECONDS = 0.05  # between two readings of the server's cache while a run lasts
 
 
 @dataclass(frozen=True)
@@ -38,63 +53,73 @@ class Answer:
     tokens: int
     ttft: float  # seconds to the first text
     seconds: float  # to the end
-
-    @property
-    def tokens_per_sec(self) -> float:
-        return self.tokens / self.seconds
+    gaps: tuple[float, ...]  # seconds between the arrivals of consecutive pieces of text
 
 
 @dataclass(frozen=True)
 class Load:
-    """``clients`` streaming at once, ``rounds`` times."""
+    """One run: ``clients`` streaming at once, ``requests`` answers timed. A latency is None where there is none to
+    take (every answer one piece of text); ``prefix_hit_rate`` None where no prompt token was looked up."""
 
     clients: int
-    per_client_tokens_per_sec: float  # median over clients and rounds
-    slowest_client_tokens_per_sec: float  # the slowest client's rate, median over rounds
-    aggregate_tokens_per_sec: float  # all tokens / wall time of a round, median over rounds
+    requests: int
+    per_client_tokens_per_sec: float  # mean over clients of a client's tokens / its seconds in requests
+    slowest_client_tokens_per_sec: float  # the slowest client's
+    aggregate_tokens_per_sec: float  # every token / the run's wall time
     ttft_p50_ms: float
     ttft_p99_ms: float
+    itl_p50_ms: float | None
+    itl_p99_ms: float | None
+    peak_blocks_used: int  # the most KV blocks in use at one reading
+    prefix_hit_rate: float | None  # prompt tokens found already computed / prompt tokens looked up, in the run
+    preemptions: int  # during the run
 
 
 def stream_one(host: str, port: int, body: dict) -> Answer:
-    """POST a streaming completion and read it to the end."""
+    """POST a streaming completion and read it to the end; its answer must run to ``max_tokens``."""
     connection = http.client.HTTPConnection(host, port, timeout=600)
     start = time.perf_counter()
     connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     response = connection.getresponse()
     if response.status != 200:
         raise RuntimeError(f"the server answered {response.status}: {response.read()[:500]!r}")
-    first, tokens = None, None
+    arrivals: list[float] = []
+    tokens = None
     for line in response:
         if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
             continue
         chunk = json.loads(line[6:])
         if chunk.get("usage"):
             tokens = chunk["usage"]["completion_tokens"]
-        if first is None and any(choice.get("text") for choice in chunk["choices"]):
-            first = time.perf_counter()
+        if any(choice.get("text") for choice in chunk["choices"]):
+            arrivals.append(time.perf_counter())
     end = time.perf_counter()
     connection.close()
-    if tokens is None or first is None:
+    if tokens is None or not arrivals:
         raise RuntimeError("the stream ended without text or usage")
-    return Answer(tokens, first - start, end - start)
+    if tokens != body["max_tokens"]:
+        raise RuntimeError(f"asked for {body['max_tokens']} tokens (ignore_eos), the answer has {tokens}")
+    gaps = tuple(later - earlier for earlier, later in pairwise(arrivals))
+    return Answer(tokens, arrivals[0] - start, end - start, gaps)
 
 
-def run_round(host: str, port: int, clients: int, round_index: int, request: dict) -> tuple[list[Answer], float]:
-    """``clients`` requests at once; their answers and the round's wall time."""
-    answers: list[Answer | None] = [None] * clients
+def run_clients(host: str, port: int, planned: list[list[Planned]], request: dict) -> tuple[list[list[Answer]], float]:
+    """Each client's planned requests, one after another, the clients starting at once: their answers, and the wall
+    time to the last answer's end."""
+    answers: list[list[Answer]] = [[] for _ in planned]
     errors: list[BaseException] = []
-    barrier = threading.Barrier(clients)
+    barrier = threading.Barrier(len(planned))
 
     def client(index: int) -> None:
-        body = request | {"prompt": PROMPT.format(client=index, round=round_index)}
         barrier.wait()
         try:
-            answers[index] = stream_one(host, port, body)
+            for one in planned[index]:
+                body = request | {"prompt": one.prompt, "max_tokens": one.answer_tokens}
+                answers[index].append(stream_one(host, port, body))
         except BaseException as err:  # reported below, in the main thread
             errors.append(err)
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(planned))]
     start = time.perf_counter()
     for thread in threads:
         thread.start()
@@ -102,7 +127,47 @@ def run_round(host: str, port: int, clients: int, round_index: int, request: dic
         thread.join()
     if errors:
         raise errors[0]
-    return [a for a in answers if a is not None], time.perf_counter() - start
+    return answers, time.perf_counter() - start
+
+
+def read_cache(connection: http.client.HTTPConnection) -> CacheUsage:
+    """The server's cache now, from ``/health``."""
+    connection.request("GET", "/health")
+    response = connection.getresponse()
+    if response.status != 200:
+        raise RuntimeError(f"/health answered {response.status}: {response.read()[:500]!r}")
+    return CacheUsage(**json.loads(response.read())["cache"])
+
+
+class CacheSampler:
+    """The server's cache (``/health``) read before a run, every SAMPLE_SECONDS in a thread of its own while the
+    run lasts, and after it: the most blocks in use, and the counters at both ends."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.connection = http.client.HTTPConnection(host, port, timeout=60)
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.poll, daemon=True)
+        self.peak = 0
+
+    def read(self) -> CacheUsage:
+        usage = read_cache(self.connection)
+        self.peak = max(self.peak, usage.blocks_used)
+        return usage
+
+    def poll(self) -> None:
+        while not self.done.wait(SAMPLE_SECONDS):
+            self.read()
+
+    def __enter__(self) -> CacheSampler:
+        self.before = self.read()
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        self.thread.join()
+        self.after = self.read()
+        self.connection.close()
 
 
 def percentile(values: list[float], share: float) -> float:
@@ -110,23 +175,41 @@ def percentile(values: list[float], share: float) -> float:
     return ordered[min(len(ordered) - 1, round(share * (len(ordered) - 1)))]
 
 
-def measure(host: str, port: int, clients: int, rounds: int, request: dict) -> Load:
-    run_round(host, port, clients, 99, request)  # warm-up: every shape the server runs for this load
-    rates, slowest, aggregates, ttfts = [], [], [], []
-    for round_index in range(rounds):
-        answers, wall = run_round(host, port, clients, round_index, request)
-        rates += [a.tokens_per_sec for a in answers]
-        slowest.append(min(a.tokens_per_sec for a in answers))
-        aggregates.append(sum(a.tokens for a in answers) / wall)
-        ttfts += [a.ttft for a in answers]
+def milliseconds(values: list[float], share: float) -> float | None:
+    return 1e3 * percentile(values, share) if values else None
+
+
+def summarize(answers: list[list[Answer]], wall: float, cache: CacheSampler) -> Load:
+    """A run's figures from each client's answers and the cache's readings."""
+    every = [answer for client in answers for answer in client]
+    rates = [sum(a.tokens for a in client) / sum(a.seconds for a in client) for client in answers]
+    ttfts = [answer.ttft for answer in every]
+    gaps = [gap for answer in every for gap in answer.gaps]
+    before, after = cache.before, cache.after
+    queried = after.prefix_tokens_queried - before.prefix_tokens_queried
+    hit = after.prefix_tokens_hit - before.prefix_tokens_hit
     return Load(
-        clients=clients,
-        per_client_tokens_per_sec=statistics.median(rates),
-        slowest_client_tokens_per_sec=statistics.median(slowest),
-        aggregate_tokens_per_sec=statistics.median(aggregates),
+        clients=len(answers),
+        requests=len(every),
+        per_client_tokens_per_sec=statistics.fmean(rates),
+        slowest_client_tokens_per_sec=min(rates),
+        aggregate_tokens_per_sec=sum(answer.tokens for answer in every) / wall,
         ttft_p50_ms=1e3 * percentile(ttfts, 0.5),
         ttft_p99_ms=1e3 * percentile(ttfts, 0.99),
+        itl_p50_ms=milliseconds(gaps, 0.5),
+        itl_p99_ms=milliseconds(gaps, 0.99),
+        peak_blocks_used=cache.peak,
+        prefix_hit_rate=hit / queried if queried else None,
+        preemptions=after.preemptions - before.preemptions,
     )
+
+
+def measure(host: str, port: int, args: ServeBenchOptions, clients: int, request: dict) -> Load:
+    """One run of ``clients``, after a warm-up request each (every shape the server runs for this load)."""
+    run_clients(host, port, plan(args, clients, warm_up=True), request)
+    with CacheSampler(host, port) as cache:
+        answers, wall = run_clients(host, port, plan(args, clients), request)
+    return summarize(answers, wall, cache)
 
 
 def gpt_fast(*args: str) -> list[str]:
@@ -151,7 +234,7 @@ def generate_rate(args: ServeBenchOptions, checkpoint: Path, sampling: list[str]
             "--checkpoint_path",
             str(checkpoint),
             "--prompt",
-            PROMPT.format(client=0, round=0),
+            fixed_prompt(0, 0),
             "--max_new_tokens",
             str(args.max_tokens),
             "--num_samples",
@@ -181,7 +264,7 @@ class Server:
             "--port",
             "0",
             "--max_batch",
-            str(args.clients),
+            str(max(args.counts)),
             "--max_seq_length",
             str(max_seq_length),
             "--compile",
@@ -206,28 +289,55 @@ class Server:
         self.process.wait(60)
 
 
-def table(generate: float, one: Load, many: Load) -> str:
+def cell(value: float | None, unit: str = "") -> str:
+    return "–" if value is None else f"{value:.1f}{unit}"
+
+
+def table(generate: float | None, loads: list[Load], blocks: int) -> str:
+    """A row per run (and `generate`'s, where it ran), then each run's ratios to one client's."""
+    one = loads[0]
+    assert one.clients == 1, "every benchmark runs one client first, the ratios' baseline"
     rows = [
-        "| load | tok/s per client (median) | slowest client | aggregate tok/s | TTFT p50 | TTFT p99 |",
-        "|---|---|---|---|---|---|",
-        f"| `gpt-fast generate` | {generate:.1f} | | {generate:.1f} | | |",
+        "| load | requests | tok/s per client (mean) | slowest client | aggregate tok/s | TTFT p50 | TTFT p99 | "
+        f"ITL p50 | ITL p99 | peak KV blocks (of {blocks}) | prefix cache hits | preemptions |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for load in (one, many):
-        rows.append(
-            f"| server, {load.clients} client{'s' if load.clients > 1 else ''} | "
-            f"{load.per_client_tokens_per_sec:.1f} | {load.slowest_client_tokens_per_sec:.1f} | "
-            f"{load.aggregate_tokens_per_sec:.1f} | {load.ttft_p50_ms:.1f} ms | {load.ttft_p99_ms:.1f} ms |"
-        )
-    aggregate = many.aggregate_tokens_per_sec / one.aggregate_tokens_per_sec
-    slowest = many.slowest_client_tokens_per_sec / one.per_client_tokens_per_sec
-    through = one.per_client_tokens_per_sec / generate
-    rows += [
-        "",
-        f"aggregate with {many.clients} clients / one client: {aggregate:.2f}x (target >= 6x)",
-        f"slowest of {many.clients} clients / one client: {100 * slowest:.0f} % (target >= 75 %)",
-        f"one client through the server / gpt-fast generate: {100 * through:.0f} % (target >= 95 %)",
-    ]
+    if generate is not None:
+        rows.append(f"| `gpt-fast generate` | | {generate:.1f} | | {generate:.1f} | | | | | | | |")
+    for load in loads:
+        hits = "–" if load.prefix_hit_rate is None else f"{100 * load.prefix_hit_rate:.0f} %"
+        rates = (load.per_client_tokens_per_sec, load.slowest_client_tokens_per_sec, load.aggregate_tokens_per_sec)
+        latencies = (load.ttft_p50_ms, load.ttft_p99_ms, load.itl_p50_ms, load.itl_p99_ms)
+        cells = [
+            f"server, {load.clients} client{'s' if load.clients > 1 else ''}",
+            str(load.requests),
+            *(cell(rate) for rate in rates),
+            *(cell(latency, " ms") for latency in latencies),
+            str(load.peak_blocks_used),
+            hits,
+            str(load.preemptions),
+        ]
+        rows.append(f"| {' | '.join(cells)} |")
+    rows.append("")
+    for many in loads[1:]:
+        aggregate = many.aggregate_tokens_per_sec / one.aggregate_tokens_per_sec
+        slowest = many.slowest_client_tokens_per_sec / one.per_client_tokens_per_sec
+        rows += [
+            f"aggregate with {many.clients} clients / one client: {aggregate:.2f}x (target >= 6x)",
+            f"slowest of {many.clients} clients / one client: {100 * slowest:.0f} % (target >= 75 %)",
+        ]
+    if generate is not None:
+        through = one.per_client_tokens_per_sec / generate
+        rows.append(f"one client through the server / gpt-fast generate: {100 * through:.0f} % (target >= 95 %)")
     return "\n".join(rows)
+
+
+def workload_line(args: ServeBenchOptions) -> str:
+    if args.workload == "fixed":
+        return f"{args.max_tokens} tokens per answer, prompts of {longest_prompt(args)} tokens"
+    system = f" after a shared system prompt of {args.system_prompt_tokens}" if args.system_prompt_tokens else ""
+    prompts, answers = ("-".join(map(str, ends)) for ends in (args.prompt_tokens, args.answer_tokens))
+    return f"mixed workload (seed {args.seed}): prompts of {prompts} tokens{system}, answers of {answers} tokens"
 
 
 def run(options: ServeBenchOptions) -> None:
@@ -235,33 +345,43 @@ def run(options: ServeBenchOptions) -> None:
     workdir = options.workdir or str(Path(tempfile.gettempdir()) / "gpt-fast-bench-serve")
     args = replace(options, workdir=workdir)
     checkpoint = ensure_checkpoint(args)
-    prompt_tokens = len(PROMPT.format(client=0, round=0).encode()) + 1  # byte-level tokenizer, BOS
-    # the cache length `generate` uses for this request, so that both attend over as many positions
-    max_seq_length = cache_length(prompt_tokens, args.max_tokens, get_shape(args.shape).block_size)
+    # the fixed workload: the cache length `generate` uses for this request, so that both attend over as many positions
+    max_seq_length = cache_length(longest_prompt(args), longest_answer(args), get_shape(args.shape).block_size)
     sampling = ["--temperature", str(args.temperature), "--top_k", str(args.top_k)]
-    print(f"gpt-fast generate ({args.compile}, {args.max_tokens} tokens) ...", flush=True)
-    generate = generate_rate(args, checkpoint, sampling)
+    generate = None
+    if args.workload == "fixed":
+        print(f"gpt-fast generate ({args.compile}, {args.max_tokens} tokens) ...", flush=True)
+        generate = generate_rate(args, checkpoint, sampling)
     request = {
         "model": checkpoint.name,
-        "max_tokens": args.max_tokens,
         "temperature": args.temperature,
         "top_k": args.top_k,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    loads = []
     with Server(args, checkpoint, max_seq_length) as (host, port):
-        print("1 client ...", flush=True)
-        one = measure(host, port, 1, args.rounds, request)
-        print(f"{args.clients} clients ...", flush=True)
-        many = measure(host, port, args.clients, args.rounds, request)
+        connection = http.client.HTTPConnection(host, port, timeout=60)
+        cache = read_cache(connection)
+        connection.close()
+        for count in args.counts:
+            print(f"{count} client{'s' if count > 1 else ''} ...", flush=True)
+            loads.append(measure(host, port, args, count, request))
     print(
-        f"\n{args.shape} ({checkpoint}), {args.dtype}, compile={args.compile}, {args.device}, {args.max_tokens} "
-        f"tokens per answer, prompts of {prompt_tokens} tokens, {args.clients} slots of {max_seq_length} tokens\n"
+        f"\n{args.shape} ({checkpoint}), {args.dtype}, compile={args.compile}, {args.device}, {workload_line(args)}, "
+        f"{max(args.counts)} slots of {max_seq_length} tokens, KV blocks of {cache.block_size} tokens\n"
     )
-    print(table(generate, one, many))
+    print(table(generate, loads, cache.blocks))
     if args.output:
-        figures = {"args": asdict(args), "generate_tokens_per_sec": generate, "one": asdict(one), "many": asdict(many)}
+        figures = {
+            "args": asdict(args),
+            "generate_tokens_per_sec": generate,
+            "cache": {"block_size": cache.block_size, "blocks": cache.blocks},
+            "runs": [asdict(load) for load in loads],
+            "one": asdict(loads[0]),
+            "many": asdict(loads[-1]),
+        }
         write_text_atomic(Path(args.output), json.dumps(figures, indent=2) + "\n")
 
 

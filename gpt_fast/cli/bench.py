@@ -13,6 +13,7 @@ import click
 
 from gpt_fast.bench.options import (
     SERVE_DTYPES,
+    WORKLOADS,
     DecodeBenchOptions,
     OptionError,
     ServeBenchOptions,
@@ -56,7 +57,27 @@ class Listed(click.ParamType):
             self.fail(f"{value!r} is not one of {', '.join(map(str, self.choices()))}", param, ctx)
 
 
+class TokenRange(click.ParamType):
+    """``LOW-HIGH`` (or one count, ``N``: ``N-N``) -> (LOW, HIGH); the options object checks the counts."""
+
+    name = "range"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, tuple):
+            return value
+        low, dash, high = str(value).strip().partition("-")
+        try:
+            return int(low), int(high if dash else low)
+        except ValueError:
+            self.fail(f"{value!r} is not a range of token counts LOW-HIGH (64-1024)", param, ctx)
+
+
+def range_text(ends: tuple[int, int]) -> str:
+    return f"{ends[0]}-{ends[1]}"
+
+
 SHAPE_CHOICES = Listed(lambda: tuple(SHAPES))
+TOKEN_RANGE = TokenRange()
 MODE_CHOICES = Listed(lambda: COMPILE_MODES)
 
 
@@ -181,6 +202,12 @@ def decode_command(no_peers: bool, quantize: str, **values: Any) -> None:
 SERVE = ServeBenchOptions
 
 
+def token_range_option(name: str, help: str) -> Callable[[T], T]:
+    """A ``LOW-HIGH`` flag of `bench serve`, its default the options object's."""
+    default = range_text(getattr(SERVE, name))
+    return click.option(f"--{name}", type=TOKEN_RANGE, default=default, show_default=True, help=help)
+
+
 @bench.command("serve")
 @click.option("--shape", type=Listed(lambda: sorted(SHAPES)), default=SERVE.shape, show_default=True)
 @click.option("--workdir", default=None, help="Where the random checkpoint is written and kept for the next run.")
@@ -188,18 +215,43 @@ SERVE = ServeBenchOptions
 @click.option("--device", default=SERVE.device, show_default=True)
 @click.option("--compile", "compile_mode", type=MODE_CHOICES, default=SERVE.compile, show_default=True)
 @click.option(
-    "--clients", type=int, default=SERVE.clients, show_default=True, help="Concurrent clients (and the server's slots)."
+    "--clients",
+    default=",".join(map(str, SERVE.clients)),
+    show_default=True,
+    help="Concurrent clients, comma-separated (1,8,32,64): a run each, and one client's, on one server with as many "
+    "slots as the largest count.",
 )
-@click.option("--rounds", type=int, default=SERVE.rounds, show_default=True, help="Timed rounds of each load.")
-@click.option("--max_tokens", type=int, default=SERVE.max_tokens, show_default=True, help="Tokens per answer.")
+@click.option("--rounds", type=int, default=SERVE.rounds, show_default=True, help="Requests per client in a run.")
+@click.option(
+    "--workload",
+    type=Listed(lambda: WORKLOADS),
+    default=SERVE.workload,
+    show_default=True,
+    help="fixed: one prompt text, --max_tokens per answer, `gpt-fast generate` beside it; mixed: prompts of random "
+    "token ids, prompt and answer lengths drawn uniformly from --prompt_tokens and --answer_tokens (from --seed).",
+)
+@click.option("--max_tokens", type=int, default=SERVE.max_tokens, show_default=True, help="Tokens per fixed answer.")
+@token_range_option("prompt_tokens", "Mixed prompts' lengths, LOW-HIGH (or one length).")
+@token_range_option("answer_tokens", "Mixed answers' lengths, LOW-HIGH (or one length); each runs to its length.")
+@click.option(
+    "--system_prompt_tokens",
+    type=int,
+    default=SERVE.system_prompt_tokens,
+    show_default=True,
+    help="Mixed prompts: a shared prefix of this many random token ids in front of each (what a prefix cache reuses).",
+)
+@click.option("--seed", type=int, default=SERVE.seed, show_default=True, help="The mixed workload's draws.")
 @click.option("--temperature", type=float, default=SERVE.temperature, show_default=True)
 @click.option("--top_k", type=int, default=SERVE.top_k, show_default=True)
 @click.option("--output", default=None, help="Also write the figures here as JSON.")
-def serve_command(compile_mode: str, **values: Any) -> None:
-    """The server under load, in one run: `gpt-fast generate` alone, then `gpt-fast serve` with one streaming client
-    and with N concurrent streaming clients, on the same checkpoint, compile mode and sampling. Prints one table:
-    tokens/sec per client and in all, time to first token (p50/p99), and the issue's three ratios."""
-    options = make(ServeBenchOptions, compile=compile_mode, **values)
+def serve_command(compile_mode: str, clients: str, **values: Any) -> None:
+    """The server under load, in one run: with the fixed workload `gpt-fast generate` alone first, then `gpt-fast
+    serve` with one streaming client and with each count of --clients at once, on the same checkpoint, compile mode
+    and sampling. Prints one table, a row per run: requests, tokens/sec per client (mean, slowest) and in all, time to
+    first token and inter-token latency (p50/p99), the peak of KV blocks in use, prefix cache hits and preemptions;
+    then the issue's ratios."""
+    counts = comma_list(clients, int, "--clients")
+    options = make(ServeBenchOptions, compile=compile_mode, clients=counts, **values)
     from gpt_fast.bench.serve import run  # once the options are checked: it imports torch
 
     run(options)

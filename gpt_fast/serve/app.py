@@ -15,6 +15,7 @@ import hmac
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,7 @@ class OpenAIServer:
                 "busy": batcher.busy,
                 "waiting": batcher.queued,
                 "tokens_generated": batcher.tokens_generated,
+                "cache": asdict(batcher.cache_usage()),
             }
         )
 
