@@ -179,12 +179,14 @@ def test_a_rocm_build_falls_back_to_plain_pytorch(monkeypatch):
     assert resolve_kernel("auto", gpu) == "dequant"
 
 
-# rows, n, k. The interpreter runs a launch's programs one after another, each step of each in Python: the cost is
-# programs times steps, whatever a program's tile holds. So n is only as large as the paths need: 16 and 8 are
-# multiples of every tile's rows (1, 2, 4, 8: the unmasked paths, several programs per row where the tile is
+# rows, n, k, own tiles. The interpreter runs a launch's programs one after another, each step of each in Python:
+# the cost is programs times steps, whatever a program's tile holds. So n is only as large as the paths need: 16 and 8
+# are multiples of every tile's rows (1, 2, 4, 8: the unmasked paths, several programs per row where the tile is
 # smaller than n), 13 leaves every tile of several rows a last program with masked rows; k = 1024 is the one that
-# float32 int4's default tile of 1024 columns divides.
-INTERPRETED_SHAPES = [(1, 16, 256), (3, 13, 200), (2, 8, 1024), (3, 13, 192)]
+# float32 int4's default tile of 1024 columns divides. It runs the default tiles alone ("own tiles" False): the test's
+# own tiles run unmasked at (1, 16, 256) already, with the same code at each step, and at k = 1024 took 4 times the
+# steps, a third of the test's time.
+INTERPRETED_SHAPES = [(1, 16, 256, True), (3, 13, 200, True), (2, 8, 1024, False), (3, 13, 192, True)]
 TRITON_CHECK = """
 import torch
 from gpt_fast.kernels import triton_gemv
@@ -193,32 +195,32 @@ from gpt_fast.quant.schemes import dequantize_int4, dequantize_int8, quantize_in
 torch.manual_seed(0)
 worst = 0.0
 worst_half2 = {torch.float16: 0.0, torch.bfloat16: 0.0}
-for rows, n, k in SHAPES:
+for rows, n, k, own_tiles in SHAPES:
     w, x = torch.randn(n, k), torch.randn(rows, k)
     q, s = quantize_int8(w, torch.float32)
     exact = x.double() @ dequantize_int8(q, s).double().T
-    for launch in [None, triton_gemv.Launch(4, 128, 4), triton_gemv.Launch(1, 256, 2, words=True)]:
+    for launch in [None, *own_tiles * [triton_gemv.Launch(4, 128, 4), triton_gemv.Launch(1, 256, 2, words=True)]]:
         got = triton_gemv.int8_gemv(x, q, s, launch).double()
         worst = max(worst, ((got - exact).norm() / exact.norm()).item())
     for dtype in (torch.float16, torch.bfloat16) if k % INT8_BLOCK == 0 else ():
         q16, s16 = quantize_int8(w, dtype)
         half = x.to(dtype)
         exact16 = half.double() @ dequantize_int8(q16, s16).double().T
-        for launch in [None, triton_gemv.Launch(2, 128, 2), triton_gemv.Launch(8, 64, 1)]:
+        for launch in [None, *own_tiles * [triton_gemv.Launch(2, 128, 2), triton_gemv.Launch(8, 64, 1)]]:
             got = triton_gemv.int8_gemv(half, int8_interleave(q16), s16, launch).double()
             worst_half2[dtype] = max(worst_half2[dtype], ((got - exact16).norm() / exact16.norm()).item())
     for group in (32, 128):
         q, s, z = quantize_int4(w, group, torch.float32)
         exact = x.double() @ dequantize_int4(q, s, z, group).double().T
         words = group_interleave(q, group)
-        for launch in [None, triton_gemv.Launch(4, 2 * group, 2), triton_gemv.Launch(2, group, 1)]:
+        for launch in [None, *own_tiles * [triton_gemv.Launch(4, 2 * group, 2), triton_gemv.Launch(2, group, 1)]]:
             got = triton_gemv.int4_gemv(x, words, s, z, group, launch).double()
             worst = max(worst, ((got - exact).norm() / exact.norm()).item())
         for dtype in (torch.float16, torch.bfloat16):
             q, s, z = quantize_int4(w, group, dtype)
             half = x.to(dtype)
             exact = half.double() @ dequantize_int4(q, s, z, group).double().T
-            for launch in [None, triton_gemv.Launch(4, 2 * group, 2, half2=True)]:
+            for launch in [None, *own_tiles * [triton_gemv.Launch(4, 2 * group, 2, half2=True)]]:
                 got = triton_gemv.int4_gemv(half, group_interleave(q, group), s, z, group, launch).double()
                 worst_half2[dtype] = max(worst_half2[dtype], ((got - exact).norm() / exact.norm()).item())
 print(worst, worst_half2[torch.float16], worst_half2[torch.bfloat16])
