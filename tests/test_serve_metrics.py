@@ -107,10 +107,14 @@ def test_the_counters_equal_the_answers_usage(server):
 
     assert value(found, "requests_running") == value(found, "requests_waiting") == 0
     blocks, used = value(found, "kv_cache_blocks"), value(found, "kv_cache_blocks_used")
-    assert blocks == SLOTS and value(found, "kv_cache_block_size_tokens") == CONTEXT
-    assert 0 <= used <= blocks and value(found, "kv_cache_usage_ratio") == used / blocks
+    assert blocks == SLOTS * CONTEXT // 16 and value(found, "kv_cache_block_size_tokens") == 16  # the default size
+    assert used == 0 and value(found, "kv_cache_usage_ratio") == 0  # idle: every request gave its blocks back
     queried, hit = value(found, "prefix_cache_queried_tokens_total"), value(found, "prefix_cache_hit_tokens_total")
-    assert 0 <= hit <= queried and value(found, "prefix_cache_hit_ratio") == (hit / queried if queried else 0)
+    assert (
+        queried == value(found, "prompt_tokens_total")
+        and 0 <= hit <= queried
+        and value(found, "prefix_cache_hit_ratio") == (hit / queried if queried else 0)
+    )
     assert ("gpt_fast_preemptions_total", ()) in found
 
 

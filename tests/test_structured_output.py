@@ -32,14 +32,13 @@ from gpt_fast.convert.random_init import make_random_checkpoint
 from gpt_fast.engine.batcher import Finished, Request
 from gpt_fast.engine.options import BatchOptions
 from gpt_fast.generation.constraint import GrammarError, lark_literal
-from gpt_fast.generation.loop import Readbacks
 from gpt_fast.generation.options import OutputConstraint
 from gpt_fast.model.config import TokenizerConfig, load_checkpoint_config
 from gpt_fast.model.shapes import get_shape
 from gpt_fast.text.tokenizer import load_tokenizer
 from gpt_fast.text.tool_calls import ToolCall, ToolCallFormat
 from gpt_fast.util.options import OptionError
-from tests.tiny import one_torch_thread
+from tests.tiny import LaggingReadbacks, one_torch_thread
 
 LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -262,29 +261,6 @@ def test_generate_command_holds_the_answer_to_a_json_schema(smollm2_checkpoint, 
 def tiny_engine(tmp_path_factory):
     path = make_random_checkpoint(get_shape("tiny"), tmp_path_factory.mktemp("tiny"), dtype=torch.float32, seed=3)
     return Engine.load(path, device="cpu")
-
-
-class LaggingEvent:
-    """A step's copies, on their way as on a GPU: done once a later step is launched, or once waited for."""
-
-    def __init__(self) -> None:
-        self.done = False
-
-    def query(self) -> bool:
-        return self.done
-
-    def synchronize(self) -> None:
-        self.done = True
-
-
-class LaggingReadbacks(Readbacks):
-    """Each step's results reach the host only after the next step is launched: the host runs ahead as on a GPU."""
-
-    def push(self, tensors, tag=None) -> None:
-        for record in self.queue:
-            record.event.done = True
-        super().push(tensors, tag)
-        self.queue[-1].event = LaggingEvent()
 
 
 def run_batched(engine, requests, lagging=False):

@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from gpt_fast.generation.loop import Readbacks
+
 CORPUS = [
     "def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n",
     "The capital of France is Paris. The capital of Italy is Rome.",
@@ -190,3 +192,26 @@ def our_greedy(engine, prompt: list[int], max_new_tokens: int) -> list[int]:
     from gpt_fast.generation.sampling import SamplingConfig
 
     return engine.generate_ids(prompt, max_new_tokens, SamplingConfig(temperature=0), ignore_eos=True).tokens[0]
+
+
+class LaggingEvent:
+    """A step's copies, on their way as on a GPU: done once a later step is launched, or once waited for."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+class LaggingReadbacks(Readbacks):
+    """Each step's results reach the host only after the next step is launched: the host runs ahead as on a GPU."""
+
+    def push(self, tensors, tag=None) -> None:
+        for record in self.queue:
+            record.event.done = True
+        super().push(tensors, tag)
+        self.queue[-1].event = LaggingEvent()

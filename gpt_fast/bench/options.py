@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from gpt_fast.model.config import INT4_GROUP_SIZES, QUANT_MODES
 from gpt_fast.model.shapes import SHAPES
-from gpt_fast.util.choices import COMPILE_MODES, KERNEL_TUNINGS
+from gpt_fast.util.choices import COMPILE_MODES, KERNEL_TUNINGS, KV_CACHES
 from gpt_fast.util.options import OptionError, check_at_least, check_names, check_one_of
 
 DEFAULT_AGREEMENTS = (0.5, 0.7, 0.8, 0.9)
@@ -93,11 +93,16 @@ class ServeBenchOptions:
     seed: int = 0
     temperature: float = 0.8
     top_k: int = 200
+    kv_cache: str = KV_CACHES[0]
+    kv_cache_memory: float | None = None
     output: str | None = None
 
     def __post_init__(self) -> None:
         check_one_of("shape", self.shape, tuple(SHAPES))
         check_one_of("dtype", self.dtype, SERVE_DTYPES)
+        check_one_of("kv_cache", self.kv_cache, KV_CACHES)
+        if self.kv_cache_memory is not None:
+            check_at_least("kv_cache_memory", self.kv_cache_memory, 0)
         check_one_of("compile", self.compile, COMPILE_MODES)
         check_names("clients", self.clients)
         for count in self.clients:

@@ -271,6 +271,9 @@ class Server:
             args.compile,
             "--device",
             args.device,
+            "--kv_cache",
+            args.kv_cache,
+            *(() if args.kv_cache_memory is None else ("--kv_cache_memory", str(args.kv_cache_memory))),
         )
 
     def __enter__(self) -> tuple[str, int]:

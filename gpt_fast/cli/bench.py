@@ -22,7 +22,7 @@ from gpt_fast.bench.options import (
 )
 from gpt_fast.model.config import INT4_GROUP_SIZES
 from gpt_fast.model.shapes import SHAPES
-from gpt_fast.util.choices import COMPILE_MODES, KERNEL_TUNINGS
+from gpt_fast.util.choices import COMPILE_MODES, KERNEL_TUNINGS, KV_CACHES
 
 DEFAULT_COMMAND = "modes"
 T = TypeVar("T")
@@ -243,6 +243,14 @@ def token_range_option(name: str, help: str) -> Callable[[T], T]:
 @click.option("--seed", type=int, default=SERVE.seed, show_default=True, help="The mixed workload's draws.")
 @click.option("--temperature", type=float, default=SERVE.temperature, show_default=True)
 @click.option("--top_k", type=int, default=SERVE.top_k, show_default=True)
+@click.option(
+    "--kv_cache",
+    type=Listed(lambda: KV_CACHES),
+    default=SERVE.kv_cache,
+    show_default=True,
+    help="The server's KV cache (gpt-fast serve --kv_cache).",
+)
+@click.option("--kv_cache_memory", type=float, default=None, help="The server's --kv_cache_memory.")
 @click.option("--output", default=None, help="Also write the figures here as JSON.")
 def serve_command(compile_mode: str, clients: str, **values: Any) -> None:
     """The server under load, in one run: with the fixed workload `gpt-fast generate` alone first, then `gpt-fast

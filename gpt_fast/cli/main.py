@@ -38,6 +38,7 @@ from gpt_fast.util.choices import (
     EVAL_MAX_TOKENS,
     EVAL_WINDOW,
     KERNEL_TUNINGS,
+    KV_CACHES,
 )
 from gpt_fast.util.fileio import STDOUT, regular_file
 from gpt_fast.util.openmp import prefer_passive_waits
@@ -650,6 +651,28 @@ def bench_modes(
     help="Tokens per slot, prompt and answer together. [default: the model's context, at most 2048]",
 )
 @option("--max_queue", type=int, default=64, show_default=True, help="Requests that may wait for a slot; more get 503.")
+@option(
+    "--kv_cache",
+    type=Choice(KV_CACHES),
+    default=KV_CACHES[0],
+    show_default=True,
+    help="paged: blocks taken as requests grow, a prefix cache; static: a row of max_seq_length per slot.",
+)
+@option("--block_size", type=int, default=16, show_default=True, help="Tokens per block of the paged KV cache.")
+@option(
+    "--prefill_chunk",
+    type=int,
+    default=None,
+    help="Prefill longer prompts in chunks of this many tokens, one between two decode steps of the other requests, "
+    "so that a long prompt does not stall them. [default: whole prompts]",
+)
+@option(
+    "--kv_cache_memory",
+    type=float,
+    default=None,
+    help="The KV cache's size: GiB (> 1), or a fraction of the device's free memory (<= 1). Requests wait, or the "
+    "last admitted are preempted and resumed, when it is full. [default: max_batch sequences of max_seq_length]",
+)
 @option(
     "--api_key",
     default=None,

@@ -1,16 +1,28 @@
 """Continuous batching: requests for one model decoded together, on the steps of :mod:`gpt_fast.generation.slots`.
 
-The static KV cache holds ``max_batch`` slots. A request waits in a bounded queue for a free slot, is prefilled into
-it alone, and from the next step on is decoded together with every other busy slot, each at its own position, with
-its own sampling settings and seed. A request that finishes (a stop token, a stop string, its token budget) or is
-cancelled (its client went away) frees its slot at once, for the next request in the queue.
+A request waits in a bounded queue for a free slot (one of ``max_batch``) and for the KV cache's blocks its prompt
+needs, is prefilled into its slot alone, and from the next step on is decoded together with every other busy slot,
+each at its own position, with its own sampling settings and seed. A request that finishes (a stop token, a stop
+string, its token budget) or is cancelled (its client went away) frees its slot and its blocks at once, for the next
+request in the queue.
 
-The decode step runs all slots, or slot 0 alone while it is the only busy one (a single client decodes as fast as
-a single stream), with fixed shapes either way. The batcher is a step producer of the one decode loop
-(:mod:`gpt_fast.generation.loop`), as plain and speculative decoding are: the host never waits for the step it has
-just launched; each step's tokens are copied to host memory and handed out once the device has produced them,
-while the next step runs; a slot whose request has just finished may decode once more, harmlessly, before the host
-frees it.
+The KV cache is paged (:class:`gpt_fast.model.cache.PagedKVCache`): a sequence holds blocks of ``block_size``
+positions as it grows, so the tokens in use, not ``max_batch`` times the longest possible sequence, take the memory.
+The host keeps each slot's blocks (:class:`gpt_fast.engine.kv_blocks.BlockAllocator`) and writes the slot's row of
+the block table before the step that first writes a new block. When none is left, the request admitted last gives
+its blocks back: it waits again at the head of the queue and, readmitted, prefills its prompt and what it has
+generated so far, and goes on as it would have (greedy or seeded, its tokens are the same). A prompt's full blocks
+stay in the cache after their request ends, as a prefix cache: a later prompt that starts with the same tokens (a
+shared system prompt, the earlier turns of a chat) takes those blocks and prefills only the rest. With
+``prefill_chunk``, a long prompt goes in by chunks, one between two decode steps, in which its slot takes no token.
+The static cache (``kv_cache="static"``) gives each slot a row of ``max_seq_length`` positions instead.
+
+The decode step runs all slots, or slot 0 alone while it is the only busy one (with the static cache, a single
+client decodes as fast as a single stream), with fixed shapes either way. The batcher is a step producer of the
+one decode loop (:mod:`gpt_fast.generation.loop`), as plain and speculative decoding are: the host never waits for
+the step it has just launched; each step's tokens are copied to host memory and handed out once the device has
+produced them, while the next step runs; a slot whose request has just finished may decode once more, harmlessly,
+before the host frees it.
 
 A request held to a constraint (:class:`~gpt_fast.generation.options.OutputConstraint`: a JSON schema, tool calls)
 gets its grammar matcher when it is submitted (a constraint the engine refuses is refused there). Its next token's
@@ -41,15 +53,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gpt_fast.engine.kv_blocks import BlockAllocator
 from gpt_fast.engine.options import BatchOptions, require_int
 from gpt_fast.generation.constraint import GrammarError, Matcher
 from gpt_fast.generation.loop import Readbacks, Record, run_steps, turn
 from gpt_fast.generation.options import LogitAdjustments, OutputConstraint, SamplingConfig
 from gpt_fast.generation.sampling import seed_key
-from gpt_fast.generation.slots import TOP_LOGPROBS, SlotState, SlotSteps, score_slot
+from gpt_fast.generation.slots import TOP_LOGPROBS, SlotState, SlotSteps, extend_slot, score_slot
 from gpt_fast.model.transformer import Transformer
 from gpt_fast.text.textstream import Decoder, StopStrings, TextStream
-from gpt_fast.util.device import cudagraph_step_begin, device_synchronize
+from gpt_fast.util.device import cudagraph_step_begin, device_free_bytes, device_synchronize
 from gpt_fast.util.options import OptionError
 
 MAX_STOP_TEXTS = 16
@@ -172,6 +185,10 @@ class Job:
         self.key = seed_key(secrets.randbits(64) if request.seed is None else request.seed)
         self.stop_ids = frozenset(request.stop_ids) | frozenset(() if request.ignore_eos else stop_ids)
         self.slot: int | None = None
+        self.position = 0  # the position the next decode step writes for it: the tokens in its cache
+        self.prefilling = False  # its prompt is going in by chunks: the decode steps leave it out
+        self.filled = 0  # while prefilling, the positions in its cache
+        self.admitted = 0  # the order it was (last) admitted in: the last admitted gives its blocks back first
         self.ids: list[int] = []
         self.texts: list[str] = []
         self.pieces: list[str] = []
@@ -237,7 +254,18 @@ class Batcher:
         self.host_masks: torch.Tensor | None = None  # [N, W]: the constrained slots' next masks, made on first use
         self.max_seq_length = options.max_seq_length or block_size
         self.device = model.tok_embeddings.weight.device
-        model.setup_caches(options.max_batch, self.max_seq_length)
+        self.allocator: BlockAllocator | None = None  # None: a static cache, a row per slot
+        if options.kv_cache == "static":
+            self.block_size = self.max_seq_length
+            model.setup_caches(options.max_batch, self.max_seq_length)
+        else:
+            self.block_size = options.block_size
+            blocks = cache_blocks(model, options, self.max_seq_length)
+            model.setup_caches(options.max_batch, self.max_seq_length, blocks=blocks, block_size=self.block_size)
+            model.block_table.blocks.zero_()  # no row keeps blocks of an earlier batcher's requests
+            self.allocator = BlockAllocator(blocks, self.block_size)
+        self.tables: list[list[int]] = [[] for _ in range(options.max_batch)]  # each slot's blocks, in order
+        self.admissions = self.preemptions = self.prefix_queried = self.prefix_hit = 0
         self.state = SlotState(options.max_batch, model.config.vocab_size, self.device)
         self.slots: list[Job | None] = [None] * options.max_batch
         self.waiting: deque[Job] = deque()
@@ -310,8 +338,12 @@ class Batcher:
         return len(self.waiting)
 
     def cache_usage(self) -> CacheUsage:
-        """The cache's use now: one block of ``max_seq_length`` tokens per slot."""
-        return CacheUsage(self.max_seq_length, self.options.max_batch, self.busy, 0, 0, 0)
+        """The cache's use now (read from any thread: a snapshot of counters the driving thread updates)."""
+        allocator = self.allocator
+        hits = (self.prefix_queried, self.prefix_hit, self.preemptions)
+        if allocator is None:
+            return CacheUsage(self.block_size, self.options.max_batch, self.busy, *hits)
+        return CacheUsage(self.block_size, allocator.capacity, allocator.used, *hits)
 
     # --- the driving thread -------------------------------------------------------------------------------------
 
@@ -389,22 +421,28 @@ class Batcher:
             return False
         busy = [job for job in self.slots if job is not None]
         admits = bool(self.waiting) and len(busy) < len(self.slots)
-        return admits or any(not job.awaiting or job.cancelled for job in busy)
+        return admits or any(not job.awaiting or job.cancelled or job.prefilling for job in busy)
 
     def launch(self, readbacks: Readbacks) -> None:
         """Free the slots of cancelled requests, prefill waiting requests into free slots, and launch one decode
         step of the busy slots: the masked one while a constrained request is in them."""
         self._drop_cancelled()
         self._admit()
+        self._continue_prefill()
+        self._ensure_blocks()
         rows = self._rows()
         if not rows:
             return
         owners = self.slots[:rows]
         masked = any(job is not None and job.matcher is not None for job in owners)
         held = self._set_masks(owners) if masked else frozenset()
+        held |= {row for row, job in enumerate(owners) if job is not None and job.prefilling}  # they take no token
         cudagraph_step_begin()
         self.steps.decode(self.model, self.state, rows, **masked_step(masked))
         self._read_back(0, rows, held)
+        for row, job in enumerate(owners):
+            if job is not None and row not in held:
+                job.position += 1
 
     def _set_masks(self, owners: Sequence[Job | None]) -> frozenset[int]:
         """Before a masked step: each constrained slot's new mask into the state, and the rows to hold (a
@@ -412,7 +450,7 @@ class Batcher:
         which the driver stages at once: the host may write it again without waiting for the device."""
         held = frozenset(row for row, job in enumerate(owners) if job is not None and job.awaiting)
         for job in owners:
-            if job is not None and job.matcher is not None and not job.awaiting:
+            if job is not None and job.matcher is not None and not job.awaiting and not job.prefilling:
                 self._load_mask(job)
                 job.awaiting = True
         hold = torch.tensor([row in held for row in range(len(owners))])
@@ -494,31 +532,150 @@ class Batcher:
             job.finish("cancelled")
 
     def _admit(self) -> None:
-        """Prefill waiting requests into free slots, lowest first, each alone (scoring their prompts where asked:
-        a request with no new tokens to generate then ends here)."""
+        """Prefill waiting requests into free slots, lowest first, each alone, while the cache has the blocks their
+        prompts need (the first waiting request that does not fit waits, and the ones behind it). A prompt's first
+        full blocks come from the prefix cache when they are there; a resumed request prefills its prompt and its
+        tokens so far. Prompts are scored where asked: a request with no new tokens to generate then ends here."""
         while None in self.slots:
             with self.lock:
                 if not self.waiting:
                     return
-                job = self.waiting.popleft()
-            job.slot = self.slots.index(None)
-            self.slots[job.slot] = job
-            prompt = torch.tensor([job.request.prompt_ids], dtype=torch.long, device=self.device)  # [1, T]
-            self.state.configure(job.slot, job.request.sampling, job.key, job.request.adjust, prompt[0])
-            masked = job.matcher is not None
-            if masked:
-                self._fill_mask(job)
-                self._load_mask(job)
-                job.awaiting = True
-            if job.request.prompt_logprobs is not None:
-                self._score(job, prompt, masked)
-            else:
-                self.steps.prefill(self.model, self.state, job.slot, prompt, **masked_step(masked))
-            if job.request.max_new_tokens == 0:
-                self._free(job)
-                job.finish("length")
-            else:
-                self._read_back(job.slot, 1)
+                job = self.waiting[0]
+            tokens = (*job.request.prompt_ids, *job.ids)
+            slot = self.slots.index(None)
+            reused = self._take_blocks(job, slot, tokens)
+            if reused is None:
+                return
+            with self.lock:
+                self.waiting.popleft()
+            job.slot, self.slots[slot] = slot, job
+            self.admissions += 1
+            job.admitted, job.position, job.filled = self.admissions, len(tokens), reused
+            chunk = self.options.prefill_chunk
+            if chunk is not None and len(tokens) - reused > chunk and job.request.prompt_logprobs is None:
+                job.prefilling = True  # its prompt goes in by chunks, one per launch (_continue_prefill)
+                self.state.input_pos[slot] = self.max_seq_length - 1  # the decode steps meanwhile write past it
+                continue
+            self._prefill(job, tokens, reused)
+            self._prefilled(job, tokens)
+
+    def _prefilled(self, job: Job, tokens: Sequence[int]) -> None:
+        """After the last of ``job``'s prompt is in its cache and its first token sampled: its full blocks join the
+        prefix cache, and the token is read back (a request that only scores its prompt ends)."""
+        if self.allocator is not None:
+            self.allocator.register(self.tables[job.slot], tokens)
+        if job.request.max_new_tokens == 0:
+            self._free(job)
+            job.finish("length")
+        else:
+            self._read_back(job.slot, 1)
+
+    @torch.no_grad()
+    def _continue_prefill(self) -> None:
+        """The next chunk of ``prefill_chunk`` tokens of one request whose prompt goes in by chunks (the lowest
+        slot's), before a decode step of the others; the last chunk samples its first token, and it decodes from
+        the next step on."""
+        job = next((job for job in self.slots if job is not None and job.prefilling), None)
+        if job is None:
+            return
+        tokens = (*job.request.prompt_ids, *job.ids)
+        end = job.filled + self.options.prefill_chunk
+        if end >= len(tokens):
+            job.prefilling = False
+            self._prefill(job, tokens, job.filled)
+            self._prefilled(job, tokens)
+            return
+        ids = torch.tensor([tokens[job.filled : end]], dtype=torch.long, device=self.device)  # [1, C]
+        positions = torch.arange(job.filled, end, device=self.device)
+        self.model(ids, positions, last_only=True, first_row=job.slot, from_start=job.filled == 0)
+        job.filled = end
+
+    def _take_blocks(self, job: Job, slot: int, tokens: Sequence[int]) -> int | None:
+        """Give ``slot`` the blocks for ``tokens``: those of its first full blocks the prefix cache holds, and new
+        ones for the rest; the tokens found computed, or None (nothing taken) while the cache has too few blocks
+        free (one more than the prompt needs while other requests run, so that they may grow)."""
+        size, allocator = self.block_size, self.allocator
+        if allocator is None:  # a static cache: the slot's row
+            return 0
+        resumed, scored = bool(job.ids), job.request.prompt_logprobs is not None
+        reusable = 0 if scored else (len(tokens) - 1) // size * size  # the last token is always computed
+        found = allocator.lookup(tokens[:reusable])
+        needed = -(-len(tokens) // size) - len(found)
+        if allocator.available < needed + (1 if self.busy else 0):
+            allocator.release(found)
+            return None
+        self.tables[slot] = [*found, *(allocator.allocate() for _ in range(needed))]
+        self._write_table(slot)
+        if not resumed:
+            self.prefix_queried += len(tokens)
+            self.prefix_hit += len(found) * size
+        return len(found) * size
+
+    def _prefill(self, job: Job, tokens: Sequence[int], reused: int) -> None:
+        """Prefill ``job``'s slot with ``tokens`` (its prompt, and its answer so far when resumed), from position
+        ``reused`` on (the ones before are in its blocks already), and sample its next token."""
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, T]
+        prompt_length = len(job.request.prompt_ids)
+        answer = ids[0, prompt_length:] if job.ids else None
+        self.state.configure(
+            job.slot, job.request.sampling, job.key, job.request.adjust, ids[0, :prompt_length], answer
+        )
+        masked = job.matcher is not None
+        if masked:
+            self._fill_mask(job)
+            self._load_mask(job)
+            job.awaiting = True
+        if job.request.prompt_logprobs is not None and not job.ids:
+            self._score(job, ids, masked)
+        elif reused:
+            positions = torch.arange(reused, len(tokens), device=self.device)
+            extend_slot(self.model, self.state, job.slot, ids[:, reused:], positions, masked)
+        else:
+            self.steps.prefill(self.model, self.state, job.slot, ids, **masked_step(masked))
+
+    def _ensure_blocks(self) -> None:
+        """Before a decode step: every busy slot holds the block the step writes its next position to (positions
+        past the request's last one need none: they go to the sink). When no block is left, requests give theirs
+        back, the last admitted first (:meth:`_preempt`)."""
+        size = self.block_size
+        for slot, job in enumerate(self.slots if self.allocator is not None else ()):
+            last = 0 if job is None else len(job.request.prompt_ids) + job.request.max_new_tokens - 2
+            while (
+                job is not None
+                and not job.prefilling
+                and self.slots[slot] is job
+                and job.position // size >= len(self.tables[slot])
+            ):
+                if job.position > last:
+                    break
+                block = self.allocator.allocate()
+                if block is None:
+                    self._preempt()
+                    continue
+                self.tables[slot].append(block)
+                self._write_table(slot)
+
+    def _preempt(self) -> None:
+        """Free blocks: first hand out every step in flight (requests may finish); if none is free then, the
+        request admitted last leaves its slot and its blocks and waits at the head of the queue, to be resumed."""
+        for record in self.readbacks.ready(keep=0):
+            for _ in self.deliver(record):
+                pass
+        if self.allocator.available:
+            return
+        victim = max((job for job in self.slots if job is not None), key=lambda job: job.admitted)
+        self._free(victim)
+        victim.slot, victim.awaiting, victim.prefilling = None, False, False
+        self.preemptions += 1
+        with self.lock:
+            self.waiting.appendleft(victim)
+
+    def _write_table(self, slot: int) -> None:
+        """Copy ``slot``'s blocks into its row of the device's block table (block 0, the sink, past them). From
+        pageable host memory, staged at once: the steps in flight read the row as it was when they were launched."""
+        row = self.model.block_table.blocks[slot]
+        blocks = self.tables[slot]
+        row.copy_(torch.tensor(blocks + [0] * (row.shape[0] - len(blocks))), non_blocking=True)
 
     def _fill_mask(self, job: Job) -> None:
         """The constrained ``job``'s next mask, on the host."""
@@ -541,8 +698,14 @@ class Batcher:
         job.on_event(PromptLogprobs(tuple(items)))
 
     def _free(self, job: Job) -> None:
+        """``job`` leaves its slot and lets go of its blocks."""
         if job.slot is not None and self.slots[job.slot] is job:
             self.slots[job.slot] = None
+            if self.allocator is None:
+                return
+            self.allocator.release(self.tables[job.slot])
+            self.tables[job.slot] = []
+            self._write_table(job.slot)
 
     def _read_back(self, first_row: int, rows: int, held: frozenset[int] = frozenset()) -> None:
         """Queue the copies of a step's results for slots ``first_row`` onwards to host memory; the ``held`` rows
@@ -582,3 +745,23 @@ class Batcher:
         for job in waiting:
             job.done = True
             job.on_event(Failed(message))
+
+
+def cache_blocks(model: Transformer, options: BatchOptions, max_seq_length: int) -> int:
+    """The paged cache's blocks, the sink included (:class:`BatchOptions`): enough for ``max_batch`` sequences of
+    ``max_seq_length`` tokens, or what ``kv_cache_memory`` holds, which must be at least one such sequence."""
+    size, memory = options.block_size, options.kv_cache_memory
+    per_sequence = -(-max_seq_length // size)
+    if memory is None:
+        return options.max_batch * per_sequence + 1
+    cfg, weight = model.config, model.tok_embeddings.weight
+    block_bytes = 2 * cfg.n_layer * cfg.n_local_heads * size * cfg.head_dim * weight.element_size()
+    budget = memory * 2**30 if memory > 1 else memory * device_free_bytes(weight.device)
+    blocks = int(budget // block_bytes)
+    if blocks < per_sequence + 1:
+        message = (
+            f"kv_cache_memory {memory} holds {blocks} blocks of {size} tokens ({block_bytes} bytes each); one "
+            f"sequence of max_seq_length {max_seq_length} needs {per_sequence + 1}"
+        )
+        raise OptionError(message, "kv_cache_memory")
+    return blocks

@@ -8,10 +8,11 @@ from typing import TYPE_CHECKING
 
 from gpt_fast.accel.options import KernelOptions, check_regional_compile
 from gpt_fast.generation.options import SpeculativeOptions
-from gpt_fast.util.choices import COMPILE_MODES, COORDINATE_DESCENT, DTYPE_CHOICES, KERNEL_TUNINGS
+from gpt_fast.util.choices import COMPILE_MODES, COORDINATE_DESCENT, DTYPE_CHOICES, KERNEL_TUNINGS, KV_CACHES
 from gpt_fast.util.options import OptionError, check_at_least, check_one_of
 
 MAX_BATCH = 64  # slots at most
+MAX_BLOCK_SIZE = 1024  # tokens per KV cache block at most
 
 if TYPE_CHECKING:
     from gpt_fast.model.config import ModelConfig, QuantConfig
@@ -131,18 +132,40 @@ class EngineOptions:
 
 @dataclass(frozen=True)
 class BatchOptions:
-    """The slots and the queue: ``max_batch`` requests decoded together, each with a cache of ``max_seq_length``
-    tokens (None: the model's context), and up to ``max_queue`` more waiting for a slot."""
+    """The slots, the cache and the queue: up to ``max_batch`` requests decoded together, each of at most
+    ``max_seq_length`` tokens (None: the model's context), and up to ``max_queue`` more waiting for a slot. The KV
+    cache is paged (``kv_cache``), in blocks of ``block_size`` tokens, and holds ``kv_cache_memory``: GiB when more
+    than 1, else that fraction of the device's free memory (None: enough for every slot to hold ``max_seq_length``
+    tokens). ``kv_cache="static"``: a row of ``max_seq_length`` tokens per slot, no prefix cache, and for a slot
+    decoding alone the fused one-row kernels (docs/serving.md, "Continuous batching"). ``prefill_chunk``: a prompt
+    longer than that goes in by chunks of that many tokens, one between two decode steps of the other requests
+    (None: whole, before the next step)."""
 
     max_batch: int = 8
     max_seq_length: int | None = None
     max_queue: int = 64
+    block_size: int = 16
+    kv_cache_memory: float | None = None
+    kv_cache: str = "paged"
+    prefill_chunk: int | None = None
 
     def __post_init__(self) -> None:
         require_int(self.max_batch, "max_batch", 1, MAX_BATCH)
         require_int(self.max_queue, "max_queue", 0)
+        require_int(self.block_size, "block_size", 1, MAX_BLOCK_SIZE)
         if self.max_seq_length is not None:
             require_int(self.max_seq_length, "max_seq_length", 2)
+        memory = self.kv_cache_memory
+        if memory is not None and (
+            isinstance(memory, bool) or not isinstance(memory, int | float) or not 0 < memory < float("inf")
+        ):
+            message = f"kv_cache_memory must be a number of GiB (> 1) or a fraction (0 < f <= 1), got {memory!r}"
+            raise OptionError(message, "kv_cache_memory")
+        check_one_of("kv_cache", self.kv_cache, KV_CACHES)
+        if self.prefill_chunk is not None:
+            require_int(self.prefill_chunk, "prefill_chunk", 1)
+        if self.kv_cache == "static" and memory is not None:
+            raise OptionError("kv_cache_memory sizes the paged cache, not a static one", "kv_cache_memory", "kv_cache")
 
 
 def require_int(value: object, name: str, low: int, high: int | None = None) -> None:

@@ -69,9 +69,11 @@ class SlotState(nn.Module):
         key: int,
         adjust: LogitAdjustments,
         prompt: torch.Tensor,
+        answer: torch.Tensor | None = None,
     ) -> None:
         """Set a slot's sampling settings and adjustments before its ``prompt`` [T] (token ids on the state's
-        device) is prefilled."""
+        device) is prefilled; ``answer`` [A]: the tokens it has generated already (a request resumed after it gave
+        its blocks back), which its penalties count."""
         self.temperature[slot] = sampling.temperature
         self.top_k[slot] = self.vocab_size if sampling.top_k is None else min(sampling.top_k, self.vocab_size)
         self.top_p[slot] = sampling.top_p
@@ -85,6 +87,9 @@ class SlotState(nn.Module):
         self.counts[slot] = 0
         self.seen[slot] = False
         self.seen[slot, prompt] = True
+        if answer is not None:
+            self.counts[slot].index_add_(0, answer, torch.ones_like(answer, dtype=torch.int32))
+            self.seen[slot, answer] = True
         self.allowed[slot] = -1
         self.hold[slot] = False
 
@@ -151,6 +156,17 @@ def _prefill(
     state.input_pos[slot] = length
     sample_into(state, slice(slot, slot + 1), logits[:, -1], state.input_pos[slot : slot + 1], masked)
     return logits
+
+
+def extend_slot(
+    model: Transformer, state: SlotState, slot: int, idx: torch.Tensor, positions: torch.Tensor, masked: bool = False
+) -> None:
+    """:func:`prefill_slot` for the rest of a prompt ``idx`` [1, T] at ``positions`` [T] (consecutive, from the
+    first position whose keys and values are not in the slot's cache yet: a prompt whose first blocks were
+    found in a paged cache's prefix cache), attending to the positions before it through the cache. Eager."""
+    logits = model(idx, positions, last_only=True, first_row=slot)  # [1, 1, V]
+    state.input_pos[slot] = positions[-1] + 1
+    sample_into(state, slice(slot, slot + 1), logits[:, -1], state.input_pos[slot : slot + 1], masked)
 
 
 def score_slot(

@@ -1,7 +1,9 @@
-"""Static key/value cache: preallocated once per (batch, max length), updated in place.
+"""Key/value caches, preallocated once and updated in place: static (a row of ``max_seq_length`` positions per
+sequence) or paged (blocks of ``block_size`` positions, which each sequence's row of a block table names).
 
 Fixed buffer shapes keep the decode step's shapes fixed, so it compiles once with ``fullgraph=True`` and can be
-captured as a CUDA graph (buffers are module state with stable addresses).
+captured as a CUDA graph (buffers are module state with stable addresses; the block table too, which the host
+rewrites in place between steps).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from torch import nn
 class KVCache(nn.Module):
     """Keys and values in one buffer [2, B, H_kv, S, D], so that a step writes both with one scatter
     (``index_copy_``) instead of two."""
+
+    paged = False
 
     def __init__(
         self,
@@ -45,6 +49,60 @@ class KVCache(nn.Module):
             positions = input_pos if input_pos.dim() == 2 else input_pos[None]  # [B, T] or [1, T]
             self.kv[:, rows, :, positions] = new.permute(1, 3, 0, 2, 4)  # [B, T, 2, H_kv, D]: indexed dims first
         return self.kv[0, first_row : first_row + batch], self.kv[1, first_row : first_row + batch]
+
+
+class BlockTable(nn.Module):
+    """Which cache block holds each run of ``block_size`` positions of each row: ``blocks`` [B, ceil(S / block_size)].
+    Block 0 is the sink: a row's positions without a block of their own are read from and written to it, so that a
+    row with no sequence (or a sequence's positions past its end) decodes harmlessly; nothing valid is ever in it."""
+
+    def __init__(self, batch_size: int, max_seq_length: int, block_size: int, *, device: torch.device | str) -> None:
+        super().__init__()
+        width = -(-max_seq_length // block_size)
+        self.register_buffer(
+            "blocks", torch.zeros((batch_size, width), dtype=torch.long, device=device), persistent=False
+        )
+        self.block_size = block_size
+        self.max_seq_length = max_seq_length
+
+
+class PagedKVCache(nn.Module):
+    """Keys and values in blocks, one buffer [2, N, block_size, H_kv, D] for ``N`` blocks shared by every row; the
+    :class:`BlockTable` (one for all layers) maps a row's positions to blocks. :meth:`update` reads and writes as
+    :meth:`KVCache.update` does, so that attention sees each row's keys in position order [B, H_kv, S, D]: a view
+    of the gathered blocks, positions before heads, so that a compiled step reads the blocks inside the attention's
+    reductions instead of copying them out first."""
+
+    paged = True
+
+    def __init__(
+        self,
+        blocks: int,
+        table: BlockTable,
+        n_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        shape = (2, blocks, table.block_size, n_kv_heads, head_dim)
+        self.register_buffer("kv", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.table = [table]  # in a list: the table is the model's module, not a child of every layer's cache
+
+    def update(
+        self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_row: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``k``, ``v`` [B, H_kv, T, D] at positions ``input_pos`` ([T] or [B, T]) of the rows ``first_row``
+        onwards, into the blocks their table rows name; return those rows' keys and values [B, H_kv, S, D]."""
+        table = self.table[0]
+        batch, size = k.shape[0], table.block_size
+        rows = table.blocks[first_row : first_row + batch]  # [B, W]
+        positions = input_pos if input_pos.dim() == 2 else input_pos[None].expand(batch, -1)  # [B, T]
+        block = rows.gather(1, positions // size)  # [B, T]
+        self.kv[:, block, positions % size] = torch.stack((k, v)).transpose(2, 3)  # [2, B, T, H_kv, D]
+        kv = self.kv[:, rows].flatten(2, 3)[:, :, : table.max_seq_length].transpose(2, 3)  # [2, B, H_kv, S, D]
+        return kv[0], kv[1]
 
 
 class DecodeState(nn.Module):

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpt_fast.model.cache import DecodeState, KVCache
+from gpt_fast.model.cache import BlockTable, DecodeState, KVCache, PagedKVCache
 from gpt_fast.model.config import ModelConfig, RopeScaling
 
 
@@ -196,7 +196,7 @@ class Attention(nn.Module):
         kernel = self.rows_kernel if mask is not None else None
         if seqlen == 1 and self.decode_kernel is not None and torch.compiler.is_compiling():
             kernel = self.decode_kernel
-        if kernel is not None:
+        if kernel is not None and not self.kv_cache.paged:  # the kernels write a static cache's rows
             scale = self.scale or cfg.head_dim**-0.5
             y = kernel(q, k, v, cos, sin, self.kv_cache.kv, input_pos, first_row, scale, self.softcap, self.window)
             return y.view(bsz, seqlen, cfg.q_size)
@@ -396,25 +396,34 @@ class Transformer(nn.Module):
         self.output = None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
         self.decode_state: DecodeState | None = None
         self.regional_compile = False  # compile the layers as one reused region (see layer_region)
+        self.block_table: BlockTable | None = None  # a paged cache's (setup_caches)
         self.max_batch_size = 0
         self.max_seq_length = 0
+        self.cache_layout: tuple[int | None, ...] = ()
 
-    def setup_caches(self, batch_size: int, max_seq_length: int) -> None:
+    def setup_caches(
+        self, batch_size: int, max_seq_length: int, *, blocks: int | None = None, block_size: int = 16
+    ) -> None:
         """Allocate the KV cache, the decode state and the rotary tables on the model's device and dtype, unless
-        they already have this shape."""
-        if (batch_size, max_seq_length) == (self.max_batch_size, self.max_seq_length):
+        they already have this shape. The cache is static (a row of ``max_seq_length`` positions for each of
+        ``batch_size`` sequences) or, given ``blocks``, paged: that many blocks of ``block_size`` positions, which
+        the rows of :attr:`block_table` hand out (block 0 is the sink, see :class:`BlockTable`)."""
+        layout = (batch_size, max_seq_length, blocks, block_size if blocks is not None else None)
+        if layout == self.cache_layout:
             return
         weight = self.tok_embeddings.weight
+        cfg, where = self.config, {"dtype": weight.dtype, "device": weight.device}
         for layer in self.layers:
             layer.attention.kv_cache = None  # free the old buffers before allocating new ones
-            layer.attention.kv_cache = KVCache(
-                batch_size,
-                self.config.n_local_heads,
-                max_seq_length,
-                self.config.head_dim,
-                dtype=weight.dtype,
-                device=weight.device,
-            )
+        self.block_table = None
+        if blocks is not None:
+            self.block_table = BlockTable(batch_size, max_seq_length, block_size, device=weight.device)
+        for layer in self.layers:
+            if self.block_table is None:
+                cache = KVCache(batch_size, cfg.n_local_heads, max_seq_length, cfg.head_dim, **where)
+            else:
+                cache = PagedKVCache(blocks, self.block_table, cfg.n_local_heads, cfg.head_dim, **where)
+            layer.attention.kv_cache = cache
         self.decode_state = DecodeState(batch_size, max_seq_length, device=weight.device)
         cos, sin = rope_tables(self.config, max_seq_length, weight.device)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -427,7 +436,8 @@ class Transformer(nn.Module):
             scale = torch.tensor(self.config.embedding_scale, dtype=weight.dtype, device=weight.device)
             self.register_buffer("embedding_scale", scale, persistent=False)
         self.max_batch_size, self.max_seq_length = batch_size, max_seq_length
-        if self.caches_ready is not None:
+        self.cache_layout = layout
+        if self.caches_ready is not None and self.block_table is None:
             self.caches_ready(self)
 
     def forward(
@@ -484,7 +494,7 @@ class Transformer(nn.Module):
     def _one_token_of_one_sequence(self, idx: torch.Tensor, input_pos: torch.Tensor) -> bool:
         """Whether this is a compiled step of one token of a one-row cache: the steps ``layers_kernel`` takes."""
         one_token = idx.shape == (1, 1) and self.max_batch_size == 1 and input_pos.dim() == 1
-        return one_token and torch.compiler.is_compiling()
+        return one_token and self.block_table is None and torch.compiler.is_compiling()
 
     def sliding_inputs(
         self, input_pos: torch.Tensor, key_pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor

@@ -19,6 +19,10 @@ class ServeOptions:
     max_batch: int = 8
     max_seq_length: int | None = None  # None: the model's context, at most DEFAULT_CONTEXT
     max_queue: int = 64
+    block_size: int = 16
+    kv_cache_memory: float | None = None  # None: every slot can hold max_seq_length tokens
+    kv_cache: str = "paged"
+    prefill_chunk: int | None = None
     api_key: str | None = None
     model_name: str | None = None  # None: the checkpoint folder's name
 
@@ -29,9 +33,15 @@ class ServeOptions:
             raise ValueError("--api_key is empty")
         if self.model_name is not None and not self.model_name.strip():
             raise ValueError("--model_name is empty")
-        BatchOptions(self.max_batch, self.max_seq_length, self.max_queue)
+        self.batch_options(None)
 
-    def batch_options(self, block_size: int) -> BatchOptions:
-        if self.max_seq_length is not None and self.max_seq_length > block_size:
+    def batch_options(self, block_size: int | None) -> BatchOptions:
+        """The batcher's options for a model whose context is ``block_size`` tokens (None: only check them)."""
+        if block_size is not None and self.max_seq_length is not None and self.max_seq_length > block_size:
             raise ValueError(f"--max_seq_length {self.max_seq_length} exceeds the model's context of {block_size}")
-        return BatchOptions(self.max_batch, self.max_seq_length or min(block_size, DEFAULT_CONTEXT), self.max_queue)
+        length = self.max_seq_length
+        if block_size is not None:
+            length = length or min(block_size, DEFAULT_CONTEXT)
+        return BatchOptions(
+            self.max_batch, length, self.max_queue, self.block_size, self.kv_cache_memory, self.kv_cache
+        )

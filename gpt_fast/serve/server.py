@@ -56,6 +56,7 @@ def serve(engine: Engine, options: ServeOptions, write: Write) -> None:
             f"Serving {model_id} at {url}/ (OpenAI API at {url}/v1, chat page at {url}/): {batch_options.max_batch} "
             f"slots of {batcher.max_seq_length} tokens, {batch_options.max_queue} more may wait; Ctrl-C stops\n"
         )
+        write(f"KV cache: {describe_cache(batcher)}\n")
         with signals_call(batcher.close):  # the requests in flight end (failed), then the server stops
             batcher.serve_while(lambda: server.run(sockets=[sock]), stop=stop_server, timeout=SHUTDOWN_SECONDS + 1)
     finally:
@@ -97,6 +98,16 @@ def parsed_calls(engine: Engine, ids: Sequence[int], names: Collection[str]) -> 
     """The text before the calls an answer makes, and each call's function name and arguments (JSON text)."""
     content, calls = engine.parse_tool_calls(ids, names)
     return content, [(call.name, call.arguments) for call in calls]
+
+
+def describe_cache(batcher: Batcher) -> str:
+    """The cache's size, in blocks (or rows), tokens and memory."""
+    usage, caches = batcher.cache_usage(), [layer.attention.kv_cache.kv for layer in batcher.model.layers]
+    gib = sum(kv.numel() * kv.element_size() for kv in caches) / 2**30
+    size = f"{usage.blocks * usage.block_size} tokens, {gib:.2f} GiB"
+    if batcher.allocator is None:
+        return f"static, {usage.blocks} rows of {usage.block_size} tokens ({size})"
+    return f"paged, {usage.blocks} blocks of {usage.block_size} tokens ({size}), prefix caching on"
 
 
 def warmed_up_batcher(engine: Engine, batch_options: BatchOptions, write: Write) -> Batcher:

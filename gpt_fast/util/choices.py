@@ -10,6 +10,7 @@ COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
 COORDINATE_DESCENT, HEURISTIC = "coordinate-descent", "heuristic"
 KERNEL_TUNINGS = (COORDINATE_DESCENT, HEURISTIC)  # the first is the default
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+KV_CACHES = ("paged", "static")  # the server's KV cache layouts, the default first
 DTYPE_CHOICES = ("auto", *DTYPE_NAMES)  # auto: bfloat16 on a GPU (float16 where it has no bfloat16), float32 on the CPU
 DEFAULT_MAX_NEW_TOKENS = 200
 DEFAULT_NUM_SAMPLES = 5

@@ -63,6 +63,15 @@ def device_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def device_free_bytes(device: torch.device) -> int:
+    """Memory still to be had: a GPU's free memory and what torch's caching allocator holds unused, or the host's
+    available physical memory for the CPU."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
 def cudagraph_step_begin() -> None:
     """``torch.compiler.cudagraph_mark_step_begin()`` (a new step: the outputs of the last CUDA-graph replay may be
     overwritten), where a CUDA graph tree can exist: torch's function imports inductor, seconds of an eager run that
