@@ -21,12 +21,11 @@ from pathlib import Path
 import torch
 
 from gpt_fast import Engine, EngineOptions, SamplingConfig
-from gpt_fast.convert.random_init import make_random_checkpoint
+from gpt_fast.convert.random_init import random_shape_folder
 from gpt_fast.engine.batcher import Batcher, Finished, Request
 from gpt_fast.engine.options import BatchOptions
 from gpt_fast.generation.options import OutputConstraint
-from gpt_fast.model.shapes import get_shape
-from gpt_fast.util.device import resolve_device, resolve_dtype
+from gpt_fast.util.device import resolve_device
 
 PEOPLE = {
     "type": "array",
@@ -67,9 +66,7 @@ def main() -> None:
     parser.add_argument("--output_dir", type=Path, default=Path("checkpoints/random"))
     args = parser.parse_args()
     device = resolve_device(args.device)
-    folder = args.output_dir / args.shape
-    if not (folder / "model.pth").exists():
-        make_random_checkpoint(get_shape(args.shape), folder, dtype=resolve_dtype("auto", device), device=device)
+    folder = random_shape_folder(args.shape, args.output_dir, device)
     engine = Engine.open(
         folder, EngineOptions(compile=args.compile, device=args.device, kernel_tuning=args.kernel_tuning)
     )

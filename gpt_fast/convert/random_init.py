@@ -13,9 +13,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from gpt_fast.convert.writer import check_checkpoint_output, write_checkpoint
 from gpt_fast.model.config import CheckpointConfig, ModelConfig, TokenizerConfig
+from gpt_fast.model.shapes import get_shape
 from gpt_fast.model.transformer import weight_shapes
 from gpt_fast.text.tokenizer import bytes_to_unicode
-from gpt_fast.util.device import dtype_name
+from gpt_fast.util.device import dtype_name, resolve_dtype
 
 TOKENIZER_FILE = "tokenizer.json"
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
@@ -87,3 +88,12 @@ def make_random_checkpoint(
 
     write_checkpoint(out_dir, random_weights(model, dtype, seed, device), prepare)
     return out_dir / config.weights
+
+
+def random_shape_folder(shape: str, output_dir: Path, device: torch.device) -> Path:
+    """``output_dir/shape``, a random-weight checkpoint of the named shape in the device's default dtype, written
+    there the first time and reused after (what the scripts that time a shape run on)."""
+    folder = output_dir / shape
+    if not (folder / "model.pth").exists():
+        make_random_checkpoint(get_shape(shape), folder, dtype=resolve_dtype("auto", device), device=device)
+    return folder

@@ -1,0 +1,92 @@
+"""The cost of the batcher's decode step by batch size, with the KV cache static (a row of ``--max_seq_length``
+positions per slot) and paged (blocks of ``--block_size``, as `gpt-fast serve` runs it), on random weights of a named
+shape: the step that `gpt-fast serve` replays, each row at position ``--position``, timed over ``--steps`` steps
+after a warm-up, as milliseconds per step and relative to one row's step with the same cache.
+
+    .venv/bin/python scripts/batched_step_cost.py --shape tiny --device cpu --batches 1,4
+    python scripts/batched_step_cost.py --shape llama-2-7b --device cuda --compile reduce-overhead
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from gpt_fast import Engine, EngineOptions
+from gpt_fast.convert.random_init import random_shape_folder
+from gpt_fast.generation.slots import SlotState, make_slot_steps
+from gpt_fast.util.device import cudagraph_step_begin, device_synchronize, resolve_device
+
+
+def step_ms(engine: Engine, state: SlotState, decode, rows: int, steps: int) -> float:
+    """Milliseconds per decode step of ``rows`` rows (each step advances their positions by one)."""
+    model = engine.model
+    for _ in range(3):  # compile, then record the CUDA graph
+        cudagraph_step_begin()
+        decode(model, state, rows)
+    device_synchronize(engine.device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        cudagraph_step_begin()
+        decode(model, state, rows)
+    device_synchronize(engine.device)
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="smollm2-135m")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--compile", default="none")
+    parser.add_argument("--kernel_tuning", default="coordinate-descent")
+    parser.add_argument("--batches", default="1,2,4,8,16,32,64")
+    parser.add_argument("--caches", default="static,paged")
+    parser.add_argument("--max_seq_length", type=int, default=1024)
+    parser.add_argument("--block_size", type=int, default=16)
+    parser.add_argument("--position", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--output_dir", type=Path, default=Path("checkpoints/random"))
+    args = parser.parse_args()
+    device = resolve_device(args.device)
+    folder = random_shape_folder(args.shape, args.output_dir, device)
+    engine = Engine.open(folder, EngineOptions(compile=args.compile, device=args.device))
+    engine.load_weights()
+    batches = [int(b) for b in args.batches.split(",")]
+    slots, length, size = max(batches), args.max_seq_length, args.block_size
+    width = -(-length // size)
+    described = f"compile={args.compile} ({args.kernel_tuning}), torch {torch.__version__}"
+    print(f"{args.shape} on {engine.device_name}, {engine.dtype_name}, {described}")
+    print(f"{slots} slots of {length} positions, each row from position {args.position}, {args.steps} steps timed")
+    costs: dict[str, dict[int, float]] = {layout: {} for layout in args.caches.split(",")}
+    for layout in costs:
+        model = engine.model
+        model.setup_caches(1, 2)  # the previous layout's buffers go first
+        blocks = {"blocks": slots * width + 1, "block_size": size} if layout == "paged" else {}
+        model.setup_caches(slots, length, **blocks)
+        if layout == "paged":  # each row its own blocks, in no particular order
+            table = torch.randperm(slots * width)[: slots * width].view(slots, width) + 1
+            model.block_table.blocks.copy_(table)
+        state = SlotState(slots, model.config.vocab_size, engine.device)
+        state.input_pos.fill_(args.position)
+        decode = make_slot_steps(args.compile, tuning=args.kernel_tuning).decode
+        with torch.no_grad():
+            for rows in batches:
+                costs[layout][rows] = step_ms(engine, state, decode, rows, args.steps)
+                print(f"measured: {layout} cache, {rows} rows: {costs[layout][rows]:.3f} ms/step", flush=True)
+        torch._dynamo.reset()
+    print("\n| rows | static ms/step | × 1 row | paged ms/step | × 1 row | paged / static |")
+    print("|---|---|---|---|---|---|")
+    for rows in batches if len(costs) == 2 else ():
+        static, paged = costs["static"][rows], costs["paged"][rows]
+        one_static, one_paged = costs["static"][batches[0]], costs["paged"][batches[0]]
+        print(
+            f"| {rows} | {static:.3f} | {static / one_static:.2f} | {paged:.3f} | {paged / one_paged:.2f} | "
+            f"{paged / static:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
