@@ -23,6 +23,7 @@ from gpt_fast.engine.batcher import Delta, PromptLogprobs, Request
 from gpt_fast.engine.options import BatchOptions
 from gpt_fast.generation.options import LogitAdjustments
 from gpt_fast.model.shapes import get_shape
+from gpt_fast.serve.options import ServeOptions
 from gpt_fast.util.options import OptionError
 
 GREEDY = SamplingConfig(temperature=0)
@@ -351,3 +352,30 @@ def test_a_long_prompt_in_chunks_lets_a_running_request_go_on(engine):
 def test_prefill_chunk_must_be_positive():
     with pytest.raises(OptionError, match="prefill_chunk"):
         BatchOptions(prefill_chunk=0)
+
+
+def test_serve_hands_every_cache_option_to_the_batcher():
+    given = {"block_size": 8, "kv_cache_tokens": 256, "kv_cache": "paged", "prefill_chunk": 32}
+    batch = ServeOptions(**given).batch_options(512)
+    assert {name: getattr(batch, name) for name in given} == given
+    assert ServeOptions(kv_cache_memory=0.5).batch_options(512).kv_cache_memory == 0.5
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"kv_cache_tokens": 0}, "kv_cache_tokens must be an integer >= 1"),
+        ({"kv_cache_tokens": 64, "kv_cache_memory": 2.0}, "not both"),
+        ({"kv_cache_tokens": 64, "kv_cache": "static"}, "kv_cache_tokens sizes the paged cache"),
+    ],
+)
+def test_kv_cache_tokens_checks_itself(given, message):
+    with pytest.raises(OptionError, match=message):
+        BatchOptions(**given)
+
+
+def test_kv_cache_tokens_sizes_the_cache_in_whole_blocks(engine):
+    batcher = engine.batcher(BatchOptions(max_batch=2, max_seq_length=LONGEST, block_size=BLOCK, kv_cache_tokens=50))
+    assert batcher.cache_usage().blocks == 13  # 50 tokens in blocks of 4
+    with pytest.raises(OptionError, match="kv_cache_tokens 40 cannot hold one sequence of max_seq_length 48"):
+        engine.batcher(BatchOptions(max_batch=2, max_seq_length=LONGEST, block_size=BLOCK, kv_cache_tokens=40))

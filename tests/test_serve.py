@@ -142,6 +142,17 @@ def tiny_server(tiny_dir):
 
 
 @pytest.fixture(scope="module")
+def scarce_server(tiny_dir):
+    """The tiny model with a paged cache of 28 blocks of 4 tokens, barely one sequence of 96: requests are preempted
+    and resumed, prompts find their prefixes cached, and long prompts go in by chunks of 8."""
+    cache = ("--block_size", "4", "--kv_cache_tokens", "112", "--prefill_chunk", "8")
+    args = ("--max_batch", "4", "--max_seq_length", "96", *cache, "--api_key", KEY, "--model_name", "tiny")
+    server = Server("--checkpoint_path", str(tiny_dir), *args)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
 def smol_server(smollm2_checkpoint):
     """The default model: two slots, no queue (a third request at once is refused)."""
     args = ("--max_batch", "2", "--max_queue", "0", "--max_seq_length", "512", "--model_name", SMOL)
@@ -588,10 +599,14 @@ def test_signals_call_stop_and_are_raised_again_after_the_block():
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
 
 
-def test_many_clients_at_once_each_get_their_own_answer(tiny_server, tiny_engine):
-    """16 clients x 20 requests of different prompts and lengths, streamed and not, at once through 4 slots: each
-    answer is the same request's greedy answer alone, none lost, duplicated or mixed with another; the server
-    answers /health all along."""
+@pytest.mark.parametrize("server_name", ["tiny_server", "scarce_server"])
+def test_many_clients_at_once_each_get_their_own_answer(server_name, request, tiny_engine):
+    """16 clients x 20 requests of different prompts and lengths, streamed and not, at once through 4 slots, after
+    a stream each client leaves after its first tokens: each answer is the same request's greedy answer alone, none
+    lost, duplicated or mixed with another; the server answers /health all along. On the scarce cache requests are
+    preempted and prompts found cached, and every block comes back once the clients are gone."""
+    tiny_server = request.getfixturevalue(server_name)
+    before = tiny_server.health()["cache"]
     prompts = [f"{word} number {i}:" * (1 + i % 3) for i, word in enumerate(["alpha", "beta", "gamma", "delta"] * 20)]
     longest = 14
     reference = {}
@@ -610,6 +625,9 @@ def test_many_clients_at_once_each_get_their_own_answer(tiny_server, tiny_engine
 
     def client_session(requests):
         client = tiny_server.client(api_key=KEY)
+        left = client.completions.create(model="tiny", prompt=requests[0][0], max_tokens=40, temperature=0, stream=True)
+        next(iter(left))
+        left.close()  # the client goes away: its request is cancelled and its blocks freed
         answers = []
         for prompt, max_tokens, stream in requests:
             kwargs = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
@@ -632,6 +650,12 @@ def test_many_clients_at_once_each_get_their_own_answer(tiny_server, tiny_engine
         stop.set()
         watcher.join()
     assert sum(len(s) for s in sessions) == 320 and set(health_codes) == {200} and len(health_codes) > 1
+    after = tiny_server.wait_for(lambda health: health["busy"] == 0 and health["cache"]["blocks_used"] == 0)["cache"]
+    if server_name == "scarce_server":
+        said = "KV cache: paged, 28 blocks of 4 tokens (112 tokens, 0.00 GiB), prefix caching on\n"
+        assert said in tiny_server.output
+        assert after["preemptions"] > before["preemptions"]
+        assert after["prefix_tokens_hit"] > before["prefix_tokens_hit"]
     for requests, answers in zip(jobs, sessions, strict=True):
         assert [a[:2] for a in answers] == [r[:2] for r in requests]
         for prompt, max_tokens, text, reasons, completion_tokens in answers:

@@ -660,6 +660,12 @@ def bench_modes(
 )
 @option("--block_size", type=int, default=16, show_default=True, help="Tokens per block of the paged KV cache.")
 @option(
+    "--kv_cache_tokens",
+    type=int,
+    default=None,
+    help="The KV cache's size in tokens (whole blocks), instead of --kv_cache_memory.",
+)
+@option(
     "--prefill_chunk",
     type=int,
     default=None,

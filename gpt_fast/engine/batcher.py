@@ -749,9 +749,15 @@ class Batcher:
 
 def cache_blocks(model: Transformer, options: BatchOptions, max_seq_length: int) -> int:
     """The paged cache's blocks, the sink included (:class:`BatchOptions`): enough for ``max_batch`` sequences of
-    ``max_seq_length`` tokens, or what ``kv_cache_memory`` holds, which must be at least one such sequence."""
-    size, memory = options.block_size, options.kv_cache_memory
+    ``max_seq_length`` tokens, or ``kv_cache_tokens``, or what ``kv_cache_memory`` holds, which must be at least one
+    such sequence."""
+    size, memory, tokens = options.block_size, options.kv_cache_memory, options.kv_cache_tokens
     per_sequence = -(-max_seq_length // size)
+    if tokens is not None:
+        if tokens < max_seq_length:
+            message = f"kv_cache_tokens {tokens} cannot hold one sequence of max_seq_length {max_seq_length}"
+            raise OptionError(message, "kv_cache_tokens")
+        return -(-tokens // size) + 1
     if memory is None:
         return options.max_batch * per_sequence + 1
     cfg, weight = model.config, model.tok_embeddings.weight

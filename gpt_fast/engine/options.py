@@ -133,19 +133,21 @@ class EngineOptions:
 @dataclass(frozen=True)
 class BatchOptions:
     """The slots, the cache and the queue: up to ``max_batch`` requests decoded together, each of at most
-    ``max_seq_length`` tokens (None: the model's context), and up to ``max_queue`` more waiting for a slot. The KV
-    cache is paged (``kv_cache``), in blocks of ``block_size`` tokens, and holds ``kv_cache_memory``: GiB when more
-    than 1, else that fraction of the device's free memory (None: enough for every slot to hold ``max_seq_length``
-    tokens). ``kv_cache="static"``: a row of ``max_seq_length`` tokens per slot, no prefix cache, and for a slot
-    decoding alone the fused one-row kernels (docs/serving.md, "Continuous batching"). ``prefill_chunk``: a prompt
-    longer than that goes in by chunks of that many tokens, one between two decode steps of the other requests
-    (None: whole, before the next step)."""
+    ``max_seq_length`` tokens (None: the model's context), and up to ``max_queue`` more waiting for a slot.
+
+    The KV cache is paged (``kv_cache``), in blocks of ``block_size`` tokens. It holds ``kv_cache_memory`` (GiB when
+    more than 1, else that fraction of the device's free memory) or ``kv_cache_tokens`` (in whole blocks); neither:
+    enough for every slot to hold ``max_seq_length`` tokens. ``kv_cache="static"``: a row of ``max_seq_length``
+    tokens per slot, no prefix cache, and for a slot decoding alone the fused one-row kernels (docs/serving.md,
+    "Continuous batching"). ``prefill_chunk``: a prompt longer than that goes in by chunks of that many tokens, one
+    between two decode steps of the other requests (None: whole, before the next step)."""
 
     max_batch: int = 8
     max_seq_length: int | None = None
     max_queue: int = 64
     block_size: int = 16
     kv_cache_memory: float | None = None
+    kv_cache_tokens: int | None = None
     kv_cache: str = "paged"
     prefill_chunk: int | None = None
 
@@ -164,8 +166,15 @@ class BatchOptions:
         check_one_of("kv_cache", self.kv_cache, KV_CACHES)
         if self.prefill_chunk is not None:
             require_int(self.prefill_chunk, "prefill_chunk", 1)
-        if self.kv_cache == "static" and memory is not None:
-            raise OptionError("kv_cache_memory sizes the paged cache, not a static one", "kv_cache_memory", "kv_cache")
+        if self.kv_cache_tokens is not None:
+            require_int(self.kv_cache_tokens, "kv_cache_tokens", 1)
+            if memory is not None:
+                raise OptionError(
+                    "give kv_cache_memory or kv_cache_tokens, not both", "kv_cache_memory", "kv_cache_tokens"
+                )
+        for name in ("kv_cache_memory", "kv_cache_tokens"):
+            if self.kv_cache == "static" and getattr(self, name) is not None:
+                raise OptionError(f"{name} sizes the paged cache, not a static one", name, "kv_cache")
 
 
 def require_int(value: object, name: str, low: int, high: int | None = None) -> None:

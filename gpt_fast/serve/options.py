@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from gpt_fast.engine.options import BatchOptions
 
+CACHE_OPTIONS = ("block_size", "kv_cache_memory", "kv_cache_tokens", "kv_cache", "prefill_chunk")  # as BatchOptions'
 DEFAULT_CONTEXT = 2048  # tokens per slot unless --max_seq_length says otherwise (or the model's context is shorter)
 
 
@@ -21,6 +22,7 @@ class ServeOptions:
     max_queue: int = 64
     block_size: int = 16
     kv_cache_memory: float | None = None  # None: every slot can hold max_seq_length tokens
+    kv_cache_tokens: int | None = None
     kv_cache: str = "paged"
     prefill_chunk: int | None = None
     api_key: str | None = None
@@ -42,6 +44,5 @@ class ServeOptions:
         length = self.max_seq_length
         if block_size is not None:
             length = length or min(block_size, DEFAULT_CONTEXT)
-        return BatchOptions(
-            self.max_batch, length, self.max_queue, self.block_size, self.kv_cache_memory, self.kv_cache
-        )
+        cache = {name: getattr(self, name) for name in CACHE_OPTIONS}
+        return BatchOptions(self.max_batch, length, self.max_queue, **cache)
