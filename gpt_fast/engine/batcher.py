@@ -199,6 +199,11 @@ class Job:
         self.started = time.perf_counter()
         self.first_token_at: float | None = None
 
+    @property
+    def sequence(self) -> tuple[int, ...]:
+        """What its cache must hold before it decodes: its prompt and the tokens it has generated so far."""
+        return (*self.request.prompt_ids, *self.ids)
+
     def accept(self, token: int, logprob: TokenLogprob | None) -> str | None:
         """Take the next token and tell of it; the finish reason once the request has ended (the caller frees its
         slot, then calls :meth:`finish`, so that whoever hears of the end finds the slot free)."""
@@ -541,7 +546,7 @@ class Batcher:
                 if not self.waiting:
                     return
                 job = self.waiting[0]
-            tokens = (*job.request.prompt_ids, *job.ids)
+            tokens = job.sequence
             slot = self.slots.index(None)
             reused = self._take_blocks(job, slot, tokens)
             if reused is None:
@@ -578,7 +583,7 @@ class Batcher:
         job = next((job for job in self.slots if job is not None and job.prefilling), None)
         if job is None:
             return
-        tokens = (*job.request.prompt_ids, *job.ids)
+        tokens = job.sequence
         end = job.filled + self.options.prefill_chunk
         if end >= len(tokens):
             job.prefilling = False
