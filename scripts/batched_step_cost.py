@@ -36,6 +36,20 @@ def step_ms(engine: Engine, state: SlotState, decode, rows: int, steps: int) -> 
     return (time.perf_counter() - start) / steps * 1e3
 
 
+def print_profile(engine: Engine, state: SlotState, decode, rows: int, steps: int, top: int) -> None:
+    """The ``top`` kernels by GPU time over ``steps`` steps, per step (torch.profiler's table)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if engine.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profile:
+        for _ in range(steps):
+            cudagraph_step_begin()
+            decode(engine.model, state, rows)
+        device_synchronize(engine.device)
+    sort = "self_device_time_total" if engine.device.type == "cuda" else "self_cpu_time_total"
+    print(profile.key_averages().table(sort_by=sort, row_limit=top, max_name_column_width=60), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="smollm2-135m")
@@ -49,6 +63,7 @@ def main() -> None:
     parser.add_argument("--position", type=int, default=512)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--output_dir", type=Path, default=Path("checkpoints/random"))
+    parser.add_argument("--profile", type=int, default=0, help="Also print this many kernels by time, per step.")
     args = parser.parse_args()
     device = resolve_device(args.device)
     folder = random_shape_folder(args.shape, args.output_dir, device)
@@ -76,6 +91,8 @@ def main() -> None:
             for rows in batches:
                 costs[layout][rows] = step_ms(engine, state, decode, rows, args.steps)
                 print(f"measured: {layout} cache, {rows} rows: {costs[layout][rows]:.3f} ms/step", flush=True)
+                if args.profile:
+                    print_profile(engine, state, decode, rows, 10, args.profile)
         torch._dynamo.reset()
     print("\n| rows | static ms/step | × 1 row | paged ms/step | × 1 row | paged / static |")
     print("|---|---|---|---|---|---|")

@@ -10,7 +10,12 @@ model's context) with the query early and late. Each variant is checked against 
 then timed in a CUDA graph over one cache per layer (as the model has), so that caches leave L2 between uses as
 they do in a decode step. Prints one JSON line per measurement and a table.
 
-    python scripts/decode_attention_bench.py [--sweep] [--json_out FILE]
+``--rows 1,8,64``: a server's step instead, the launcher alone: that many rows, each at its own position around
+the middle of a 1024-position cache, static and paged (blocks of 16 in shuffled order), Llama-2-7B and Llama-3-8B
+shapes, with the tile the code chooses and (``--sweep``) a grid of tiles; the table gives each one's rate of
+reading the keys and values the rows see.
+
+    python scripts/decode_attention_bench.py [--sweep] [--rows 1,8,64] [--json_out FILE]
 """
 
 from __future__ import annotations
@@ -60,20 +65,20 @@ def fused_attention(inputs, kv):
     return fused_decode_attention(q, k, v, cos, sin, kv, input_pos, 0, scale, None, None)
 
 
-def launched(launch):
+def launched(launch, table: torch.Tensor | None = None):
     def attention(inputs, kv):
         q, k, v, cos, sin, input_pos, _, scale = inputs
         return triton_decode_attention.decode_attention(
-            q, k, v, cos, sin, kv, input_pos, 0, scale, None, None, launch=launch
+            q, k, v, cos, sin, kv, input_pos, 0, scale, None, None, table, launch=launch
         )
 
     return attention
 
 
-def sweep_launches(length: int) -> list[triton_decode_attention.Launch]:
+def sweep_launches(length: int, sizes=(16, 32, 64, 128, 256), splits=(64, 128, 256, 512)) -> list:
     """Tiles as given: splits of ``s`` positions over the whole cache, never stretched; at most 32 positions per
     warp in a loop step (the 7B's 256-position step over 8 warps already spills 572 bytes of registers)."""
-    grid = itertools.product((16, 32, 64, 128, 256), (64, 128, 256, 512, length), (2, 4, 8))
+    grid = itertools.product(sizes, (*splits, length), (2, 4, 8))
     return sorted(
         {
             triton_decode_attention.Launch(b, s, w, -(-length // s))
@@ -109,12 +114,104 @@ def measure(name: str, fn, inputs: tuple, caches: list[torch.Tensor], expected: 
     return row
 
 
+ROW_CASES = [("llama-2-7b", 1024, 512), ("llama-3-8b", 1024, 512)]  # (model shape, cache length, mean position)
+BLOCK_SIZE = 16  # the paged caches' (gpt-fast serve's default)
+
+
+def rows_inputs(shape_name: str, length: int, pos: int, rows: int, paged: bool) -> tuple[tuple, list, object, int]:
+    """A step of ``rows`` rows at positions spread over ``pos`` ± 64: the inputs as :func:`case_inputs` gives them
+    (each row's own rotary tables and position), one filled cache per layer (paged: blocks of :data:`BLOCK_SIZE` in
+    a shuffled table), the table (None: static) and the bytes of keys and values the rows see in one layer."""
+    config = get_shape(shape_name)
+    n_head, n_kv, head_dim = config.n_head, config.n_local_heads, config.head_dim
+    qkv = torch.randn(rows, 1, (n_head + 2 * n_kv) * head_dim, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.split([n_head * head_dim, n_kv * head_dim, n_kv * head_dim], dim=-1)
+    q, k, v = q.view(rows, 1, n_head, head_dim), k.view(rows, 1, n_kv, head_dim), v.view(rows, 1, n_kv, head_dim)
+    positions = (pos - 64 + torch.arange(rows, device="cuda") * 37 % 128).clamp(0, length - 1)  # [R]
+    cos, sin = rope_tables(config, length, "cuda")
+    input_pos = positions[:, None]  # [R, 1]
+    mask = torch.where(torch.arange(length, device="cuda") <= input_pos, 0.0, float("-inf"))  # [R, S]
+    mask = mask.to(torch.bfloat16)[:, None, None]  # [R, 1, 1, S]
+    table, width = None, length // BLOCK_SIZE
+    if paged:
+        table = torch.randperm(rows * width, device="cuda").view(rows, width) + 1  # block 0: the sink
+        shape = (2, rows * width + 1, BLOCK_SIZE, n_kv, head_dim)  # PagedKVCache's buffer
+    else:
+        shape = (2, rows, n_kv, length, head_dim)
+    caches = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(config.n_layer)]
+    inputs = (q, k, v, cos[input_pos], sin[input_pos], input_pos, mask, head_dim**-0.5)
+    seen = int((positions + 1).sum()) * 2 * n_kv * head_dim * 2
+    return inputs, caches, table, seen
+
+
+def rows_reference(inputs: tuple, kv: torch.Tensor, table: torch.Tensor | None) -> torch.Tensor:
+    """The model's code for the rows' step, eager, on a copy of the cache seen as [2, R, H_kv, S, D]."""
+    q, k, v, cos, sin, input_pos, mask, scale = inputs
+    if table is not None:
+        kv = kv[:, table].flatten(2, 3).transpose(2, 3)  # [2, R, H_kv, S, D]
+    else:
+        kv = kv.clone()
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    rows = torch.arange(q.shape[0], device=q.device)
+    kv[:, rows, :, input_pos[:, 0]] = torch.stack((k[:, 0], v[:, 0]))  # [2, R, H_kv, D]
+    return attend_one_query(q.transpose(1, 2), kv[0], kv[1], mask, scale=scale).transpose(1, 2).double()
+
+
+def measure_rows(args: argparse.Namespace) -> list[dict]:
+    """The ``--rows`` cases: the chosen tile and the sweep's, static and paged, with their reading rate."""
+    results = []
+    for (shape_name, length, pos), rows, paged in itertools.product(
+        ROW_CASES, [int(r) for r in args.rows.split(",")], (False, True)
+    ):
+        inputs, caches, table, seen = rows_inputs(shape_name, length, pos, rows, paged)
+        expected = rows_reference(inputs, caches[0], table)
+        config = get_shape(shape_name)
+        chosen = triton_decode_attention.decode_launch(
+            config.n_head // config.n_local_heads, config.head_dim, config.n_local_heads
+        )
+        launches = {"chosen": chosen}
+        for launch in sweep_launches(length, (16, 32, 64, 128), (32, 64, 128, 256)) if args.sweep else ():
+            launches[f"s{launch.block_s} split{launch.split_len} w{launch.warps}"] = launch
+        for name, launch in launches.items():
+            fn = launched(launch, table)
+            error = ((fn(inputs, caches[0].clone()).double() - expected).norm() / expected.norm()).item()
+            us = gemv_floor.microseconds_per_call(fn, caches, inputs)
+            layout = "paged" if paged else "static"
+            row = {"shape": shape_name, "rows": rows, "layout": layout, "variant": name, "us": us}
+            row |= {"gb_per_s": seen / us / 1e3, "rel_error": error}
+            print(json.dumps(row), flush=True)
+            results.append(row)
+        del caches
+        torch.cuda.empty_cache()
+    return results
+
+
+def rows_summary(results: list[dict]) -> None:
+    print("| shape | rows | cache | chosen tile (µs, GB/s) | best tile (µs, GB/s) | rel. error |")
+    print("|---|---|---|---|---|---|")
+    for case in dict.fromkeys((r["shape"], r["rows"], r["layout"]) for r in results):
+        mine = [r for r in results if (r["shape"], r["rows"], r["layout"]) == case]
+        chosen = next(r for r in mine if r["variant"] == "chosen")
+        best = min(mine, key=lambda r: r["us"])
+        print(
+            f"| {case[0]} | {case[1]} | {case[2]} | {chosen['us']:.1f}, {chosen['gb_per_s']:.0f} | "
+            f"{best['variant']}: {best['us']:.1f}, {best['gb_per_s']:.0f} | {max(r['rel_error'] for r in mine):.1e} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--rows", default=None, help="Rows per step, comma-separated: a server's step (see above).")
     parser.add_argument("--json_out", default=None)
     args = parser.parse_args()
     apply_torch_settings()
+    if args.rows is not None:
+        results = measure_rows(args)
+        if args.json_out:
+            write_text_atomic(Path(args.json_out), json.dumps(results) + "\n")
+        rows_summary(results)
+        return
     gpu = torch.device("cuda")
     print(json.dumps({"attention_kernel_auto": resolve_attention_kernel("auto", gpu, "reduce-overhead")}))
     register_triton_ops()

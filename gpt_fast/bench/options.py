@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from gpt_fast.model.config import INT4_GROUP_SIZES, QUANT_MODES
 from gpt_fast.model.shapes import SHAPES
-from gpt_fast.util.choices import COMPILE_MODES, KERNEL_TUNINGS, KV_CACHES
+from gpt_fast.util.choices import COMPILE_MODES, COORDINATE_DESCENT, KERNEL_TUNINGS, KV_CACHES
 from gpt_fast.util.options import OptionError, check_at_least, check_names, check_one_of
 
 DEFAULT_AGREEMENTS = (0.5, 0.7, 0.8, 0.9)
@@ -95,11 +95,13 @@ class ServeBenchOptions:
     top_k: int = 200
     kv_cache: str = KV_CACHES[0]
     kv_cache_memory: float | None = None
+    kernel_tuning: str = COORDINATE_DESCENT
     output: str | None = None
 
     def __post_init__(self) -> None:
         check_one_of("shape", self.shape, tuple(SHAPES))
         check_one_of("dtype", self.dtype, SERVE_DTYPES)
+        check_one_of("kernel_tuning", self.kernel_tuning, KERNEL_TUNINGS)
         check_one_of("kv_cache", self.kv_cache, KV_CACHES)
         if self.kv_cache_memory is not None:
             check_at_least("kv_cache_memory", self.kv_cache_memory, 0)

@@ -247,6 +247,8 @@ def generate_rate(args: ServeBenchOptions, checkpoint: Path, sampling: list[str]
             args.device,
             "--metrics_json",
             str(metrics),
+            "--kernel_tuning",
+            args.kernel_tuning,
             *sampling,
         )
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
@@ -273,6 +275,8 @@ class Server:
             args.device,
             "--kv_cache",
             args.kv_cache,
+            "--kernel_tuning",
+            args.kernel_tuning,
             *(() if args.kv_cache_memory is None else ("--kv_cache_memory", str(args.kv_cache_memory))),
         )
 

@@ -251,6 +251,13 @@ def token_range_option(name: str, help: str) -> Callable[[T], T]:
     help="The server's KV cache (gpt-fast serve --kv_cache).",
 )
 @click.option("--kv_cache_memory", type=float, default=None, help="The server's --kv_cache_memory.")
+@click.option(
+    "--kernel_tuning",
+    type=Listed(lambda: KERNEL_TUNINGS),
+    default=SERVE.kernel_tuning,
+    show_default=True,
+    help="As gpt-fast generate's option, for generate and the server.",
+)
 @click.option("--output", default=None, help="Also write the figures here as JSON.")
 def serve_command(compile_mode: str, clients: str, **values: Any) -> None:
     """The server under load, in one run: with the fixed workload `gpt-fast generate` alone first, then `gpt-fast

@@ -706,6 +706,7 @@ class Batcher:
         """``job`` leaves its slot and lets go of its blocks."""
         if job.slot is not None and self.slots[job.slot] is job:
             self.slots[job.slot] = None
+            self.state.live[job.slot], self.state.input_pos[job.slot] = False, 0  # its attention reads one position
             if self.allocator is None:
                 return
             self.allocator.release(self.tables[job.slot])

@@ -43,6 +43,7 @@ class SlotState(nn.Module):
 
         buffer("tokens", 0)  # [N]: the slot's last token, the next decode step's input
         buffer("input_pos", 0)  # [N]: that token's position
+        buffer("live", False, dtype=torch.bool)  # [N]: the slot holds a sequence that decodes (else it stays put)
         buffer("temperature", 1.0, dtype=torch.float32)  # [N]
         buffer("top_k", vocab_size)  # [N]: the vocabulary size when unlimited
         buffer("top_p", 1.0, dtype=torch.float32)  # [N]
@@ -153,7 +154,7 @@ def _prefill(
     length = idx.shape[1]
     positions = torch.arange(length, device=idx.device)
     logits = model(idx, positions, last_only=last_only, first_row=slot, from_start=True)
-    state.input_pos[slot] = length
+    state.input_pos[slot], state.live[slot] = length, True
     sample_into(state, slice(slot, slot + 1), logits[:, -1], state.input_pos[slot : slot + 1], masked)
     return logits
 
@@ -165,7 +166,7 @@ def extend_slot(
     first position whose keys and values are not in the slot's cache yet: a prompt whose first blocks were
     found in a paged cache's prefix cache), attending to the positions before it through the cache. Eager."""
     logits = model(idx, positions, last_only=True, first_row=slot)  # [1, 1, V]
-    state.input_pos[slot] = positions[-1] + 1
+    state.input_pos[slot], state.live[slot] = positions[-1] + 1, True
     sample_into(state, slice(slot, slot + 1), logits[:, -1], state.input_pos[slot : slot + 1], masked)
 
 
@@ -185,15 +186,15 @@ def score_slot(
 def decode_slots(model: Transformer, state: SlotState, rows: int, masked: bool = False) -> None:
     """One decode step of slots ``0 .. rows - 1``, entirely on the device: each slot's last token goes in at its
     position, the next one is sampled, and the position advances (``masked``: each slot held to its constraint,
-    those marked ``hold`` kept as they are). A slot with no request decodes too, harmlessly; positions stop at the
-    cache's end, so that no slot ever writes outside it."""
+    those marked ``hold`` kept as they are). A slot that is not ``live`` decodes too, harmlessly, and keeps its
+    position (0 for a free slot, so that its attention reads one position); positions stop at the cache's end, so
+    that no slot ever writes outside it."""
     positions = state.input_pos[:rows]  # [n]
     logits = model(state.tokens[:rows, None], positions[:, None])  # [n, 1, V]
     following = positions + 1
     sample_into(state, slice(0, rows), logits[:, -1], following, masked)
-    if masked:
-        following = torch.where(state.hold[:rows], positions, following)
-    state.input_pos[:rows] = following.clamp(max=model.max_seq_length - 1)
+    moves = state.live[:rows] & ~state.hold[:rows] if masked else state.live[:rows]  # [n]
+    state.input_pos[:rows] = torch.where(moves, following.clamp(max=model.max_seq_length - 1), positions)
 
 
 @dataclass(frozen=True)
