@@ -1,10 +1,11 @@
 """The fused decode attention against the model's PyTorch code, shared by the interpreter test (run as a script in a
 process of its own, with ``TRITON_INTERPRET=1``: prints the worst errors as JSON) and the GPU tests (imported).
 
-Two levels: the kernel alone against rotary embedding + ``KVCache.update`` + ``attend_one_query`` (the output and
-the whole cache after the write), and tiny models decoding step by step with the kernel against the same models
-without it, their compiled-step code taken eagerly (``torch.compiler.is_compiling`` made true): plain Llama, GQA,
-q/k norms, sliding windows with soft-capping, head_dim 96, and rows of the cache decoded each at its own position.
+Two levels: the kernel alone against rotary embedding + ``KVCache.update`` (or ``PagedKVCache.update``) +
+``attend_one_query`` (the output and the whole cache after the write), and tiny models decoding step by step with the
+kernel against the same models without it, their compiled-step code taken eagerly (``torch.compiler.is_compiling``
+made true): plain Llama, GQA, q/k norms, sliding windows with soft-capping, head_dim 96, rows of the cache decoded
+each at its own position, and a paged cache.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from unittest import mock
 
 import torch
 
-from gpt_fast.model.cache import KVCache
+from gpt_fast.model.cache import BlockTable, KVCache, PagedKVCache
 from gpt_fast.model.config import ModelConfig
 from gpt_fast.model.shapes import get_shape
 from gpt_fast.model.transformer import Transformer, apply_rope, attend_one_query
@@ -37,6 +38,14 @@ CASES = [
     (1, 1, 4, 2, 64, 512, [500], 0, 100, None, (16, 32, 4, 3)),  # 3 splits of 192, the first two before the window
     (1, 1, 16, 16, 128, 512, [300], 0, None, None, None),  # many kv heads (Llama-2-7B's tile): one step per split
 ]
+# (batch, table rows, heads, kv heads, head_dim, max_seq_length, block size, positions, first row, window, softcap,
+# launch, rows on the sink): positions [[p0], [p1], ...], each row's own; the rows on the sink (indices of the batch)
+# have no block of their own, the others a block for each of their positions, in a shuffled order
+PAGED_CASES = [
+    (4, 4, 8, 2, 32, 100, 16, [[0], [37], [99], [5]], 0, None, None, None, [3]),  # GQA, 4 splits of 32 positions
+    (3, 4, 4, 4, 16, 72, 12, [[3], [50], [71]], 1, 10, 30.0, (8, 16, 1, 4), []),  # blocks of 12, window, soft-cap
+    (2, 2, 4, 1, 64, 600, 16, [[590], [20]], 0, None, None, (16, 16, 4, 32), []),  # MQA: 19 of 32 splits, trimmed
+]
 
 
 def reference_attention(
@@ -53,11 +62,12 @@ def reference_attention(
     window: int | None,
 ) -> torch.Tensor:
     """The model's PyTorch code for one query position per row (the mask built as ``Transformer.forward`` and
-    ``sliding_inputs`` build it); returns [B, 1, H, D] and leaves the new key and value in ``cache``."""
+    ``sliding_inputs`` build it); returns [B, 1, H, D] and leaves the new key and value in ``cache`` (a
+    :class:`KVCache` or a :class:`PagedKVCache`)."""
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, 1, D]
-    keys, values = cache.update(input_pos, k, v, first_row)
-    key_pos = torch.arange(cache.kv.shape[3], device=q.device)
+    keys, values = cache.update(input_pos, k, v, first_row)  # [B, H_kv, S, D]
+    key_pos = torch.arange(keys.shape[2], device=q.device)
     mask = torch.where(key_pos <= input_pos[..., None], 0.0, float("-inf"))  # [1, S] or [B, 1, S]
     if window is not None:
         mask = torch.where(input_pos[..., None] - key_pos < window, mask, float("-inf"))
@@ -70,34 +80,88 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     return ((got.double() - expected.double()).norm() / expected.double().norm()).item()
 
 
+def step_inputs(
+    bsz: int, n_head: int, n_kv: int, head_dim: int, length: int, positions: list, dtype: torch.dtype, device: str
+) -> tuple[tuple[torch.Tensor, ...], torch.Generator]:
+    """A decode step's random queries [B, 1, H, D], keys and values [B, 1, H_kv, D] in ``dtype`` (views of one
+    projection, as the model's), rotary tables [1 or B, 1, D/2] and positions [1] or [B, 1]; and the generator,
+    for the cache's keys and values."""
+    generator = torch.Generator().manual_seed(length + head_dim)
+    qkv = torch.randn(bsz, 1, (n_head + 2 * n_kv) * head_dim, generator=generator).to(device, dtype)
+    q, k, v = qkv.split([n_head * head_dim, n_kv * head_dim, n_kv * head_dim], dim=-1)
+    q, k, v = q.view(bsz, 1, n_head, head_dim), k.view(bsz, 1, n_kv, head_dim), v.view(bsz, 1, n_kv, head_dim)
+    angles = 6 * torch.rand(length, head_dim // 2, generator=generator).to(device)
+    input_pos = torch.tensor(positions, device=device)
+    return (q, k, v, angles.cos()[input_pos], angles.sin()[input_pos], input_pos), generator
+
+
+def compared(
+    kernel: Callable[..., torch.Tensor],
+    cache: KVCache | PagedKVCache,
+    inputs: tuple[tuple[torch.Tensor, ...], torch.Generator],
+    first_row: int,
+    window: int | None,
+    softcap: float | None,
+    launch: tuple | None,
+) -> tuple[float, float]:
+    """The kernel's step (given the cache's block table where it is paged) against :func:`reference_attention`'s on
+    ``cache``, filled with random keys and values: the relative error of the output and the worst of an element of
+    the cache after the write."""
+    from gpt_fast.kernels.triton_decode_attention import Launch
+
+    (q, k, v, cos, sin, input_pos), generator = inputs
+    cache.kv.copy_(torch.randn(cache.kv.shape, generator=generator))
+    kv = cache.kv.clone()
+    scale = q.shape[-1] ** -0.5
+    expected = reference_attention(q, k, v, cos, sin, cache, input_pos, first_row, scale, softcap, window)
+    extra = {} if launch is None else {"launch": Launch(*launch)}
+    table = () if cache.blocks is None else (cache.blocks,)
+    got = kernel(q, k, v, cos, sin, kv, input_pos, first_row, scale, softcap, window, *table, **extra)
+    assert got.shape == expected.shape and got.dtype == q.dtype
+    difference = (kv.double() - cache.kv.double()).abs() / cache.kv.double().abs().clamp(min=1e-30)
+    return relative_error(got, expected), difference.max().item()
+
+
 def kernel_errors(
     kernel: Callable[..., torch.Tensor], dtype: torch.dtype, device: str, cases: list[tuple] = CASES
 ) -> tuple[float, float]:
     """The worst relative error of the output and of an element of the cache, over ``cases``."""
-    from gpt_fast.kernels.triton_decode_attention import Launch
-
-    worst_out = worst_cache = 0.0
+    worst = (0.0, 0.0)
     for case in cases:
         bsz, rows, n_head, n_kv, head_dim, length, positions, first_row, window, softcap, launch = case
-        generator = torch.Generator().manual_seed(length + head_dim)
-        qkv = torch.randn(bsz, 1, (n_head + 2 * n_kv) * head_dim, generator=generator).to(device, dtype)
-        q, k, v = qkv.split([n_head * head_dim, n_kv * head_dim, n_kv * head_dim], dim=-1)  # views, as the model's
-        q, k, v = q.view(bsz, 1, n_head, head_dim), k.view(bsz, 1, n_kv, head_dim), v.view(bsz, 1, n_kv, head_dim)
-        angles = 6 * torch.rand(length, head_dim // 2, generator=generator).to(device)
-        input_pos = torch.tensor(positions, device=device)
-        cos, sin = angles.cos()[input_pos], angles.sin()[input_pos]
+        inputs = step_inputs(bsz, n_head, n_kv, head_dim, length, positions, dtype, device)
         cache = KVCache(rows, n_kv, length, head_dim, dtype=dtype, device=device)
-        cache.kv.copy_(torch.randn(cache.kv.shape, generator=generator))
-        kv = cache.kv.clone()
-        scale = head_dim**-0.5
-        expected = reference_attention(q, k, v, cos, sin, cache, input_pos, first_row, scale, softcap, window)
-        extra = {} if launch is None else {"launch": Launch(*launch)}
-        got = kernel(q, k, v, cos, sin, kv, input_pos, first_row, scale, softcap, window, **extra)
-        assert got.shape == expected.shape and got.dtype == dtype
-        worst_out = max(worst_out, relative_error(got, expected))
-        difference = (kv.double() - cache.kv.double()).abs() / cache.kv.double().abs().clamp(min=1e-30)
-        worst_cache = max(worst_cache, difference.max().item())
-    return worst_out, worst_cache
+        errors = compared(kernel, cache, inputs, first_row, window, softcap, launch)
+        worst = tuple(max(pair) for pair in zip(worst, errors, strict=True))
+    return worst
+
+
+def shuffled_table(table: BlockTable, positions: list, first_row: int, sink: list[int]) -> int:
+    """Fill ``table``: each row of the batch (from ``first_row`` on, but those in ``sink``) a block for each of its
+    positions up to its own, taken in a shuffled order; the rest the sink, block 0. Returns the blocks in use, the
+    sink included."""
+    size = table.block_size
+    counts = [0 if row in sink else p // size + 1 for row, (p,) in enumerate(positions)]
+    order = torch.randperm(sum(counts), generator=torch.Generator().manual_seed(size)) + 1
+    for row, blocks in zip(range(first_row, first_row + len(counts)), order.split(counts), strict=True):
+        table.blocks[row, : len(blocks)] = blocks
+    return 1 + sum(counts)
+
+
+def paged_kernel_errors(
+    kernel: Callable[..., torch.Tensor], dtype: torch.dtype, device: str, cases: list[tuple] = PAGED_CASES
+) -> tuple[float, float]:
+    """:func:`kernel_errors` over a paged cache (``cases`` as :data:`PAGED_CASES`), two spare blocks in it."""
+    worst = (0.0, 0.0)
+    for case in cases:
+        bsz, rows, n_head, n_kv, head_dim, length, size, positions, first_row, window, softcap, launch, sink = case
+        inputs = step_inputs(bsz, n_head, n_kv, head_dim, length, positions, dtype, device)
+        table = BlockTable(rows, length, size, device=device)
+        blocks = shuffled_table(table, positions, first_row, sink) + 2
+        cache = PagedKVCache(blocks, table, n_kv, head_dim, dtype=dtype, device=device)
+        errors = compared(kernel, cache, inputs, first_row, window, softcap, launch)
+        worst = tuple(max(pair) for pair in zip(worst, errors, strict=True))
+    return worst
 
 
 def model_configs() -> dict[str, ModelConfig]:
@@ -120,14 +184,19 @@ def model_configs() -> dict[str, ModelConfig]:
 
 
 @torch.no_grad()
-def decoded_logits(model: Transformer, kernel: Callable[..., torch.Tensor] | None, rows_apart: bool) -> torch.Tensor:
+def decoded_logits(
+    model: Transformer, kernel: Callable[..., torch.Tensor] | None, rows_apart: bool, paged: bool = False
+) -> torch.Tensor:
     """Logits of 5 decode steps after a 7-token prompt, with the compiled steps' attention code: 2 rows at one
-    position, or (``rows_apart``) each row prefilled alone and then decoded at its own position."""
+    position, or (``rows_apart``) each row prefilled alone and then decoded at its own position; in a static cache,
+    or a ``paged`` one of blocks of 8 positions, each row's in a shuffled order."""
     generator = torch.Generator().manual_seed(1)
     device = model.tok_embeddings.weight.device
     tokens = torch.randint(0, model.config.vocab_size, (2, 40), generator=generator).to(device)
     model.setup_caches(1, 8)
-    model.setup_caches(2, 64)  # a fresh, zeroed cache
+    model.setup_caches(2, 64, blocks=18 if paged else None, block_size=8)  # a fresh, zeroed cache
+    if paged:  # the sink, a spare block and the rows' 16
+        model.block_table.blocks.copy_(torch.randperm(16, generator=generator).view(2, 8) + 1)
     for layer in model.layers:
         layer.attention.decode_kernel = kernel
     starts = [7, 13] if rows_apart else [7, 7]
@@ -141,36 +210,43 @@ def decoded_logits(model: Transformer, kernel: Callable[..., torch.Tensor] | Non
     return torch.cat(steps, dim=1)
 
 
+def random_model(config: ModelConfig, device: str = "cpu") -> Transformer:
+    """A model of ``config`` with weights large enough (std 0.3) that the logits differ clearly."""
+    torch.manual_seed(0)
+    model = Transformer(config)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return model.to(device).eval()
+
+
 def model_errors(kernel: Callable[..., torch.Tensor], device: str = "cpu") -> float:
     """The worst relative error of the decoded logits with the kernel, over :func:`model_configs` (float32); the
-    rows at their own positions with the first model."""
+    rows at their own positions, in a static cache and in a paged one, with the first model."""
     worst = 0.0
     for name, config in model_configs().items():
-        torch.manual_seed(0)
-        model = Transformer(config)
-        for p in model.parameters():
-            torch.nn.init.normal_(p, std=0.3)
-        model.to(device).eval()
-        for rows_apart in (False, True) if name == "tiny" else (False,):
-            expected = decoded_logits(model, None, rows_apart)
-            worst = max(worst, relative_error(decoded_logits(model, kernel, rows_apart), expected))
+        model = random_model(config, device)
+        for rows_apart, paged in [(False, False), (True, False), (True, True)] if name == "tiny" else [(False, False)]:
+            expected = decoded_logits(model, None, rows_apart, paged)
+            worst = max(worst, relative_error(decoded_logits(model, kernel, rows_apart, paged), expected))
     return worst
 
 
 PARTS = ("float32", "bfloat16", "models")
+PAGED = "paged-"  # a part's prefix: the kernel over a paged cache (PAGED_CASES)
 
 
 def main(parts: tuple[str, ...] = PARTS) -> None:
-    """The worst errors of each of ``parts`` (the kernel in float32, in bfloat16: output and cache; tiny models
-    decoding with it), as JSON."""
+    """The worst errors of each of ``parts`` (the kernel in float32, in bfloat16: output and cache, over a static
+    cache, or over a paged one as ``paged-float32``, ``paged-bfloat16``; tiny models decoding with it), as JSON."""
     from gpt_fast.kernels.triton_decode_attention import decode_attention
 
     report: dict[str, object] = {}
     for part in parts:
+        errors = paged_kernel_errors if part.startswith(PAGED) else kernel_errors
         if part == "models":
             report[part] = model_errors(decode_attention)
         else:
-            report[part] = list(kernel_errors(decode_attention, getattr(torch, part), "cpu"))
+            report[part] = list(errors(decode_attention, getattr(torch, part.removeprefix(PAGED)), "cpu"))
     json.dump(report, sys.stdout)
 
 

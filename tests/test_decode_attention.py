@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from decode_attention_reference import decoded_logits, model_configs, random_model, reference_attention
 
 from gpt_fast.accel.decode_attention import (
     attention_pdl,
@@ -20,7 +21,7 @@ from gpt_fast.accel.options import KernelOptions
 from gpt_fast.convert.random_init import random_weights
 from gpt_fast.engine.engine import Engine, EngineOptions
 from gpt_fast.model.shapes import get_shape
-from tests.interpreter import interpret_all
+from tests.interpreter import interpret_all, needs_triton, old_numpy
 
 REFERENCE = Path(__file__).resolve().parent / "decode_attention_reference.py"
 
@@ -128,6 +129,26 @@ def test_every_attention_layer_gets_the_kernel_and_its_window():
     assert all(a.decode_kernel is None for a in layers)
 
 
+def test_a_paged_caches_decode_steps_give_the_kernel_the_block_table():
+    """Compiled-step code (taken eagerly) over a paged cache calls the decode kernel with its layer's cache buffer and
+    the model's block table, and takes its result: here the PyTorch code's, so the logits are those without the
+    kernel. The batch-invariant ``rows_kernel`` reads static caches only: a paged cache's steps never call it."""
+    model = random_model(model_configs()["tiny"])
+    calls, rows_calls = [], []
+
+    def kernel(q, k, v, cos, sin, kv, input_pos, first_row, scale, softcap, window, table):
+        assert table is model.block_table.blocks
+        (cache,) = [layer.attention.kv_cache for layer in model.layers if layer.attention.kv_cache.kv is kv]
+        calls.append(first_row)
+        return reference_attention(q, k, v, cos, sin, cache, input_pos, first_row, scale, softcap, window)
+
+    for layer in model.layers:
+        layer.attention.rows_kernel = lambda *args: rows_calls.append(args)
+    expected = decoded_logits(model, None, rows_apart=True, paged=True)
+    torch.testing.assert_close(decoded_logits(model, kernel, rows_apart=True, paged=True), expected)
+    assert len(calls) == 5 * len(model.layers) and not rows_calls
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 @pytest.mark.skipif(
@@ -147,12 +168,28 @@ def test_the_triton_kernel_in_the_interpreter_matches_the_pytorch_code():
     assert errors["models"] < 1e-5
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-@pytest.mark.parametrize("from_cache", [False, True], ids=["decode", "rows"])
+@pytest.mark.slow
+@needs_triton
+@old_numpy
+def test_the_triton_kernel_over_a_paged_cache_in_the_interpreter_matches_the_pytorch_code():
+    """Rows at their own positions over a shuffled block table, a row on the sink block, first rows after the first;
+    GQA, MHA and MQA; blocks of 16 and of 12 positions (loop steps across blocks); a sliding window with soft-capping;
+    a long row over 19 of 32 splits: the output and the cache after the write (the new keys in their rows' blocks).
+    Tiny models decoding over a paged cache are in the static test's models part."""
+    errors: dict = {}
+    for out in interpret_all([[str(REFERENCE), f"paged-{dtype}"] for dtype in ("float32", "bfloat16")]):
+        errors |= json.loads(out)
+    assert errors["paged-float32"][0] < 1e-5 and errors["paged-float32"][1] == 0.0
+    assert errors["paged-bfloat16"][0] < 2e-2 and errors["paged-bfloat16"][1] <= 2**-7  # an ulp
+
+
+@needs_triton
+@pytest.mark.parametrize("kind", ["decode", "rows", "paged"])
 @pytest.mark.parametrize("group", [1, 4])
-def test_the_kernel_compiles_for_a_gpu_with_float64_scalars(group, from_cache):
+def test_the_kernel_compiles_for_a_gpu_with_float64_scalars(group, kind):
     """Inductor passes a triton_op's float arguments (the scale, the soft-cap) as float64: the kernel must keep its
-    running softmax state in float32 all the same. Triton's front end types the kernel without a GPU."""
+    running softmax state in float32 all the same. Triton's front end types the kernel without a GPU: a decode
+    step's, a batch-invariant step's (``rows``: the keys from the cache) and a paged cache's decode step's."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -162,8 +199,9 @@ def test_the_kernel_compiles_for_a_gpu_with_float64_scalars(group, from_cache):
     kernel = _decode_attention_split
     sizes = {"H_KV": 8, "GROUP": group, "GROUP_PAD": group, "HALF": 64, "HALF_PAD": 64, "BLOCK_S": 16}
     constants = {**sizes, "SPLIT_LEN": 128, "SPLITS": 4, "MAX_SPLITS": 32, "SOFTCAP": True, "WINDOW": group > 1}
-    constants.update(CAPPED=group > 1, FROM_CACHE=from_cache)  # group 1 as Llama-2-7B's: no window, no cap
-    pointers = {"pos_ptr": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32"}
+    constants.update(CAPPED=group > 1, FROM_CACHE=kind == "rows")  # group 1 as Llama-2-7B's: no window, no cap
+    constants.update(PAGED=kind == "paged", CACHE_BLOCK=16 if kind == "paged" else 1)
+    pointers = {"pos_ptr": "*i64", "table_ptr": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32"}
     signature = {name: "constexpr" if name in constants else "i64" for name in kernel.arg_names}
     signature.update({name: pointers.get(name, "*bf16") for name in kernel.arg_names if name.endswith("_ptr")})
     signature.update(scale="fp64", softcap="fp64")

@@ -1,13 +1,21 @@
 """GPU checks of the fused decode attention (CUDA; on ROCm the Triton kernel is not used and these are skipped): the
-kernel against the model's PyTorch code at real model shapes, and compiled decoding with it giving eager's greedy
-tokens, one sequence or several at their own positions (continuous batching).
+kernel against the model's PyTorch code at real model shapes, over the static cache and the paged one, and compiled
+decoding with it giving eager's greedy tokens, one sequence or several at their own positions (continuous batching,
+over the batcher's paged cache).
 
     python -m pytest -q -m gpu tests/test_decode_attention_gpu.py
 """
 
 import pytest
 import torch
-from decode_attention_reference import CASES, kernel_errors, model_configs, model_errors
+from decode_attention_reference import (
+    CASES,
+    PAGED_CASES,
+    kernel_errors,
+    model_configs,
+    model_errors,
+    paged_kernel_errors,
+)
 
 from gpt_fast.accel.options import KernelOptions
 from gpt_fast.convert.random_init import random_weights
@@ -31,6 +39,15 @@ MODEL_SHAPES = [
     (2, 2, 16, 8, 256, 8192, [[8000], [4100]], 0, 4096, 50.0, None),  # Gemma 2: sliding window, soft-capping
     (1, 1, 32, 32, 96, 4096, [3000], 0, 2047, None, None),  # Phi-3
 ]
+EIGHT_ROWS = [[round(1000 * i / 7)] for i in range(8)]  # positions 0 to 1000
+# as decode_attention_reference.PAGED_CASES: (batch, table rows, heads, kv heads, head_dim, max_seq_length, block
+# size, positions, first row, window, softcap, launch, rows on the sink)
+PAGED_MODEL_SHAPES = [
+    (8, 8, 32, 32, 128, 1024, 16, EIGHT_ROWS, 0, None, None, None, []),  # Llama-2-7B, a server's 8 rows
+    (8, 8, 32, 8, 128, 1024, 16, EIGHT_ROWS, 0, None, None, None, [0]),  # Llama-3-8B, the first row on the sink
+    (8, 8, 32, 8, 128, 8192, 16, EIGHT_ROWS, 0, None, None, None, []),  # Llama-3-8B, a long table: capped splits
+    (2, 2, 16, 8, 256, 8192, 16, [[8000], [4100]], 0, 4096, 50.0, None, []),  # Gemma 2: sliding window, soft-capping
+]
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])
@@ -40,6 +57,15 @@ def test_the_kernel_matches_the_pytorch_code(dtype, tolerance):
     out, cache = kernel_errors(decode_attention, dtype, "cuda", CASES + MODEL_SHAPES)
     assert out < tolerance
     assert cache <= 2**-7  # the new key rounded the same, up to an ulp where a fused multiply-add rounds once
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])
+def test_the_kernel_over_a_paged_cache_matches_the_pytorch_code(dtype, tolerance):
+    from gpt_fast.kernels.triton_decode_attention import decode_attention
+
+    out, cache = paged_kernel_errors(decode_attention, dtype, "cuda", PAGED_CASES + PAGED_MODEL_SHAPES)
+    assert out < tolerance
+    assert cache <= 2**-7
 
 
 @pytest.mark.parametrize("operator", ["fused_decode_attention", "fused_decode_attention_pdl"])
@@ -57,7 +83,7 @@ GREEDY = SamplingConfig(temperature=0)
 def test_compiled_decoding_with_the_kernel_gives_eagers_greedy_tokens(name):
     """In CUDA graphs (``reduce-overhead``; tests/test_gpu.py covers every mode on the tiny checkpoint), float32,
     weights scaled up so that the argmax is clear: one prompt, then three prompts of different lengths decoded
-    together (each row at its own position)."""
+    together (each row at its own position, in the batcher's paged cache)."""
     mode = "reduce-overhead"
     shape = model_configs()[name]
     state = {n: t * 10 if t.dim() > 1 else t for n, t in random_weights(shape, torch.float32, seed=0).items()}

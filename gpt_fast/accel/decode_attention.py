@@ -2,9 +2,9 @@
 
 - ``triton``: :mod:`gpt_fast.kernels.triton_decode_attention`, on CUDA GPUs: rotary embedding of the step's query
   and key, the cache write and the attention over the positions seen, in one kernel per layer (a second, small one
-  combines the splits of a long cache), where inductor makes six of the PyTorch code. Wrapped as the
-  ``torch.library.triton_op`` ``gpt_fast::decode_attention`` (it mutates the cache), so that ``torch.compile``
-  places it in its own generated code and CUDA graphs capture it.
+  combines the splits of a long cache), where inductor makes six of the PyTorch code. Over the static cache and the
+  paged one (given its block table). Wrapped as the ``torch.library.triton_op`` ``gpt_fast::decode_attention`` (it
+  mutates the cache), so that ``torch.compile`` places it in its own generated code and CUDA graphs capture it.
 - ``torch``: the model's own code (:func:`gpt_fast.model.transformer.apply_rope`,
   :meth:`gpt_fast.model.cache.KVCache.update`, :func:`gpt_fast.model.transformer.attend_one_query`): runs
   everywhere, ROCm and the CPU included.
@@ -78,9 +78,10 @@ def register_triton_ops() -> None:
         scale: float,
         softcap: float | None,
         window: int | None,
+        table: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return triton_decode_attention.decode_attention(
-            q, k, v, cos, sin, kv, input_pos, first_row, scale, softcap, window, wrap=wrap_triton
+            q, k, v, cos, sin, kv, input_pos, first_row, scale, softcap, window, table, wrap=wrap_triton
         )
 
     def decode_attention_pdl(*args: object) -> torch.Tensor:
@@ -97,7 +98,7 @@ def register_triton_ops() -> None:
 def fused_decode_attention(*args: object) -> torch.Tensor:
     """What :class:`gpt_fast.model.transformer.Attention` calls as its ``decode_kernel``: the operator, with the
     arguments of :func:`gpt_fast.kernels.triton_decode_attention.decode_attention` (but ``launch``, ``wrap`` and
-    ``pdl``)."""
+    ``pdl``): a paged cache's block table last, None for a static cache."""
     return torch.ops.gpt_fast.decode_attention(*args)
 
 

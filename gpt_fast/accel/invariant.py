@@ -150,7 +150,8 @@ def invariant_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset
 
 def invariant_attention(*args: object) -> torch.Tensor:
     """What :class:`gpt_fast.model.transformer.Attention` calls as its ``rows_kernel``: the operator, with the
-    arguments of :func:`reference_attention`."""
+    arguments of :func:`reference_attention`. Over a static cache only: a paged cache's steps keep the model's
+    PyTorch code (:meth:`gpt_fast.model.transformer.Attention.attend`)."""
     return torch.ops.gpt_fast.invariant_attention(*args)
 
 

@@ -1,4 +1,4 @@
-"""Triton kernels for the attention of one decode step: a single query position per row, over the static KV cache.
+"""Triton kernels for the attention of one decode step: a single query position per row, over the KV cache.
 
 One program per (row, kv head, split of the cache's positions) does what inductor makes six kernels of: the rotary
 embedding of the step's queries and key, the write of the new key and value into the cache, the scores against
@@ -18,11 +18,17 @@ The step's own key is not read back from the cache: every program rotates it in 
 split holds its position also writes it (and the value) to the cache, so no program reads a position written in
 the same launch.
 
+The cache is static (:class:`gpt_fast.model.cache.KVCache`, a row of positions per sequence) or paged
+(:class:`gpt_fast.model.cache.PagedKVCache`): blocks of positions shared by all rows, each row's named by its row of
+the block table. The decode kernel reads both, the same code but for where a position's key is (:func:`_offsets`):
+a paged row's keys are found through its table, and read up to its own position only, so that its cost follows its
+own length, not the cache's. The batch-invariant kernels read static caches only.
+
 Batch-invariant steps (:func:`rows_attention`, ``--batch_invariant``) take any number of query positions per row:
-a first kernel rotates and writes every new key and value, then each (query position, kv head, split) program
-attends over the cache up to its own position, its own key included. A query's program then does the same work,
-in the same order, with the same compiled code, whether it is a decode step's only position or one of a verify
-step's k + 1: its result does not depend on the others.
+a first kernel rotates and writes every new key and value into a static cache, then each (query position, kv head,
+split) program attends over the cache up to its own position, its own key included. A query's program then does the
+same work, in the same order, with the same compiled code, whether it is a decode step's only position or one of a
+verify step's k + 1: its result does not depend on the others.
 
 Rounding follows the PyTorch path (:func:`gpt_fast.model.transformer.apply_rope`,
 :func:`gpt_fast.model.transformer.attend_one_query`):
@@ -193,13 +199,55 @@ def _online_softmax(m_i, l_i, acc1, acc2, scores, v1, v2):
 
 
 @triton.jit
-def _cached_tile(cache, first, lo, end, d, d_in, values_offset, HALF: tl.constexpr, BLOCK: tl.constexpr):
+def _row_cache(kv_ptr, table_ptr, table_stride, row, h, S, H_KV: tl.constexpr, HALF: tl.constexpr, PAGED: tl.constexpr):
+    """Where the keys of cache row ``row`` and kv head ``h`` start (a static cache's position 0, a paged cache's
+    block 0 at offset 0: :func:`_offsets` from there), and the row of the block table (paged)."""
+    if PAGED:
+        cache = kv_ptr + h * (2 * HALF)
+        table = table_ptr + row * table_stride
+    else:
+        cache = kv_ptr + (row * H_KV + h).to(tl.int64) * S * (2 * HALF)
+        table = table_ptr
+    return cache, table
+
+
+@triton.jit
+def _offsets(
+    table, positions, mask, H_KV: tl.constexpr, HALF: tl.constexpr, CACHE_BLOCK: tl.constexpr, PAGED: tl.constexpr
+):
+    """How far the keys of ``positions`` are from a row's first (:func:`_row_cache`): one after the other in a static
+    cache; in a paged one, position p in block ``table[p // CACHE_BLOCK]`` at offset ``p % CACHE_BLOCK``, each
+    position holding every kv head. The table is read where ``mask`` is true (elsewhere the sink, block 0)."""
+    if PAGED:
+        blocks = tl.load(table + positions // CACHE_BLOCK, mask=mask, other=0)  # int64: no overflow in a large cache
+        offsets = (blocks * CACHE_BLOCK + positions % CACHE_BLOCK) * (H_KV * 2 * HALF)
+    else:
+        offsets = positions * (2 * HALF)
+    return offsets
+
+
+@triton.jit
+def _cached_tile(
+    cache,
+    table,
+    first,
+    lo,
+    end,
+    d,
+    d_in,
+    values_offset,
+    H_KV: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CACHE_BLOCK: tl.constexpr,
+    PAGED: tl.constexpr,
+):
     """The cached keys' and values' halves [BLOCK, HALF_PAD] of positions ``first`` to ``first + BLOCK - 1``, as
-    stored (zeros outside [``lo``, ``end``)), and which positions are in it [BLOCK] (``cache``: the row's keys of
-    one kv head)."""
+    stored (zeros outside [``lo``, ``end``)), and which positions are in it [BLOCK] (``cache`` and ``table``: one
+    row's and kv head's, :func:`_row_cache`)."""
     keys = first + tl.arange(0, BLOCK)
     valid = (keys >= lo) & (keys < end)
-    at = cache + keys[:, None] * (2 * HALF) + d[None, :]  # [BLOCK, HALF_PAD]
+    at = cache + _offsets(table, keys, valid, H_KV, HALF, CACHE_BLOCK, PAGED)[:, None] + d[None, :]  # [BLOCK, HALF_PAD]
     at_in = valid[:, None] & d_in[None, :]
     k1 = tl.load(at, mask=at_in, other=0.0)
     k2 = tl.load(at + HALF, mask=at_in, other=0.0)
@@ -306,6 +354,8 @@ def _decode_attention_split(
     scale,
     softcap,
     window,
+    table_ptr,
+    table_stride,
     H_KV: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -319,27 +369,32 @@ def _decode_attention_split(
     SOFTCAP: tl.constexpr,
     WINDOW: tl.constexpr,
     FROM_CACHE: tl.constexpr,
+    CACHE_BLOCK: tl.constexpr,
+    PAGED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program (query row b * H_KV + kv head, split): the GROUP query heads of one kv head over the split's
     positions (:func:`_span` of them from ``split`` times that on; a split past the query's position has none). A
     query row is one position of one of the cache's rows, ``T`` positions per cache row. Without ``FROM_CACHE``
     (one position per row) the step's own key and value come in registers and are written here; with it every key
-    up to the query's position is read from the cache, where :func:`_write_rotated` put them.
+    up to the query's position is read from the cache, where :func:`_write_rotated` put them. With ``PAGED`` the
+    cache is in blocks of ``CACHE_BLOCK`` positions, which the cache row's row of the block table (``table_ptr``)
+    names (:func:`_offsets`); ``PAGED`` is a constexpr, so that a static cache's compiled kernel has none of the
+    paged code (nor reads the table).
 
     The first loop step's cached keys and values are loaded before the kernel waits for the one before it
-    (:mod:`gpt_fast.kernels.pdl`), as a GEMV's first weights are: earlier steps wrote them, and the position is an input
-    of the whole step. With ``FROM_CACHE`` the kernel before writes keys, so it is launched without PDL. On an H200
-    (docs/bench/HISTORY.md, 2026-11-25j) Llama-2-7B's 200-token generations run at 290.3 tok/s with these early loads
-    against 286.4 without, SmolLM2's at 1927 against 1834: the attention's end after ``wqkv``'s 5.0-5.1 µs per layer
-    against 5.8-7.5."""
+    (:mod:`gpt_fast.kernels.pdl`), as a GEMV's first weights are: earlier steps wrote them, and the position and the
+    block table are inputs of the whole step. With ``FROM_CACHE`` the kernel before writes keys, so it is launched
+    without PDL. On an H200 (docs/bench/HISTORY.md, 2026-11-25j) Llama-2-7B's 200-token generations run at 290.3 tok/s
+    with these early loads against 286.4 without, SmolLM2's at 1927 against 1834: the attention's end after
+    ``wqkv``'s 5.0-5.1 µs per layer against 5.8-7.5."""
     b = tl.program_id(0) // H_KV
     h = tl.program_id(0) % H_KV
     split = tl.program_id(1)
     pos = tl.load(pos_ptr + b * pos_stride)  # a graph input, not the kernel before's output
     d = tl.arange(0, HALF_PAD)
     d_in = d < HALF
-    cache = kv_ptr + ((first_row + b // T) * H_KV + h).to(tl.int64) * S * (2 * HALF)  # the row's keys of kv head h
+    cache, table = _row_cache(kv_ptr, table_ptr, table_stride, first_row + b // T, h, S, H_KV, HALF, PAGED)
     span = _span(pos, SPLIT_LEN, MAX_SPLITS, CAPPED)
     start = split * span
     seen = pos  # positions before the query's own come from the cache, and with FROM_CACHE its own too
@@ -351,7 +406,9 @@ def _decode_attention_split(
         lo = tl.maximum(start, pos - window + 1)
     begin = start + (lo - start) // BLOCK_S * BLOCK_S  # the first loop step's first position
     # The first loop step's keys and values before the wait: earlier steps wrote them (PDL: without FROM_CACHE only)
-    valid, k1, k2, v1, v2 = _cached_tile(cache, begin, lo, end, d, d_in, values_offset, HALF, BLOCK_S)
+    valid, k1, k2, v1, v2 = _cached_tile(
+        cache, table, begin, lo, end, d, d_in, values_offset, H_KV, HALF, BLOCK_S, CACHE_BLOCK, PAGED
+    )
     wait_for_inputs(PDL)
     g = tl.arange(0, GROUP_PAD)
     g_in = g < GROUP
@@ -370,7 +427,9 @@ def _decode_attention_split(
     acc2 = tl.zeros((GROUP_PAD, HALF_PAD), tl.float32)
     m_i, l_i, acc1, acc2 = _fold_tile(q1, q2, m_i, l_i, acc1, acc2, valid, k1, k2, v1, v2, scale, softcap, SOFTCAP)
     for first in range(begin + BLOCK_S, end, BLOCK_S):
-        valid, k1, k2, v1, v2 = _cached_tile(cache, first, lo, end, d, d_in, values_offset, HALF, BLOCK_S)
+        valid, k1, k2, v1, v2 = _cached_tile(
+            cache, table, first, lo, end, d, d_in, values_offset, H_KV, HALF, BLOCK_S, CACHE_BLOCK, PAGED
+        )
         m_i, l_i, acc1, acc2 = _fold_tile(q1, q2, m_i, l_i, acc1, acc2, valid, k1, k2, v1, v2, scale, softcap, SOFTCAP)
 
     if not FROM_CACHE:  # the step's own key and value: rotated here, written by the split that holds the position
@@ -378,7 +437,8 @@ def _decode_attention_split(
         k1, k2, v1, v2 = _rotated_key_value(
             k_ptr + b * k_stride_b + h * k_stride_h, v_ptr + b * v_stride_b + h * v_stride_h, d, cos, sin, HALF, d_in
         )
-        _store_key_value(cache + pos * (2 * HALF) + d, values_offset, k1, k2, v1, v2, d_in & own, HALF)
+        at = cache + _offsets(table, pos, own, H_KV, HALF, CACHE_BLOCK, PAGED) + d
+        _store_key_value(at, values_offset, k1, k2, v1, v2, d_in & own, HALF)
         dots = _dots(q1, q2, k1[None, :], k2[None, :])  # [G, 1]
         scores = tl.where(own, _capped(dots * scale, softcap, SOFTCAP), float("-inf"))
         m_i, l_i, acc1, acc2 = _online_softmax(m_i, l_i, acc1, acc2, scores, v1[None, :], v2[None, :])
@@ -480,9 +540,18 @@ class _Rows:
     per_cache_row: int
 
 
+def _cache_shape(kv: torch.Tensor, table: torch.Tensor | None) -> tuple[int, int]:
+    """The kv heads of the cache ``kv`` and the positions of each of its rows: static, ``kv`` [2, R, H_kv, S, D];
+    paged, ``kv`` [2, N, block_size, H_kv, D] with the block table ``table`` [R, W] (W blocks per row)."""
+    if table is None:
+        return kv.shape[2], kv.shape[3]
+    return kv.shape[3], table.shape[1] * kv.shape[2]
+
+
 def _attend(
     rows: _Rows,
     kv: torch.Tensor,
+    table: torch.Tensor | None,
     scale: float,
     softcap: float | None,
     window: int | None,
@@ -491,11 +560,13 @@ def _attend(
     from_cache: bool,
     pdl: dict[str, Any],
 ) -> torch.Tensor:
-    """Launch the attention kernel (and the combination of its splits) over ``rows``, with the launch keywords
-    ``pdl`` (:func:`gpt_fast.kernels.pdl.pdl_launch`); returns [R, H, D]."""
+    """Launch the attention kernel (and the combination of its splits) over ``rows`` and the cache ``kv`` (paged
+    with ``table``: :func:`_cache_shape`), with the launch keywords ``pdl`` (:func:`gpt_fast.kernels.pdl.pdl_launch`);
+    returns [R, H, D]."""
     n_rows, n_head, head_dim = rows.q.shape
-    _, _, n_kv, max_len, _ = kv.shape
+    n_kv, max_len = _cache_shape(kv, table)
     assert rows.q.stride(-1) == rows.k.stride(-1) == rows.v.stride(-1) == 1 and kv.is_contiguous()
+    assert table is None or (table.dtype == torch.int64 and table.stride(1) == 1)
     group, half = n_head // n_kv, head_dim // 2
     launch = launch or decode_launch(group, head_dim, n_kv)
     needed = triton.cdiv(max_len, launch.split_len)
@@ -531,6 +602,8 @@ def _attend(
         scale,
         1.0 if softcap is None else softcap,
         max_len if window is None else window,
+        rows.positions if table is None else table,  # a static cache's kernel has no table to read
+        0 if table is None else table.stride(0),
         H_KV=n_kv,
         GROUP=group,
         GROUP_PAD=triton.next_power_of_2(group),
@@ -544,6 +617,8 @@ def _attend(
         SOFTCAP=softcap is not None,
         WINDOW=window is not None,
         FROM_CACHE=from_cache,
+        CACHE_BLOCK=1 if table is None else kv.shape[2],
+        PAGED=table is not None,
         num_warps=launch.warps,
         **pdl,
     )
@@ -580,6 +655,7 @@ def decode_attention(
     scale: float,
     softcap: float | None,
     window: int | None,
+    table: torch.Tensor | None = None,
     launch: Launch | None = None,
     wrap: Wrap = unwrapped,
     pdl: bool = False,
@@ -587,18 +663,20 @@ def decode_attention(
     """Attention of one query position per row, the step's key and value written into the cache first.
 
     ``q`` [B, 1, H, D], ``k`` and ``v`` [B, 1, H_kv, D] before the rotary embedding (heads contiguous in memory);
-    ``cos``/``sin`` [1, D/2] (shared) or [B, 1, D/2] (each row's); ``kv`` the cache [2, R, H_kv, S, D], whose rows
-    ``first_row`` to ``first_row + B - 1`` are these rows (written in place at the position); ``input_pos`` [1]
-    (shared) or [B, 1]. Scores are scaled by ``scale``, soft-capped by ``softcap`` when given, and only the last
-    ``window`` positions are seen when given. ``pdl``: the kernels are launched with programmatic dependent launch
-    where the GPU has it, each waiting for its inputs before it reads any (:mod:`gpt_fast.kernels.pdl`).
-    Returns [B, 1, H, D] in ``q``'s dtype."""
+    ``cos``/``sin`` [1, D/2] (shared) or [B, 1, D/2] (each row's); ``kv`` the cache, whose rows ``first_row`` to
+    ``first_row + B - 1`` are these rows (written in place at the position): static [2, R, H_kv, S, D], or, given
+    the block table ``table`` [R, W] (int64), paged [2, N, block_size, H_kv, D], a row's position p in block
+    ``table[row, p // block_size]`` at offset ``p % block_size`` (:class:`gpt_fast.model.cache.PagedKVCache`);
+    ``input_pos`` [1] (shared) or [B, 1]. Scores are scaled by ``scale``, soft-capped by ``softcap`` when given, and
+    only the last ``window`` positions are seen when given. ``pdl``: the kernels are launched with programmatic
+    dependent launch where the GPU has it, each waiting for its inputs before it reads any
+    (:mod:`gpt_fast.kernels.pdl`). Returns [B, 1, H, D] in ``q``'s dtype."""
     half = q.shape[-1] // 2
     rows = _Rows(
         q[:, 0], k[:, 0], v[:, 0], cos.reshape(-1, half), sin.reshape(-1, half), input_pos.reshape(-1, 1), first_row, 1
     )
     launch_pdl = pdl_launch(q.device, pdl)
-    return _attend(rows, kv, scale, softcap, window, launch, wrap, from_cache=False, pdl=launch_pdl)[:, None]
+    return _attend(rows, kv, table, scale, softcap, window, launch, wrap, from_cache=False, pdl=launch_pdl)[:, None]
 
 
 def rows_attention(
@@ -651,5 +729,5 @@ def rows_attention(
         HALF=half,
         HALF_PAD=triton.next_power_of_2(half),
     )
-    out = _attend(rows, kv, scale, softcap, window, launch, wrap, from_cache=True, pdl=NO_PDL)
+    out = _attend(rows, kv, None, scale, softcap, window, launch, wrap, from_cache=True, pdl=NO_PDL)
     return out.view(bsz, seqlen, n_head, head_dim)

@@ -17,6 +17,7 @@ class KVCache(nn.Module):
     (``index_copy_``) instead of two."""
 
     paged = False
+    blocks = None  # a paged cache's block table (PagedKVCache.blocks)
 
     def __init__(
         self,
@@ -89,6 +90,11 @@ class PagedKVCache(nn.Module):
         shape = (2, blocks, table.block_size, n_kv_heads, head_dim)
         self.register_buffer("kv", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.table = [table]  # in a list: the table is the model's module, not a child of every layer's cache
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        """The block table's blocks [B, W] (:class:`BlockTable`), which the decode kernel reads."""
+        return self.table[0].blocks
 
     def update(
         self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_row: int = 0

@@ -141,11 +141,12 @@ def attend_softcapped(
 
 
 class Attention(nn.Module):
-    # One decode step's rotary embedding, cache write and attention fused (gpt_fast.accel.decode_attention sets
-    # it); None: the PyTorch code below.
+    # One decode step's rotary embedding, cache write and attention fused, over a static cache or a paged one and
+    # its block table (gpt_fast.accel.decode_attention sets it); None: the PyTorch code below.
     decode_kernel = None
     # The same for any number of positions, each computed on its own (gpt_fast.accel.invariant sets it), taking
-    # every step but a prompt's causal prefill; None: the code below.
+    # every step but a prompt's causal prefill, over a static cache only (a paged cache's steps take the code
+    # below); None: the code below.
     rows_kernel = None
 
     def __init__(self, config: ModelConfig, window: int | None = None) -> None:
@@ -193,13 +194,12 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         v = v.view(bsz, seqlen, cfg.n_local_heads, cfg.head_dim)
-        kernel = self.rows_kernel if mask is not None else None
+        cache, scale = self.kv_cache, self.scale or cfg.head_dim**-0.5
+        args = (q, k, v, cos, sin, cache.kv, input_pos, first_row, scale, self.softcap, self.window)
         if seqlen == 1 and self.decode_kernel is not None and torch.compiler.is_compiling():
-            kernel = self.decode_kernel
-        if kernel is not None and not self.kv_cache.paged:  # the kernels write a static cache's rows
-            scale = self.scale or cfg.head_dim**-0.5
-            y = kernel(q, k, v, cos, sin, self.kv_cache.kv, input_pos, first_row, scale, self.softcap, self.window)
-            return y.view(bsz, seqlen, cfg.q_size)
+            return self.decode_kernel(*args, cache.blocks).view(bsz, seqlen, cfg.q_size)
+        if mask is not None and self.rows_kernel is not None and not cache.paged:
+            return self.rows_kernel(*args).view(bsz, seqlen, cfg.q_size)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
         keys, values = self.kv_cache.update(input_pos, k, v, first_row)  # [B, H_kv, S, D]
