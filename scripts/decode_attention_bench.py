@@ -12,8 +12,8 @@ they do in a decode step. Prints one JSON line per measurement and a table.
 
 ``--rows 1,8,64``: a server's step instead, the launcher alone: that many rows, each at its own position around
 the middle of a 1024-position cache, static and paged (blocks of 16 in shuffled order), Llama-2-7B and Llama-3-8B
-shapes, with the tile the code chooses and (``--sweep``) a grid of tiles; the table gives each one's rate of
-reading the keys and values the rows see.
+shapes, with the tile the code chooses, the one-row step's tile and (``--sweep``) a grid of tiles; the table gives
+each one's rate of reading the keys and values the rows see.
 
     python scripts/decode_attention_bench.py [--sweep] [--rows 1,8,64] [--json_out FILE]
 """
@@ -153,23 +153,24 @@ def rows_reference(inputs: tuple, kv: torch.Tensor, table: torch.Tensor | None) 
         kv = kv.clone()
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     rows = torch.arange(q.shape[0], device=q.device)
-    kv[:, rows, :, input_pos[:, 0]] = torch.stack((k[:, 0], v[:, 0]))  # [2, R, H_kv, D]
+    kv[:, rows, :, input_pos[:, 0]] = torch.stack((k[:, 0], v[:, 0]), dim=1)  # [R, 2, H_kv, D]: indexed dims first
     return attend_one_query(q.transpose(1, 2), kv[0], kv[1], mask, scale=scale).transpose(1, 2).double()
 
 
 def measure_rows(args: argparse.Namespace) -> list[dict]:
-    """The ``--rows`` cases: the chosen tile and the sweep's, static and paged, with their reading rate."""
+    """The ``--rows`` cases: the chosen tile, the one-row step's and the sweep's, static and paged, with their
+    reading rate."""
     results = []
+    cases = [case for case in ROW_CASES if args.shapes is None or case[0] in args.shapes.split(",")]
     for (shape_name, length, pos), rows, paged in itertools.product(
-        ROW_CASES, [int(r) for r in args.rows.split(",")], (False, True)
+        cases, [int(r) for r in args.rows.split(",")], (False, True)
     ):
         inputs, caches, table, seen = rows_inputs(shape_name, length, pos, rows, paged)
         expected = rows_reference(inputs, caches[0], table)
         config = get_shape(shape_name)
-        chosen = triton_decode_attention.decode_launch(
-            config.n_head // config.n_local_heads, config.head_dim, config.n_local_heads
-        )
-        launches = {"chosen": chosen}
+        tile = (config.n_head // config.n_local_heads, config.head_dim, config.n_local_heads)
+        launches = {"chosen": triton_decode_attention.decode_launch(*tile, rows)}
+        launches["one-row tile"] = triton_decode_attention.decode_launch(*tile)
         for launch in sweep_launches(length, (16, 32, 64, 128), (32, 64, 128, 256)) if args.sweep else ():
             launches[f"s{launch.block_s} split{launch.split_len} w{launch.warps}"] = launch
         for name, launch in launches.items():
@@ -187,14 +188,18 @@ def measure_rows(args: argparse.Namespace) -> list[dict]:
 
 
 def rows_summary(results: list[dict]) -> None:
-    print("| shape | rows | cache | chosen tile (µs, GB/s) | best tile (µs, GB/s) | rel. error |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| shape | rows | cache | chosen tile (µs, GB/s) | one-row tile (µs, GB/s) | best tile (µs, GB/s) | "
+        "rel. error |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for case in dict.fromkeys((r["shape"], r["rows"], r["layout"]) for r in results):
         mine = [r for r in results if (r["shape"], r["rows"], r["layout"]) == case]
-        chosen = next(r for r in mine if r["variant"] == "chosen")
+        chosen, one = (next(r for r in mine if r["variant"] == name) for name in ("chosen", "one-row tile"))
         best = min(mine, key=lambda r: r["us"])
         print(
             f"| {case[0]} | {case[1]} | {case[2]} | {chosen['us']:.1f}, {chosen['gb_per_s']:.0f} | "
+            f"{one['us']:.1f}, {one['gb_per_s']:.0f} | "
             f"{best['variant']}: {best['us']:.1f}, {best['gb_per_s']:.0f} | {max(r['rel_error'] for r in mine):.1e} |"
         )
 
@@ -203,6 +208,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--rows", default=None, help="Rows per step, comma-separated: a server's step (see above).")
+    parser.add_argument("--shapes", default=None, help="With --rows: only these shapes, comma-separated.")
     parser.add_argument("--json_out", default=None)
     args = parser.parse_args()
     apply_torch_settings()

@@ -37,6 +37,7 @@ CASES = [
     (2, 2, 9, 3, 64, 512, [[7], [390]], 0, None, None, (16, 16, 4, 4)),  # at most 4 splits: 16 and 112 positions
     (1, 1, 4, 2, 64, 512, [500], 0, 100, None, (16, 32, 4, 3)),  # 3 splits of 192, the first two before the window
     (1, 1, 16, 16, 128, 512, [300], 0, None, None, None),  # many kv heads (Llama-2-7B's tile): one step per split
+    (2, 2, 4, 4, 128, 300, [[5], [290]], 0, None, None, (128, 1024, 4, 16)),  # a many-row step's tile: one split
 ]
 # (batch, table rows, heads, kv heads, head_dim, max_seq_length, block size, positions, first row, window, softcap,
 # launch, rows on the sink): positions [[p0], [p1], ...], each row's own; the rows on the sink (indices of the batch)
@@ -45,6 +46,7 @@ PAGED_CASES = [
     (4, 4, 8, 2, 32, 100, 16, [[0], [37], [99], [5]], 0, None, None, None, [3]),  # GQA, 4 splits of 32 positions
     (3, 4, 4, 4, 16, 72, 12, [[3], [50], [71]], 1, 10, 30.0, (8, 16, 1, 4), []),  # blocks of 12, window, soft-cap
     (2, 2, 4, 1, 64, 600, 16, [[590], [20]], 0, None, None, (16, 16, 4, 32), []),  # MQA: 19 of 32 splits, trimmed
+    (2, 2, 4, 4, 128, 304, 16, [[290], [6]], 0, None, None, (128, 1024, 4, 16), []),  # a many-row step's tile
 ]
 
 

@@ -99,6 +99,20 @@ def test_a_decode_steps_short_cache_spreads_over_programs_where_kv_heads_are_few
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+@pytest.mark.parametrize(("shape", "rows", "block_s"), [("llama-2-7b", 8, 128), ("llama-3-8b", 32, 32)])
+def test_a_step_of_many_rows_walks_each_rows_positions_in_one_split(shape, rows, block_s):
+    """From 256 (row, kv head) pairs on, the rows alone make programs enough: a 1024-position cache is one split
+    per row and kv head, in loop steps of ``block_s`` positions over 4 warps; fewer rows keep the one-row tile."""
+    from gpt_fast.kernels.triton_decode_attention import decode_launch
+
+    config = get_shape(shape)
+    tile = (config.n_head // config.n_local_heads, config.head_dim, config.n_local_heads)
+    launch = decode_launch(*tile, rows)
+    assert (-(-1024 // launch.split_len), launch.block_s, launch.warps) == (1, block_s, 4)
+    assert decode_launch(*tile, rows // 2) == decode_launch(*tile)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 @pytest.mark.parametrize(("shape", "splits"), [("smollm2-135m", 128), ("llama-3-8b", 32), ("llama-2-7b", 16)])
 def test_a_long_caches_splits_are_capped_per_kv_head(shape, splits):
     """An 8192-position cache (a server's) splits into at most ``splits`` per kv head, so that a row has a few

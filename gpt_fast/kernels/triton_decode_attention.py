@@ -59,6 +59,9 @@ COMBINE_CHUNK = 8  # splits combined per loop step (:func:`_combine_splits`)
 COMBINE_ALL = 16  # splits that a combination reads all, at most, without reading the query's position first
 FULL_KV_HEADS = 32  # batch-invariant attention: kv heads for which splits of SPLIT_KEYS positions suffice
 SPLIT_PROGRAMS = 384  # a row's programs over all its kv heads, at most (:func:`max_splits`); 16 per kv head at least
+ROW_PROGRAMS = 256  # (row, kv head) pairs from which a step's rows alone make programs enough (decode_launch)
+ROWS_TILE_ELEMENTS = 8192  # such steps: query heads x positions x half a head per loop step
+ROWS_SPLIT = 1024  # such steps: positions per split
 
 
 @dataclass(frozen=True)
@@ -96,8 +99,16 @@ def max_splits(n_kv: int) -> int:
     return max(16, 1 << (SPLIT_PROGRAMS // n_kv).bit_length() - 1)
 
 
-def decode_launch(group: int, head_dim: int, n_kv: int) -> Launch:
-    """The tile of a decode step for ``n_kv`` kv heads of ``group`` query heads and ``head_dim``.
+def decode_launch(group: int, head_dim: int, n_kv: int, rows: int = 1) -> Launch:
+    """The tile of a decode step of ``rows`` rows for ``n_kv`` kv heads of ``group`` query heads and ``head_dim``.
+
+    - At least :data:`ROW_PROGRAMS` (row, kv head) pairs (a server's step of many sequences): they alone make
+      programs enough, so each walks its positions in splits of :data:`ROWS_SPLIT` (one split up to 1024
+      positions), in loop steps of as many positions as keep the [group, positions, head_dim / 2] products at
+      :data:`ROWS_TILE_ELEMENTS` (16 to 128), over 4 warps: a program keeps its loads in flight without spilling.
+      On an H200, Llama-2-7B shape, 8 rows around position 512 of a 1024-position cache, the kernel alone
+      (BENCHMARKS.md, 2026-11-29 "batched decode steps"): 26.1 µs (static cache) and 32.0 µs (paged) against
+      41.7 and 54.0 µs with the one-row tile below.
 
     - At least :data:`MANY_KV_HEADS` kv heads (multi-head attention of a 7B model): the kv heads alone make enough
       programs. Splits of :data:`SPLIT_STEPS` x :func:`loop_step` positions, so that a cache of up to 256 positions
@@ -117,7 +128,10 @@ def decode_launch(group: int, head_dim: int, n_kv: int) -> Launch:
     generation at 282.8 and 283.2 tok/s against 279.1 on one H200; per layer, the attention's end after ``wqkv``'s
     7.4 µs against 13.5 at position 202, but 5.8 against 4.6 µs at position 7 (docs/bench/HISTORY.md, 2026-11-25g: four
     steps of 64 over 8 warps, two of 128, one of 256 over 16 warps are slower; so is a narrow first step).
-    ``scripts/decode_attention_bench.py`` times the kernel alone."""
+    ``scripts/decode_attention_bench.py`` times the kernel alone (``--rows``: a server's step)."""
+    if rows * n_kv >= ROW_PROGRAMS:
+        tile = triton.next_power_of_2(group) * triton.next_power_of_2(head_dim // 2)
+        return Launch(max(16, min(128, ROWS_TILE_ELEMENTS // tile)), ROWS_SPLIT, 4, max_splits(n_kv))
     if n_kv >= MANY_KV_HEADS:
         split_len = SPLIT_STEPS * loop_step(group, head_dim)
         return Launch(split_len, split_len, WIDE_WARPS, max_splits(n_kv))
@@ -568,7 +582,7 @@ def _attend(
     assert rows.q.stride(-1) == rows.k.stride(-1) == rows.v.stride(-1) == 1 and kv.is_contiguous()
     assert table is None or (table.dtype == torch.int64 and table.stride(1) == 1)
     group, half = n_head // n_kv, head_dim // 2
-    launch = launch or decode_launch(group, head_dim, n_kv)
+    launch = launch or decode_launch(group, head_dim, n_kv, n_rows)
     needed = triton.cdiv(max_len, launch.split_len)
     capped = needed > launch.max_splits
     splits = min(needed, launch.max_splits)
