@@ -19,6 +19,7 @@ from gpt_fast.engine.options import BatchOptions
 from gpt_fast.generation.options import SpeculativeOptions
 from gpt_fast.generation.slots import make_slot_steps
 from gpt_fast.model.shapes import get_shape
+from gpt_fast.util.options import OptionError
 
 GREEDY = SamplingConfig(temperature=0)
 SAMPLED = SamplingConfig(temperature=1.0, top_k=50, top_p=0.95)
@@ -75,6 +76,35 @@ def test_greedy_requests_decoded_together_equal_each_alone(engine):
         assert finished.finish_reason == ("stop" if expected[-1] in engine.stop_ids else "length")
         assert finished.prompt_tokens == len(ids) and finished.completion_tokens == len(expected)
         assert finished.text == engine.decode(expected) and finished.ttft_seconds <= finished.seconds
+
+
+def test_a_step_runs_the_fewest_rows_that_hold_every_busy_slot(engine):
+    """With step sizes 1, 2 and 5 of 5 slots: the steps take 1, 2 or 5 rows as requests come and go (slots taken
+    lowest first), and every answer is its greedy run alone."""
+    prompts = [engine.encode(text) for text in PROMPTS[:5]]
+    budgets = [30, 12, 8, 4, 3]
+    batcher = engine.batcher(BatchOptions(max_batch=5, max_seq_length=128, step_sizes=(2, 1)))
+    decode, rows_run = batcher.steps.decode, []
+
+    def counted(model, state, rows, **masked):
+        busy = [slot for slot, job in enumerate(batcher.slots) if job is not None]
+        rows_run.append((rows, max(busy) + 1))
+        decode(model, state, rows, **masked)
+
+    batcher.steps = dataclasses.replace(batcher.steps, decode=counted)
+    events = [Events() for _ in prompts]
+    for ids, budget, sink in zip(prompts, budgets, events, strict=True):
+        batcher.submit(Request(tuple(ids), budget, GREEDY), sink)
+    batcher.run()
+    for ids, budget, sink in zip(prompts, budgets, events, strict=True):
+        assert list(sink.finished.ids) == alone(engine, ids, budget)
+    assert {rows for rows, _ in rows_run} == {1, 2, 5}
+    assert all(rows == next(size for size in (1, 2, 5) if size >= last) for rows, last in rows_run)
+
+
+def test_step_sizes_are_checked():
+    with pytest.raises(OptionError, match="step_sizes must be an integer in 1..4, got 5"):
+        BatchOptions(max_batch=4, step_sizes=(2, 5))
 
 
 def test_a_seed_gives_the_same_tokens_whatever_else_is_decoded(engine):

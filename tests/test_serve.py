@@ -144,8 +144,9 @@ def tiny_server(tiny_dir):
 @pytest.fixture(scope="module")
 def scarce_server(tiny_dir):
     """The tiny model with a paged cache of 28 blocks of 4 tokens, barely one sequence of 96: requests are preempted
-    and resumed, prompts find their prefixes cached, and long prompts go in by chunks of 8."""
-    cache = ("--block_size", "4", "--kv_cache_tokens", "112", "--prefill_chunk", "8")
+    and resumed, prompts find their prefixes cached, long prompts go in by chunks of 8, and steps run 2 or 4
+    rows."""
+    cache = ("--block_size", "4", "--kv_cache_tokens", "112", "--prefill_chunk", "8", "--step_sizes", "2")
     args = ("--max_batch", "4", "--max_seq_length", "96", *cache, "--api_key", KEY, "--model_name", "tiny")
     server = Server("--checkpoint_path", str(tiny_dir), *args)
     yield server
@@ -654,6 +655,7 @@ def test_many_clients_at_once_each_get_their_own_answer(server_name, request, ti
     if server_name == "scarce_server":
         said = "KV cache: paged, 28 blocks of 4 tokens (112 tokens, 0.00 GiB), prefix caching on\n"
         assert said in tiny_server.output
+        assert any(line.startswith("Warm-up (the steps for 2, 4 slots") for line in tiny_server.output)
         assert after["preemptions"] > before["preemptions"]
         assert after["prefix_tokens_hit"] > before["prefix_tokens_hit"]
     for requests, answers in zip(jobs, sessions, strict=True):

@@ -96,6 +96,7 @@ class ServeBenchOptions:
     kv_cache: str = KV_CACHES[0]
     kv_cache_memory: float | None = None
     kernel_tuning: str = COORDINATE_DESCENT
+    step_sizes: tuple[int, ...] | None = None
     output: str | None = None
 
     def __post_init__(self) -> None:
@@ -109,6 +110,10 @@ class ServeBenchOptions:
         check_names("clients", self.clients)
         for count in self.clients:
             check_at_least("clients", count, 1)
+        for size in self.step_sizes or ():
+            check_at_least("step_sizes", size, 1)
+            if size > max(self.clients):
+                raise OptionError(f"step_sizes {size} exceeds the server's slots ({max(self.clients)})", "step_sizes")
         for name in ("rounds", "max_tokens", "top_k"):
             check_at_least(name, getattr(self, name), 1)
         for name in ("system_prompt_tokens", "seed", "temperature"):

@@ -277,6 +277,7 @@ class Server:
             args.kv_cache,
             "--kernel_tuning",
             args.kernel_tuning,
+            *(() if args.step_sizes is None else ("--step_sizes", ",".join(map(str, args.step_sizes)))),
             *(() if args.kv_cache_memory is None else ("--kv_cache_memory", str(args.kv_cache_memory))),
         )
 

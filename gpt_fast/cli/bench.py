@@ -258,15 +258,17 @@ def token_range_option(name: str, help: str) -> Callable[[T], T]:
     show_default=True,
     help="As gpt-fast generate's option, for generate and the server.",
 )
+@click.option("--step_sizes", default=None, help="The server's --step_sizes (comma-separated row counts).")
 @click.option("--output", default=None, help="Also write the figures here as JSON.")
-def serve_command(compile_mode: str, clients: str, **values: Any) -> None:
+def serve_command(compile_mode: str, clients: str, step_sizes: str | None, **values: Any) -> None:
     """The server under load, in one run: with the fixed workload `gpt-fast generate` alone first, then `gpt-fast
     serve` with one streaming client and with each count of --clients at once, on the same checkpoint, compile mode
     and sampling. Prints one table, a row per run: requests, tokens/sec per client (mean, slowest) and in all, time to
     first token and inter-token latency (p50/p99), the peak of KV blocks in use, prefix cache hits and preemptions;
     then the issue's ratios."""
     counts = comma_list(clients, int, "--clients")
-    options = make(ServeBenchOptions, compile=compile_mode, clients=counts, **values)
+    sizes = None if step_sizes is None else comma_list(step_sizes, int, "--step_sizes")
+    options = make(ServeBenchOptions, compile=compile_mode, clients=counts, step_sizes=sizes, **values)
     from gpt_fast.bench.serve import run  # once the options are checked: it imports torch
 
     run(options)

@@ -20,7 +20,7 @@ import click
 
 from gpt_fast import __version__
 from gpt_fast.accel.options import KERNEL_CHOICES, LAYERS_KERNELS, LINEAR_KERNELS, SAMPLING_KERNELS, KernelOptions
-from gpt_fast.cli.bench import bench
+from gpt_fast.cli.bench import bench, comma_list
 from gpt_fast.model.config import INT4_GROUP_SIZES, QUANT_MODES, QuantConfig
 from gpt_fast.model.shapes import SHAPES, get_shape
 from gpt_fast.util.choices import (
@@ -680,6 +680,12 @@ def bench_modes(
     "last admitted are preempted and resumed, when it is full. [default: max_batch sequences of max_seq_length]",
 )
 @option(
+    "--step_sizes",
+    default=None,
+    help="The decode step's row counts, comma-separated (e.g. 1,8,32), each captured as a CUDA graph at start-up; a "
+    "step runs the fewest that hold every busy slot. [default: 1 and --max_batch]",
+)
+@option(
     "--api_key",
     default=None,
     envvar="GPT_FAST_API_KEY",
@@ -692,6 +698,8 @@ def serve(checkpoint_path: str | None, engine_options: EngineOptions, **kwargs: 
     together, with a chat page at /."""
     from gpt_fast.serve.options import ServeOptions
 
+    if kwargs["step_sizes"] is not None:
+        kwargs["step_sizes"] = comma_list(kwargs["step_sizes"], int, "--step_sizes")
     opts = ServeOptions(**kwargs)  # checked before torch is imported
     from gpt_fast.engine.engine import Engine
     from gpt_fast.serve.server import serve as run_server

@@ -17,8 +17,10 @@ shared system prompt, the earlier turns of a chat) takes those blocks and prefil
 ``prefill_chunk``, a long prompt goes in by chunks, one between two decode steps, in which its slot takes no token.
 The static cache (``kv_cache="static"``) gives each slot a row of ``max_seq_length`` positions instead.
 
-The decode step runs all slots, or slot 0 alone while it is the only busy one (with the static cache, a single
-client decodes as fast as a single stream), with fixed shapes either way. The batcher is a step producer of the
+The decode step runs the first ``rows`` slots, the fewest of a few fixed counts (``step_sizes``: 1 and all slots
+unless told) that hold every busy slot; slots are taken lowest first, and a slot with no sequence stays at
+position 0, where its attention reads one position. Each count has fixed shapes (with the static cache and slot 0
+alone, a single client decodes as fast as a single stream). The batcher is a step producer of the
 one decode loop (:mod:`gpt_fast.generation.loop`), as plain and speculative decoding are: the host never waits for
 the step it has just launched; each step's tokens are copied to host memory and handed out once the device has
 produced them, while the next step runs; a slot whose request has just finished may decode once more, harmlessly,
@@ -54,7 +56,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gpt_fast.engine.kv_blocks import BlockAllocator
-from gpt_fast.engine.options import BatchOptions, require_int
+from gpt_fast.engine.options import BatchOptions, require_int, step_rows
 from gpt_fast.generation.constraint import GrammarError, Matcher
 from gpt_fast.generation.loop import Readbacks, Record, run_steps, turn
 from gpt_fast.generation.options import LogitAdjustments, OutputConstraint, SamplingConfig
@@ -506,23 +508,24 @@ class Batcher:
     @torch.no_grad()
     def warm_up(self, constrained: bool = False) -> None:
         """Compile (and, in the CUDA-graph modes, capture) the steps before the first request: a short prefill and
-        both decode shapes, three times (a CUDA graph is recorded on a later call than the first); with
+        every decode step size, three times (a CUDA graph is recorded on a later call than the first); with
         ``constrained``, their masked forms too (else they are compiled when the first constrained request comes)."""
         prompt = torch.zeros((1, 2), dtype=torch.long, device=self.device)
         for masked in (False, True) if constrained else (False,):
             for _ in range(3):
                 self.steps.prefill(self.model, self.state, 0, prompt, **masked_step(masked))
-                for rows in sorted({1, self.options.max_batch}):
+                for rows in step_rows(self.options):
                     cudagraph_step_begin()
                     self.steps.decode(self.model, self.state, rows, **masked_step(masked))
         device_synchronize(self.device)
 
     def _rows(self) -> int:
-        """Slots the decode step runs: slot 0 alone while it is the only busy one, else all (none if idle)."""
-        busy = [slot for slot, job in enumerate(self.slots) if job is not None]
-        if not busy:
+        """Slots the decode step runs: the fewest of its row counts (:func:`step_rows`) that hold every busy slot
+        (none if idle)."""
+        last = max((slot for slot, job in enumerate(self.slots) if job is not None), default=-1)
+        if last < 0:
             return 0
-        return 1 if busy == [0] else self.options.max_batch
+        return next(rows for rows in step_rows(self.options) if rows > last)
 
     def _drop_cancelled(self) -> None:
         for job in self.slots:

@@ -140,7 +140,9 @@ class BatchOptions:
     enough for every slot to hold ``max_seq_length`` tokens. ``kv_cache="static"``: a row of ``max_seq_length``
     tokens per slot, no prefix cache, and for a slot decoding alone the fused one-row kernels (docs/serving.md,
     "Continuous batching"). ``prefill_chunk``: a prompt longer than that goes in by chunks of that many tokens, one
-    between two decode steps of the other requests (None: whole, before the next step)."""
+    between two decode steps of the other requests (None: whole, before the next step). ``step_sizes``: the decode
+    step's row counts, each compiled (and captured as a CUDA graph) once; a step runs the smallest that holds every
+    busy slot, slots being taken lowest first (``max_batch`` is always one; None: 1 and ``max_batch``)."""
 
     max_batch: int = 8
     max_seq_length: int | None = None
@@ -150,9 +152,12 @@ class BatchOptions:
     kv_cache_tokens: int | None = None
     kv_cache: str = "paged"
     prefill_chunk: int | None = None
+    step_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         require_int(self.max_batch, "max_batch", 1, MAX_BATCH)
+        for size in self.step_sizes or ():
+            require_int(size, "step_sizes", 1, self.max_batch)
         require_int(self.max_queue, "max_queue", 0)
         require_int(self.block_size, "block_size", 1, MAX_BLOCK_SIZE)
         if self.max_seq_length is not None:
@@ -175,6 +180,11 @@ class BatchOptions:
         for name in ("kv_cache_memory", "kv_cache_tokens"):
             if self.kv_cache == "static" and getattr(self, name) is not None:
                 raise OptionError(f"{name} sizes the paged cache, not a static one", name, "kv_cache")
+
+
+def step_rows(options: BatchOptions) -> tuple[int, ...]:
+    """The decode step's row counts, ascending, ``max_batch`` the last (:attr:`BatchOptions.step_sizes`)."""
+    return tuple(sorted({*(options.step_sizes or (1,)), options.max_batch}))
 
 
 def require_int(value: object, name: str, low: int, high: int | None = None) -> None:

@@ -4,7 +4,7 @@ settings and seed.
 
 Every slot's state (its last token, its position, its sampling settings, the log-probabilities of its last step) is
 a buffer of :class:`SlotState` with a fixed address, so that the decode step is one CUDA graph in the CUDA-graph
-compile modes: its shapes depend only on ``rows``, and a scheduler uses two values of it (slot 0 alone, or all
+compile modes: its shapes depend only on ``rows``, and a scheduler uses a few values of it (slot 0 alone, or all
 slots), each compiled once.
 
 A request held to a constraint (:mod:`gpt_fast.generation.constraint`) needs the mask of its next token, computed

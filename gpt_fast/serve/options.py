@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from gpt_fast.engine.options import BatchOptions
 
-CACHE_OPTIONS = ("block_size", "kv_cache_memory", "kv_cache_tokens", "kv_cache", "prefill_chunk")  # as BatchOptions'
+# as BatchOptions'
+CACHE_OPTIONS = ("block_size", "kv_cache_memory", "kv_cache_tokens", "kv_cache", "prefill_chunk", "step_sizes")
 DEFAULT_CONTEXT = 2048  # tokens per slot unless --max_seq_length says otherwise (or the model's context is shorter)
 
 
@@ -25,6 +26,7 @@ class ServeOptions:
     kv_cache_tokens: int | None = None
     kv_cache: str = "paged"
     prefill_chunk: int | None = None
+    step_sizes: tuple[int, ...] | None = None  # None: 1 and max_batch
     api_key: str | None = None
     model_name: str | None = None  # None: the checkpoint folder's name
 

@@ -16,7 +16,7 @@ import uvicorn
 
 from gpt_fast.engine.batcher import Batcher
 from gpt_fast.engine.engine import Engine
-from gpt_fast.engine.options import BatchOptions
+from gpt_fast.engine.options import BatchOptions, step_rows
 from gpt_fast.serve.app import OpenAIServer
 from gpt_fast.serve.openai_api import Context
 from gpt_fast.serve.options import ServeOptions
@@ -120,7 +120,8 @@ def warmed_up_batcher(engine: Engine, batch_options: BatchOptions, write: Write)
     start = time.perf_counter()
     batcher.warm_up(constrained=True)
     seconds = time.perf_counter() - start
-    slots = f"the steps for 1 and {batch_options.max_batch} slots, plain and constrained, compiled if asked"
+    sizes = ", ".join(map(str, step_rows(batch_options)))
+    slots = f"the steps for {sizes} slots, plain and constrained, compiled if asked"
     write(f"Warm-up ({slots}): {seconds:.2f} seconds\n")
     return batcher
 
