@@ -53,7 +53,10 @@ class Events:
 
 
 def run_all(engine, requests, **options):
-    batcher = engine.batcher(BatchOptions(**({"max_batch": 3, "max_seq_length": 128} | options)))
+    return run_batcher(engine.batcher(BatchOptions(**({"max_batch": 3, "max_seq_length": 128} | options))), requests)
+
+
+def run_batcher(batcher, requests):
     events = [Events() for _ in requests]
     for request, sink in zip(requests, events, strict=True):
         batcher.submit(request, sink)
@@ -100,6 +103,26 @@ def test_a_step_runs_the_fewest_rows_that_hold_every_busy_slot(engine):
         assert list(sink.finished.ids) == alone(engine, ids, budget)
     assert {rows for rows, _ in rows_run} == {1, 2, 5}
     assert all(rows == next(size for size in (1, 2, 5) if size >= last) for rows, last in rows_run)
+
+
+def test_a_free_slot_stays_at_position_zero(engine):
+    """After warm-up every slot is free at position 0; a slot that no request took stays there while the others
+    decode (its attention reads one position), and a slot whose request ended goes back to it."""
+    batcher = engine.batcher(BatchOptions(max_batch=3, max_seq_length=128))
+    batcher.warm_up()
+    assert not batcher.state.live.any() and not batcher.state.input_pos.any()
+    decode, unused = batcher.steps.decode, []
+
+    def watched(model, state, rows, **masked):
+        decode(model, state, rows, **masked)
+        unused.append(int(state.input_pos[2]))
+
+    batcher.steps = dataclasses.replace(batcher.steps, decode=watched)
+    requests = [Request(tuple(engine.encode(text)), n, GREEDY) for text, n in (("hello", 3), ("a", 12))]
+    done = run_batcher(batcher, requests)
+    assert [list(f.ids) for f in done] == [alone(engine, list(r.prompt_ids), r.max_new_tokens) for r in requests]
+    assert len(unused) > 10 and set(unused) == {0}
+    assert not batcher.state.live.any() and not batcher.state.input_pos.any()
 
 
 def test_step_sizes_are_checked():

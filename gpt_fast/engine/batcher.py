@@ -509,7 +509,9 @@ class Batcher:
     def warm_up(self, constrained: bool = False) -> None:
         """Compile (and, in the CUDA-graph modes, capture) the steps before the first request: a short prefill and
         every decode step size, three times (a CUDA graph is recorded on a later call than the first); with
-        ``constrained``, their masked forms too (else they are compiled when the first constrained request comes)."""
+        ``constrained``, their masked forms too (else they are compiled when the first constrained request comes).
+        Then the eager extension of a prompt (a prefix cache hit, a prefill chunk) once, whose first call on a GPU
+        would otherwise delay a request's first token. Every slot is left free, at position 0."""
         prompt = torch.zeros((1, 2), dtype=torch.long, device=self.device)
         for masked in (False, True) if constrained else (False,):
             for _ in range(3):
@@ -517,6 +519,9 @@ class Batcher:
                 for rows in step_rows(self.options):
                     cudagraph_step_begin()
                     self.steps.decode(self.model, self.state, rows, **masked_step(masked))
+        extend_slot(self.model, self.state, 0, prompt[:, 1:], torch.ones(1, dtype=torch.long, device=self.device))
+        self.state.live.fill_(False)
+        self.state.input_pos.zero_()
         device_synchronize(self.device)
 
     def _rows(self) -> int:
