@@ -32,7 +32,9 @@ CASES = [
     (1, 1, 4, 1, 64, 300, [299], 0, None, None, (16, 64, 4, 32)),  # MQA, ragged splits
     (2, 2, 9, 3, 64, 256, [200], 0, None, None, None),  # SmolLM2's GQA (3 query heads per kv head), shared position
     (2, 3, 6, 2, 96, 300, [[5], [299]], 1, None, None, (8, 32, 2, 32)),  # Phi-3's head_dim, rows at their own positions
-    (3, 3, 8, 2, 128, 512, [[0], [130], [511]], 0, 100, None, None),  # a sliding window across splits
+    # a sliding window across splits; 18 splits of 16, more than COMBINE_ALL: the combination reads each row's
+    # position first (TRIM), over 1, 9 and 18 splits (a ragged chunk of splits, a whole one)
+    (3, 3, 8, 2, 128, 288, [[0], [130], [287]], 0, 100, None, None),
     (1, 2, 4, 2, 16, 64, [[40]], 1, 4, 50.0, (8, 16, 1, 32)),  # Gemma-like: window and soft-capping, a later row
     (2, 2, 9, 3, 64, 512, [[7], [390]], 0, None, None, (16, 16, 4, 4)),  # at most 4 splits: 16 and 112 positions
     (1, 1, 4, 2, 64, 512, [500], 0, 100, None, (16, 32, 4, 3)),  # 3 splits of 192, the first two before the window

@@ -21,11 +21,12 @@ NEW_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_gguf):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def reference(smollm2_gguf, smollm2_hf_tokenizer):
+    """transformers' tokenizer (the session's) and model of the GGUF."""
+    from transformers import AutoModelForCausalLM
 
     folder, name = str(smollm2_gguf.parent), smollm2_gguf.name
-    return AutoTokenizer.from_pretrained(folder, gguf_file=name), AutoModelForCausalLM.from_pretrained(
+    return smollm2_hf_tokenizer, AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=name, dtype=torch.float32
     ).eval()
 

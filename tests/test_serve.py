@@ -308,11 +308,9 @@ CHAT = {"model": "tiny", "messages": CHAT_MESSAGES}
 TEXTS = ["The capital of France is", "def f(x):\n    return x * 2", "naïve café 🤖", "<|im_start|>user"]
 
 
-def test_tokenize_and_detokenize_as_transformers_does(smol_server, smollm2_gguf):
+def test_tokenize_and_detokenize_as_transformers_does(smol_server, smollm2_hf_tokenizer):
     """vLLM's /tokenize and /detokenize on the default model against transformers' tokenizer of the same GGUF."""
-    from transformers import AutoTokenizer
-
-    reference = AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    reference = smollm2_hf_tokenizer
     for text in TEXTS:
         status, answer = smol_server.request("/tokenize", json.dumps({"prompt": text}).encode())
         assert status == 200 and answer["tokens"] == reference(text)["input_ids"], (text, answer)
