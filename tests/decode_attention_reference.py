@@ -28,7 +28,7 @@ from gpt_fast.model.transformer import Transformer, apply_rope, attend_one_query
 # max_splits)
 CASES = [
     (1, 1, 4, 4, 128, 64, [0], 0, None, None, None),  # MHA, the first position
-    (1, 1, 4, 4, 128, 512, [511], 0, None, None, None),  # the last position, two splits of 256
+    (1, 1, 4, 4, 128, 512, [511], 0, None, None, None),  # the last position, 16 splits of 32
     (1, 1, 4, 1, 64, 300, [299], 0, None, None, (16, 64, 4, 32)),  # MQA, ragged splits
     (2, 2, 9, 3, 64, 256, [200], 0, None, None, None),  # SmolLM2's GQA (3 query heads per kv head), shared position
     (2, 3, 6, 2, 96, 300, [[5], [299]], 1, None, None, (8, 32, 2, 32)),  # Phi-3's head_dim, rows at their own positions
