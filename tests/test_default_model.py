@@ -22,7 +22,7 @@ NEW_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def reference(smollm2_gguf, smollm2_hf_tokenizer):
-    """transformers' tokenizer (the session's) and model of the GGUF."""
+    """transformers' tokenizer (smollm2_hf_tokenizer, made once per test run) and model of the GGUF."""
     from transformers import AutoModelForCausalLM
 
     folder, name = str(smollm2_gguf.parent), smollm2_gguf.name
