@@ -21,18 +21,19 @@ from gpt_fast.generation.slots import SlotState, make_slot_steps
 from gpt_fast.util.device import cudagraph_step_begin, device_synchronize, resolve_device
 
 
-def step_ms(engine: Engine, state: SlotState, decode, rows: int, steps: int) -> float:
-    """Milliseconds per decode step of ``rows`` rows (each step advances their positions by one)."""
-    model = engine.model
-    for _ in range(3):  # compile, then record the CUDA graph
-        cudagraph_step_begin()
-        decode(model, state, rows)
-    device_synchronize(engine.device)
-    start = time.perf_counter()
+def run_steps(engine: Engine, state: SlotState, decode, rows: int, steps: int) -> None:
+    """``steps`` decode steps of ``rows`` rows (each advances their positions by one), then wait for the device."""
     for _ in range(steps):
         cudagraph_step_begin()
-        decode(model, state, rows)
+        decode(engine.model, state, rows)
     device_synchronize(engine.device)
+
+
+def step_ms(engine: Engine, state: SlotState, decode, rows: int, steps: int) -> float:
+    """Milliseconds per decode step of ``rows`` rows."""
+    run_steps(engine, state, decode, rows, 3)  # compile, then record the CUDA graph
+    start = time.perf_counter()
+    run_steps(engine, state, decode, rows, steps)
     return (time.perf_counter() - start) / steps * 1e3
 
 
@@ -42,10 +43,7 @@ def print_profile(engine: Engine, state: SlotState, decode, rows: int, steps: in
     if engine.device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as profile:
-        for _ in range(steps):
-            cudagraph_step_begin()
-            decode(engine.model, state, rows)
-        device_synchronize(engine.device)
+        run_steps(engine, state, decode, rows, steps)
     sort = "self_device_time_total" if engine.device.type == "cuda" else "self_cpu_time_total"
     print(profile.key_averages().table(sort_by=sort, row_limit=top, max_name_column_width=60), flush=True)
 
@@ -86,6 +84,7 @@ def main() -> None:
             model.block_table.blocks.copy_(table)
         state = SlotState(slots, model.config.vocab_size, engine.device)
         state.input_pos.fill_(args.position)
+        state.live.fill_(True)  # every row decodes a sequence
         decode = make_slot_steps(args.compile, tuning=args.kernel_tuning).decode
         with torch.no_grad():
             for rows in batches:

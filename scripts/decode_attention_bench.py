@@ -89,21 +89,30 @@ def sweep_launches(length: int, sizes=(16, 32, 64, 128, 256), splits=(64, 128, 2
     )
 
 
-def case_inputs(shape_name: str, length: int, pos: int) -> tuple[tuple, list[torch.Tensor]]:
-    """The step's q, k, v (views of one projection output, as the model's), rotary tables at the position, the
-    position, the additive mask, the scale; and one filled cache per layer."""
-    config = get_shape(shape_name)
+def step_qkv(config, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A step's q [R, 1, H, D], k and v [R, 1, H_kv, D]: views of one projection output, as the model's."""
     n_head, n_kv, head_dim = config.n_head, config.n_local_heads, config.head_dim
-    qkv = torch.randn(1, 1, (n_head + 2 * n_kv) * head_dim, device="cuda", dtype=torch.bfloat16)
+    qkv = torch.randn(rows, 1, (n_head + 2 * n_kv) * head_dim, device="cuda", dtype=torch.bfloat16)
     q, k, v = qkv.split([n_head * head_dim, n_kv * head_dim, n_kv * head_dim], dim=-1)
-    q, k, v = q.view(1, 1, n_head, head_dim), k.view(1, 1, n_kv, head_dim), v.view(1, 1, n_kv, head_dim)
+    return q.view(rows, 1, n_head, head_dim), k.view(rows, 1, n_kv, head_dim), v.view(rows, 1, n_kv, head_dim)
+
+
+def layer_caches(config, shape: tuple[int, ...]) -> list[torch.Tensor]:
+    """One filled cache buffer of ``shape`` per layer, as the model has."""
+    return [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(config.n_layer)]
+
+
+def case_inputs(shape_name: str, length: int, pos: int) -> tuple[tuple, list[torch.Tensor]]:
+    """The step's q, k, v (:func:`step_qkv`), rotary tables at the position, the position, the additive mask, the
+    scale; and one filled cache per layer."""
+    config = get_shape(shape_name)
+    q, k, v = step_qkv(config, 1)
     cos, sin = rope_tables(config, length, "cuda")
     input_pos = torch.tensor([pos], device="cuda")
     key_pos = torch.arange(length, device="cuda")
     mask = torch.where(key_pos <= input_pos[..., None], 0.0, float("-inf")).to(torch.bfloat16)
-    shape = (2, 1, n_kv, length, head_dim)  # KVCache's buffer
-    caches = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(config.n_layer)]
-    return (q, k, v, cos[input_pos], sin[input_pos], input_pos, mask, head_dim**-0.5), caches
+    caches = layer_caches(config, (2, 1, config.n_local_heads, length, config.head_dim))  # KVCache's buffer
+    return (q, k, v, cos[input_pos], sin[input_pos], input_pos, mask, config.head_dim**-0.5), caches
 
 
 def measure(name: str, fn, inputs: tuple, caches: list[torch.Tensor], expected: torch.Tensor, case: tuple) -> dict:
@@ -123,10 +132,8 @@ def rows_inputs(shape_name: str, length: int, pos: int, rows: int, paged: bool) 
     (each row's own rotary tables and position), one filled cache per layer (paged: blocks of :data:`BLOCK_SIZE` in
     a shuffled table), the table (None: static) and the bytes of keys and values the rows see in one layer."""
     config = get_shape(shape_name)
-    n_head, n_kv, head_dim = config.n_head, config.n_local_heads, config.head_dim
-    qkv = torch.randn(rows, 1, (n_head + 2 * n_kv) * head_dim, device="cuda", dtype=torch.bfloat16)
-    q, k, v = qkv.split([n_head * head_dim, n_kv * head_dim, n_kv * head_dim], dim=-1)
-    q, k, v = q.view(rows, 1, n_head, head_dim), k.view(rows, 1, n_kv, head_dim), v.view(rows, 1, n_kv, head_dim)
+    n_kv, head_dim = config.n_local_heads, config.head_dim
+    q, k, v = step_qkv(config, rows)
     positions = (pos - 64 + torch.arange(rows, device="cuda") * 37 % 128).clamp(0, length - 1)  # [R]
     cos, sin = rope_tables(config, length, "cuda")
     input_pos = positions[:, None]  # [R, 1]
@@ -138,7 +145,7 @@ def rows_inputs(shape_name: str, length: int, pos: int, rows: int, paged: bool) 
         shape = (2, rows * width + 1, BLOCK_SIZE, n_kv, head_dim)  # PagedKVCache's buffer
     else:
         shape = (2, rows, n_kv, length, head_dim)
-    caches = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(config.n_layer)]
+    caches = layer_caches(config, shape)
     inputs = (q, k, v, cos[input_pos], sin[input_pos], input_pos, mask, head_dim**-0.5)
     seen = int((positions + 1).sum()) * 2 * n_kv * head_dim * 2
     return inputs, caches, table, seen

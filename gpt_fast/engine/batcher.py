@@ -256,6 +256,7 @@ class Batcher:
             message = f"max_seq_length {options.max_seq_length} exceeds the model's context of {block_size}"
             raise OptionError(message, "max_seq_length")
         self.model, self.steps, self.options = model, steps, options
+        self.step_rows = step_rows(options)  # the decode step's row counts, ascending
         self.tokenizer, self.stop_ids = tokenizer, tuple(stop_ids)
         self.compile_constraint = compile_constraint  # a constraint's matcher (None: no constraint can be served)
         self.host_masks: torch.Tensor | None = None  # [N, W]: the constrained slots' next masks, made on first use
@@ -516,7 +517,7 @@ class Batcher:
         for masked in (False, True) if constrained else (False,):
             for _ in range(3):
                 self.steps.prefill(self.model, self.state, 0, prompt, **masked_step(masked))
-                for rows in step_rows(self.options):
+                for rows in self.step_rows:
                     cudagraph_step_begin()
                     self.steps.decode(self.model, self.state, rows, **masked_step(masked))
         extend_slot(self.model, self.state, 0, prompt[:, 1:], torch.ones(1, dtype=torch.long, device=self.device))
@@ -525,12 +526,12 @@ class Batcher:
         device_synchronize(self.device)
 
     def _rows(self) -> int:
-        """Slots the decode step runs: the fewest of its row counts (:func:`step_rows`) that hold every busy slot
+        """Slots the decode step runs: the fewest of its row counts (:attr:`step_rows`) that hold every busy slot
         (none if idle)."""
         last = max((slot for slot, job in enumerate(self.slots) if job is not None), default=-1)
         if last < 0:
             return 0
-        return next(rows for rows in step_rows(self.options) if rows > last)
+        return next(rows for rows in self.step_rows if rows > last)
 
     def _drop_cancelled(self) -> None:
         for job in self.slots:
