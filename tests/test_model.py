@@ -158,6 +158,8 @@ def test_last_index_returns_that_position():
     picked = model(tokens, torch.arange(10), last_index=torch.tensor([6]))
     assert picked.shape == (2, 1, 97)
     torch.testing.assert_close(picked[:, 0], full[:, 6])
+    each = model(tokens, torch.arange(10), last_index=torch.tensor([3, 9]))  # each row's own position
+    torch.testing.assert_close(each[:, 0], torch.stack((full[0, 3], full[1, 9])))
 
 
 @torch.no_grad()

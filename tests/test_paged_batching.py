@@ -22,6 +22,7 @@ from gpt_fast.engine import batcher as batcher_module
 from gpt_fast.engine.batcher import Delta, PromptLogprobs, Request
 from gpt_fast.engine.options import BatchOptions
 from gpt_fast.generation.options import LogitAdjustments
+from gpt_fast.generation.slots import RowPrefills
 from gpt_fast.model.shapes import get_shape
 from gpt_fast.serve.options import ServeOptions
 from gpt_fast.util.options import OptionError
@@ -223,6 +224,28 @@ def test_a_prompt_that_starts_as_an_earlier_one_reuses_its_blocks(engine):
     assert after.prefix_tokens_hit - before.prefix_tokens_hit == 3 * BLOCK
     assert after.preemptions == 0 and after.blocks_used == 0
     for request, sink in zip((first, second), sinks, strict=True):
+        assert told(sink) == alone(engine, request.prompt_ids, request.max_new_tokens)
+
+
+def test_prompts_admitted_together_are_prefilled_together(engine, monkeypatch):
+    """Four requests submitted before a step: the second begins with the first's blocks, so the first is prefilled
+    alone and the second finds them computed; the second, third and fourth then go in one prefill of three rows.
+    Every answer is its solo greedy run."""
+    prefills, real = [], RowPrefills.__call__
+
+    def spy(self, prompts):
+        prefills.append([len(prompt.tokens) for prompt in prompts])
+        real(self, prompts)
+
+    monkeypatch.setattr(RowPrefills, "__call__", spy)
+    rng = random.Random(4)
+    shared = tuple(rng.randrange(3, 500) for _ in range(2 * BLOCK))
+    prompts = [(*shared, 7, 8, 9), (*shared, 10, 11), *random_prompts(rng, 2)]
+    requests = [Request(prompt, 5, GREEDY, ignore_eos=True) for prompt in prompts]
+    events, usage = run_all(engine, requests, options())
+    assert prefills == [[len(prompts[0])], [2, len(prompts[2]), len(prompts[3])]]
+    assert usage.prefix_tokens_hit == 2 * BLOCK
+    for request, sink in zip(requests, events, strict=True):
         assert told(sink) == alone(engine, request.prompt_ids, request.max_new_tokens)
 
 

@@ -8,7 +8,23 @@ import torch
 from transformers.generation.logits_process import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
 
 from gpt_fast.generation.options import LogitAdjustments, SamplingConfig
-from gpt_fast.generation.slots import SlotState, adjusted_logits, min_p_filter, sample_into
+from gpt_fast.generation.slots import (
+    MIN_PREFILL_LENGTH,
+    PREFILL_ROWS,
+    PREFILL_TOKENS,
+    RowPrefill,
+    RowPrefills,
+    SlotState,
+    adjusted_logits,
+    decode_slots,
+    min_p_filter,
+    move_rows,
+    prefill_shape,
+    prefill_shapes,
+    sample_into,
+)
+from gpt_fast.model.config import ModelConfig
+from gpt_fast.model.transformer import Transformer
 
 VOCAB = 50
 
@@ -74,3 +90,61 @@ def test_adjustments_refuse_values_out_of_range():
                 {"logit_bias": ((1, 200.0),)}, {"frequency_penalty": float("nan")}):  # fmt: skip
         with pytest.raises(ValueError, match="must be|at most"):
             LogitAdjustments(**bad)
+
+
+def test_prefill_shapes_are_powers_of_two_within_one_prefills_budget():
+    assert prefill_shape(1, 1) == (1, MIN_PREFILL_LENGTH)
+    assert prefill_shape(3, 33) == (4, 64)
+    assert prefill_shape(PREFILL_ROWS + 1, 1) is None
+    assert prefill_shape(PREFILL_ROWS, PREFILL_TOKENS // PREFILL_ROWS + 1) is None
+    shapes = prefill_shapes(384)
+    assert (PREFILL_ROWS, 256) in shapes and (1, 256) in shapes and (1, 512) not in shapes
+    assert all(rows * length <= PREFILL_TOKENS and length <= 384 for rows, length in shapes)
+
+
+@torch.no_grad()
+def test_prompts_prefilled_together_continue_as_their_full_forward():
+    """Three prompts into a paged cache in one padded prefill, two of them after blocks computed already (a prefix
+    cache hit): each slot's first token, its log-probability and the next decode step's logits are those of the
+    model's full forward over the whole sequence (a static cache of its own)."""
+    torch.manual_seed(0)
+    config = ModelConfig(
+        block_size=64, vocab_size=VOCAB, n_layer=2, n_head=4, n_local_heads=2, dim=32, intermediate_size=48,
+        head_dim=8, rope_base=10000.0, norm_eps=1e-5,
+    )  # fmt: skip
+    model = Transformer(config)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    model.eval()
+    slots, block = 4, 4
+    model.setup_caches(slots + PREFILL_ROWS, 48, blocks=40, block_size=block)
+    prompts = [torch.randint(0, VOCAB, (n,)) for n in (13, 9, 6)]
+    done = [8, 0, 4]  # positions already in each prompt's blocks
+    table = model.block_table.blocks
+    for row, first in enumerate((1, 13, 25)):
+        table[slots + row, :12] = torch.arange(first, first + 12)
+        table[(2, 0, 3)[row], :12] = torch.arange(first, first + 12)
+    for row in (0, 2):  # the positions computed before: a prefill of the prompt's start in the slot's own row
+        slot = (2, 0, 3)[row]
+        model(prompts[row][None, : done[row]], torch.arange(done[row]), first_row=slot)
+    state = SlotState(slots + PREFILL_ROWS, VOCAB, "cpu")
+    for row, prompt in enumerate(prompts):
+        state.configure(slots + row, SamplingConfig(temperature=0), 0, LogitAdjustments(), prompt)
+    RowPrefills(model, state, slots, graphs=False)(
+        [RowPrefill(p[start:].tolist(), start) for p, start in zip(prompts, done, strict=True)]
+    )
+    move_rows(state, slots, torch.tensor([2, 0, 3]))
+    firsts, logprobs = state.tokens[[2, 0, 3]].tolist(), state.logprobs[[2, 0, 3], 0].tolist()
+    decode_slots(model, state, slots)
+    reference = Transformer(config)
+    reference.load_state_dict(model.state_dict())
+    reference.setup_caches(1, 48)
+    for row, slot in enumerate((2, 0, 3)):
+        first = reference(prompts[row][None], torch.arange(len(prompts[row])), from_start=True)[0, -1]
+        token = int(first.argmax())
+        assert firsts[row] == token
+        assert logprobs[row] == pytest.approx(float(first.log_softmax(-1)[token]), abs=1e-5)
+        sequence = torch.cat((prompts[row], torch.tensor([token])))
+        following = reference(sequence[None], torch.arange(len(sequence)), from_start=True)[0, -1]
+        assert int(state.tokens[slot]) == int(following.argmax())
+        assert int(state.input_pos[slot]) == len(sequence)

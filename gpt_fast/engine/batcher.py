@@ -1,7 +1,8 @@
 """Continuous batching: requests for one model decoded together, on the steps of :mod:`gpt_fast.generation.slots`.
 
 A request waits in a bounded queue for a free slot (one of ``max_batch``) and for the KV cache's blocks its prompt
-needs, is prefilled into its slot alone, and from the next step on is decoded together with every other busy slot,
+needs, is prefilled into its slot (with a paged cache, together with the others admitted at the same time, in one
+CUDA graph in the CUDA-graph modes), and from the next step on is decoded together with every other busy slot,
 each at its own position, with its own sampling settings and seed. A request that finishes (a stop token, a stop
 string, its token budget) or is cancelled (its client went away) frees its slot and its blocks at once, for the next
 request in the queue.
@@ -61,7 +62,18 @@ from gpt_fast.generation.constraint import GrammarError, Matcher
 from gpt_fast.generation.loop import Readbacks, Record, run_steps, turn
 from gpt_fast.generation.options import LogitAdjustments, OutputConstraint, SamplingConfig
 from gpt_fast.generation.sampling import seed_key
-from gpt_fast.generation.slots import TOP_LOGPROBS, SlotState, SlotSteps, extend_slot, score_slot
+from gpt_fast.generation.slots import (
+    PREFILL_ROWS,
+    TOP_LOGPROBS,
+    RowPrefill,
+    RowPrefills,
+    SlotState,
+    SlotSteps,
+    extend_slot,
+    move_rows,
+    prefill_shape,
+    score_slot,
+)
 from gpt_fast.model.transformer import Transformer
 from gpt_fast.text.textstream import Decoder, StopStrings, TextStream
 from gpt_fast.util.device import cudagraph_step_begin, device_free_bytes, device_synchronize
@@ -263,18 +275,23 @@ class Batcher:
         self.max_seq_length = options.max_seq_length or block_size
         self.device = model.tok_embeddings.weight.device
         self.allocator: BlockAllocator | None = None  # None: a static cache, a row per slot
+        rows = options.max_batch  # the slots, then (paged) the rows that prompts are prefilled in together
         if options.kv_cache == "static":
             self.block_size = self.max_seq_length
-            model.setup_caches(options.max_batch, self.max_seq_length)
+            model.setup_caches(rows, self.max_seq_length)
         else:
-            self.block_size = options.block_size
+            self.block_size, rows = options.block_size, rows + PREFILL_ROWS
             blocks = cache_blocks(model, options, self.max_seq_length)
-            model.setup_caches(options.max_batch, self.max_seq_length, blocks=blocks, block_size=self.block_size)
+            model.setup_caches(rows, self.max_seq_length, blocks=blocks, block_size=self.block_size)
             model.block_table.blocks.zero_()  # no row keeps blocks of an earlier batcher's requests
             self.allocator = BlockAllocator(blocks, self.block_size)
         self.tables: list[list[int]] = [[] for _ in range(options.max_batch)]  # each slot's blocks, in order
         self.admissions = self.preemptions = self.prefix_queried = self.prefix_hit = 0
-        self.state = SlotState(options.max_batch, model.config.vocab_size, self.device)
+        self.state = SlotState(rows, model.config.vocab_size, self.device)
+        self.row_prefills = None  # prompts prefilled together (paged): in the rows after the slots
+        if self.allocator is not None:
+            graphs = steps.graphs and self.device.type == "cuda"
+            self.row_prefills = RowPrefills(model, self.state, options.max_batch, graphs)
         self.slots: list[Job | None] = [None] * options.max_batch
         self.waiting: deque[Job] = deque()
         self.readbacks = Readbacks(self.device)  # the steps launched and not handed out yet
@@ -512,7 +529,9 @@ class Batcher:
         every decode step size, three times (a CUDA graph is recorded on a later call than the first); with
         ``constrained``, their masked forms too (else they are compiled when the first constrained request comes).
         Then the eager extension of a prompt (a prefix cache hit, a prefill chunk) once, whose first call on a GPU
-        would otherwise delay a request's first token. Every slot is left free, at position 0."""
+        would otherwise delay a request's first token, and with a paged cache in the CUDA-graph modes, the prefill of
+        several prompts in each of its shapes (:meth:`~gpt_fast.generation.slots.RowPrefills.warm_up`). Every slot
+        is left free, at position 0."""
         prompt = torch.zeros((1, 2), dtype=torch.long, device=self.device)
         for masked in (False, True) if constrained else (False,):
             for _ in range(3):
@@ -521,6 +540,8 @@ class Batcher:
                     cudagraph_step_begin()
                     self.steps.decode(self.model, self.state, rows, **masked_step(masked))
         extend_slot(self.model, self.state, 0, prompt[:, 1:], torch.ones(1, dtype=torch.long, device=self.device))
+        if self.row_prefills is not None:
+            self.row_prefills.warm_up()
         self.state.live.fill_(False)
         self.state.input_pos.zero_()
         device_synchronize(self.device)
@@ -546,20 +567,26 @@ class Batcher:
             job.finish("cancelled")
 
     def _admit(self) -> None:
-        """Prefill waiting requests into free slots, lowest first, each alone, while the cache has the blocks their
-        prompts need (the first waiting request that does not fit waits, and the ones behind it). A prompt's first
-        full blocks come from the prefix cache when they are there; a resumed request prefills its prompt and its
-        tokens so far. Prompts are scored where asked: a request with no new tokens to generate then ends here."""
+        """Prefill waiting requests into free slots, lowest first, while the cache has the blocks their prompts need
+        (the first waiting request that does not fit waits, and the ones behind it). A prompt's first full blocks
+        come from the prefix cache when they are there; a resumed request prefills its prompt and its tokens so
+        far. With a paged cache, the prompts admitted together go in together (:meth:`_prefill_together`), but for
+        a constrained request's, a scored one's and one longer than a prefill of several takes, which go alone.
+        Prompts are scored where asked: a request with no new tokens to generate then ends here."""
+        together: list[Job] = []
         while None in self.slots:
             with self.lock:
                 if not self.waiting:
-                    return
+                    break
                 job = self.waiting[0]
             tokens = job.sequence
+            if together and self._shares_uncached_blocks(tokens, together):
+                self._prefill_together(together)  # their blocks join the prefix cache first
+                together = []
             slot = self.slots.index(None)
             reused = self._take_blocks(job, slot, tokens)
             if reused is None:
-                return
+                break
             with self.lock:
                 self.waiting.popleft()
             job.slot, self.slots[slot] = slot, job
@@ -570,8 +597,57 @@ class Batcher:
                 job.prefilling = True  # its prompt goes in by chunks, one per launch (_continue_prefill)
                 self.state.input_pos[slot] = self.max_seq_length - 1  # the decode steps meanwhile write past it
                 continue
+            if self._goes_together([job]) and job.matcher is None and job.request.prompt_logprobs is None:
+                together.append(job)
+                continue
             self._prefill(job, tokens, reused)
             self._prefilled(job, tokens)
+        self._prefill_together(together)
+
+    def _shares_uncached_blocks(self, tokens: Sequence[int], pending: Sequence[Job]) -> bool:
+        """Whether ``tokens`` start with more full blocks of a ``pending`` prompt (admitted, not yet prefilled) than
+        the prefix cache holds of them: then the pending prompts go in first, and their blocks serve these tokens."""
+        size, reusable = self.block_size, (len(tokens) - 1) // self.block_size
+        cached = len(self.allocator.find(tokens[: reusable * size]))
+        if reusable == cached:
+            return False
+        end = (cached + 1) * size  # the first block the cache does not hold
+        return any(tuple(job.sequence[:end]) == tuple(tokens[:end]) for job in pending)
+
+    def _goes_together(self, jobs: Sequence[Job]) -> bool:
+        """Whether one prefill of several prompts (:class:`~gpt_fast.generation.slots.RowPrefills`) takes the rest
+        of ``jobs``' prompts (each from its first token not in the cache), within the cache's length."""
+        if self.row_prefills is None:
+            return False
+        shape = prefill_shape(len(jobs), max(len(job.sequence) - job.filled for job in jobs))
+        return shape is not None and all(job.filled + shape[1] <= self.max_seq_length for job in jobs)
+
+    def _prefill_together(self, jobs: Sequence[Job]) -> None:
+        """Prefill ``jobs`` (admitted, their blocks taken) in as few prefills of several prompts as take them, in
+        order, each sampling its prompts' first tokens."""
+        group: list[Job] = []
+        for job in jobs:
+            if group and not self._goes_together([*group, job]):
+                self._prefill_group(group)
+                group = []
+            group.append(job)
+        if group:
+            self._prefill_group(group)
+
+    def _prefill_group(self, jobs: Sequence[Job]) -> None:
+        """One prefill of ``jobs``' prompts in the rows after the slots, whose state then moves to their slots."""
+        first = self.options.max_batch
+        for row, job in enumerate(jobs, first):
+            self._configure(job, row, torch.tensor(job.sequence, device=self.device))
+        rows = self.model.block_table.blocks[first:]  # [PREFILL_ROWS, W]
+        tables = torch.zeros(rows.shape, dtype=torch.long)  # the rows past the prompts: the sink
+        for row, job in enumerate(jobs):
+            tables[row, : len(self.tables[job.slot])] = torch.tensor(self.tables[job.slot])
+        rows.copy_(tables, non_blocking=True)  # from pageable memory: staged at once
+        self.row_prefills([RowPrefill(job.sequence[job.filled :], job.filled) for job in jobs])
+        move_rows(self.state, first, torch.tensor([job.slot for job in jobs], device=self.device))
+        for job in jobs:
+            self._prefilled(job, job.sequence)
 
     def _prefilled(self, job: Job, tokens: Sequence[int]) -> None:
         """After the last of ``job``'s prompt is in its cache and its first token sampled: its full blocks join the
@@ -629,11 +705,7 @@ class Batcher:
         """Prefill ``job``'s slot with ``tokens`` (its prompt, and its answer so far when resumed), from position
         ``reused`` on (the ones before are in its blocks already), and sample its next token."""
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, T]
-        prompt_length = len(job.request.prompt_ids)
-        answer = ids[0, prompt_length:] if job.ids else None
-        self.state.configure(
-            job.slot, job.request.sampling, job.key, job.request.adjust, ids[0, :prompt_length], answer
-        )
+        self._configure(job, job.slot, ids[0])
         masked = job.matcher is not None
         if masked:
             self._fill_mask(job)
@@ -646,6 +718,14 @@ class Batcher:
             extend_slot(self.model, self.state, job.slot, ids[:, reused:], positions, masked)
         else:
             self.steps.prefill(self.model, self.state, job.slot, ids, **masked_step(masked))
+
+    def _configure(self, job: Job, row: int, ids: torch.Tensor) -> None:
+        """Set ``job``'s sampling settings and adjustments in the state's ``row``, from its tokens ``ids`` [T] on
+        the device: its prompt, and its answer so far when resumed."""
+        prompt_length = len(job.request.prompt_ids)
+        answer = ids[prompt_length:] if job.ids else None
+        request = job.request
+        self.state.configure(row, request.sampling, job.key, request.adjust, ids[:prompt_length], answer)
 
     def _ensure_blocks(self) -> None:
         """Before a decode step: every busy slot holds the block the step writes its next position to (positions

@@ -59,6 +59,13 @@ class BlockAllocator:
     def lookup(self, tokens: Sequence[int]) -> list[int]:
         """The registered blocks that hold the longest run of ``tokens``' full blocks from the start, each now held
         once more by the caller."""
+        found = self.find(tokens)
+        for block in found:
+            self._hold(block)
+        return found
+
+    def find(self, tokens: Sequence[int]) -> list[int]:
+        """:meth:`lookup`'s blocks, not held."""
         found, serial, size = [], 0, self.block_size
         for start in range(0, len(tokens) - size + 1, size):
             block = self.by_key.get((serial, tuple(tokens[start : start + size])))
@@ -66,8 +73,6 @@ class BlockAllocator:
                 break
             found.append(block)
             serial = self.serial_of[block]
-        for block in found:
-            self._hold(block)
         return found
 
     def register(self, blocks: Sequence[int], tokens: Sequence[int]) -> None:

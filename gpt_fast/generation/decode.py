@@ -172,19 +172,26 @@ class GraphedPrefill:
         static_idx = torch.zeros((idx.shape[0], padded), dtype=idx.dtype, device=idx.device)
         static_idx[:, : idx.shape[1]] = idx
         length = torch.full((1,), idx.shape[1], dtype=torch.long, device=idx.device)
-        side = torch.cuda.Stream(idx.device)
-        side.wait_stream(torch.cuda.current_stream(idx.device))
-        with torch.cuda.stream(side):
-            self.padded(model, static_idx, length, sampling)
-        torch.cuda.current_stream(idx.device).wait_stream(side)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        clear_blas_workspaces()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            self.padded(model, static_idx, length, sampling)
-        clear_blas_workspaces()
+        graph = capture_graph(lambda: self.padded(model, static_idx, length, sampling), idx.device, self.pool)
         return PrefillGraph(graph, static_idx, length)
+
+
+def capture_graph(run: Callable[[], None], device: torch.device, pool: tuple[int, int]) -> torch.cuda.CUDAGraph:
+    """``run`` once on a side stream (a capture needs a warm-up run), then captured into a CUDA graph in the memory
+    pool ``pool``, with cuBLAS's workspaces dropped before and after (see :class:`GraphedPrefill`)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    clear_blas_workspaces()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        run()
+    clear_blas_workspaces()
+    return graph
 
 
 def clear_blas_workspaces() -> None:

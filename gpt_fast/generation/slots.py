@@ -17,18 +17,21 @@ unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from gpt_fast.generation.decode import COORDINATE_DESCENT, compile_options, tuning_options
+from gpt_fast.generation.decode import COORDINATE_DESCENT, capture_graph, compile_options, tuning_options
 from gpt_fast.generation.options import MIN_TEMPERATURE, LogitAdjustments, SamplingConfig
 from gpt_fast.generation.sampling import mask_logits, sample_rows
 from gpt_fast.model.transformer import Transformer
 
 TOP_LOGPROBS = 20  # the most alternatives a step reports per token (OpenAI's limit for top_logprobs)
+PREFILL_ROWS = 8  # the most prompts one prefill takes (RowPrefills)
+PREFILL_TOKENS = 2048  # the most rows × padded length of one prefill of several prompts
+MIN_PREFILL_LENGTH = 16  # the shortest padded length
 
 
 class SlotState(nn.Module):
@@ -170,6 +173,34 @@ def extend_slot(
     sample_into(state, slice(slot, slot + 1), logits[:, -1], state.input_pos[slot : slot + 1], masked)
 
 
+def prefill_rows(
+    model: Transformer,
+    state: SlotState,
+    first_row: int,
+    idx: torch.Tensor,
+    start: torch.Tensor,
+    length: torch.Tensor,
+) -> None:
+    """:func:`extend_slot` of several prompts at once, into the rows ``first_row`` onwards (of the cache and of
+    ``state``): row ``i`` holds ``length[i]`` tokens of ``idx`` [K, P] (the rest padding) for positions
+    ``start[i]`` onwards (``start``, ``length`` [K], device tensors, so that one CUDA graph serves every prompt
+    padded to P). The padding's keys and values land after the prompt, in its own blocks or the sink, where each
+    decode step writes its position's before attending to it, so nothing reads them; its row's first
+    ``start[i] + P`` positions must be in the cache."""
+    rows = slice(first_row, first_row + idx.shape[0])
+    positions = start[:, None] + torch.arange(idx.shape[1], device=idx.device)  # [K, P]
+    logits = model(idx, positions, first_row=first_row, last_index=length - 1)  # [K, 1, V]
+    following = start + length  # [K]
+    state.input_pos[rows], state.live[rows] = following, True
+    sample_into(state, rows, logits[:, -1], following)
+
+
+def move_rows(state: SlotState, first_row: int, slots: torch.Tensor) -> None:
+    """Copy every buffer's rows ``first_row`` onwards into the rows ``slots`` [n] (a device tensor)."""
+    for buffer in state.buffers():
+        buffer.index_copy_(0, slots, buffer[first_row : first_row + slots.shape[0]].clone())  # no overlap
+
+
 def score_slot(
     model: Transformer, state: SlotState, slot: int, idx: torch.Tensor, top: int, masked: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -198,12 +229,99 @@ def decode_slots(model: Transformer, state: SlotState, rows: int, masked: bool =
 
 
 @dataclass(frozen=True)
+class RowPrefill:
+    """One prompt of a prefill of several (:class:`RowPrefills`): its tokens still to compute, and the position of
+    the first (the tokens before it are in its blocks already)."""
+
+    tokens: Sequence[int]
+    start: int
+
+
+def prefill_shape(prompts: int, longest: int) -> tuple[int, int] | None:
+    """The padded shape (rows, length) of a prefill of ``prompts`` prompts whose longest has ``longest`` tokens to
+    compute, each rounded up to a power of two so that a few CUDA graphs serve all; None past :data:`PREFILL_ROWS`
+    rows or :data:`PREFILL_TOKENS` tokens."""
+    rows = 1 << (prompts - 1).bit_length()
+    length = max(MIN_PREFILL_LENGTH, 1 << (longest - 1).bit_length())
+    return (rows, length) if rows <= PREFILL_ROWS and rows * length <= PREFILL_TOKENS else None
+
+
+def prefill_shapes(max_seq_length: int) -> list[tuple[int, int]]:
+    """Every shape :func:`prefill_shape` gives whose length a cache of ``max_seq_length`` positions holds."""
+    rows = [1 << i for i in range(PREFILL_ROWS.bit_length())]
+    lengths = [1 << i for i in range(MIN_PREFILL_LENGTH.bit_length() - 1, PREFILL_TOKENS.bit_length())]
+    shapes = [(r, n) for r in rows for n in lengths if prefill_shape(r, n) == (r, n)]
+    return [(r, n) for r, n in shapes if n <= max_seq_length]
+
+
+class RowPrefills:
+    """:func:`prefill_rows` of up to :data:`PREFILL_ROWS` prompts at once into ``model``'s cache rows and ``state``'s
+    rows ``first_row`` onwards, padded to a :func:`prefill_shape`; with ``graphs`` (a CUDA device), replayed from a
+    CUDA graph per shape, captured at its first use (or :meth:`warm_up`).
+
+    Why: an eager prefill launches every kernel from Python, about 25 ms on an H200 for a short prompt whatever the
+    model (:class:`gpt_fast.generation.decode.GraphedPrefill`), so requests arriving together waited for one
+    another's prefills in turn; one replay prefills them all, and a prompt that the prefix cache mostly holds costs
+    about one decode step's reading of the weights. The caller gives the cache rows the prompts' blocks first (the
+    rows past the prompts: the sink's), and moves the rows' state to the prompts' slots after (:func:`move_rows`).
+    """
+
+    def __init__(self, model: Transformer, state: SlotState, first_row: int, graphs: bool) -> None:
+        self.model, self.state, self.first_row, self.use_graphs = model, state, first_row, graphs
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool: tuple[int, int] | None = None  # one memory pool: the graphs never run at the same time
+
+    def __call__(self, prompts: Sequence[RowPrefill]) -> None:
+        shape = prefill_shape(len(prompts), max(len(p.tokens) for p in prompts))
+        assert shape is not None, "more prompts or tokens than one prefill takes"
+        rows, length = shape
+        padding = [0] * (length + 2)
+        inputs = [[*p.tokens, *padding[: length - len(p.tokens)], p.start, len(p.tokens)] for p in prompts]
+        inputs += [padding[:-1] + [1]] * (rows - len(prompts))  # a padding row: one token at position 0
+        self.run(torch.tensor(inputs))
+
+    def warm_up(self) -> None:
+        """Capture every shape's graph that the cache holds (with ``graphs``; else nothing): padding rows alone, in
+        the sink."""
+        for rows, length in prefill_shapes(self.model.max_seq_length) if self.use_graphs else ():
+            inputs = torch.zeros((rows, length + 2), dtype=torch.long)
+            inputs[:, -1] = 1
+            self.run(inputs)
+
+    def run(self, inputs: torch.Tensor) -> None:
+        """Prefill ``inputs`` [K, P + 2] (host memory): each row's padded tokens, then its start and length."""
+        key = (inputs.shape[0], inputs.shape[1] - 2)
+        if not self.use_graphs:
+            self._prefill(inputs.to(self.state.tokens.device))
+            return
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(inputs)
+        graph, static = self.graphs[key]
+        static.copy_(inputs, non_blocking=True)  # from pageable memory: staged at once
+        graph.replay()
+
+    def _prefill(self, inputs: torch.Tensor) -> None:
+        length = inputs.shape[1] - 2
+        idx, start, count = inputs[:, :length], inputs[:, length], inputs[:, length + 1]
+        prefill_rows(self.model, self.state, self.first_row, idx, start, count)
+
+    def _capture(self, inputs: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        device = self.state.tokens.device
+        static = inputs.to(device)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        return capture_graph(lambda: self._prefill(static), device, self.pool), static
+
+
+@dataclass(frozen=True)
 class SlotSteps:
-    """The two steps, compiled or not; each takes ``masked`` last (:func:`decode_slots`)."""
+    """The two steps, compiled or not; each takes ``masked`` last (:func:`decode_slots`). ``graphs``: the decode
+    steps replay CUDA graphs (so may the prefills of several prompts, :class:`RowPrefills`)."""
 
     prefill: Callable[..., None]
     decode: Callable[..., None]
     mode: str
+    graphs: bool = False
 
 
 def make_slot_steps(
@@ -216,6 +334,7 @@ def make_slot_steps(
     if mode == "none":
         return SlotSteps(prefill_slot, decode_slots, mode)
     options = compile_options(mode, tuning, exact=exact)
+    graphs = bool(options.get("triton.cudagraphs"))
     decode = torch.compile(decode_slots, options=options, fullgraph=True, dynamic=False)
     prefill = prefill_slot
     if compile_prefill:
@@ -225,4 +344,4 @@ def make_slot_steps(
             torch._dynamo.maybe_mark_dynamic(idx, 1)
             compiled(model, state, slot, idx, masked)
 
-    return SlotSteps(prefill, decode, mode)
+    return SlotSteps(prefill, decode, mode, graphs)

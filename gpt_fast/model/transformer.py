@@ -451,7 +451,8 @@ class Transformer(nn.Module):
         last_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [B, T, V] for tokens ``idx`` [B, T] ([B, 1, V] with ``last_only``, or for the one position
-        ``last_index`` [1] holds: a padded prompt's last token) at positions ``input_pos``:
+        ``last_index`` holds: [1] for every row, or [B] each row's own; a padded prompt's last token) at positions
+        ``input_pos``:
         [T], the same for every row (one prompt, or copies of it), or [B, T], each row's own (independent
         sequences decoded together). The rows are the cache's rows ``first_row`` to ``first_row + B - 1``, so
         that one sequence can be prefilled into its row while the others wait. ``from_start`` says that
@@ -479,8 +480,8 @@ class Transformer(nn.Module):
             for layer in self.layers:
                 args = (x, *inputs[layer.layer_type], input_pos, first_row)
                 x = layer_region(layer, *args) if self.regional_compile else layer(*args)
-        if last_index is not None:
-            x = x.index_select(1, last_index)  # [B, 1, D]
+        if last_index is not None:  # [1] or [B]
+            x = x.gather(1, last_index.view(-1, 1, 1).expand(x.shape[0], 1, x.shape[-1]))  # [B, 1, D]
         elif last_only:
             x = x[:, -1:]
         x = self.norm(x)

@@ -122,6 +122,8 @@ def warmed_up_batcher(engine: Engine, batch_options: BatchOptions, write: Write)
     seconds = time.perf_counter() - start
     sizes = ", ".join(map(str, step_rows(batch_options)))
     slots = f"the steps for {sizes} slots, plain and constrained, compiled if asked"
+    if batcher.row_prefills is not None and batcher.row_prefills.graphs:
+        slots += f"; {len(batcher.row_prefills.graphs)} shapes of prompts prefilled together, in CUDA graphs"
     write(f"Warm-up ({slots}): {seconds:.2f} seconds\n")
     return batcher
 
