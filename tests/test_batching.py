@@ -15,7 +15,7 @@ import torch
 from gpt_fast import Engine, SamplingConfig
 from gpt_fast.convert.random_init import make_random_checkpoint
 from gpt_fast.engine.batcher import Delta, Failed, Finished, QueueFull, Request
-from gpt_fast.engine.options import BatchOptions
+from gpt_fast.engine.options import BatchOptions, step_rows
 from gpt_fast.generation.options import SpeculativeOptions
 from gpt_fast.generation.slots import make_slot_steps
 from gpt_fast.model.shapes import get_shape
@@ -124,6 +124,13 @@ def test_a_free_slot_stays_at_position_zero(engine):
     assert len(unused) > 10 and set(unused) == {0}
     slots = slice(0, 3)  # the rows after them are where prompts are prefilled together
     assert not batcher.state.live[slots].any() and not batcher.state.input_pos[slots].any()
+
+
+def test_the_step_sizes_unless_told_are_1_8_and_32_below_max_batch():
+    assert step_rows(BatchOptions(max_batch=64)) == (1, 8, 32, 64)
+    assert step_rows(BatchOptions(max_batch=8)) == (1, 8)
+    assert step_rows(BatchOptions(max_batch=1)) == (1,)
+    assert step_rows(BatchOptions(max_batch=5, step_sizes=(2,))) == (2, 5)
 
 
 def test_step_sizes_are_checked():

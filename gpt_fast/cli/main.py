@@ -683,7 +683,7 @@ def bench_modes(
     "--step_sizes",
     default=None,
     help="The decode step's row counts, comma-separated (e.g. 1,8,32), each captured as a CUDA graph at start-up; a "
-    "step runs the fewest that hold every busy slot. [default: 1 and --max_batch]",
+    "step runs the fewest that hold every busy slot. [default: those of 1,8,32 below --max_batch, and --max_batch]",
 )
 @option(
     "--api_key",

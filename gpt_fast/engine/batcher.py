@@ -18,14 +18,14 @@ shared system prompt, the earlier turns of a chat) takes those blocks and prefil
 ``prefill_chunk``, a long prompt goes in by chunks, one between two decode steps, in which its slot takes no token.
 The static cache (``kv_cache="static"``) gives each slot a row of ``max_seq_length`` positions instead.
 
-The decode step runs the first ``rows`` slots, the fewest of a few fixed counts (``step_sizes``: 1 and all slots
-unless told) that hold every busy slot; slots are taken lowest first, and a slot with no sequence stays at
-position 0, where its attention reads one position. Each count has fixed shapes (with the static cache and slot 0
-alone, a single client decodes as fast as a single stream). The batcher is a step producer of the
-one decode loop (:mod:`gpt_fast.generation.loop`), as plain and speculative decoding are: the host never waits for
-the step it has just launched; each step's tokens are copied to host memory and handed out once the device has
-produced them, while the next step runs; a slot whose request has just finished may decode once more, harmlessly,
-before the host frees it.
+The decode step runs the first ``rows`` slots, the fewest of a few fixed counts (``step_sizes``; unless told, those
+of 1, 8 and 32 below ``max_batch``, and all slots) that hold every busy slot; slots are taken lowest first, and a
+slot with no sequence stays at position 0, where its attention reads one position. Each count has fixed shapes
+(with the static cache and slot 0 alone, a single client decodes as fast as a single stream). The batcher is a
+step producer of the one decode loop (:mod:`gpt_fast.generation.loop`), as plain and speculative decoding are: the
+host never waits for the step it has just launched; each step's tokens are copied to host memory and handed out once
+the device has produced them, while the next step runs; a slot whose request has just finished may decode once
+more, harmlessly, before the host frees it.
 
 A request held to a constraint (:class:`~gpt_fast.generation.options.OutputConstraint`: a JSON schema, tool calls)
 gets its grammar matcher when it is submitted (a constraint the engine refuses is refused there). Its next token's

@@ -26,7 +26,7 @@ class ServeOptions:
     kv_cache_tokens: int | None = None
     kv_cache: str = "paged"
     prefill_chunk: int | None = None
-    step_sizes: tuple[int, ...] | None = None  # None: 1 and max_batch
+    step_sizes: tuple[int, ...] | None = None  # None: engine.options.STEP_SIZES below max_batch, and max_batch
     api_key: str | None = None
     model_name: str | None = None  # None: the checkpoint folder's name
 
