@@ -639,11 +639,8 @@ class Batcher:
         first = self.options.max_batch
         for row, job in enumerate(jobs, first):
             self._configure(job, row, torch.tensor(job.sequence, device=self.device))
-        rows = self.model.block_table.blocks[first:]  # [PREFILL_ROWS, W]
-        tables = torch.zeros(rows.shape, dtype=torch.long)  # the rows past the prompts: the sink
-        for row, job in enumerate(jobs):
-            tables[row, : len(self.tables[job.slot])] = torch.tensor(self.tables[job.slot])
-        rows.copy_(tables, non_blocking=True)  # from pageable memory: staged at once
+        tables = [self.tables[job.slot] for job in jobs]
+        self._write_rows(first, tables + [[]] * (PREFILL_ROWS - len(jobs)))  # the rows past the prompts: the sink
         self.row_prefills([RowPrefill(job.sequence[job.filled :], job.filled) for job in jobs])
         move_rows(self.state, first, torch.tensor([job.slot for job in jobs], device=self.device))
         for job in jobs:
@@ -765,11 +762,16 @@ class Batcher:
             self.waiting.appendleft(victim)
 
     def _write_table(self, slot: int) -> None:
-        """Copy ``slot``'s blocks into its row of the device's block table (block 0, the sink, past them). From
-        pageable host memory, staged at once: the steps in flight read the row as it was when they were launched."""
-        row = self.model.block_table.blocks[slot]
-        blocks = self.tables[slot]
-        row.copy_(torch.tensor(blocks + [0] * (row.shape[0] - len(blocks))), non_blocking=True)
+        """Copy ``slot``'s blocks into its row of the device's block table (:meth:`_write_rows`)."""
+        self._write_rows(slot, [self.tables[slot]])
+
+    def _write_rows(self, first: int, tables: Sequence[Sequence[int]]) -> None:
+        """Copy ``tables`` (each a row's blocks) into the device's block table from row ``first`` on, block 0 (the
+        sink) past each row's blocks. From pageable host memory, staged at once: the steps in flight read the rows
+        as they were when they were launched."""
+        rows = self.model.block_table.blocks[first : first + len(tables)]  # [n, W]
+        width = rows.shape[1]
+        rows.copy_(torch.tensor([[*blocks, *[0] * (width - len(blocks))] for blocks in tables]), non_blocking=True)
 
     def _fill_mask(self, job: Job) -> None:
         """The constrained ``job``'s next mask, on the host."""

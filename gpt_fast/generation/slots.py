@@ -254,6 +254,14 @@ def prefill_shapes(max_seq_length: int) -> list[tuple[int, int]]:
     return [(r, n) for r, n in shapes if n <= max_seq_length]
 
 
+def padded_inputs(prompts: Sequence[RowPrefill], rows: int, length: int) -> torch.Tensor:
+    """:meth:`RowPrefills.run`'s inputs [rows, length + 2] in host memory: each prompt's tokens padded with zeros,
+    then its start and its length; the rows past the prompts, padding rows of one token at position 0."""
+    inputs = [[*p.tokens, *[0] * (length - len(p.tokens)), p.start, len(p.tokens)] for p in prompts]
+    inputs += [[0] * (length + 1) + [1]] * (rows - len(prompts))
+    return torch.tensor(inputs, dtype=torch.long)
+
+
 class RowPrefills:
     """:func:`prefill_rows` of up to :data:`PREFILL_ROWS` prompts at once into ``model``'s cache rows and ``state``'s
     rows ``first_row`` onwards, padded to a :func:`prefill_shape`; with ``graphs`` (a CUDA device), replayed from a
@@ -274,19 +282,13 @@ class RowPrefills:
     def __call__(self, prompts: Sequence[RowPrefill]) -> None:
         shape = prefill_shape(len(prompts), max(len(p.tokens) for p in prompts))
         assert shape is not None, "more prompts or tokens than one prefill takes"
-        rows, length = shape
-        padding = [0] * (length + 2)
-        inputs = [[*p.tokens, *padding[: length - len(p.tokens)], p.start, len(p.tokens)] for p in prompts]
-        inputs += [padding[:-1] + [1]] * (rows - len(prompts))  # a padding row: one token at position 0
-        self.run(torch.tensor(inputs))
+        self.run(padded_inputs(prompts, *shape))
 
     def warm_up(self) -> None:
         """Capture every shape's graph that the cache holds (with ``graphs``; else nothing): padding rows alone, in
         the sink."""
         for rows, length in prefill_shapes(self.model.max_seq_length) if self.use_graphs else ():
-            inputs = torch.zeros((rows, length + 2), dtype=torch.long)
-            inputs[:, -1] = 1
-            self.run(inputs)
+            self.run(padded_inputs((), rows, length))
 
     def run(self, inputs: torch.Tensor) -> None:
         """Prefill ``inputs`` [K, P + 2] (host memory): each row's padded tokens, then its start and length."""
