@@ -12,10 +12,11 @@ they do in a decode step. Prints one JSON line per measurement and a table.
 
 ``--rows 1,8,64``: a server's step instead, the launcher alone: that many rows, each at its own position around
 the middle of a 1024-position cache, static and paged (blocks of 16 in shuffled order), Llama-2-7B and Llama-3-8B
-shapes, with the tile the code chooses, the one-row step's tile and (``--sweep``) a grid of tiles; the table gives
-each one's rate of reading the keys and values the rows see.
+shapes (``--shapes``: some of them; ``--layouts``: static or paged alone), with the tile the code chooses, the
+one-row step's tile and (``--sweep``) a grid of tiles; the table gives each one's rate of reading the keys and values
+the rows see.
 
-    python scripts/decode_attention_bench.py [--sweep] [--rows 1,8,64] [--json_out FILE]
+    python scripts/decode_attention_bench.py [--sweep] [--rows 1,8,64 [--shapes S] [--layouts L]] [--json_out FILE]
 """
 
 from __future__ import annotations
@@ -170,7 +171,7 @@ def measure_rows(args: argparse.Namespace) -> list[dict]:
     results = []
     cases = [case for case in ROW_CASES if args.shapes is None or case[0] in args.shapes.split(",")]
     for (shape_name, length, pos), rows, paged in itertools.product(
-        cases, [int(r) for r in args.rows.split(",")], (False, True)
+        cases, [int(r) for r in args.rows.split(",")], [layout == "paged" for layout in args.layouts.split(",")]
     ):
         inputs, caches, table, seen = rows_inputs(shape_name, length, pos, rows, paged)
         expected = rows_reference(inputs, caches[0], table)
@@ -216,6 +217,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--rows", default=None, help="Rows per step, comma-separated: a server's step (see above).")
     parser.add_argument("--shapes", default=None, help="With --rows: only these shapes, comma-separated.")
+    parser.add_argument("--layouts", default="static,paged", help="With --rows: the caches, static and/or paged.")
     parser.add_argument("--json_out", default=None)
     args = parser.parse_args()
     apply_torch_settings()
