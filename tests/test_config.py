@@ -8,6 +8,7 @@ import pytest
 
 from gpt_fast.model.config import (
     CheckpointConfig,
+    EmbeddingQuant,
     QuantConfig,
     RopeScaling,
     TokenizerConfig,
@@ -39,6 +40,11 @@ def test_quantization_round_trips_and_defaults_to_none(tmp_path):
     older = config_dict()
     del older["quantization"]  # written before quantization existed
     assert checkpoint_config_from_dict(older).quantization is None
+    table = QuantConfig("int4", 32, embeddings=EmbeddingQuant("int8", 32))
+    tied = dataclasses.replace(quantized, model=dataclasses.replace(get_shape("tiny"), tie_embeddings=True))
+    (tmp_path / "config.json").write_text(dataclasses.replace(tied, quantization=table).to_json())
+    assert load_checkpoint_config(tmp_path).quantization == table
+    assert table.name == "int4-g32, embeddings int8-g32"
 
 
 def test_round_trip_through_json(tmp_path):
@@ -214,6 +220,22 @@ BAD_CONFIGS = {
     "keep_float beyond the layers": (
         lambda c: c.update(quantization={"mode": "int8", "keep_float": ["layers.99.feed_forward.w2"]}),
         r"quantization.keep_float: 'layers.99.feed_forward.w2' is beyond the model's layers \(model.n_layer = 2\)",
+    ),
+    "table in int4": (
+        lambda c: c.update(quantization={"mode": "int4", "group_size": 32, "embeddings": {"mode": "int4"}}),
+        r"quantization.embeddings.mode 'int4' is not one of int8",
+    ),
+    "table group of 7": (
+        lambda c: c.update(quantization={"mode": "int8", "embeddings": {"group_size": 7}}),
+        r"quantization.embeddings.group_size must be null or one of 32, 64, 128, 256, got 7",
+    ),
+    "table quantized twice": (
+        lambda c: c.update(quantization={"mode": "int8", "output": True, "embeddings": {"group_size": 32}}),
+        r"quantization.output and quantization.embeddings exclude each other",
+    ),
+    "table of an untied model": (
+        lambda c: c.update(quantization={"mode": "int8", "embeddings": {"group_size": 32}}),
+        r"quantization.embeddings quantizes a tied embedding table, and model.tie_embeddings is false",
     ),
     "int4 of an odd width": (
         lambda c: c.update(quantization={"mode": "int4", "group_size": 32}) or c["model"].update(dim=63),

@@ -16,8 +16,8 @@ from tiny import hf_greedy, our_greedy, train_bpe_tokenizer
 
 from gpt_fast.convert.gguf_file import convert_gguf
 from gpt_fast.engine.engine import Engine
-from gpt_fast.model.config import QuantConfig
-from gpt_fast.quant.schemes import dequantize_int4, quantize_int4
+from gpt_fast.model.config import EmbeddingQuant, QuantConfig
+from gpt_fast.quant.schemes import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 
 DIM, HEADS, KV_HEADS, INTER, LAYERS = 256, 4, 2, 512, 2  # K-quant rows hold multiples of 256 values
 LAYER_TYPES = [
@@ -485,3 +485,20 @@ def test_q4_blocks_become_int4_groups_of_32_without_a_second_rounding(tmp_path, 
     g64 = torch.load(tmp_path / "g64" / "model.pth", weights_only=True)
     expected = quantize_int4(floats["layers.1.feed_forward.w2.weight"], 64, torch.float32)
     assert torch.equal(g64["layers.1.feed_forward.w2.zeros"], expected[2])
+
+
+def test_a_q8_0_tied_table_becomes_int8_groups_of_32_without_a_second_rounding(tmp_path, tokenizer):
+    """The tied embedding table, Q8_0 in the file, quantized in place (``quantization.embeddings``): in groups of
+    32 it keeps gguf-py's dequantized values exactly; in groups of 64 it is quantized from float."""
+    path = write_gguf(tmp_path / "tied.gguf", tokenizer, tied=True)
+    convert_gguf(path, tmp_path / "float")
+    table = torch.load(tmp_path / "float" / "model.pth", weights_only=True)["tok_embeddings.weight"]
+    for group in (32, 64):
+        quant = QuantConfig("int4", 32, embeddings=EmbeddingQuant("int8", group))
+        convert_gguf(path, tmp_path / f"g{group}", quantization=quant)
+        state = torch.load(tmp_path / f"g{group}" / "model.pth", weights_only=True)
+        got = state["tok_embeddings.weight"], state["tok_embeddings.scales"]
+        if group == 32:
+            assert torch.equal(dequantize_int8(*got, 32), table)
+        else:
+            assert all(torch.equal(a, b) for a, b in zip(got, quantize_int8(table, torch.float32, 64), strict=True))

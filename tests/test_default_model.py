@@ -182,8 +182,10 @@ def test_download_failure_is_one_clear_line(tmp_path, monkeypatch):
 
 def test_the_int4_form_holds_the_float_forms_numbers(smollm2_gguf, smollm2_checkpoint, tmp_path, monkeypatch):
     """The CPU's form of the default model: every layer's projections in int4 groups of 32 taken from the GGUF's
-    Q4_1 blocks, which dequantize to exactly the float32 form's weights; every other tensor the same."""
-    from gpt_fast.quant.schemes import dequantize_int4
+    Q4_1 blocks, and the tied embedding table in int8 groups of 32 taken from its Q8_0 blocks, which dequantize to
+    exactly the float32 form's weights; every other tensor the same. A folder prepared before the table was
+    quantized is prepared again."""
+    from gpt_fast.quant.schemes import dequantize_int4, dequantize_int8
 
     def load_state(path):
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -195,14 +197,50 @@ def test_the_int4_form_holds_the_float_forms_numbers(smollm2_gguf, smollm2_check
     config = load_checkpoint_config(weights.parent)
     assert config.quantization == default_model.INT4_FORM and config.generation is not None
     int4, float32 = load_state(weights), load_state(smollm2_checkpoint / "model.pth")
-    quantized = {name.removesuffix(".scales") for name in int4 if name.endswith(".scales")}
+    table = int4["tok_embeddings.weight"], int4["tok_embeddings.scales"]
+    assert table[0].dtype == torch.int8 and table[1].shape == (config.model.vocab_size, config.model.dim // 32)
+    assert torch.equal(dequantize_int8(*table, 32), float32["tok_embeddings.weight"])
+    quantized = {name.removesuffix(".zeros") for name in int4 if name.endswith(".zeros")}
     assert len(quantized) == 4 * config.model.n_layer
     for prefix in quantized:
         parts = (int4[f"{prefix}.{suffix}"] for suffix in ("weight", "scales", "zeros"))
         assert torch.equal(dequantize_int4(*parts, 32), float32[f"{prefix}.weight"]), prefix
-    plain = {name for name in int4 if name.rpartition(".")[0] not in quantized}
-    assert plain == {name for name in float32 if name.removesuffix(".weight") not in quantized}
+    plain = {name for name in int4 if name.rpartition(".")[0] not in {*quantized, "tok_embeddings"}}
+    assert plain == {name for name in float32 if name.rpartition(".")[0] not in {*quantized, "tok_embeddings"}}
     assert all(torch.equal(int4[name], float32[name]) for name in plain)
+    config_path = weights.parent / "config.json"
+    older = json.loads(config_path.read_text())
+    del older["quantization"]["embeddings"]  # as prepared when the table stayed float32
+    config_path.write_text(json.dumps(older))
+    assert default_model.ensure_default_checkpoint(int4=True) == weights
+    assert load_checkpoint_config(weights.parent).quantization == default_model.INT4_FORM  # prepared again
+
+
+@pytest.fixture(scope="module")
+def int4_checkpoint(smollm2_gguf, tmp_path_factory):
+    """The default model's CPU form (int4 layers, int8 table), converted once per module."""
+    from gpt_fast.convert.gguf_file import convert_gguf
+
+    out = tmp_path_factory.mktemp("smollm2-int4") / "checkpoint"
+    convert_gguf(smollm2_gguf, out, quantization=default_model.INT4_FORM, generation=default_model.CARD_SAMPLING)
+    return out
+
+
+@torch.no_grad()
+def test_the_int4_form_decodes_the_float_forms_greedy_tokens(ours, int4_checkpoint):
+    """The CPU's form (our C++ kernels where they build: every layer's products and the output projection)
+    picks the float32 form's greedy tokens, eager and compiled."""
+    from gpt_fast.quant.layers import Int8Embedding
+
+    int4 = Engine.load(int4_checkpoint, device="cpu", dtype="float32")
+    assert isinstance(int4.model.tok_embeddings, Int8Embedding)
+    for prompt in PROMPTS:
+        ids = ours.encode(prompt)
+        assert our_greedy(int4, ids, NEW_TOKENS) == our_greedy(ours, ids, NEW_TOKENS), prompt
+    torch._dynamo.reset()
+    compiled = Engine.load(int4_checkpoint, compile="default", device="cpu", dtype="float32")
+    ids = ours.encode(PROMPTS[0])
+    assert our_greedy(compiled, ids, NEW_TOKENS) == our_greedy(ours, ids, NEW_TOKENS)
 
 
 @pytest.mark.parametrize(

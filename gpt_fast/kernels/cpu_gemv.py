@@ -1,5 +1,5 @@
 """Our C++ kernels for the quantized products of a few rows on an x86 CPU (``cpu_gemv.cpp`` beside this file): the
-operators ``torch.ops.gpt_fast.int8_gemv_cpu`` and ``int4_gemv_cpu``.
+operators ``torch.ops.gpt_fast.int8_gemv_cpu``, ``int8_group_gemv_cpu`` and ``int4_gemv_cpu``.
 
 They exist because PyTorch's own weight-only CPU kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``)
 are vectorized for AVX-512 only: on an AVX2 CPU they run scalar code, slower than the float32 product they replace,
@@ -26,6 +26,7 @@ LIBRARY = "gpt_fast_cpu_gemv_avx2"
 FLAGS = ["-O3", "-mavx2", "-mfma"]
 CAPABILITIES = ("AVX2", "AVX512")  # torch.backends.cpu.get_cpu_capability() of a CPU with AVX2 and FMA
 INT8_COLUMNS = 16  # the int8 kernel's inputs: a multiple of this
+INT8_GROUPS = 16  # the grouped int8 kernel's group sizes: a multiple of this, dividing the inputs
 INT4_COLUMNS = 64  # the int4 kernel's inputs: a multiple of this
 INT4_GROUPS = 32  # the int4 kernel's group sizes: a multiple of this
 BUILD_NOTE_SECONDS = 2.0  # a load slower than this compiled the library
@@ -69,6 +70,12 @@ def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> to
     """``x`` [M, K] float32 times the int8 ``weight`` [N, K] (K a multiple of :data:`INT8_COLUMNS`) with
     ``scales`` [N] float32: [M, N]."""
     return torch.ops.gpt_fast.int8_gemv_cpu(x, weight, scales)
+
+
+def int8_group_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``x`` [M, K] float32 times the int8 ``weight`` [N, K] with ``scales`` [N, K / group_size] float32, one per
+    group of ``group_size`` columns (a multiple of :data:`INT8_GROUPS` dividing K): [M, N]."""
+    return torch.ops.gpt_fast.int8_group_gemv_cpu(x, weight, scales, group_size)
 
 
 def int4_gemv(

@@ -31,6 +31,7 @@ WEIGHT_DTYPES = ("float32", "bfloat16", "float16")  # what a weights file may ho
 QUANT_MODES = ("int8", "int4")
 QUANT_KERNELS = ("auto", "triton", "cpp", "aten", "dequant")  # a quantized layer's products: gpt_fast.quant.products
 INT4_GROUP_SIZES = (32, 64, 128, 256)
+TABLE_MODES = ("int8",)  # how quantization.embeddings may store a tied embedding table
 QUANT_METHODS = ("rtn", "gptq")  # round-to-nearest (data-free), GPTQ (calibrated; int4 only)
 # The linear layers a scheme quantizes, by name; ``quantization.keep_float`` names some of them to keep in float.
 QUANTIZABLE_LINEAR = re.compile(r"layers\.(\d+)\.(attention\.(wqkv|wo)|feed_forward\.(w13|w2))")
@@ -257,19 +258,47 @@ class TokenizerConfig:
 
 
 @dataclass(frozen=True)
+class EmbeddingQuant:
+    """How a tied embedding table, which is also the output projection, is stored (``quantization.embeddings``):
+    ``int8`` symmetric, one scale per row, or with ``group_size`` one scale per group of that many consecutive
+    columns (the form of a GGUF's ``Q8_0`` blocks, groups of 32). The lookup and the output projection read the
+    same tensors."""
+
+    mode: str = "int8"
+    group_size: int | None = None
+
+    def __post_init__(self) -> None:
+        modes = ", ".join(TABLE_MODES)
+        _require(self.mode in TABLE_MODES, f"quantization.embeddings.mode {self.mode!r} is not one of {modes}")
+        sizes = ", ".join(map(str, INT4_GROUP_SIZES))
+        _require(
+            self.group_size is None or self.group_size in INT4_GROUP_SIZES,
+            f"quantization.embeddings.group_size must be null or one of {sizes}, got {self.group_size!r}",
+        )
+
+    @property
+    def name(self) -> str:
+        """``int8`` or ``int8-g32``."""
+        return self.mode if self.group_size is None else f"{self.mode}-g{self.group_size}"
+
+
+@dataclass(frozen=True)
 class QuantConfig:
     """Weight-only quantization of a checkpoint's linear layers (the four projections of every layer, and the
     output projection when ``output`` is true). ``int8``: one symmetric scale per output channel. ``int4``:
     groups of ``group_size`` consecutive input columns, each with its own scale and zero point. Embeddings, norms,
     scales and zero points stay in the checkpoint's ``dtype``, and so do the projections ``keep_float`` names.
     ``method`` records how the integers were chosen (``rtn``: round to nearest; ``gptq``: calibrated, see
-    :mod:`gpt_fast.quant.gptq`); the stored tensors and the kernels are the same for every method."""
+    :mod:`gpt_fast.quant.gptq`); the stored tensors and the kernels are the same for every method.
+    ``embeddings`` quantizes a tied embedding table in place (:class:`EmbeddingQuant`), read by the lookup and the
+    output projection alike; ``output`` instead stores a quantized copy of it apart."""
 
     mode: str
     group_size: int | None = None  # int4 only
     output: bool = False
     method: str = "rtn"  # how the weights were rounded: provenance; every method stores the same tensors
     keep_float: tuple[str, ...] = ()  # projections left in the checkpoint's dtype ("layers.0.feed_forward.w2")
+    embeddings: EmbeddingQuant | None = None  # a tied embedding table quantized in place
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "keep_float", tuple(self.keep_float))
@@ -294,6 +323,11 @@ class QuantConfig:
         else:
             _require(self.group_size is None, f"quantization.group_size goes with int4 only, got {self.group_size!r}")
         _require(isinstance(self.output, bool), f"quantization.output must be true or false, got {self.output!r}")
+        _require(
+            not (self.output and self.embeddings is not None),
+            "quantization.output and quantization.embeddings exclude each other: a tied table is quantized apart "
+            "for the output projection or in place for both",
+        )
 
     def check_model(self, model: ModelConfig) -> None:
         """Refuse a model whose layers this scheme cannot store."""
@@ -307,6 +341,10 @@ class QuantConfig:
                 layer < model.n_layer,
                 f"quantization.keep_float: {name!r} is beyond the model's layers (model.n_layer = {model.n_layer})",
             )
+        _require(
+            self.embeddings is None or model.tie_embeddings,
+            "quantization.embeddings quantizes a tied embedding table, and model.tie_embeddings is false",
+        )
         if self.mode != "int4":
             return
         for name in ("dim", "intermediate_size"):  # the input widths of the quantized layers (q_size is even)
@@ -315,10 +353,11 @@ class QuantConfig:
 
     @property
     def name(self) -> str:
-        """``int8``, ``int4-g128``, ``int4-g128-gptq``, ``int4-g128-gptq (2 layers in float)``: as reports name the
-        scheme."""
+        """``int8``, ``int4-g128``, ``int4-g128-gptq``, ``int4-g128-gptq (2 layers in float)``, ``int4-g32,
+        embeddings int8-g32``: as reports name the scheme."""
         name = self.mode if self.group_size is None else f"{self.mode}-g{self.group_size}"
         name += "" if self.method == "rtn" else f"-{self.method}"
+        name += "" if self.embeddings is None else f", embeddings {self.embeddings.name}"
         return name + (f" ({len(self.keep_float)} layers in float)" if self.keep_float else "")
 
 

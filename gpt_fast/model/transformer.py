@@ -411,7 +411,7 @@ class Transformer(nn.Module):
         layout = (batch_size, max_seq_length, blocks, block_size if blocks is not None else None)
         if layout == self.cache_layout:
             return
-        weight = self.tok_embeddings.weight
+        weight = self.norm.weight  # in the model's dtype (the embedding table may be quantized)
         cfg, where = self.config, {"dtype": weight.dtype, "device": weight.device}
         for layer in self.layers:
             layer.attention.kv_cache = None  # free the old buffers before allocating new ones
@@ -485,12 +485,16 @@ class Transformer(nn.Module):
         elif last_only:
             x = x[:, -1:]
         x = self.norm(x)
-        if self.output is None:
-            logits = (F.linear if self.head_kernel is None else self.head_kernel)(x, self.tok_embeddings.weight, None)
-        else:
-            logits = self.output(x)
+        logits = self.tied_output(x) if self.output is None else self.output(x)
         cap = self.config.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def tied_output(self, x: torch.Tensor) -> torch.Tensor:
+        """The output projection of tied embeddings, ``x`` [..., D] -> [..., V]: the product with the embedding
+        table, or a quantized table's own (``project``, :class:`gpt_fast.quant.layers.Int8Embedding`)."""
+        if not isinstance(self.tok_embeddings, nn.Embedding):
+            return self.tok_embeddings.project(x)
+        return (F.linear if self.head_kernel is None else self.head_kernel)(x, self.tok_embeddings.weight, None)
 
     def _one_token_of_one_sequence(self, idx: torch.Tensor, input_pos: torch.Tensor) -> bool:
         """Whether this is a compiled step of one token of a one-row cache: the steps ``layers_kernel`` takes."""

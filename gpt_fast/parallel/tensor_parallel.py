@@ -98,6 +98,8 @@ def check_tensor_parallel(config: ModelConfig, quant: QuantConfig | None, size: 
     for field in ("n_head", "n_local_heads", "intermediate_size"):
         if getattr(config, field) % size:
             raise OptionError(f"tp {size}: model.{field} ({getattr(config, field)}) is not divisible by {size}", "tp")
+    if quant is not None and quant.embeddings is not None:
+        raise OptionError(f"tp {size}: a quantized embedding table (quantization.embeddings) is not split yet", "tp")
     if quant is not None and quant.mode == "int4":
         for name, columns in (("attention.wo", config.q_size), ("feed_forward.w2", config.intermediate_size)):
             if (columns // size) % quant.group_size:

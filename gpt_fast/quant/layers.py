@@ -15,9 +15,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from gpt_fast.kernels.cpu_gemv import INT4_COLUMNS, INT4_GROUPS, INT8_COLUMNS
-from gpt_fast.model.config import ModelConfig, QuantConfig
-from gpt_fast.quant.layout import quantized_linears, quantized_tensors
+from gpt_fast.kernels.cpu_gemv import INT4_COLUMNS, INT4_GROUPS, INT8_COLUMNS, INT8_GROUPS
+from gpt_fast.model.config import EmbeddingQuant, ModelConfig, QuantConfig
+from gpt_fast.quant.layout import TABLE, quantized_linears, quantized_tensors
 from gpt_fast.quant.products import (
     CPP_ROWS,
     FEW_ROWS,
@@ -32,6 +32,7 @@ from gpt_fast.quant.products import (
     int4_linear,
     int4_triton_linear,
     int4_words_linear,
+    int8_group_dequantize,
     int8_interleave,
     int8_linear,
     resolve_kernel,
@@ -51,7 +52,7 @@ class QuantizedLinear(nn.Module):
     """The tensors of one quantized [out, in] weight (:func:`gpt_fast.quant.layout.quantized_tensors`), and the
     float ``bias`` [out] of the layer it replaces, if that had one (q/k/v biases), which stays as it was."""
 
-    def __init__(self, in_features: int, out_features: int, quant: QuantConfig, bias: bool) -> None:
+    def __init__(self, in_features: int, out_features: int, quant: QuantConfig | EmbeddingQuant, bias: bool) -> None:
         super().__init__()
         for name, (shape, dtype) in quantized_tensors(out_features, in_features, quant, torch.float32).items():
             setattr(self, name, _frozen(shape, dtype))
@@ -99,15 +100,26 @@ class QuantizedLinear(nn.Module):
 
 
 class Int8Linear(QuantizedLinear):
-    """``y = x @ (weight * scales[:, None]).T``: int8 weights [out, in], one scale per output channel."""
+    """``y = x @ (weight * scales[:, None]).T``: int8 weights [out, in], one scale per output channel; or, with a
+    ``group_size`` (a tied embedding table's scheme, :class:`gpt_fast.model.config.EmbeddingQuant`), ``scales``
+    [out, groups], one per group of that many inputs."""
+
+    def __init__(self, in_features: int, out_features: int, quant: QuantConfig | EmbeddingQuant, bias: bool) -> None:
+        super().__init__(in_features, out_features, quant, bias)
+        self.group_size = quant.group_size
 
     def prepare(self, kernel: str) -> None:
         """``triton``, for a 16-bit model (its scales' dtype) whose inputs are a multiple of 64: the weights
         repacked for our float16-pairs kernel (:func:`gpt_fast.quant.products.int8_interleave`) into ``words``,
         which replaces ``weight`` (prefills read it too): one copy of the weights in memory. Otherwise
         ``weight`` stays, read as it is; ``cpp`` where our C++ kernel does not take the layer
-        (:func:`gpt_fast.quant.products.cpp_takes`) means ``dequant``."""
+        (:func:`gpt_fast.quant.products.cpp_takes`) means ``dequant``. Scales per group take ``cpp`` (groups of
+        a multiple of 16 that divide the inputs) or ``dequant``."""
         takes = cpp_takes(self.weight, self.scales, self.in_features, INT8_COLUMNS)
+        if self.group_size is not None:
+            whole = self.group_size % INT8_GROUPS == 0 and self.in_features % self.group_size == 0
+            self.kernel = "cpp" if kernel == "cpp" and takes and whole else "dequant"
+            return
         self.kernel = "dequant" if kernel == "cpp" and not takes else kernel
         sixteen_bits = self.scales.dtype in SIXTEEN_BITS
         if kernel == "triton" and sixteen_bits and self.weight.shape[1] % INT8_BLOCK == 0:
@@ -123,7 +135,32 @@ class Int8Linear(QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.words if self.weight is None else self.weight
-        return self.biased(int8_linear(x, weight, self.scales, self.kernel, self.launch_pdl()))
+        return self.biased(int8_linear(x, weight, self.scales, self.kernel, self.launch_pdl(), self.group_size))
+
+
+class Int8Embedding(Int8Linear):
+    """A tied embedding table quantized in place (``quantization.embeddings``): int8 ``weight`` [vocab, dim] and
+    ``scales`` ([vocab], or [vocab, groups]). Called with token ids it looks up their rows, dequantized (a row per
+    token); :meth:`project` is the output projection, the product with the same tensors (one copy in memory)."""
+
+    def __init__(self, vocab_size: int, dim: int, quant: EmbeddingQuant) -> None:
+        super().__init__(dim, vocab_size, quant, bias=False)
+
+    def prepare(self, kernel: str) -> None:
+        """As :meth:`Int8Linear.prepare`, but ``weight`` stays as it is, for the lookup: ``triton``, whose words
+        would replace it, means ``dequant``."""
+        super().prepare("dequant" if kernel == "triton" else kernel)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """The rows of tokens ``idx`` [...]: [..., dim] in the scales' dtype."""
+        rows, scales = self.weight[idx], self.scales[idx]  # [..., dim] int8; [...] or [..., groups]
+        if self.group_size is None:
+            return rows.to(scales.dtype) * scales[..., None]
+        return int8_group_dequantize(rows, scales, self.group_size)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """The output projection: ``x`` [..., dim] -> logits [..., vocab]."""
+        return super().forward(x)
 
 
 class Int4Linear(QuantizedLinear):
@@ -211,13 +248,16 @@ LINEARS = {"int8": Int8Linear, "int4": Int4Linear}
 
 
 def quantize_linears(model: nn.Module, config: ModelConfig, quant: QuantConfig) -> None:
-    """Replace the linear layers ``quant`` quantizes by empty quantized ones (build ``model`` on the meta device,
-    call this, then load the quantized state)."""
+    """Replace the linear layers ``quant`` quantizes by empty quantized ones, and with ``quant.embeddings`` the
+    embedding table by an :class:`Int8Embedding` (build ``model`` on the meta device, call this, then load the
+    quantized state)."""
     for prefix, (out_features, in_features) in quantized_linears(config, quant).items():
         parent, _, attr = prefix.rpartition(".")
         module = model.get_submodule(parent)
         bias = getattr(getattr(module, attr, None), "bias", None) is not None
         setattr(module, attr, LINEARS[quant.mode](in_features, out_features, quant, bias))
+    if quant.embeddings is not None:
+        setattr(model, TABLE, Int8Embedding(config.vocab_size, config.dim, quant.embeddings))
 
 
 def prepare_quantized(model: nn.Module, device: torch.device, kernel: str = "auto") -> None:

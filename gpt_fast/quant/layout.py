@@ -7,7 +7,9 @@ A quantized linear layer ``P`` (``layers.0.attention.wqkv``, ...) stores, in pla
 
 Scales and zeros, like every tensor that is not quantized, are in the checkpoint's ``dtype``. With
 ``quantization.output`` the output projection is quantized too; for tied embeddings it is then stored apart
-(``output.*``) while the embedding table stays as it is, for the lookup.
+(``output.*``) while the embedding table stays as it is, for the lookup. With ``quantization.embeddings`` a tied
+table is quantized in place instead: ``tok_embeddings.weight`` int8 [vocab, dim] and ``tok_embeddings.scales``
+([vocab], or [vocab, groups] with a group size), one copy that the lookup and the output projection both read.
 """
 
 from __future__ import annotations
@@ -18,14 +20,21 @@ from collections.abc import Mapping
 import torch
 from tqdm import tqdm
 
-from gpt_fast.model.config import QUANTIZABLE_LINEAR, ModelConfig, QuantConfig
+from gpt_fast.model.config import QUANTIZABLE_LINEAR, EmbeddingQuant, ModelConfig, QuantConfig
 from gpt_fast.model.transformer import weight_count, weight_shapes
 from gpt_fast.quant.schemes import n_groups, quantize_int4, quantize_int8
 
 Shape = tuple[int, ...]
 OUTPUT = "output"
+TABLE = "tok_embeddings"  # the embedding table, quantized in place by quantization.embeddings
 LAYER_KINDS = ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")  # each layer's projections
 QUANTIZED_DTYPES = {"int8": torch.int8, "int4": torch.uint8}
+
+
+def quantized_dtypes(quant: QuantConfig) -> tuple[torch.dtype, ...]:
+    """The integer dtypes of the tensors a checkpoint quantized with ``quant`` holds."""
+    modes = {quant.mode} | (set() if quant.embeddings is None else {quant.embeddings.mode})
+    return tuple(QUANTIZED_DTYPES[mode] for mode in sorted(modes))
 
 
 def quantized_linears(config: ModelConfig, quant: QuantConfig) -> dict[str, tuple[int, int]]:
@@ -44,11 +53,14 @@ def quantized_linears(config: ModelConfig, quant: QuantConfig) -> dict[str, tupl
     return linears
 
 
-def quantized_tensors(out_features: int, in_features: int, quant: QuantConfig, dtype: torch.dtype) -> dict:
+def quantized_tensors(
+    out_features: int, in_features: int, quant: QuantConfig | EmbeddingQuant, dtype: torch.dtype
+) -> dict:
     """``suffix -> (shape, dtype)`` of the tensors that stand for one quantized [out, in] weight."""
+    groups = (out_features, n_groups(in_features, quant.group_size or in_features))
     if quant.mode == "int8":
-        return {"weight": ((out_features, in_features), torch.int8), "scales": ((out_features,), dtype)}
-    groups = (out_features, n_groups(in_features, quant.group_size))
+        scales = groups if quant.group_size else (out_features,)
+        return {"weight": ((out_features, in_features), torch.int8), "scales": (scales, dtype)}
     return {
         "weight": ((out_features, in_features // 2), torch.uint8),
         "scales": (groups, dtype),
@@ -67,6 +79,9 @@ def stored_specs(
         specs.pop(f"{prefix}.weight", None)
         for suffix, spec in quantized_tensors(out_features, in_features, quant, dtype).items():
             specs[f"{prefix}.{suffix}"] = spec
+    if quant.embeddings is not None:
+        for suffix, spec in quantized_tensors(config.vocab_size, config.dim, quant.embeddings, dtype).items():
+            specs[f"{TABLE}.{suffix}"] = spec
     return specs
 
 
@@ -96,16 +111,20 @@ def stored_size(config: ModelConfig, quant: QuantConfig | None, dtype: torch.dty
         quantized = _bytes(quantized_tensors(*shape, quant, dtype))
         size += count * (quantized - shape[0] * shape[1] * dtype.itemsize)
         tensors += count * extra_tensors
+    if quant.embeddings is not None:
+        table = quantized_tensors(config.vocab_size, config.dim, quant.embeddings, dtype)
+        tensors += len(table) - 1
+        size += _bytes(table) - config.vocab_size * config.dim * dtype.itemsize
     return tensors, size
 
 
 def quantize_weight(
-    weight: torch.Tensor, quant: QuantConfig, dtype: torch.dtype, device: str | torch.device
+    weight: torch.Tensor, quant: QuantConfig | EmbeddingQuant, dtype: torch.dtype, device: str | torch.device
 ) -> dict[str, torch.Tensor]:
     """``suffix -> tensor`` of one float [out, in] weight quantized on ``device``, scales and zeros in ``dtype``."""
     weight = weight.to(device)
     if quant.mode == "int8":
-        return dict(zip(("weight", "scales"), quantize_int8(weight, dtype), strict=True))
+        return dict(zip(("weight", "scales"), quantize_int8(weight, dtype, quant.group_size), strict=True))
     return dict(zip(("weight", "scales", "zeros"), quantize_int4(weight, quant.group_size, dtype), strict=True))
 
 
@@ -121,20 +140,23 @@ def quantize_state(
     given: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The tensors of the quantized checkpoint from the float ``state`` of ``config``: each quantized layer's
-    ``weight`` replaced by its quantized tensors (computed and left on ``device``), scales and zeros in ``dtype``.
-    The layers in ``given`` (``prefix -> {suffix: tensor}``) are taken from there as they are (their scales and
-    zeros cast to ``dtype``): a source quantized in this scheme already (:mod:`gpt_fast.convert.gguf_quant`), or
-    layers rounded by GPTQ (:mod:`gpt_fast.quant.calibrate`)."""
+    ``weight`` replaced by its quantized tensors (computed and left on ``device``), scales and zeros in ``dtype``;
+    with ``quant.embeddings``, the embedding table too (:data:`TABLE`). The layers in ``given`` (``prefix ->
+    {suffix: tensor}``) are taken from there as they are (their scales and zeros cast to ``dtype``): a source
+    quantized in this scheme already (:mod:`gpt_fast.convert.gguf_quant`), or layers rounded by GPTQ
+    (:mod:`gpt_fast.quant.calibrate`)."""
     out = dict(state)
     given = given or {}
-    linears = quantized_linears(config, quant)
-    for prefix in tqdm(linears, desc=f"Quantizing ({quant.name})", unit="layer"):
+    schemes: dict[str, QuantConfig | EmbeddingQuant] = dict.fromkeys(quantized_linears(config, quant), quant)
+    if quant.embeddings is not None:
+        schemes[TABLE] = quant.embeddings
+    for prefix, scheme in tqdm(schemes.items(), desc=f"Quantizing ({quant.name})", unit="layer"):
         name = f"{prefix}.weight"
         if prefix in given:
             parts = {suffix: t if suffix == "weight" else t.to(dtype) for suffix, t in given[prefix].items()}
         else:
             parts = quantize_weight(
-                state[TIED_SOURCE if prefix == OUTPUT and config.tie_embeddings else name], quant, dtype, device
+                state[TIED_SOURCE if prefix == OUTPUT and config.tie_embeddings else name], scheme, dtype, device
             )
         out.pop(name, None)
         out.update({f"{prefix}.{suffix}": tensor for suffix, tensor in parts.items()})

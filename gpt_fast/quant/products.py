@@ -19,8 +19,9 @@ for 1024 rows.
   activation (``int8_row``, ``int4_row``): on an H200, 7B step int8 384.8 tok/s against 373.9 with them apart, int4
   427.5 against 417.0 (docs/bench/HISTORY.md, 2026-11-25c).
 - ``cpp``: our C++ kernels for an x86 CPU with AVX2 (:mod:`gpt_fast.kernels.cpu_gemv`), float32 activations, on
-  the weights as the checkpoint holds them, up to :data:`CPP_ROWS` rows. The CPU's choice where they build:
-  PyTorch's own kernels are scalar code there, slower than float32 (docs/cpu.md, "Quantized products").
+  the weights as the checkpoint holds them (int8 with a scale per row or per group, int4), up to :data:`CPP_ROWS`
+  rows. The CPU's choice where they build: PyTorch's own kernels are scalar code there, slower than float32
+  (docs/cpu.md, "Quantized products").
 - ``aten``: PyTorch's own weight-only kernels, ``torch.ops.aten._weight_int8pack_mm``, and for int4
   ``_weight_int4pack_mm_for_cpu`` or CUDA's tinygemm ``_weight_int4pack_mm`` (on a copy of the weights repacked
   once at load, :mod:`gpt_fast.quant.layers`). The CPU's choice where ``cpp`` is not usable (another CPU, no C++
@@ -81,12 +82,16 @@ def cpp_usable(device: torch.device) -> bool:
 @functools.cache
 def register_cpu_ops() -> None:
     """Build and load our C++ kernels (:mod:`gpt_fast.kernels.cpu_gemv`, which registers
-    ``torch.ops.gpt_fast.int8_gemv_cpu`` and ``int4_gemv_cpu``) and give ``torch.compile`` their output shapes,
-    eagerly (see :func:`register_triton_ops`). Nothing happens at import."""
+    ``torch.ops.gpt_fast.int8_gemv_cpu``, ``int8_group_gemv_cpu`` and ``int4_gemv_cpu``) and give ``torch.compile``
+    their output shapes, eagerly (see :func:`register_triton_ops`). Nothing happens at import."""
     cpu_gemv.load_cpu_kernels()
 
     @torch.library.register_fake("gpt_fast::int8_gemv_cpu")
     def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((x.shape[0], weight.shape[0]))
+
+    @torch.library.register_fake("gpt_fast::int8_group_gemv_cpu")
+    def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
         return x.new_empty((x.shape[0], weight.shape[0]))
 
     @torch.library.register_fake("gpt_fast::int4_gemv_cpu")
@@ -240,12 +245,21 @@ def takes_matmul(rows: torch.Tensor, gemv_rows: int) -> bool:
 
 
 def int8_linear(
-    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, kernel: str, pdl: bool = False
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    kernel: str,
+    pdl: bool = False,
+    group_size: int | None = None,
 ) -> torch.Tensor:
     """``x`` [..., K] times the int8 ``weight`` [N, K] (or, for the ``triton`` kernel, its words [N, K / 4] from
     :func:`int8_interleave`) with per-channel ``scales`` [N] (in ``x``'s dtype); ``pdl``: the ``triton`` kernel's
-    operator launched with PDL (see :func:`register_triton_ops`)."""
+    operator launched with PDL (see :func:`register_triton_ops`). With a ``group_size``, ``scales`` [N, groups]
+    hold one scale per group of columns: ``cpp`` (:func:`gpt_fast.kernels.cpu_gemv.int8_group_gemv`) or
+    ``dequant``."""
     rows = x.reshape(-1, x.shape[-1])
+    if group_size is not None:
+        return _int8_group_linear(rows, weight, scales, kernel, group_size).reshape(*x.shape[:-1], weight.shape[0])
     few = rows.shape[0] <= FEW_ROWS
     words = weight.dtype == torch.int32
     if kernel == "triton" and words and takes_matmul(rows, INT8_GEMV_ROWS):
@@ -262,6 +276,22 @@ def int8_linear(
     else:
         out = F.linear(rows, weight.to(x.dtype)) * scales
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _int8_group_linear(
+    rows: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, kernel: str, group_size: int
+) -> torch.Tensor:
+    """``rows`` [M, K] times the int8 ``weight`` [N, K] with ``scales`` [N, groups]: [M, N]."""
+    if kernel == "cpp" and rows.shape[0] <= CPP_ROWS:
+        return cpu_gemv.int8_group_gemv(rows, weight, scales, group_size)
+    return F.linear(rows, int8_group_dequantize(weight, scales, group_size).to(rows.dtype))
+
+
+def int8_group_dequantize(weight: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The int8 ``weight`` [..., K] with ``scales`` [..., groups] as the [..., K] matrix in ``scales``' dtype, in
+    plain PyTorch for inductor to fuse (the last group may be shorter)."""
+    cols = weight.shape[-1]
+    return weight.to(scales.dtype) * scales.repeat_interleave(group_size, dim=-1)[..., :cols]
 
 
 INT8_BLOCK = 64  # columns of a block of int8_interleave: 8 elements of two words

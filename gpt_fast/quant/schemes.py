@@ -1,7 +1,8 @@
 """The two weight-only schemes, as plain tensor functions: quantize a float matrix, and dequantize it back.
 
 int8: per output channel, symmetric: ``w ≈ q * scale`` with ``q`` in [-127, 127] and ``scale = max|w| / 127``
-over the row.
+over the row; or, with a ``group_size``, the same per group of that many consecutive input columns of a row (a
+GGUF's ``Q8_0`` blocks are groups of 32: :mod:`gpt_fast.convert.gguf_quant` takes them over as they are).
 
 int4: per group of ``group_size`` consecutive input columns of a row, asymmetric: ``w ≈ (q - 8) * scale + zero``
 with ``q`` in [0, 15]. ``zero`` is the value of ``q = 8`` (the convention of PyTorch's own int4 kernels,
@@ -35,17 +36,32 @@ def n_groups(in_features: int, group_size: int) -> int:
     return -(-in_features // group_size)
 
 
-def quantize_int8(weight: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight`` [N, K] -> ``q`` int8 [N, K] and ``scales`` [N] in ``scale_dtype``."""
+def quantize_int8(
+    weight: torch.Tensor, scale_dtype: torch.dtype, group_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` [N, K] -> ``q`` int8 [N, K] and ``scales`` in ``scale_dtype``: [N], or [N, ceil(K/group_size)]
+    with a ``group_size``."""
     w = weight.float()
-    scales = (w.abs().amax(dim=1) / INT8_MAX).clamp_min(_TINY).to(scale_dtype)
-    q = torch.round(w / scales.float()[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    if group_size is None:
+        scales = (w.abs().amax(dim=1) / INT8_MAX).clamp_min(_TINY).to(scale_dtype)
+    else:
+        scales = (_grouped(w, group_size)[0].abs().amax(dim=2) / INT8_MAX).clamp_min(_TINY).to(scale_dtype)
+    column_scales = int8_column_scales(scales, w.shape[1], group_size)
+    q = torch.round(w / column_scales).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scales
 
 
-def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The float32 matrix [N, K] that ``q``, ``scales`` stand for."""
-    return q.float() * scales.float()[:, None]
+def int8_column_scales(scales: torch.Tensor, cols: int, group_size: int | None) -> torch.Tensor:
+    """The float32 scale of every weight of an int8 matrix of ``cols`` columns, broadcastable to it: [N, 1] for
+    per-row ``scales`` [N], [N, cols] for per-group ones [N, G] (the last group may be shorter)."""
+    if group_size is None:
+        return scales.float()[:, None]
+    return scales.float().repeat_interleave(group_size, dim=1)[:, :cols]
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, group_size: int | None = None) -> torch.Tensor:
+    """The float32 matrix [N, K] that ``q``, ``scales`` ([N], or [N, groups] of ``group_size``) stand for."""
+    return q.float() * int8_column_scales(scales, q.shape[1], group_size)
 
 
 def _grouped(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
