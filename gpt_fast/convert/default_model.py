@@ -45,7 +45,7 @@ CARD_SAMPLING = GenerationDefaults(temperature=0.2, top_p=0.9, source=f"the {DEF
 # The Q4_1 and Q8_0 blocks as they are (gguf_quant.maps_exactly, gguf_quant.table_maps_exactly)
 INT4_FORM = QuantConfig("int4", 32, embeddings=EmbeddingQuant("int8", 32))
 INT4_SUFFIX = "-int4"  # the int4 form's folder: beside the float32 one, whose folder is replaced whole when prepared
-INT4_NOTE = "int4 from its GGUF's Q4_1 blocks, the same weights as float32"
+INT4_NOTE = "int4 and int8 from its GGUF's Q4_1 and Q8_0 blocks, the same weights as float32"
 
 
 def default_checkpoint_dir(root: Path | None = None, int4: bool = False) -> Path:
