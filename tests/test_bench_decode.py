@@ -59,10 +59,10 @@ def test_a_row_out_of_memory_loses_only_itself(monkeypatch):
 
     real = bench_decode.hf_runners
 
-    def eager_runs_out(state, shape, static, device, dtype):
+    def eager_runs_out(state, shape, static, device, dtype, sampling):
         if not static:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.75 GiB.\nmore detail")
-        return real(state, shape, static, device, dtype)
+        return real(state, shape, static, device, dtype, sampling)
 
     monkeypatch.setattr(bench_decode, "hf_runners", eager_runs_out)
     lines = []

@@ -67,43 +67,63 @@ def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, 2, weight.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(weight.shape)
 
 
+def llama_writer(path, tokenizer, architecture="llama", sizes=(DIM, HEADS, KV_HEADS, INTER, LAYERS), context=512):
+    """A GGUF writer holding a llama model's metadata and ``tokenizer``; ``sizes``: (dim, heads, KV heads, hidden
+    size of the MLP, layers)."""
+    dim, heads, kv_heads, inter, layers = sizes
+    writer = GGUFWriter(str(path), architecture)
+    writer.add_context_length(context)
+    writer.add_embedding_length(dim)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(tokenizer.get_vocab_size())
+    add_tokenizer(writer, tokenizer)
+    return writer
+
+
+def layer_shapes(dim=DIM, heads=HEADS, kv_heads=KV_HEADS, inter=INTER):
+    """A llama layer's weight matrices, by GGUF name part: their [out, in] shapes."""
+    kv = kv_heads * (dim // heads)
+    return {
+        "attn_q": (dim, dim),
+        "attn_k": (kv, dim),
+        "attn_v": (kv, dim),
+        "attn_output": (dim, dim),
+        "ffn_gate": (inter, dim),
+        "ffn_up": (inter, dim),
+        "ffn_down": (dim, inter),
+    }
+
+
+def add_random_tensor(writer, rng, name, shape, qtype, heads=HEADS, kv_heads=KV_HEADS):
+    """Random values drawn from ``rng`` (norms near 1; q and k in llama.cpp's layout) written as ``qtype``; returns
+    the array written."""
+    data = rng.normal(0, 0.25, size=shape).astype(np.float32)
+    if name.endswith("norm.weight"):
+        data = 1 + 0.1 * data
+    if name.endswith(("attn_q.weight", "attn_k.weight")):
+        data = llama_cpp_permute(data, heads if "attn_q" in name else kv_heads)
+    encoded = encode(data, qtype, rng)
+    writer.add_tensor(name, encoded, raw_shape=encoded.shape, raw_dtype=qtype)
+    return encoded
+
+
 def write_gguf(path, tokenizer, *, architecture="llama", tied=False, seed=0, rope_freqs=None, edit=None):
     """A synthetic llama GGUF; ``edit(writer)``, if given, runs last, before the file is written."""
     rng = np.random.default_rng(seed)
     vocab = tokenizer.get_vocab_size()
-    writer = GGUFWriter(str(path), architecture)
-    writer.add_context_length(512)
-    writer.add_embedding_length(DIM)
-    writer.add_block_count(LAYERS)
-    writer.add_feed_forward_length(INTER)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_vocab_size(vocab)
-    add_tokenizer(writer, tokenizer)
+    writer = llama_writer(path, tokenizer, architecture)
 
     def tensor(name, shape, qtype):
-        data = rng.normal(0, 0.25, size=shape).astype(np.float32)
-        if name.endswith("norm.weight"):
-            data = 1 + 0.1 * data
-        if name.endswith(("attn_q.weight", "attn_k.weight")):
-            data = llama_cpp_permute(data, HEADS if "attn_q" in name else KV_HEADS)
-        encoded = encode(data, qtype, rng)
-        writer.add_tensor(name, encoded, raw_shape=encoded.shape, raw_dtype=qtype)
+        add_random_tensor(writer, rng, name, shape, qtype)
 
     tensor("token_embd.weight", (vocab, DIM), Q.Q8_0)
+    shapes = layer_shapes()
     for layer, types in enumerate(LAYER_TYPES):
-        head_dim = DIM // HEADS
-        shapes = {
-            "attn_q": (DIM, DIM),
-            "attn_k": (KV_HEADS * head_dim, DIM),
-            "attn_v": (KV_HEADS * head_dim, DIM),
-            "attn_output": (DIM, DIM),
-            "ffn_gate": (INTER, DIM),
-            "ffn_up": (INTER, DIM),
-            "ffn_down": (DIM, INTER),
-        }
         for part, qtype in types.items():
             tensor(f"blk.{layer}.{part}.weight", shapes[part], qtype)
         tensor(f"blk.{layer}.attn_norm.weight", (DIM,), Q.F32)

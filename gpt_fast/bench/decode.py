@@ -1,16 +1,20 @@
-"""Decode speed against the peers, in one process and one run: identical random weights of a named shape, ours
-(one compile mode) and — when transformers is importable — Hugging Face transformers with its static cache (which
-it compiles by itself) and eager. With ``--quantize int8,int4``, the same weights quantized: ours in each scheme,
-upstream gpt-fast's int8 formula (``F.linear(x, w.to(x.dtype)) * scales``, compiled by inductor: our ``dequant``
-kernel) and, where torchao is importable, torchao's weight-only int8 and int4 (tinygemm layout) on our model.
-Prints one table: tok/s, its ratio to our unquantized row, GB/s (of the weights each row reads), % of the copy
-bandwidth measured in the same run, TTFT, compile time, memory; and which kernels our decode steps used
-(``--attention_kernels triton,torch``, ``--activation_kernels triton,torch``, ``--layers_kernels triton,torch``,
-``--linear_kernels triton,torch``: a row for each combination). ``--builds N`` builds (and compiles) each row N
-times: two builds of one configuration differ more than the timed runs of one build, so tok/s is then the builds'
-median, their range beside it.
+"""Decode speed against the peers, in one process and one run: identical random weights of a named shape, ours (one
+compile mode) and — when transformers is importable — Hugging Face transformers with its static cache (which it
+compiles by itself on a CUDA GPU) and eager. With ``--quantize int8,int4``, the same weights quantized: ours in each
+scheme, upstream gpt-fast's int8 formula (``F.linear(x, w.to(x.dtype)) * scales``, compiled by inductor: our
+``dequant`` kernel) and, where torchao is importable, torchao's weight-only int8 and int4 (tinygemm layout) on our
+model. On the CPU with ``--shape smollm2-135m``, the default model's shape, also llama.cpp on that model's GGUF
+(Q4_1, and requantized by llama.cpp to Q8_0 and F16) when ``llama-cpp-python`` is importable
+(:mod:`gpt_fast.bench.llama_cpp_peer`), on as many threads as ours. Every row samples top-k 200 at temperature 0.8
+(the blog's setting), or greedily with ``--greedy``. Prints one table: tok/s, its ratio to our unquantized row, GB/s
+(of the weights each row reads), % of the copy bandwidth measured in the same run, TTFT, compile time, memory; and
+which kernels our decode steps used (``--attention_kernels triton,torch``, ``--activation_kernels triton,torch``,
+``--layers_kernels triton,torch``, ``--linear_kernels triton,torch``: a row for each combination). ``--builds N``
+builds (and compiles) each row N times: two builds of one configuration differ more than the timed runs of one
+build, so tok/s is then the builds' median, their range beside it.
 
     gpt-fast bench decode --shape llama-2-7b --device cuda --quantize int8,int4
+    OMP_NUM_THREADS=1 gpt-fast bench decode --device cpu --shape smollm2-135m --dtype float32 --mode default --greedy
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 from gpt_fast.accel.choice import Context
 from gpt_fast.accel.options import KernelOptions
 from gpt_fast.accel.registry import resolve_one
+from gpt_fast.bench.llama_cpp_peer import llama_cpp_builders
 from gpt_fast.bench.modes import copy_bandwidth_gbps
 from gpt_fast.bench.options import DecodeBenchOptions
 from gpt_fast.convert.hf_config import hf_config_dict
@@ -46,6 +51,7 @@ from gpt_fast.util.device import device_name, device_synchronize, dtype_name, pa
 from gpt_fast.util.settings import apply_torch_settings
 
 BLOG_SAMPLING = SamplingConfig(temperature=0.8, top_k=200)
+GREEDY = SamplingConfig(temperature=0)
 
 
 @dataclass(frozen=True)
@@ -127,7 +133,8 @@ def measure(
 
 @dataclass(frozen=True)
 class Subject:
-    """What every row of one run measures: the same weights (on the CPU), shape, compile mode, device and dtype."""
+    """What every row of one run measures: the same weights (on the CPU), shape, compile mode, device and dtype,
+    sampled alike."""
 
     state: dict[str, torch.Tensor]
     shape: ModelConfig
@@ -136,6 +143,7 @@ class Subject:
     dtype: torch.dtype
     regional_compile: bool = False  # our rows compile one layer and reuse it (EngineOptions.regional_compile)
     kernel_tuning: str = COORDINATE_DESCENT  # how inductor picks our kernels' configurations (EngineOptions)
+    sampling: SamplingConfig = BLOG_SAMPLING
 
 
 def ours_runners(
@@ -179,7 +187,7 @@ def ours_runners(
 
     def runner(engine: Engine) -> Run:
         def run(prompt: list[int], new_tokens: int) -> None:
-            engine.generate_ids(prompt, new_tokens, BLOG_SAMPLING)
+            engine.generate_ids(prompt, new_tokens, subject.sampling)
 
         return run
 
@@ -243,11 +251,22 @@ def hf_model(state: dict[str, torch.Tensor], shape: ModelConfig, device: torch.d
 
 
 def hf_runners(
-    state: dict[str, torch.Tensor], shape: ModelConfig, static: bool, device: torch.device, dtype: torch.dtype
+    state: dict[str, torch.Tensor],
+    shape: ModelConfig,
+    static: bool,
+    device: torch.device,
+    dtype: torch.dtype,
+    sampling: SamplingConfig = BLOG_SAMPLING,
 ) -> tuple[Run, Run]:
+    """transformers' ``generate`` with its static cache or its default (dynamic) one; ``sampling``'s top-k and
+    temperature, or greedy."""
     model = hf_model({name: t.to(device=device, dtype=dtype) for name, t in state.items()}, shape, device)
     model.eval()
     extra = {"cache_implementation": "static"} if static else {}
+    if sampling.greedy:
+        extra |= {"do_sample": False}
+    else:
+        extra |= {"do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k}
 
     @torch.no_grad()
     def run(prompt: list[int], new_tokens: int) -> None:
@@ -257,9 +276,6 @@ def hf_runners(
             attention_mask=torch.ones_like(ids),
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,
-            do_sample=True,
-            temperature=BLOG_SAMPLING.temperature,
-            top_k=BLOG_SAMPLING.top_k,
             pad_token_id=0,
             **extra,
         )
@@ -307,9 +323,11 @@ def run_benchmark(
     sampling_kernels: Sequence[str] = ("auto",),
     regional_compile: bool = False,
     kernel_tuning: str = COORDINATE_DESCENT,
+    greedy: bool = False,
     write: Callable[[str], None] = print,
 ) -> list[Row]:
     shape = get_shape(shape_name)
+    draws = GREEDY if greedy else BLOG_SAMPLING  # how every row samples
     context = Context(device, mode, shape, regional_compile=regional_compile)
 
     def resolved(name: str, choices: Sequence[str]) -> list[str]:
@@ -326,7 +344,7 @@ def run_benchmark(
     ttft_prompt = torch.randint(0, shape.vocab_size, (ttft_tokens,), generator=generator).tolist()
     copy_gbps = copy_bandwidth_gbps(device)
     write(f"measured: copy bandwidth {copy_gbps:.0f} GB/s")  # now, so that a run cut off later still has it
-    subject = Subject(state, shape, mode, device, dtype, regional_compile, kernel_tuning)
+    subject = Subject(state, shape, mode, device, dtype, regional_compile, kernel_tuning, draws)
     suffix, compiled_as = describe_compilation(regional_compile, kernel_tuning)
     ours = f"gpt-fast {mode}{suffix}"
     runners: dict[str, Builder] = {
@@ -346,19 +364,9 @@ def run_benchmark(
     }
     runners |= quantized_runners(subject, quantize, write, linear)
     if peers:
-        try:
-            import transformers
-        except ImportError:
-            write("transformers is not importable: peers skipped")
-        else:
-            runners[f"transformers {transformers.__version__} static cache + compile"] = lambda: (
-                hf_runners(state, shape, True, device, dtype),
-                None,
-            )
-            runners[f"transformers {transformers.__version__} eager"] = lambda: (
-                hf_runners(state, shape, False, device, dtype),
-                None,
-            )
+        runners |= transformers_runners(state, shape, device, dtype, draws, write)
+        context_tokens = max(prompt_tokens + new_tokens, ttft_tokens + 1)
+        runners |= llama_cpp_builders(shape_name, shape, device, context_tokens, draws, write)
     rows = []
     for name, build in runners.items():  # each built when measured and freed after
         try:
@@ -367,16 +375,45 @@ def run_benchmark(
         except torch.OutOfMemoryError as error:  # a peer that needs more memory than ours loses its row only
             write(f"not measured: {name}: out of memory ({str(error).splitlines()[0]})")
         release_memory(device)
+    threads = f", CPU threads: {torch.get_num_threads()}" if device.type == "cpu" else ""
     write(
-        f"{shape_name}, {device_name(device)}, torch {torch.__version__}, {dtype}; copy bandwidth {copy_gbps:.0f} "
-        f"GB/s; prompt {prompt_tokens} tokens, {new_tokens} new, TTFT prompt {ttft_tokens}; our decode's attention "
-        f"kernel: {', '.join(attention)}; activation kernel: {', '.join(activation)}; layers kernel: "
-        f"{', '.join(layers)}; linear kernel: {', '.join(linear)}; sampling kernel: {', '.join(sampling)}; "
-        f"our compiled steps: {compiled_as}"
+        f"{shape_name}, {device_name(device)}{threads}, torch {torch.__version__}, {dtype}; copy bandwidth "
+        f"{copy_gbps:.0f} GB/s; prompt {prompt_tokens} tokens, {new_tokens} new, TTFT prompt {ttft_tokens}, "
+        f"{describe_sampling(draws)}; our decode's attention kernel: {', '.join(attention)}; activation kernel: "
+        f"{', '.join(activation)}; layers kernel: {', '.join(layers)}; linear kernel: {', '.join(linear)}; sampling "
+        f"kernel: {', '.join(sampling)}; our compiled steps: {compiled_as}"
         + (f"; each row built {builds} times, tok/s their median (range)" if builds > 1 else "")
     )
     write(table(rows, copy_gbps) if rows else "no row was measured")
     return rows
+
+
+def transformers_runners(
+    state: dict[str, torch.Tensor],
+    shape: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    sampling: SamplingConfig,
+    write: Callable[[str], None],
+) -> dict[str, Builder]:
+    """transformers' rows, where it is importable: its static cache (which its ``generate`` compiles by itself on a
+    CUDA GPU, not on a CPU) and its default cache, eager."""
+    try:
+        import transformers
+    except ImportError:
+        write("transformers is not importable: its rows skipped")
+        return {}
+    name = f"transformers {transformers.__version__}"
+    compiled = " + compile" if device.type == "cuda" else ""
+    return {
+        f"{name} static cache{compiled}": lambda: (hf_runners(state, shape, True, device, dtype, sampling), None),
+        f"{name} eager": lambda: (hf_runners(state, shape, False, device, dtype, sampling), None),
+    }
+
+
+def describe_sampling(sampling: SamplingConfig) -> str:
+    """The summary line's words for how every row samples."""
+    return "greedy" if sampling.greedy else f"sampled: top-k {sampling.top_k} at temperature {sampling.temperature}"
 
 
 def describe_compilation(regional_compile: bool, kernel_tuning: str) -> tuple[str, str]:
@@ -469,6 +506,7 @@ def run(options: DecodeBenchOptions, write: Callable[[str], None] = print) -> li
         sampling_kernels=options.sampling_kernels,
         regional_compile=options.regional_compile,
         kernel_tuning=options.kernel_tuning or COORDINATE_DESCENT,
+        greedy=options.greedy,
         write=write,
     )
 

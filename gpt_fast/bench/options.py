@@ -31,8 +31,10 @@ def check_token_range(option: str, value: tuple[int, int]) -> None:
 
 @dataclass(frozen=True)
 class DecodeBenchOptions:
-    """:mod:`gpt_fast.bench.decode`: our decode speed and the peers', on identical random weights of ``shape``.
-    ``device`` None: the GPU when there is one; ``kernel_tuning`` None: the engine's default."""
+    """:mod:`gpt_fast.bench.decode`: our decode speed and the peers', on identical random weights of ``shape``
+    (llama.cpp's rows: on the default model's GGUF, when ``shape`` is its shape, on the CPU). ``device`` None: the
+    GPU when there is one; ``kernel_tuning`` None: the engine's default; ``greedy``: every row samples greedily
+    (else top-k 200 at temperature 0.8)."""
 
     shape: str = "llama-2-7b"
     device: str | None = None
@@ -53,6 +55,7 @@ class DecodeBenchOptions:
     sampling_kernels: tuple[str, ...] = ("auto",)
     regional_compile: bool = False
     kernel_tuning: str | None = None
+    greedy: bool = False
 
     def __post_init__(self) -> None:
         check_one_of("shape", self.shape, tuple(SHAPES))

@@ -148,7 +148,13 @@ KERNEL_LISTS = ("attention_kernels", "activation_kernels", "layers_kernels", "li
     show_default=True,
     help="Build (and compile) each row this many times; tok/s is then the builds' median, their range beside it.",
 )
-@click.option("--no_peers", is_flag=True, help="Our rows only (no transformers).")
+@click.option(
+    "--no_peers",
+    is_flag=True,
+    help="Our rows only (no transformers; no llama.cpp, whose rows need llama-cpp-python, the CPU and the default "
+    "model's shape, smollm2-135m).",
+)
+@click.option("--greedy", is_flag=True, help="Every row samples greedily (default: top-k 200 at temperature 0.8).")
 @click.option("--quantize", default="", help="Also these schemes, comma-separated: int8, int4.")
 @click.option("--group_size", type=Listed(lambda: INT4_GROUP_SIZES, int), default=DECODE.group_size, show_default=True)
 @click.option(
@@ -190,7 +196,7 @@ KERNEL_LISTS = ("attention_kernels", "activation_kernels", "layers_kernels", "li
     help="Our rows' kernel configurations: tuned by coordinate descent (the default), or inductor's heuristic choice.",
 )
 def decode_command(no_peers: bool, quantize: str, **values: Any) -> None:
-    """Decode speed of gpt-fast and its peers on identical random weights."""
+    """Decode speed of gpt-fast and its peers on identical random weights (llama.cpp: on the default model)."""
     lists = {name: comma_list(values.pop(name), str, f"--{name}") for name in KERNEL_LISTS}
     quantize_names = comma_list(quantize, str, "--quantize")
     options = make(DecodeBenchOptions, peers=not no_peers, quantize=quantize_names, **lists, **values)
