@@ -4,8 +4,8 @@
 //
 // Each weight is widened to float32 and multiplied by the activation in float32, as the dequantized reference does:
 // the results differ from it by the order of the float32 sums only (the activations are never rounded to integers).
-// Output rows are shared among torch's threads (at::parallel_for); each reads its rows of weights once for all the
-// activation rows, and widens each weight once for every ROWS of them.
+// Output rows are shared among torch's threads in tasks of GRAIN rows that each thread takes in turn (over_rows);
+// each reads its rows of weights once for all the activation rows, and widens each weight once for every ROWS of them.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -13,6 +13,8 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <atomic>
 #include <type_traits>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -24,8 +26,21 @@ constexpr int64_t INT8_STEP = 16;   // int8 columns per step: two vectors of 8
 constexpr int64_t INT4_BLOCK = 64;  // int4 columns per step: 32 bytes read as 8 words of 8 nibbles
 constexpr int64_t MIN_GROUP = 32;   // the smallest int4 group: a block holds one or two groups
 constexpr float MID = 8.f;          // the int4 level whose value is the group's zero
-constexpr int64_t GRAIN = 16;       // output rows per task of at::parallel_for
+constexpr int64_t GRAIN = 16;       // output rows per task (over_rows)
 constexpr int ROWS = 4;             // activation rows that share each widened weight
+
+// f(n) for the output rows n of N, in tasks of GRAIN rows that torch's threads take one after another until none
+// is left: a thread that another process keeps off its core takes fewer of them, where at::parallel_for's even
+// split would make the whole product wait for its share.
+template <typename F>
+inline void over_rows(int64_t N, F&& f) {
+  const int64_t tasks = (N + GRAIN - 1) / GRAIN;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), tasks), 1, [&](int64_t, int64_t) {
+    for (int64_t t = next++; t < tasks; t = next++)
+      for (int64_t n = t * GRAIN; n < std::min(N, (t + 1) * GRAIN); ++n) f(n);
+  });
+}
 
 // f(std::integral_constant<int, R>, m) for the activation rows m .. m + R - 1 of M, R = ROWS but at the end
 template <typename F>
@@ -205,11 +220,10 @@ at::Tensor int8_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, const at
   const int8_t* wp = wc.data_ptr<int8_t>();
   const float* sp = sc.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, N, GRAIN, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n)
-      by_rows(M, [&](auto rows, int64_t m) {
-        int8_rows<decltype(rows)::value>(xp + m * K, K, wp + n * K, sp[n], op + m * N + n, N);
-      });
+  over_rows(N, [&](int64_t n) {
+    by_rows(M, [&](auto rows, int64_t m) {
+      int8_rows<decltype(rows)::value>(xp + m * K, K, wp + n * K, sp[n], op + m * N + n, N);
+    });
   });
   return out;
 }
@@ -232,11 +246,10 @@ at::Tensor int8_group_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, co
   const float* sp = sc.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t G = K / group;
-  at::parallel_for(0, N, GRAIN, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n)
-      by_rows(M, [&](auto rows, int64_t m) {
-        int8_group_rows<decltype(rows)::value>(xp + m * K, K, wp + n * K, sp + n * G, group, op + m * N + n, N);
-      });
+  over_rows(N, [&](int64_t n) {
+    by_rows(M, [&](auto rows, int64_t m) {
+      int8_group_rows<decltype(rows)::value>(xp + m * K, K, wp + n * K, sp + n * G, group, op + m * N + n, N);
+    });
   });
   return out;
 }
@@ -264,12 +277,11 @@ at::Tensor int4_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, const at
   const uint8_t* wp = wc.data_ptr<uint8_t>();
   const float *sp = sc.data_ptr<float>(), *zp = zc.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, N, GRAIN, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n)
-      by_rows(M, [&](auto rows, int64_t m) {
-        int4_rows<decltype(rows)::value>(xtp + m * K, xs + m * G, K, G, wp + n * K / 2, sp + n * G, zp + n * G, group,
-                                         op + m * N + n, N);
-      });
+  over_rows(N, [&](int64_t n) {
+    by_rows(M, [&](auto rows, int64_t m) {
+      int4_rows<decltype(rows)::value>(xtp + m * K, xs + m * G, K, G, wp + n * K / 2, sp + n * G, zp + n * G, group,
+                                       op + m * N + n, N);
+    });
   });
   return out;
 }
