@@ -802,7 +802,7 @@ def report_converted(weights: Path) -> None:
     config = load_checkpoint_config(weights.parent)
     click.echo(f"Model config {dataclasses.asdict(config.model)}")
     if config.quantization is not None:
-        click.echo(f"Quantization {dataclasses.asdict(config.quantization)}")
+        click.echo(f"Quantization {config.quantization.as_dict()}")
     click.echo(f"Saved checkpoint to {weights}")
 
 

@@ -351,6 +351,14 @@ class QuantConfig:
             size = getattr(model, name)
             _require(size % 2 == 0, f"int4 quantization packs two input columns per byte: model.{name} ({size}) is odd")
 
+    def as_dict(self) -> dict[str, Any]:
+        """The fields as ``config.json`` holds them: ``embeddings`` only when set, so that the other schemes'
+        files read as before."""
+        fields = dataclasses.asdict(self)
+        if self.embeddings is None:
+            del fields["embeddings"]
+        return fields
+
     @property
     def name(self) -> str:
         """``int8``, ``int4-g128``, ``int4-g128-gptq``, ``int4-g128-gptq (2 layers in float)``, ``int4-g32,
@@ -419,6 +427,8 @@ class CheckpointConfig:
 
     def to_json(self) -> str:
         payload = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **dataclasses.asdict(self)}
+        if self.quantization is not None:
+            payload["quantization"] = self.quantization.as_dict()
         return json.dumps(payload, indent=2, ensure_ascii=False) + "\n"
 
 
