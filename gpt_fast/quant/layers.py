@@ -32,7 +32,7 @@ from gpt_fast.quant.products import (
     int4_linear,
     int4_triton_linear,
     int4_words_linear,
-    int8_group_dequantize,
+    int8_dequantize,
     int8_interleave,
     int8_linear,
     resolve_kernel,
@@ -153,10 +153,7 @@ class Int8Embedding(Int8Linear):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """The rows of tokens ``idx`` [...]: [..., dim] in the scales' dtype."""
-        rows, scales = self.weight[idx], self.scales[idx]  # [..., dim] int8; [...] or [..., groups]
-        if self.group_size is None:
-            return rows.to(scales.dtype) * scales[..., None]
-        return int8_group_dequantize(rows, scales, self.group_size)
+        return int8_dequantize(self.weight[idx], self.scales[idx], self.group_size)  # rows [..., dim] int8
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """The output projection: ``x`` [..., dim] -> logits [..., vocab]."""

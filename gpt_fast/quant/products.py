@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from gpt_fast.kernels import cpu_gemv
 from gpt_fast.kernels.available import triton_usable
 from gpt_fast.model.config import QUANT_KERNELS as KERNELS
-from gpt_fast.quant.schemes import INT4_MID, pack_int4, unpack_int4
+from gpt_fast.quant.schemes import INT4_MID, int8_column_scales, pack_int4, unpack_int4
 
 SIXTEEN_BITS = (torch.float16, torch.bfloat16)  # what our float16-pairs kernels and the tensor cores multiply
 FEW_ROWS = 16  # activation rows the specialized kernels take; more are a matrix product
@@ -284,14 +284,13 @@ def _int8_group_linear(
     """``rows`` [M, K] times the int8 ``weight`` [N, K] with ``scales`` [N, groups]: [M, N]."""
     if kernel == "cpp" and rows.shape[0] <= CPP_ROWS:
         return cpu_gemv.int8_group_gemv(rows, weight, scales, group_size)
-    return F.linear(rows, int8_group_dequantize(weight, scales, group_size).to(rows.dtype))
+    return F.linear(rows, int8_dequantize(weight, scales, group_size).to(rows.dtype))
 
 
-def int8_group_dequantize(weight: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
-    """The int8 ``weight`` [..., K] with ``scales`` [..., groups] as the [..., K] matrix in ``scales``' dtype, in
-    plain PyTorch for inductor to fuse (the last group may be shorter)."""
-    cols = weight.shape[-1]
-    return weight.to(scales.dtype) * scales.repeat_interleave(group_size, dim=-1)[..., :cols]
+def int8_dequantize(weight: torch.Tensor, scales: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    """The int8 ``weight`` [..., K] with ``scales`` ([...], or [..., groups] of ``group_size``) as the [..., K]
+    matrix in ``scales``' dtype, in plain PyTorch for inductor to fuse."""
+    return weight.to(scales.dtype) * int8_column_scales(scales, weight.shape[-1], group_size)
 
 
 INT8_BLOCK = 64  # columns of a block of int8_interleave: 8 elements of two words

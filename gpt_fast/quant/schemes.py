@@ -46,22 +46,22 @@ def quantize_int8(
         scales = (w.abs().amax(dim=1) / INT8_MAX).clamp_min(_TINY).to(scale_dtype)
     else:
         scales = (_grouped(w, group_size)[0].abs().amax(dim=2) / INT8_MAX).clamp_min(_TINY).to(scale_dtype)
-    column_scales = int8_column_scales(scales, w.shape[1], group_size)
+    column_scales = int8_column_scales(scales.float(), w.shape[1], group_size)
     q = torch.round(w / column_scales).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scales
 
 
 def int8_column_scales(scales: torch.Tensor, cols: int, group_size: int | None) -> torch.Tensor:
-    """The float32 scale of every weight of an int8 matrix of ``cols`` columns, broadcastable to it: [N, 1] for
-    per-row ``scales`` [N], [N, cols] for per-group ones [N, G] (the last group may be shorter)."""
+    """The scale of every weight of int8 rows of ``cols`` columns, in ``scales``' dtype, broadcastable to them:
+    [..., 1] for per-row ``scales`` [...], [..., cols] for per-group ones [..., G] (the last group may be shorter)."""
     if group_size is None:
-        return scales.float()[:, None]
-    return scales.float().repeat_interleave(group_size, dim=1)[:, :cols]
+        return scales[..., None]
+    return scales.repeat_interleave(group_size, dim=-1)[..., :cols]
 
 
 def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, group_size: int | None = None) -> torch.Tensor:
     """The float32 matrix [N, K] that ``q``, ``scales`` ([N], or [N, groups] of ``group_size``) stand for."""
-    return q.float() * int8_column_scales(scales, q.shape[1], group_size)
+    return q.float() * int8_column_scales(scales.float(), q.shape[1], group_size)
 
 
 def _grouped(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
