@@ -1,10 +1,14 @@
 """The cost of the batcher's decode step by batch size, with the KV cache static (a row of ``--max_seq_length``
 positions per slot) and paged (blocks of ``--block_size``, as `gpt-fast serve` runs it), on random weights of a named
 shape: the step that `gpt-fast serve` replays, each row at position ``--position``, timed over ``--steps`` steps
-after a warm-up, as milliseconds per step and relative to one row's step with the same cache.
+after a warm-up, as milliseconds per step and relative to one row's step with the same cache. With ``--quantize``,
+the random weights are drawn in memory and quantized (int8, or int4 in groups of 128), their products computed by
+``--quant_kernel``.
 
     .venv/bin/python scripts/batched_step_cost.py --shape tiny --device cpu --batches 1,4
     python scripts/batched_step_cost.py --shape llama-2-7b --device cuda --compile reduce-overhead
+    python scripts/batched_step_cost.py --shape llama-2-7b --compile reduce-overhead --quantize int8 \
+        --quant_kernel gemlite
 """
 
 from __future__ import annotations
@@ -16,9 +20,13 @@ from pathlib import Path
 import torch
 
 from gpt_fast import Engine, EngineOptions
-from gpt_fast.convert.random_init import random_shape_folder
+from gpt_fast.accel.options import KernelOptions
+from gpt_fast.convert.random_init import random_shape_folder, random_weights
 from gpt_fast.generation.slots import SlotState, make_slot_steps
-from gpt_fast.util.device import cudagraph_step_begin, device_synchronize, resolve_device
+from gpt_fast.model.config import QuantConfig
+from gpt_fast.model.shapes import get_shape
+from gpt_fast.quant.layout import quantize_state
+from gpt_fast.util.device import cudagraph_step_begin, device_synchronize, resolve_device, resolve_dtype
 
 
 def run_steps(engine: Engine, state: SlotState, decode, rows: int, steps: int) -> None:
@@ -48,6 +56,20 @@ def print_profile(engine: Engine, state: SlotState, decode, rows: int, steps: in
     print(profile.key_averages().table(sort_by=sort, row_limit=top, max_name_column_width=60), flush=True)
 
 
+def open_engine(args: argparse.Namespace) -> Engine:
+    """The engine over the random checkpoint of ``--shape``, or over random weights quantized in memory."""
+    device = resolve_device(args.device)
+    options = EngineOptions(compile=args.compile, device=args.device, kernels=KernelOptions(quant=args.quant_kernel))
+    if args.quantize is None:
+        engine = Engine.open(random_shape_folder(args.shape, args.output_dir, device), options)
+        engine.load_weights()
+        return engine
+    shape, dtype = get_shape(args.shape), resolve_dtype("auto", device)
+    quant = QuantConfig(args.quantize, 128 if args.quantize == "int4" else None)
+    state = quantize_state(random_weights(shape, dtype, seed=0, device=device), shape, quant, dtype, device)
+    return Engine.from_state(shape, state, options, quant)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="smollm2-135m")
@@ -62,15 +84,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--output_dir", type=Path, default=Path("checkpoints/random"))
     parser.add_argument("--profile", type=int, default=0, help="Also print this many kernels by time, per step.")
+    parser.add_argument("--quantize", choices=("int8", "int4"), default=None)
+    parser.add_argument("--quant_kernel", default="auto")
     args = parser.parse_args()
-    device = resolve_device(args.device)
-    folder = random_shape_folder(args.shape, args.output_dir, device)
-    engine = Engine.open(folder, EngineOptions(compile=args.compile, device=args.device))
-    engine.load_weights()
+    engine = open_engine(args)
     batches = [int(b) for b in args.batches.split(",")]
     slots, length, size = max(batches), args.max_seq_length, args.block_size
     width = -(-length // size)
     described = f"compile={args.compile} ({args.kernel_tuning}), torch {torch.__version__}"
+    if args.quantize:
+        described += f", {args.quantize} ({engine.kernels.quant} products)"
     print(f"{args.shape} on {engine.device_name}, {engine.dtype_name}, {described}")
     print(f"{slots} slots of {length} positions, each row from position {args.position}, {args.steps} steps timed")
     costs: dict[str, dict[int, float]] = {layout: {} for layout in args.caches.split(",")}

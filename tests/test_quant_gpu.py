@@ -6,6 +6,7 @@ tokens.
 """
 
 import functools
+import importlib.util
 
 import pytest
 import torch
@@ -173,6 +174,37 @@ def test_a_repacked_layers_prefill_compiled_matches_a_float64_product(scheme):
     torch._dynamo.reset()
     got = torch.compile(layer)(x).double()
     assert relative_error(got, expected) < 1e-2
+
+
+needs_gemlite = pytest.mark.skipif(importlib.util.find_spec("gemlite") is None, reason="needs gemlite")
+
+
+@needs_gemlite
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n, k", [(4096, 4096), (11008, 4096), (1536, 576)])
+def test_gemlite_takes_a_batched_steps_int8_rows_and_compiles_into_a_cuda_graph(dtype, n, k):
+    """An int8 layer prepared for ``gemlite`` matches a float64 product with the dequantized weights at every row
+    count (one row and prompts on our kernels, GEMLITE_ROWS on gemlite's), and in a CUDA-graph step compiled as
+    the server compiles its step."""
+    from gpt_fast.quant.layers import Int8Linear
+    from gpt_fast.quant.products import GEMLITE_ROWS
+
+    torch.manual_seed(n + k)
+    layer = Int8Linear(k, n, QuantConfig("int8"), bias=False)
+    q, s = quantize_int8(torch.randn(n, k, device="cuda"), dtype)
+    layer.load_state_dict({"weight": q, "scales": s}, assign=True)
+    layer.prepare(resolve_kernel("gemlite", torch.device("cuda")))
+    assert layer.batched is not None and layer.weight is None
+    matrix = dequantize_int8(q, s).double()
+    for rows in (1, 3, GEMLITE_ROWS.start, 16, 32, GEMLITE_ROWS.stop - 1, 300):
+        x = torch.randn(rows, k, device="cuda", dtype=dtype)
+        assert relative_error(layer(x), x.double() @ matrix.T) < 1e-2, rows
+    torch._dynamo.reset()
+    step = torch.compile(lambda rows: layer(torch.sigmoid(rows)) * 2, mode="reduce-overhead")
+    x = torch.randn(GEMLITE_ROWS.start, k, device="cuda", dtype=dtype)
+    for _ in range(3):  # warm-up (gemlite tunes its kernel), recording, replay
+        got = step(x).clone()
+    assert relative_error(got, (torch.sigmoid(x).double() @ matrix.T) * 2) < 1e-2
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

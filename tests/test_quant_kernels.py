@@ -163,8 +163,49 @@ def test_kernel_choice():
     assert resolve_kernel("dequant", cpu) == "dequant"
     with pytest.raises(ValueError, match="the triton quantized kernels need a CUDA GPU"):
         resolve_kernel("triton", cpu)
-    with pytest.raises(ValueError, match="quantized kernel 'fast' is not one of auto, triton, cpp, aten, dequant"):
+    with pytest.raises(ValueError, match="gemlite quantized kernel needs a CUDA GPU with Triton and the gemlite"):
+        resolve_kernel("gemlite", cpu)
+    with pytest.raises(ValueError, match="quantized kernel 'fast' is not one of auto, triton, gemlite, cpp, aten"):
         resolve_kernel("fast", cpu)
+
+
+def test_an_int8_layer_gives_gemlite_only_a_batched_steps_rows_of_a_16_bit_model(monkeypatch):
+    """``gemlite`` prepares ``triton``'s words and, in a 16-bit model, gemlite's copy of the weights (here
+    PyTorch's product of the dequantized matrix stands in for gemlite's kernel, which needs a GPU;
+    tests/test_quant_gpu.py runs the real one): products of GEMLITE_ROWS rows go to that copy, and a float32
+    model, an embedding table and an int4 layer keep what ``triton`` gives them."""
+    from gpt_fast.quant import layers
+    from gpt_fast.quant.products import GEMLITE_ROWS
+
+    def weights(weight, scales):
+        return layers.GemliteWeights([dequantize_int8(weight, scales).to(scales.dtype)], [])
+
+    calls = []
+    monkeypatch.setattr(layers, "gemlite_int8_weights", weights)
+    monkeypatch.setattr(
+        layers, "gemlite_int8_product", lambda rows, w: calls.append(rows.shape[0]) or rows @ w.tensors[0].T
+    )
+    torch.manual_seed(0)
+    for dtype, batched in [(torch.bfloat16, True), (torch.float32, False)]:
+        layer = Int8Linear(192, 40, QuantConfig("int8"), bias=False)
+        q, scales = quantize_int8(torch.randn(40, 192), dtype)
+        layer.load_state_dict({"weight": q, "scales": scales}, assign=True)
+        layer.prepare("gemlite")
+        assert layer.kernel == "triton" and (layer.batched is not None) == batched
+        assert [name for name, _ in layer.named_parameters()] == (
+            ["scales", "words"] if batched else ["weight", "scales"]
+        )
+        if batched:
+            for rows in (GEMLITE_ROWS.start, GEMLITE_ROWS.stop - 1, GEMLITE_ROWS.stop):
+                x = torch.randn(rows, 192, dtype=dtype)
+                expected = x.double() @ dequantize_int8(q, scales).double().T
+                assert relative_error(layer(x), expected) < TOLERANCE[dtype]
+    assert calls == [GEMLITE_ROWS.start, GEMLITE_ROWS.stop - 1]
+    int4 = Int4Linear(256, 24, QuantConfig("int4", 32), bias=False)
+    q4, s4, z4 = quantize_int4(torch.randn(24, 256), 32, torch.bfloat16)
+    int4.load_state_dict({"weight": q4, "scales": s4, "zeros": z4}, assign=True)
+    int4.prepare("gemlite")
+    assert int4.kernel == "triton" and int4.weight is None
 
 
 def test_a_rocm_build_falls_back_to_plain_pytorch(monkeypatch):
@@ -433,3 +474,13 @@ def test_only_layers_computing_with_the_triton_kernel_launch_it_with_pdl():
     assert not model.layers[1].attention.wo.launch_pdl()  # not compiling
     launch_with_pdl(model.layers, False)
     assert not any(m.pdl for m in quantized)
+
+
+def test_batch_invariant_steps_refuse_the_gemlite_kernel():
+    """gemlite's kernels take a batched step's rows where ours take one row's: a row's numbers would change with
+    the batch."""
+    from gpt_fast.accel.options import KernelOptions
+    from gpt_fast.engine.options import EngineOptions
+
+    with pytest.raises(ValueError, match="batch_invariant does not combine with kernels.quant gemlite"):
+        EngineOptions(compile="reduce-overhead", batch_invariant=True, kernels=KernelOptions(quant="gemlite"))

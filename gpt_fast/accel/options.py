@@ -18,8 +18,9 @@ class KernelOptions:
     """The kernel of each operation; ``auto`` lets :mod:`gpt_fast.accel.registry` choose for the device and
     compile mode (docs/performance.md says where each one pays).
 
-    - ``quant``: a quantized checkpoint's products (``triton``, ``aten``: PyTorch's weight-only kernels,
-      ``dequant``: dequantize then ``F.linear``), :mod:`gpt_fast.quant.products`;
+    - ``quant``: a quantized checkpoint's products (``triton``, ``gemlite``: with gemlite's kernels for an int8
+      batched step, ``cpp``, ``aten``: PyTorch's weight-only kernels, ``dequant``: dequantize then ``F.linear``),
+      :mod:`gpt_fast.quant.products`;
     - ``attention``: a compiled decode step's fused attention, :mod:`gpt_fast.accel.decode_attention`;
     - ``activation``: a gated MLP's activation in a compiled decode step, :mod:`gpt_fast.accel.gated_activation`;
     - ``layers``: every layer of a one-token step in one persistent kernel, :mod:`gpt_fast.accel.persistent`;

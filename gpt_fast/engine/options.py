@@ -86,6 +86,7 @@ class EngineOptions:
         }
         for name in self.kernels.asked_for("triton"):
             others[f"kernels.{name} triton"] = name not in ("quant", "sampling")
+        others["kernels.quant gemlite"] = self.kernels.quant == "gemlite"  # its kernels change with the rows
         for name, used in others.items():
             if used:
                 raise OptionError(f"batch_invariant does not combine with {name}", "batch_invariant", name.split()[0])

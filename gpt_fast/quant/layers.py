@@ -16,11 +16,13 @@ import torch
 from torch import nn
 
 from gpt_fast.kernels.cpu_gemv import INT4_COLUMNS, INT4_GROUPS, INT8_COLUMNS, INT8_GROUPS
+from gpt_fast.kernels.gemlite_int8 import GemliteWeights, gemlite_int8_product, gemlite_int8_weights
 from gpt_fast.model.config import EmbeddingQuant, ModelConfig, QuantConfig
 from gpt_fast.quant.layout import TABLE, quantized_linears, quantized_tensors
 from gpt_fast.quant.products import (
     CPP_ROWS,
     FEW_ROWS,
+    GEMLITE_ROWS,
     INT4_GEMV_ROWS,
     INT8_BLOCK,
     SIXTEEN_BITS,
@@ -107,6 +109,7 @@ class Int8Linear(QuantizedLinear):
     def __init__(self, in_features: int, out_features: int, quant: QuantConfig | EmbeddingQuant, bias: bool) -> None:
         super().__init__(in_features, out_features, quant, bias)
         self.group_size = quant.group_size
+        self.batched: GemliteWeights | None = None  # gemlite's copy, for products of GEMLITE_ROWS rows
 
     def prepare(self, kernel: str) -> None:
         """``triton``, for a 16-bit model (its scales' dtype) whose inputs are a multiple of 64: the weights
@@ -114,15 +117,20 @@ class Int8Linear(QuantizedLinear):
         which replaces ``weight`` (prefills read it too): one copy of the weights in memory. Otherwise
         ``weight`` stays, read as it is; ``cpp`` where our C++ kernel does not take the layer
         (:func:`gpt_fast.quant.products.cpp_takes`) means ``dequant``. Scales per group take ``cpp`` (groups of
-        a multiple of 16 that divide the inputs) or ``dequant``."""
+        a multiple of 16 that divide the inputs) or ``dequant``. ``gemlite`` is ``triton`` with gemlite's copy
+        of the weights beside the words, in a 16-bit model, for products of
+        :data:`gpt_fast.quant.products.GEMLITE_ROWS` rows."""
         takes = cpp_takes(self.weight, self.scales, self.in_features, INT8_COLUMNS)
         if self.group_size is not None:
             whole = self.group_size % INT8_GROUPS == 0 and self.in_features % self.group_size == 0
             self.kernel = "cpp" if kernel == "cpp" and takes and whole else "dequant"
             return
+        batched, kernel = kernel == "gemlite", "triton" if kernel == "gemlite" else kernel
         self.kernel = "dequant" if kernel == "cpp" and not takes else kernel
         sixteen_bits = self.scales.dtype in SIXTEEN_BITS
         if kernel == "triton" and sixteen_bits and self.weight.shape[1] % INT8_BLOCK == 0:
+            if batched:
+                self.batched = gemlite_int8_weights(self.weight, self.scales)
             self.words = nn.Parameter(int8_interleave(self.weight), requires_grad=False)
             self.weight = None
 
@@ -134,6 +142,10 @@ class Int8Linear(QuantizedLinear):
         return torch.ops.gpt_fast.int8_row, (self.words, self.scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])  # [M, K]
+        if self.batched is not None and rows.shape[0] in GEMLITE_ROWS:
+            out = gemlite_int8_product(rows, self.batched)  # [M, N]
+            return self.biased(out.reshape(*x.shape[:-1], out.shape[-1]))
         weight = self.words if self.weight is None else self.weight
         return self.biased(int8_linear(x, weight, self.scales, self.kernel, self.launch_pdl(), self.group_size))
 
@@ -148,8 +160,8 @@ class Int8Embedding(Int8Linear):
 
     def prepare(self, kernel: str) -> None:
         """As :meth:`Int8Linear.prepare`, but ``weight`` stays as it is, for the lookup: ``triton``, whose words
-        would replace it, means ``dequant``."""
-        super().prepare("dequant" if kernel == "triton" else kernel)
+        would replace it, means ``dequant``, and so does ``gemlite``."""
+        super().prepare("dequant" if kernel in ("triton", "gemlite") else kernel)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """The rows of tokens ``idx`` [...]: [..., dim] in the scales' dtype."""
@@ -174,7 +186,8 @@ class Int4Linear(QuantizedLinear):
         our Triton kernel (:func:`gpt_fast.quant.products.group_interleave`) into ``words``, which replaces
         ``weight`` (prefills read it too): one copy of the weights in memory. ``cpp`` reads the weights as they are;
         where our C++ kernel does not take the layer (:func:`gpt_fast.quant.products.cpp_takes`, groups of a
-        multiple of 32) it means ``dequant``."""
+        multiple of 32) it means ``dequant``. ``gemlite`` means ``triton`` (see :mod:`gpt_fast.quant.products`)."""
+        kernel = "triton" if kernel == "gemlite" else kernel
         repack = {"cpu": self._repack_cpu, "cuda": self._repack_cuda}.get(self.weight.device.type)
         if kernel == "aten" and repack is not None and repack():
             self.kernel = "aten"

@@ -18,6 +18,13 @@ for 1024 rows.
   where our bf16 GEMVs run a layer's norms and residual adds inside (``FusedRow``), both kernels do too, and the gated
   activation (``int8_row``, ``int4_row``): on an H200, 7B step int8 384.8 tok/s against 373.9 with them apart, int4
   427.5 against 417.0 (docs/bench/HISTORY.md, 2026-11-25c).
+- ``gemlite``: ``triton``, but an int8 layer's products of :data:`GEMLITE_ROWS` rows (a batched decode step) go
+  to gemlite's kernels (:mod:`gpt_fast.kernels.gemlite_int8`, the optional ``gemlite`` package), on a second copy
+  of the weights: on an H200 they take 4 to 64 rows in 0.50 to 0.87 times our matrix product's time, and the 7B's
+  8-row step 4.65 ms where ours takes 6.86 (BENCHMARKS.md, 2026-11-29, "Quantized products beside gemlite"). An
+  int4 layer computes as with ``triton``: gemlite's int4 keeps ``(q - z) * s`` with ``z`` in 16 bits, which cannot
+  hold our zero points exactly (its products' error was 2.5 times ours), and tinygemm is the fastest at 8 rows.
+  Not ``auto``'s choice yet: it doubles an int8 model's weights in memory.
 - ``cpp``: our C++ kernels for an x86 CPU with AVX2 (:mod:`gpt_fast.kernels.cpu_gemv`), float32 activations, on
   the weights as the checkpoint holds them (int8 with a scale per row or per group, int4), up to :data:`CPP_ROWS`
   rows. The CPU's choice where they build: PyTorch's own kernels are scalar code there, slower than float32
@@ -40,6 +47,7 @@ import torch.nn.functional as F
 
 from gpt_fast.kernels import cpu_gemv
 from gpt_fast.kernels.available import triton_usable
+from gpt_fast.kernels.gemlite_int8 import gemlite_importable
 from gpt_fast.model.config import QUANT_KERNELS as KERNELS
 from gpt_fast.quant.schemes import INT4_MID, int8_column_scales, pack_int4, unpack_int4
 
@@ -59,11 +67,16 @@ def resolve_kernel(kernel: str, device: torch.device) -> str:
         raise ValueError(f"quantized kernel {kernel!r} is not one of {', '.join(KERNELS)}")
     if kernel == "triton" and not triton_usable(device):
         raise ValueError(f"the triton quantized kernels need a CUDA GPU with Triton installed, not {device}")
+    if kernel == "gemlite" and not (triton_usable(device) and gemlite_importable()):
+        raise ValueError(
+            f"the gemlite quantized kernel needs a CUDA GPU with Triton and the gemlite package "
+            f"(pip install 'gpt-fast[gemlite]'), not {device}" + ("" if gemlite_importable() else " without it")
+        )
     if kernel == "cpp" and not cpp_usable(device):
         raise ValueError(f"the cpp quantized kernels need an x86 CPU with AVX2, a C++ compiler and ninja, not {device}")
     if kernel == "auto":
         kernel = "triton" if triton_usable(device) else "cpp" if cpp_usable(device) else _plain(device)
-    if kernel == "triton":
+    if kernel in ("triton", "gemlite"):
         register_triton_ops()
     if kernel == "cpp":
         register_cpu_ops()
@@ -226,6 +239,7 @@ def register_triton_ops() -> None:
 # all of them): the crossovers measured on an H200 over a Llama-2-7B layer (docs/bench/HISTORY.md, 2026-11-25d: int8 4
 # rows 160 us against 172, int4 12 rows 328 against 329)
 INT8_GEMV_ROWS = 3
+GEMLITE_ROWS = range(4, 65)  # the rows of an int8 product that the ``gemlite`` kernel gives to gemlite
 INT4_GEMV_ROWS = 11
 # Compiled, a prefill of more rows dequantizes the words in inductor's fused kernel and multiplies in cuBLAS: the 7B
 # int4 model's 1024-token prefill takes 29.8 ms so, where our product's kernels alone sum to about 82 ms; at 64 rows
