@@ -268,3 +268,20 @@ def test_builds_below_one_are_refused(capsys):
         main(["bench", "decode", "--shape", "tiny", "--device", "cpu", "--builds", "0"])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1].endswith("error: --builds must be at least 1, not 0")
+
+
+def test_quantize_table_keeps_a_tied_table_as_the_default_models_cpu_form_does():
+    """``--quantize_table``: every quantized row holds a tied embedding table as int8 in groups of 32 (about a
+    quarter of its float32 bytes, counted once as the output projection), on shapes that tie it only."""
+    from gpt_fast.model.config import EmbeddingQuant
+
+    assert quant_schemes(("int4",), 32, table=True) == [QuantConfig("int4", 32, embeddings=EmbeddingQuant("int8", 32))]
+    shape = get_shape("smollm2-135m")
+    plain, table = QuantConfig("int4", 32), quant_schemes(("int4",), 32, table=True)[0]
+    saved = scheme_bytes_per_token(shape, plain, torch.float32) - scheme_bytes_per_token(shape, table, torch.float32)
+    float_table = shape.vocab_size * shape.dim * 4
+    assert 0.7 * float_table < saved < 0.8 * float_table
+    DecodeBenchOptions(shape="smollm2-135m", quantize=("int8",), quantize_table=True)
+    for shape_name, quantize in [("llama-2-7b", ("int8",)), ("smollm2-135m", ())]:
+        with pytest.raises(ValueError, match="quantize_table goes with quantize, on a shape whose embedding table"):
+            DecodeBenchOptions(shape=shape_name, quantize=quantize, quantize_table=True)

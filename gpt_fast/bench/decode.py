@@ -42,7 +42,7 @@ from gpt_fast.convert.random_init import random_weights
 from gpt_fast.engine.engine import Engine, EngineOptions
 from gpt_fast.generation.sampling import SamplingConfig
 from gpt_fast.kernels.available import triton_usable
-from gpt_fast.model.config import ModelConfig, QuantConfig
+from gpt_fast.model.config import EmbeddingQuant, ModelConfig, QuantConfig
 from gpt_fast.model.shapes import get_shape
 from gpt_fast.quant.layers import QuantizedLinear
 from gpt_fast.quant.layout import quantize_state, stored_size
@@ -479,9 +479,14 @@ def scheme_bytes_per_token(shape: ModelConfig, scheme: QuantConfig, dtype: torch
     return stored if table_is_output else stored - shape.vocab_size * shape.dim * dtype.itemsize
 
 
-def quant_schemes(names: Sequence[str], group_size: int) -> list[QuantConfig]:
-    """``("int8", "int4")`` -> the schemes (int4 in groups of ``group_size``)."""
-    return [QuantConfig(name, group_size if name == "int4" else None) for name in names]
+TABLE_QUANT = EmbeddingQuant("int8", 32)  # the default model's table in its CPU form: its GGUF's Q8_0 blocks
+
+
+def quant_schemes(names: Sequence[str], group_size: int, table: bool = False) -> list[QuantConfig]:
+    """``("int8", "int4")`` -> the schemes (int4 in groups of ``group_size``; ``table``: a tied embedding table
+    quantized in place, :data:`TABLE_QUANT`)."""
+    embeddings = TABLE_QUANT if table else None
+    return [QuantConfig(name, group_size if name == "int4" else None, embeddings=embeddings) for name in names]
 
 
 def run(options: DecodeBenchOptions, write: Callable[[str], None] = print) -> list[Row]:
@@ -498,7 +503,7 @@ def run(options: DecodeBenchOptions, write: Callable[[str], None] = print) -> li
         repeats=options.repeats,
         builds=options.builds,
         peers=options.peers,
-        quantize=quant_schemes(options.quantize, options.group_size),
+        quantize=quant_schemes(options.quantize, options.group_size, options.quantize_table),
         attention_kernels=options.attention_kernels,
         activation_kernels=options.activation_kernels,
         layers_kernels=options.layers_kernels,

@@ -34,7 +34,8 @@ class DecodeBenchOptions:
     """:mod:`gpt_fast.bench.decode`: our decode speed and the peers', on identical random weights of ``shape``
     (llama.cpp's rows: on the default model's GGUF, when ``shape`` is its shape, on the CPU). ``device`` None: the
     GPU when there is one; ``kernel_tuning`` None: the engine's default; ``greedy``: every row samples greedily
-    (else top-k 200 at temperature 0.8)."""
+    (else top-k 200 at temperature 0.8); ``quantize_table``: the ``quantize`` rows keep a tied embedding table as
+    int8 in groups of 32, as the default model's CPU form does (its GGUF's ``Q8_0``), not in ``dtype``."""
 
     shape: str = "llama-2-7b"
     device: str | None = None
@@ -56,10 +57,17 @@ class DecodeBenchOptions:
     regional_compile: bool = False
     kernel_tuning: str | None = None
     greedy: bool = False
+    quantize_table: bool = False
 
     def __post_init__(self) -> None:
         check_one_of("shape", self.shape, tuple(SHAPES))
         check_one_of("mode", self.mode, COMPILE_MODES)
+        if self.quantize_table and not (self.quantize and SHAPES[self.shape].tie_embeddings):
+            raise OptionError(
+                f"quantize_table goes with quantize, on a shape whose embedding table is its output projection "
+                f"(not {self.shape})",
+                "quantize_table",
+            )
         for name in ("prompt_tokens", "new_tokens", "ttft_tokens", "repeats", "builds"):
             check_at_least(name, getattr(self, name), 1)
         for name in self.quantize:

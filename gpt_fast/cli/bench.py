@@ -158,6 +158,12 @@ KERNEL_LISTS = ("attention_kernels", "activation_kernels", "layers_kernels", "li
 @click.option("--quantize", default="", help="Also these schemes, comma-separated: int8, int4.")
 @click.option("--group_size", type=Listed(lambda: INT4_GROUP_SIZES, int), default=DECODE.group_size, show_default=True)
 @click.option(
+    "--quantize_table",
+    is_flag=True,
+    help="The --quantize rows keep a tied embedding table as int8 in groups of 32, as the default model's CPU form "
+    "does.",
+)
+@click.option(
     "--attention_kernels",
     default="auto",
     show_default=True,
