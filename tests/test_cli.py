@@ -183,6 +183,10 @@ BAD_INPUTS = {
         "--metrics_json: folder /nonexistent-folder does not exist",
     ),
     "unknown dtype": (["--dtype", "int8"], "--dtype 'int8' is not one of auto, float32, bfloat16, float16"),
+    "unknown quantized kernel": (
+        ["--quant_kernel", "fast"],
+        "--quant_kernel 'fast' is not one of auto, triton, gemlite, cpp, aten, dequant",
+    ),
     "not an integer": (["--max_new_tokens", "many"], "'many' is not a valid integer"),
 }
 
@@ -857,6 +861,19 @@ def test_quantize_refuses_a_folder_that_is_not_a_checkpoint(contents, message, c
     )
     assert code == 1 and message in err and len(err.strip().splitlines()) == 1
     assert {p.name: p.read_text() for p in out.iterdir()} == contents
+
+
+def test_a_quantized_kernel_that_cannot_run_here_is_one_line(checkpoint, tmp_path, capsys):
+    """``--quant_kernel gemlite`` (or ``triton``) on the CPU, with an int8 checkpoint: refused before loading."""
+    out = tmp_path / "int8"
+    code, _, err = run(
+        ["quantize", "--checkpoint_path", str(checkpoint), "--mode", "int8", "--output_dir", str(out)], capsys
+    )
+    assert code == 0, err
+    code, stdout, err = run(generate_args(out / "model.pth", "--quant_kernel", "gemlite"), capsys)
+    assert code != 0 and len(err.strip().splitlines()) == 1 and err.startswith("error: ")
+    assert "the gemlite quantized kernel needs a CUDA GPU with Triton and the gemlite package" in err
+    assert "Loading model" not in stdout
 
 
 def test_quantize_replaces_a_checkpoint_as_a_whole(checkpoint, tmp_path, capsys):

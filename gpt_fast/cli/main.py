@@ -21,7 +21,7 @@ import click
 from gpt_fast import __version__
 from gpt_fast.accel.options import KERNEL_CHOICES, LAYERS_KERNELS, LINEAR_KERNELS, SAMPLING_KERNELS, KernelOptions
 from gpt_fast.cli.bench import bench, comma_list
-from gpt_fast.model.config import INT4_GROUP_SIZES, QUANT_MODES, QuantConfig
+from gpt_fast.model.config import INT4_GROUP_SIZES, QUANT_KERNELS, QUANT_MODES, QuantConfig
 from gpt_fast.model.shapes import SHAPES, get_shape
 from gpt_fast.util.choices import (
     CALIBRATION_TEXT,
@@ -153,9 +153,14 @@ def add_device_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return option("--device", default=None, metavar="[cpu|cuda|cuda:N]", help="Default: the GPU when present.")(func)
 
 
+def kernel_option(name: str, choices: tuple[str, ...], help: str) -> Decorator:
+    """``--NAME_kernel``, one of ``choices``, ``auto`` by default."""
+    return option(f"--{name}_kernel", type=Choice(choices), default="auto", show_default=True, help=help)
+
+
 def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """--compile, --compile_prefill, --regional_compile, --kernel_tuning, --layers_kernel, --linear_kernel,
-    --sampling_kernel, --device, --dtype, handed to the command as ``engine_options``."""
+    --sampling_kernel, --quant_kernel, --device, --dtype, handed to the command as ``engine_options``."""
 
     @functools.wraps(func)
     def command(
@@ -167,6 +172,7 @@ def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
         layers_kernel: str,
         linear_kernel: str,
         sampling_kernel: str,
+        quant_kernel: str,
         device: str | None,
         dtype: str,
         threads: int | None,
@@ -181,35 +187,39 @@ def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
             dtype,
             regional_compile=regional_compile,
             kernel_tuning=kernel_tuning,
-            kernels=KernelOptions(layers=layers_kernel, linear=linear_kernel, sampling=sampling_kernel),
+            kernels=KernelOptions(
+                quant=quant_kernel, layers=layers_kernel, linear=linear_kernel, sampling=sampling_kernel
+            ),
             threads=threads,
         )
         return func(*args, engine_options=options, **kwargs)
 
     decorated = add_device_options(command)
-    decorated = option(
-        "--sampling_kernel",
-        type=Choice(SAMPLING_KERNELS),
-        default="auto",
-        show_default=True,
-        help="triton: top-k sampling (16-bit logits, no top-p) in two Triton kernels instead of torch.topk (CUDA "
+    decorated = kernel_option(
+        "quant",
+        QUANT_KERNELS,
+        "A quantized checkpoint's products. triton: our Triton kernels (CUDA GPUs); gemlite: triton, with an "
+        "int8 model's batched steps (4 to 64 rows) on gemlite's kernels (the gemlite extra; the weights twice in "
+        "memory); cpp: our C++ kernels (x86 CPUs with AVX2); aten: PyTorch's weight-only kernels; dequant: "
+        "dequantize then F.linear; auto: triton on CUDA GPUs, cpp where it builds, else aten or dequant.",
+    )(decorated)
+    decorated = kernel_option(
+        "sampling",
+        SAMPLING_KERNELS,
+        "triton: top-k sampling (16-bit logits, no top-p) in two Triton kernels instead of torch.topk (CUDA "
         "GPUs); torch: torch.topk; auto: triton where the linear kernel's auto is triton.",
     )(decorated)
-    decorated = option(
-        "--linear_kernel",
-        type=Choice(LINEAR_KERNELS),
-        default="auto",
-        show_default=True,
-        help="triton: the decoder layers' unquantized linear layers in compiled one-token steps of one sequence are "
+    decorated = kernel_option(
+        "linear",
+        LINEAR_KERNELS,
+        "triton: the decoder layers' unquantized linear layers in compiled one-token steps of one sequence are "
         "our GEMV, launched so that its weight loads overlap the kernel before it (CUDA GPUs); torch: cuBLAS or "
         "inductor's; auto: triton in the CUDA-graph modes on GPUs of compute capability 9+.",
     )(decorated)
-    decorated = option(
-        "--layers_kernel",
-        type=Choice(LAYERS_KERNELS),
-        default="auto",
-        show_default=True,
-        help="triton: a compiled one-token decode step of one sequence runs every layer in one persistent kernel "
+    decorated = kernel_option(
+        "layers",
+        LAYERS_KERNELS,
+        "triton: a compiled one-token decode step of one sequence runs every layer in one persistent kernel "
         "(small Llama-style models on CUDA GPUs; fewer launches, a compile without the layers); torch: inductor's "
         "kernels; auto: torch.",
     )(decorated)
