@@ -168,8 +168,18 @@ template <int R>
 inline void int4_rows(const float* xt, const float* xsums, int64_t K, int64_t G, const uint8_t* w,
                       const float* scales, const float* zeros, int64_t group, float* out, int64_t N) {
   float acc[R] = {};
+  int64_t g0 = 0;  // the groups before g0 are summed in vectors of 8 below
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 shift[R];
+  for (int r = 0; r < R; ++r) shift[r] = _mm256_setzero_ps();
+  for (; g0 + 8 <= G; g0 += 8) {
+    const __m256 c = _mm256_fnmadd_ps(_mm256_set1_ps(MID), _mm256_loadu_ps(scales + g0), _mm256_loadu_ps(zeros + g0));
+    for (int r = 0; r < R; ++r) shift[r] = _mm256_fmadd_ps(c, _mm256_loadu_ps(xsums + r * G + g0), shift[r]);
+  }
+  for (int r = 0; r < R; ++r) acc[r] = sum_lanes(shift[r]);
+#endif
   for (int r = 0; r < R; ++r)
-    for (int64_t g = 0; g < G; ++g) acc[r] += (zeros[g] - MID * scales[g]) * xsums[r * G + g];
+    for (int64_t g = g0; g < G; ++g) acc[r] += (zeros[g] - MID * scales[g]) * xsums[r * G + g];
 #if defined(__AVX2__) && defined(__FMA__)
   __m256 total[R];
   for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_ps();
