@@ -23,7 +23,7 @@ table of the best of each kind per matrix and row count.
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import functools
 import itertools
 import json
 from collections.abc import Callable
@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpt_fast.kernels import triton_gemv
+from gpt_fast.kernels.gemlite_int8 import gemlite_importable, gemlite_int8_product, gemlite_int8_weights
 from gpt_fast.model.config import QuantConfig
 from gpt_fast.model.shapes import get_shape
 from gpt_fast.model.transformer import weight_shapes
@@ -99,7 +100,7 @@ def variants(scheme: str, sweep: bool, rows: int) -> dict[str, Fn]:
         out["inductor dequant"] = torch.compile(
             lambda x, w: F.linear(x, int4_dequantize(w["weight"], w["scales"], w["zeros"], GROUP))
         )
-    if importlib.util.find_spec("gemlite") is not None:
+    if gemlite_importable():
         out["gemlite"] = lambda x, w: w["gemlite"](x)
     return out
 
@@ -116,16 +117,17 @@ def layer(scheme: str, tensors: dict[str, torch.Tensor], kernel: str) -> Quantiz
     return out
 
 
-def gemlite_layer(scheme: str, tensors: dict[str, torch.Tensor]) -> nn.Module | None:
-    """gemlite's layer on the same integers: A16W8 with the scale per row; A16W4 in HQQ's form, ``(q - z) * s``
-    with ``z = 8 - zero / scale`` for our ``(q - 8) * scale + zero``."""
-    if importlib.util.find_spec("gemlite") is None:
+def gemlite_layer(scheme: str, tensors: dict[str, torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """gemlite's product on the same integers: int8 as ``--quant_kernel gemlite`` runs it
+    (:mod:`gpt_fast.kernels.gemlite_int8`); int4 as gemlite's A16W4 in HQQ's form, ``(q - z) * s`` with
+    ``z = 8 - zero / scale`` for our ``(q - 8) * scale + zero``."""
+    if not gemlite_importable():
         return None
-    from gemlite.helper import A16W4_HQQ_INT, A16W8_INT8
-
     if scheme == "int8":
-        scales = tensors["scales"][:, None]  # [N, 1]
-        return A16W8_INT8(device="cuda", dtype=torch.bfloat16).from_weights(tensors["weight"], scales=scales)
+        weights = gemlite_int8_weights(tensors["weight"], tensors["scales"])
+        return functools.partial(gemlite_int8_product, weights=weights)
+    from gemlite.helper import A16W4_HQQ_INT
+
     scales, zeros = tensors["scales"], tensors["zeros"]  # [N, groups]
     hqq_zeros = INT4_MID - zeros.float() / scales.float()
     levels = unpack_int4(tensors["weight"])  # [N, K]

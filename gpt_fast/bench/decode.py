@@ -36,13 +36,14 @@ from gpt_fast.accel.registry import resolve_one
 from gpt_fast.bench.llama_cpp_peer import llama_cpp_builders
 from gpt_fast.bench.modes import copy_bandwidth_gbps
 from gpt_fast.bench.options import DecodeBenchOptions
+from gpt_fast.convert.default_model import INT4_FORM
 from gpt_fast.convert.hf_config import hf_config_dict
 from gpt_fast.convert.layout import MODULE_NAMING, split_tensors
 from gpt_fast.convert.random_init import random_weights
 from gpt_fast.engine.engine import Engine, EngineOptions
 from gpt_fast.generation.sampling import SamplingConfig
 from gpt_fast.kernels.available import triton_usable
-from gpt_fast.model.config import EmbeddingQuant, ModelConfig, QuantConfig
+from gpt_fast.model.config import ModelConfig, QuantConfig
 from gpt_fast.model.shapes import get_shape
 from gpt_fast.quant.layers import QuantizedLinear
 from gpt_fast.quant.layout import quantize_state, stored_size
@@ -479,7 +480,7 @@ def scheme_bytes_per_token(shape: ModelConfig, scheme: QuantConfig, dtype: torch
     return stored if table_is_output else stored - shape.vocab_size * shape.dim * dtype.itemsize
 
 
-TABLE_QUANT = EmbeddingQuant("int8", 32)  # the default model's table in its CPU form: its GGUF's Q8_0 blocks
+TABLE_QUANT = INT4_FORM.embeddings  # the default model's table in its CPU form: its GGUF's Q8_0 blocks
 
 
 def quant_schemes(names: Sequence[str], group_size: int, table: bool = False) -> list[QuantConfig]:

@@ -142,9 +142,8 @@ class Int8Linear(QuantizedLinear):
         return torch.ops.gpt_fast.int8_row, (self.words, self.scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])  # [M, K]
-        if self.batched is not None and rows.shape[0] in GEMLITE_ROWS:
-            out = gemlite_int8_product(rows, self.batched)  # [M, N]
+        if self.batched is not None and x.numel() // x.shape[-1] in GEMLITE_ROWS:
+            out = gemlite_int8_product(x.reshape(-1, x.shape[-1]), self.batched)  # [M, N]
             return self.biased(out.reshape(*x.shape[:-1], out.shape[-1]))
         weight = self.words if self.weight is None else self.weight
         return self.biased(int8_linear(x, weight, self.scales, self.kernel, self.launch_pdl(), self.group_size))

@@ -68,9 +68,10 @@ def resolve_kernel(kernel: str, device: torch.device) -> str:
     if kernel == "triton" and not triton_usable(device):
         raise ValueError(f"the triton quantized kernels need a CUDA GPU with Triton installed, not {device}")
     if kernel == "gemlite" and not (triton_usable(device) and gemlite_importable()):
+        here = f"{device}, gemlite {'installed' if gemlite_importable() else 'not installed'}"
         raise ValueError(
             f"the gemlite quantized kernel needs a CUDA GPU with Triton and the gemlite package "
-            f"(pip install 'gpt-fast[gemlite]'), not {device}" + ("" if gemlite_importable() else " without it")
+            f"(pip install 'gpt-fast[gemlite]'); here: {here}"
         )
     if kernel == "cpp" and not cpp_usable(device):
         raise ValueError(f"the cpp quantized kernels need an x86 CPU with AVX2, a C++ compiler and ninja, not {device}")
