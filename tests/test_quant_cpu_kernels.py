@@ -15,7 +15,15 @@ from gpt_fast.model.config import EmbeddingQuant, QuantConfig
 from gpt_fast.model.shapes import get_shape
 from gpt_fast.quant.layers import Int4Linear, Int8Embedding, Int8Linear
 from gpt_fast.quant.layout import quantize_state
-from gpt_fast.quant.products import CPP_ROWS, FEW_ROWS, int8_linear, register_cpu_ops, resolve_kernel
+from gpt_fast.quant.products import (
+    CPP_ROWS,
+    FEW_ROWS,
+    INT4_KERNEL_ROWS,
+    int4_dequantize,
+    int8_linear,
+    register_cpu_ops,
+    resolve_kernel,
+)
 from gpt_fast.quant.schemes import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 
 needs_cpp = pytest.mark.skipif(not cpu_gemv.cpu_kernels_usable(), reason="needs an AVX2 CPU, a C++ compiler, ninja")
@@ -57,7 +65,7 @@ def int8_group_layer(out_features, cols, group_size, dtype=torch.float32, seed=0
 
 @needs_cpp
 @pytest.mark.parametrize("rows", [1, 5, FEW_ROWS, CPP_ROWS])
-@pytest.mark.parametrize("out_features, cols", [(96, 160), (40, 576), (17, 1536)])
+@pytest.mark.parametrize("out_features, cols", [(96, 160), (24, 176), (40, 576), (17, 1536)])
 def test_int8_kernel_matches_the_float_product(rows, out_features, cols):
     register_cpu_ops()
     torch.manual_seed(rows)
@@ -70,7 +78,7 @@ def test_int8_kernel_matches_the_float_product(rows, out_features, cols):
 
 
 @needs_cpp
-@pytest.mark.parametrize("rows", [1, 3, FEW_ROWS + 2, CPP_ROWS])
+@pytest.mark.parametrize("rows", [1, 3, INT4_KERNEL_ROWS, INT4_KERNEL_ROWS + 2])
 @pytest.mark.parametrize(
     "out_features, cols, group_size",
     [(96, 256, 32), (40, 576, 64), (33, 576, 128), (24, 1536, 256), (8, 64, 32)],
@@ -80,6 +88,23 @@ def test_int4_kernel_matches_the_float_product(rows, out_features, cols, group_s
     """Through the layer, on the weights as the checkpoint holds them; groups of 32 split a block of 64 columns,
     576 columns in groups of 128 end with a group of 64."""
     assert_the_cpp_layer_matches(*int4_layer(out_features, cols, group_size, seed=rows), rows)
+
+
+@needs_cpp
+@pytest.mark.parametrize(
+    "out_features, cols, group_size", [(40, 576, 32), (17, 576, 128), (9, 1536, 256), (3, 96, 32), (5, 80, 64)]
+)
+def test_int4_dequantization_gives_pytorchs_numbers(out_features, cols, group_size):
+    """Our C++ dequantization of the int4 weights is PyTorch's to the bit, in vectors of 16 columns and in the scalar
+    loop for what is left (96 columns in groups of 32; 80 in groups of 64 end with a group of 16; 576 in groups of 128
+    end with one of 64)."""
+    register_cpu_ops()
+    torch.manual_seed(cols)
+    packed = torch.randint(0, 256, (out_features, cols // 2), dtype=torch.uint8)
+    groups = -(-cols // group_size)
+    scales, zeros = torch.rand(out_features, groups) / 7, torch.randn(out_features, groups) / 3
+    expected = int4_dequantize(packed, scales, zeros, group_size)
+    assert torch.equal(cpu_gemv.int4_dequantize(packed, scales, zeros, group_size), expected)
 
 
 def assert_the_cpp_layer_matches(layer, dequantized, rows):
@@ -119,13 +144,15 @@ def test_grouped_int8_kernel_matches_the_float_product(rows, out_features, cols,
 
 
 @needs_cpp
-def test_grouped_int8_kernel_reads_every_value_and_each_groups_scale():
+@pytest.mark.parametrize("group_size", [16, 32])
+def test_grouped_int8_kernel_reads_every_value_and_each_groups_scale(group_size):
     """Weights of every value -128..127 at every column position and scales that differ per group and row: each
     byte and each group's scale land where the scheme says (an exact float64 check of small numbers)."""
     register_cpu_ops()
-    out_features, cols, group_size = 16, 256, 32
+    out_features, cols = 16, 256
+    groups = cols // group_size
     q = ((torch.arange(out_features)[:, None] * 31 + torch.arange(cols)[None, :] * 7) % 256 - 128).to(torch.int8)
-    scales = torch.arange(1, 1 + out_features * 8, dtype=torch.float32).reshape(out_features, 8) / 4
+    scales = torch.arange(1, 1 + out_features * groups, dtype=torch.float32).reshape(out_features, groups) / 4
     x = torch.randint(-3, 4, (3, cols)).float()
     expected = x.double() @ dequantize_int8(q, scales, group_size).double().T
     assert torch.equal(cpu_gemv.int8_group_gemv(x, q, scales, group_size).double(), expected)
@@ -154,7 +181,8 @@ def test_a_quantized_table_looks_up_and_projects_the_same_tensors(group_size):
 @needs_cpp
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_many_rows_take_the_dequantized_product(kind, monkeypatch):
-    """A long prefill (more rows than :data:`CPP_ROWS`) dequantizes and calls F.linear, on the same weights."""
+    """A long prefill (more rows than :data:`CPP_ROWS`) dequantizes (int4: with our C++ code, from
+    :data:`INT4_KERNEL_ROWS` rows on) and calls F.linear, on the same weights."""
     register_cpu_ops()
     layer, dequantized = int8_layer(48, 192) if kind == "int8" else int4_layer(48, 192, 64)
     layer.prepare("cpp")

@@ -1,6 +1,7 @@
 // The products of a few rows of float32 activations with int8 or int4 weights on an x86 CPU with AVX2 and FMA, as
 // the operators gpt_fast::int8_gemv_cpu (a scale per row), gpt_fast::int8_group_gemv_cpu (a scale per group of
-// columns) and gpt_fast::int4_gemv_cpu (built by gpt_fast/kernels/cpu_gemv.py).
+// columns) and gpt_fast::int4_gemv_cpu, and gpt_fast::int4_dequantize_cpu for a prefill's many rows (built by
+// gpt_fast/kernels/cpu_gemv.py).
 //
 // Each weight is widened to float32 and multiplied by the activation in float32, as the dequantized reference does:
 // the results differ from it by the order of the float32 sums only (the activations are never rounded to integers).
@@ -28,18 +29,34 @@ constexpr int64_t MIN_GROUP = 32;   // the smallest int4 group: a block holds on
 constexpr float MID = 8.f;          // the int4 level whose value is the group's zero
 constexpr int64_t GRAIN = 16;       // output rows per task (over_rows)
 constexpr int ROWS = 4;             // activation rows that share each widened weight
+// Weight bytes (times passes) per thread, at least: the default model's eager decode with two threads and waits
+// that sleep made 34.4 tok/s when every product took both, 40.2 with this (BENCHMARKS.md, 2026-11-30b)
+constexpr int64_t THREAD_WORK = 1 << 20;
 
 // f(n) for the output rows n of N, in tasks of GRAIN rows that torch's threads take one after another until none
 // is left: a thread that another process keeps off its core takes fewer of them, where at::parallel_for's even
-// split would make the whole product wait for its share.
+// split would make the whole product wait for its share. `work` is the weight bytes times the passes over them (one
+// per ROWS activation rows); a product takes one thread per THREAD_WORK of it at most, since waking a thread costs
+// more than a small product saves.
 template <typename F>
-inline void over_rows(int64_t N, F&& f) {
+inline void over_rows(int64_t N, int64_t work, F&& f) {
   const int64_t tasks = (N + GRAIN - 1) / GRAIN;
+  const int64_t threads = std::min({static_cast<int64_t>(at::get_num_threads()), tasks,
+                                    std::max<int64_t>(1, work / THREAD_WORK)});
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), tasks), 1, [&](int64_t, int64_t) {
+  const auto take = [&](int64_t, int64_t) {
     for (int64_t t = next++; t < tasks; t = next++)
       for (int64_t n = t * GRAIN; n < std::min(N, (t + 1) * GRAIN); ++n) f(n);
-  });
+  };
+  if (threads == 1)
+    take(0, 1);
+  else
+    at::parallel_for(0, threads, 1, take);
+}
+
+// the passes over a product's weights for M activation rows (by_rows)
+inline int64_t passes(int64_t M) {
+  return (M + ROWS - 1) / ROWS;
 }
 
 // f(std::integral_constant<int, R>, m) for the activation rows m .. m + R - 1 of M, R = ROWS but at the end
@@ -86,20 +103,36 @@ inline void nibble_floats(__m256i v, __m256* levels) {
 }
 #endif
 
-// out[r * N] = x[r] . w * scale for the R rows x [R, K] (K a multiple of INT8_STEP) and the int8 weight row w [K]
+#if defined(__AVX2__) && defined(__FMA__)
+// acc[r * S + v] += x[r] . w over the 8 V columns from k, one vector of 8 columns to each of V accumulators of a
+// row (S accumulators per row), so that a row's sums are V chains of fused multiply-adds that run side by side
+template <int R, int V, int S = V>
+inline void int8_step(const float* x, int64_t K, const int8_t* w, int64_t k, __m256* acc) {
+  __m256 wv[V];
+  for (int v = 0; v < V; ++v) wv[v] = int8_floats(w + k + 8 * v);
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v)
+      acc[r * S + v] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k + 8 * v), wv[v], acc[r * S + v]);
+}
+#endif
+
+// out[r * N] = x[r] . w * scale for the R rows x [R, K] (K a multiple of INT8_STEP) and the int8 weight row w [K].
+// A fused multiply-add waits for the one before it on its accumulator (4 cycles on current x86 cores): one or two
+// rows keep 4 accumulators each (32 columns a step), more rows 2.
 template <int R>
 inline void int8_rows(const float* x, int64_t K, const int8_t* w, float scale, float* out, int64_t N) {
 #if defined(__AVX2__) && defined(__FMA__)
-  __m256 lo[R], hi[R];
-  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += INT8_STEP) {
-    const __m256 w0 = int8_floats(w + k), w1 = int8_floats(w + k + 8);
-    for (int r = 0; r < R; ++r) {
-      lo[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k), w0, lo[r]);
-      hi[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k + 8), w1, hi[r]);
-    }
+  constexpr int V = R <= 2 ? 4 : 2;
+  __m256 acc[R * V];
+  for (int i = 0; i < R * V; ++i) acc[i] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 * V <= K; k += 8 * V) int8_step<R, V>(x, K, w, k, acc);
+  if (k < K) int8_step<R, 2, V>(x, K, w, k, acc);  // V = 4: the last 16 columns, on a row's first 2 accumulators
+  for (int r = 0; r < R; ++r) {
+    __m256 sum = acc[r * V];
+    for (int v = 1; v < V; ++v) sum = _mm256_add_ps(sum, acc[r * V + v]);
+    out[r * N] = sum_lanes(sum) * scale;
   }
-  for (int r = 0; r < R; ++r) out[r * N] = sum_lanes(_mm256_add_ps(lo[r], hi[r])) * scale;
 #else
   for (int r = 0; r < R; ++r) {
     float acc = 0.f;
@@ -230,7 +263,7 @@ at::Tensor int8_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, const at
   const int8_t* wp = wc.data_ptr<int8_t>();
   const float* sp = sc.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  over_rows(N, [&](int64_t n) {
+  over_rows(N, N * K * passes(M), [&](int64_t n) {
     by_rows(M, [&](auto rows, int64_t m) {
       int8_rows<decltype(rows)::value>(xp + m * K, K, wp + n * K, sp[n], op + m * N + n, N);
     });
@@ -256,7 +289,7 @@ at::Tensor int8_group_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, co
   const float* sp = sc.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t G = K / group;
-  over_rows(N, [&](int64_t n) {
+  over_rows(N, N * K * passes(M), [&](int64_t n) {
     by_rows(M, [&](auto rows, int64_t m) {
       int8_group_rows<decltype(rows)::value>(xp + m * K, K, wp + n * K, sp + n * G, group, op + m * N + n, N);
     });
@@ -270,8 +303,9 @@ at::Tensor int4_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, const at
                          const at::Tensor& zeros, int64_t group) {
   check_rows(x, weight, 2);
   const int64_t M = x.size(0), N = weight.size(0), K = x.size(1), G = (K + group - 1) / group;
-  TORCH_CHECK(weight.scalar_type() == at::kByte && K % INT4_BLOCK == 0 && group % MIN_GROUP == 0,
-              "uint8 weight with K % 64 == 0 and group_size % 32 == 0");
+  TORCH_CHECK(weight.scalar_type() == at::kByte && K % INT4_BLOCK == 0 && group >= MIN_GROUP &&
+                  (group & (group - 1)) == 0,
+              "uint8 weight with K % 64 == 0 and group_size a power of two from 32");
   for (const auto& t : {scales, zeros})
     TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 2 && t.size(0) == N && t.size(1) == G,
                 "scales and zeros must be [N, groups] float32");
@@ -287,11 +321,61 @@ at::Tensor int4_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, const at
   const uint8_t* wp = wc.data_ptr<uint8_t>();
   const float *sp = sc.data_ptr<float>(), *zp = zc.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  over_rows(N, [&](int64_t n) {
+  over_rows(N, N * K / 2 * passes(M), [&](int64_t n) {
     by_rows(M, [&](auto rows, int64_t m) {
       int4_rows<decltype(rows)::value>(xtp + m * K, xs + m * G, K, G, wp + n * K / 2, sp + n * G, zp + n * G, group,
                                        op + m * N + n, N);
     });
+  });
+  return out;
+}
+
+// out[c] = (level c - 8) * scale + zero for the columns c from `first` to `last` (both even) of a row of int4
+// weights w, as int4_dequantize_cpu says: a product rounded, then a sum
+inline void dequantize_group(const uint8_t* w, int64_t first, int64_t last, float scale, float zero, float* out) {
+  int64_t c = first;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 s = _mm256_set1_ps(scale), z = _mm256_set1_ps(zero), mid = _mm256_set1_ps(MID);
+  for (; c + 16 <= last; c += 16) {  // 8 bytes
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + c / 2)));
+    const __m256 low = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(0xF)));
+    const __m256 high = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+    const __m256 a = _mm256_unpacklo_ps(low, high), b = _mm256_unpackhi_ps(low, high);  // pairs 0, 1, 4, 5 and 2, 3, 6, 7
+    for (int half = 0; half < 2; ++half) {
+      const __m256 levels = half ? _mm256_permute2f128_ps(a, b, 0x31) : _mm256_permute2f128_ps(a, b, 0x20);
+      _mm256_storeu_ps(out + c + 8 * half, _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(levels, mid), s), z));
+    }
+  }
+#endif
+  for (; c < last; c += 2) {
+    out[c] = (static_cast<float>(w[c / 2] & 0xF) - MID) * scale + zero;
+    out[c + 1] = (static_cast<float>(w[c / 2] >> 4) - MID) * scale + zero;
+  }
+}
+
+// The int4 weight [N, K / 2] with scales and zeros [N, groups] float32 as the float32 matrix [N, K], each level q
+// as (q - 8) * scale + zero, rounded after the product and after the sum as PyTorch's dequantization rounds it (the
+// library is built without contracting them into one fused multiply-add): the weights of a prefill's many rows, which torch's own matrix product then multiplies
+// faster than int4_gemv_cpu widens them for a few rows at a time
+at::Tensor int4_dequantize_cpu(const at::Tensor& weight, const at::Tensor& scales, const at::Tensor& zeros,
+                               int64_t group) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte, "weight must be [N, K / 2] uint8");
+  const int64_t N = weight.size(0), K = weight.size(1) * 2, G = (K + group - 1) / group;
+  TORCH_CHECK(group > 0 && group % 2 == 0, "group_size must be even");
+  for (const auto& t : {scales, zeros})
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 2 && t.size(0) == N && t.size(1) == G,
+                "scales and zeros must be [N, groups] float32");
+  auto wc = weight.contiguous(), sc = scales.contiguous(), zc = zeros.contiguous();
+  auto out = at::empty({N, K}, scales.options());
+  const uint8_t* wp = wc.data_ptr<uint8_t>();
+  const float *sp = sc.data_ptr<float>(), *zp = zc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, GRAIN, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t last = std::min(K, (g + 1) * group);  // a shorter last group ends with the row
+        dequantize_group(wp + n * K / 2, g * group, last, sp[n * G + g], zp[n * G + g], op + n * K);
+      }
   });
   return out;
 }
@@ -302,10 +386,12 @@ TORCH_LIBRARY_FRAGMENT(gpt_fast, m) {
   m.def("int8_gemv_cpu(Tensor x, Tensor weight, Tensor scales) -> Tensor");
   m.def("int8_group_gemv_cpu(Tensor x, Tensor weight, Tensor scales, int group_size) -> Tensor");
   m.def("int4_gemv_cpu(Tensor x, Tensor weight, Tensor scales, Tensor zeros, int group_size) -> Tensor");
+  m.def("int4_dequantize_cpu(Tensor weight, Tensor scales, Tensor zeros, int group_size) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gpt_fast, CPU, m) {
   m.impl("int8_gemv_cpu", &int8_gemv_cpu);
   m.impl("int8_group_gemv_cpu", &int8_group_gemv_cpu);
   m.impl("int4_gemv_cpu", &int4_gemv_cpu);
+  m.impl("int4_dequantize_cpu", &int4_dequantize_cpu);
 }

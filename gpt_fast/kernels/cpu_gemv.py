@@ -23,8 +23,12 @@ import torch
 
 SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
 LIBRARY = "gpt_fast_cpu_gemv_avx2"
-FLAGS = ["-O3", "-mavx2", "-mfma"]
+FLAGS = ["-O3", "-ffp-contract=off", "-mavx2", "-mfma"]
 CAPABILITIES = ("AVX2", "AVX512")  # torch.backends.cpu.get_cpu_capability() of a CPU with AVX2 and FMA
+# at::parallel_for shares a product's rows among torch's threads only in code compiled with OpenMP: without it, the
+# header's loop runs on the calling thread alone. Linked against libgomp.so.1, the library takes the one torch has
+# loaded already, so it shares torch's threads and their count.
+OPENMP = ["-fopenmp"]
 INT8_COLUMNS = 16  # the int8 kernel's inputs: a multiple of this
 INT8_GROUPS = 16  # the grouped int8 kernel's group sizes: a multiple of this, dividing the inputs
 INT4_COLUMNS = 64  # the int4 kernel's inputs: a multiple of this
@@ -60,7 +64,13 @@ def load_cpu_kernels() -> None:
     from torch.utils.cpp_extension import load
 
     start = time.perf_counter()
-    load(LIBRARY, sources=[str(SOURCE)], extra_cflags=FLAGS, is_python_module=False)
+    load(
+        LIBRARY,
+        sources=[str(SOURCE)],
+        extra_cflags=[*FLAGS, *OPENMP],
+        extra_ldflags=OPENMP,
+        is_python_module=False,
+    )
     seconds = time.perf_counter() - start
     if seconds > BUILD_NOTE_SECONDS:
         print(f"Built gpt-fast's CPU quantized kernels in {seconds:.1f} s (once on this machine)", file=sys.stderr)
@@ -76,6 +86,12 @@ def int8_group_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     """``x`` [M, K] float32 times the int8 ``weight`` [N, K] with ``scales`` [N, K / group_size] float32, one per
     group of ``group_size`` columns (a multiple of :data:`INT8_GROUPS` dividing K): [M, N]."""
     return torch.ops.gpt_fast.int8_group_gemv_cpu(x, weight, scales, group_size)
+
+
+def int4_dequantize(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The int4 ``weight`` [N, K / 2] with ``scales`` and ``zeros`` [N, groups] float32 as the float32 matrix [N, K],
+    the numbers :func:`gpt_fast.quant.products.int4_dequantize` gives, in one pass over threads."""
+    return torch.ops.gpt_fast.int4_dequantize_cpu(weight, scales, zeros, group_size)
 
 
 def int4_gemv(

@@ -20,7 +20,6 @@ from gpt_fast.kernels.gemlite_int8 import GemliteWeights, gemlite_int8_product, 
 from gpt_fast.model.config import EmbeddingQuant, ModelConfig, QuantConfig
 from gpt_fast.quant.layout import TABLE, quantized_linears, quantized_tensors
 from gpt_fast.quant.products import (
-    CPP_ROWS,
     FEW_ROWS,
     GEMLITE_ROWS,
     INT4_GEMV_ROWS,
@@ -240,7 +239,7 @@ class Int4Linear(QuantizedLinear):
         if self.kernel == "triton" and takes_matmul(rows, INT4_GEMV_ROWS):
             group = self.group_size
             out = torch.ops.gpt_fast.int4_matmul(group_columns(rows, group), self.words, self.scales, self.zeros, group)
-        elif self.kernel == "cpp" and rows.shape[0] <= CPP_ROWS:
+        elif self.kernel == "cpp":
             out = int4_cpp_linear(rows, self.weight, self.scales, self.zeros, self.group_size)
         elif self.kernel == "aten" and few:
             out = int4_aten_linear(rows, self.packed, self.scales_and_zeros, self.group_size)

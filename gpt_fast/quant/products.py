@@ -57,6 +57,10 @@ FEW_ROWS = 16  # activation rows the specialized kernels take; more are a matrix
 # SmolLM2 shapes they were faster up to 64 rows and even at about 128 (BENCHMARKS.md, 2026-11-29, the CPU's quantized
 # products), so that a chat prompt's prefill takes them too
 CPP_ROWS = 64
+# int4 products of more rows than this multiply the weights dequantized by our C++ code in torch's matrix product:
+# on the SmolLM2 shapes, 35 rows took 162.1 ms (one thread) and 82.7 ms (two) for a step's 120 products against the
+# kernel's 174.1 and 103.4, and the two were even at 16 rows (BENCHMARKS.md, 2026-11-30b, "the products alone")
+INT4_KERNEL_ROWS = 16
 
 
 def resolve_kernel(kernel: str, device: torch.device) -> str:
@@ -96,8 +100,9 @@ def cpp_usable(device: torch.device) -> bool:
 @functools.cache
 def register_cpu_ops() -> None:
     """Build and load our C++ kernels (:mod:`gpt_fast.kernels.cpu_gemv`, which registers
-    ``torch.ops.gpt_fast.int8_gemv_cpu``, ``int8_group_gemv_cpu`` and ``int4_gemv_cpu``) and give ``torch.compile``
-    their output shapes, eagerly (see :func:`register_triton_ops`). Nothing happens at import."""
+    ``torch.ops.gpt_fast.int8_gemv_cpu``, ``int8_group_gemv_cpu``, ``int4_gemv_cpu`` and ``int4_dequantize_cpu``)
+    and give ``torch.compile`` their output shapes, eagerly (see :func:`register_triton_ops`). Nothing happens at
+    import."""
     cpu_gemv.load_cpu_kernels()
 
     @torch.library.register_fake("gpt_fast::int8_gemv_cpu")
@@ -111,6 +116,10 @@ def register_cpu_ops() -> None:
     @torch.library.register_fake("gpt_fast::int4_gemv_cpu")
     def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> torch.Tensor:
         return x.new_empty((x.shape[0], weight.shape[0]))
+
+    @torch.library.register_fake("gpt_fast::int4_dequantize_cpu")
+    def _(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> torch.Tensor:
+        return scales.new_empty((weight.shape[0], 2 * weight.shape[1]))
 
 
 def cpp_takes(weight: torch.Tensor, scales: torch.Tensor, columns: int, multiple: int) -> bool:
@@ -410,10 +419,12 @@ def int4_triton_linear(
 def int4_cpp_linear(
     rows: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
 ) -> torch.Tensor:
-    """``rows`` [M, K] (at most :data:`CPP_ROWS`, float32) times the int4 ``weight`` [N, K / 2] as the checkpoint
-    holds it, with our C++ kernel (:func:`gpt_fast.kernels.cpu_gemv.int4_gemv`; a layer takes it where
-    :func:`cpp_takes` says so)."""
-    return cpu_gemv.int4_gemv(rows, weight, scales, zeros, group_size)
+    """``rows`` [M, K] (float32) times the int4 ``weight`` [N, K / 2] as the checkpoint holds it, with our C++ kernel
+    (:func:`gpt_fast.kernels.cpu_gemv.int4_gemv`; a layer takes it where :func:`cpp_takes` says so) up to
+    :data:`INT4_KERNEL_ROWS` rows, and more in ``F.linear`` with the weights dequantized by our C++ code."""
+    if rows.shape[0] <= INT4_KERNEL_ROWS:
+        return cpu_gemv.int4_gemv(rows, weight, scales, zeros, group_size)
+    return F.linear(rows, cpu_gemv.int4_dequantize(weight, scales, zeros, group_size))
 
 
 def int4_aten_linear(

@@ -1,0 +1,102 @@
+"""The default model's quantized products on the CPU, as its layers compute them: our C++ kernels (``cpp``) against
+PyTorch's own weight-only kernels (``aten``) for a decode step's rows, and, for a prompt's many rows, the kernels
+against torch's matrix product on the weights dequantized by our C++ code (the path a layer takes past
+``CPP_ROWS`` rows). Random weights of the SmolLM2-135M shape (30 layers of wqkv, wo, w13, w2, each its own weights,
+so that a step reads them from memory as a model does); each figure is the best of ``--repeats`` timings.
+
+usage: python scripts/cpu_products.py [--threads 1] [--rows 1,4,8,16,35] [--kinds cpp,aten] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from gpt_fast.kernels import cpu_gemv
+from gpt_fast.model.config import QuantConfig
+from gpt_fast.quant.layers import Int4Linear, Int8Linear
+from gpt_fast.quant.products import resolve_kernel
+from gpt_fast.quant.schemes import quantize_int4, quantize_int8
+
+LAYERS = 30
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135M: wqkv, wo, w13, w2 as [N, K]
+GROUP = 32
+
+
+def layers(scheme: str, kernel: str) -> list[torch.nn.Module]:
+    """A step's quantized layers (``scheme`` int8 or int4 g32), prepared for ``kernel``."""
+    resolve_kernel(kernel, torch.device("cpu"))
+    torch.manual_seed(0)
+    made: list[torch.nn.Module] = []
+    for _ in range(LAYERS):
+        for n, k in SHAPES:
+            if scheme == "int8":
+                q, s = quantize_int8(torch.randn(n, k), torch.float32)
+                layer: torch.nn.Module = Int8Linear(k, n, QuantConfig("int8"), bias=False)
+                layer.load_state_dict({"weight": q, "scales": s}, assign=True)
+            else:
+                q, s, z = quantize_int4(torch.randn(n, k), GROUP, torch.float32)
+                layer = Int4Linear(k, n, QuantConfig("int4", GROUP), bias=False)
+                layer.load_state_dict({"weight": q, "scales": s, "zeros": z}, assign=True)
+            layer.prepare(kernel)
+            made.append(layer)
+    return made
+
+
+def best_ms(run: Callable[[], object], repeats: int) -> float:
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return 1e3 * best
+
+
+def through_layers(step: list[torch.nn.Module], xs: dict[int, torch.Tensor]) -> Callable[[], object]:
+    return lambda: [layer(xs[layer.in_features]) for layer in step]
+
+
+def int4_kernel(step: list[torch.nn.Module], xs: dict[int, torch.Tensor]) -> Callable[[], object]:
+    return lambda: [cpu_gemv.int4_gemv(xs[m.in_features], m.weight, m.scales, m.zeros, GROUP) for m in step]
+
+
+def int4_dequantized(step: list[torch.nn.Module], xs: dict[int, torch.Tensor]) -> Callable[[], object]:
+    def run() -> object:
+        return [F.linear(xs[m.in_features], cpu_gemv.int4_dequantize(m.weight, m.scales, m.zeros, GROUP)) for m in step]
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rows", default="1,4,8,16,35", help="activation rows, comma-separated")
+    parser.add_argument("--kinds", default="cpp,aten", help="the decode step's kernels: cpp, aten")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = [int(r) for r in args.rows.split(",")]
+    capability = torch.backends.cpu.get_cpu_capability()
+    print(f"CPU capability {capability}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print("| scheme | kernel | rows | ms per step's 120 products | int4: the kernel / dequantized + F.linear (ms) |")
+    print("|---|---|---|---|---|")
+    for scheme in ("int8", "int4"):
+        for kind in args.kinds.split(","):
+            step = layers(scheme, kind)
+            for m in rows if kind == "cpp" else rows[:1]:
+                xs = {k: torch.randn(m, k) for k in (576, 1536)}
+                ms = best_ms(through_layers(step, xs), args.repeats)
+                direct = ""
+                if kind == "cpp" and scheme == "int4":
+                    kernel = best_ms(int4_kernel(step, xs), args.repeats)
+                    direct = f"{kernel:.2f} / {best_ms(int4_dequantized(step, xs), args.repeats):.2f}"
+                print(f"| {scheme} | {kind} | {m} | {ms:.2f} | {direct} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
