@@ -1,12 +1,13 @@
 """Our C++ kernels for the quantized products of a few rows on an x86 CPU (``cpu_gemv.cpp`` beside this file): the
-operators ``torch.ops.gpt_fast.int8_gemv_cpu``, ``int8_group_gemv_cpu`` and ``int4_gemv_cpu``.
+operators ``torch.ops.gpt_fast.int8_gemv_cpu``, ``int8_group_gemv_cpu`` and ``int4_gemv_cpu``, and
+``int4_dequantize_cpu`` for a prefill's many rows.
 
 They exist because PyTorch's own weight-only CPU kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``)
-are vectorized for AVX-512 only: on an AVX2 CPU they run scalar code, slower than the float32 product they replace,
-and inductor turns a dequantizing product into a float copy of the weights and a matrix product
-(docs/cpu.md, "Quantized products"). The source is compiled once per machine with torch's own extension builder
-(a C++ compiler and ninja; torch keeps the library in its extensions folder and rebuilds it when the source
-changes), when a checkpoint first asks for these kernels.
+are slower than the float32 product they replace: scalar code on an AVX2 CPU, and on an AVX-512 one (a Zen 4 EPYC) a
+decode step's products took 10 to 19 times ours (BENCHMARKS.md, 2026-11-30b); and inductor turns a dequantizing
+product into a float copy of the weights and a matrix product (docs/cpu.md, "Quantized products"). The source is
+compiled once per machine with torch's own extension builder (a C++ compiler and ninja; torch keeps the library in
+its extensions folder and rebuilds it when the source changes), when a checkpoint first asks for these kernels.
 """
 
 from __future__ import annotations

@@ -27,8 +27,9 @@ for 1024 rows.
   Not ``auto``'s choice yet: it doubles an int8 model's weights in memory.
 - ``cpp``: our C++ kernels for an x86 CPU with AVX2 (:mod:`gpt_fast.kernels.cpu_gemv`), float32 activations, on
   the weights as the checkpoint holds them (int8 with a scale per row or per group, int4), up to :data:`CPP_ROWS`
-  rows. The CPU's choice where they build: PyTorch's own kernels are scalar code there, slower than float32
-  (docs/cpu.md, "Quantized products").
+  rows (int4: :data:`INT4_KERNEL_ROWS`; more multiply weights our C++ code dequantizes). The CPU's choice where
+  they build: PyTorch's own kernels were 10 to 19 times slower on the CPUs measured (docs/cpu.md, "Quantized
+  products").
 - ``aten``: PyTorch's own weight-only kernels, ``torch.ops.aten._weight_int8pack_mm``, and for int4
   ``_weight_int4pack_mm_for_cpu`` or CUDA's tinygemm ``_weight_int4pack_mm`` (on a copy of the weights repacked
   once at load, :mod:`gpt_fast.quant.layers`). The CPU's choice where ``cpp`` is not usable (another CPU, no C++
