@@ -24,6 +24,8 @@ import torch
 
 SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
 LIBRARY = "gpt_fast_cpu_gemv_avx2"
+# -ffp-contract=off: a product and a sum written apart stay two roundings, so that int4_dequantize_cpu gives
+# PyTorch's numbers (the kernels' fused multiply-adds are written as such)
 FLAGS = ["-O3", "-ffp-contract=off", "-mavx2", "-mfma"]
 CAPABILITIES = ("AVX2", "AVX512")  # torch.backends.cpu.get_cpu_capability() of a CPU with AVX2 and FMA
 # at::parallel_for shares a product's rows among torch's threads only in code compiled with OpenMP: without it, the

@@ -56,7 +56,8 @@ SIXTEEN_BITS = (torch.float16, torch.bfloat16)  # what our float16-pairs kernels
 FEW_ROWS = 16  # activation rows the specialized kernels take; more are a matrix product
 # Rows our C++ CPU kernels take (they widen each weight once for every 4 rows): against dequantize + F.linear on the
 # SmolLM2 shapes they were faster up to 64 rows and even at about 128 (BENCHMARKS.md, 2026-11-29, the CPU's quantized
-# products), so that a chat prompt's prefill takes them too
+# products), so that a chat prompt's prefill takes them too; int8's still were on 2026-11-30 with one thread (a step's
+# products of 35 rows cast to float32 and multiplied by F.linear: 251.4 ms; docs/bench/2026-11-30b_cpu_products.txt)
 CPP_ROWS = 64
 # int4 products of more rows than this multiply the weights dequantized by our C++ code in torch's matrix product:
 # on the SmolLM2 shapes, 35 rows took 162.1 ms (one thread) and 82.7 ms (two) for a step's 120 products against the
