@@ -44,14 +44,10 @@ inline void over_rows(int64_t N, int64_t work, F&& f) {
   const int64_t threads = std::min({static_cast<int64_t>(at::get_num_threads()), tasks,
                                     std::max<int64_t>(1, work / THREAD_WORK)});
   std::atomic<int64_t> next{0};
-  const auto take = [&](int64_t, int64_t) {
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {  // one thread: the loop runs here, no parallel region
     for (int64_t t = next++; t < tasks; t = next++)
       for (int64_t n = t * GRAIN; n < std::min(N, (t + 1) * GRAIN); ++n) f(n);
-  };
-  if (threads == 1)
-    take(0, 1);
-  else
-    at::parallel_for(0, threads, 1, take);
+  });
 }
 
 // the passes over a product's weights for M activation rows (by_rows)
@@ -340,7 +336,8 @@ inline void dequantize_group(const uint8_t* w, int64_t first, int64_t last, floa
     const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + c / 2)));
     const __m256 low = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(0xF)));
     const __m256 high = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
-    const __m256 a = _mm256_unpacklo_ps(low, high), b = _mm256_unpackhi_ps(low, high);  // pairs 0, 1, 4, 5 and 2, 3, 6, 7
+    // the pairs (low, high) of bytes 0, 1, 4, 5 in a, of bytes 2, 3, 6, 7 in b
+    const __m256 a = _mm256_unpacklo_ps(low, high), b = _mm256_unpackhi_ps(low, high);
     for (int half = 0; half < 2; ++half) {
       const __m256 levels = half ? _mm256_permute2f128_ps(a, b, 0x31) : _mm256_permute2f128_ps(a, b, 0x20);
       _mm256_storeu_ps(out + c + 8 * half, _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(levels, mid), s), z));
@@ -355,8 +352,8 @@ inline void dequantize_group(const uint8_t* w, int64_t first, int64_t last, floa
 
 // The int4 weight [N, K / 2] with scales and zeros [N, groups] float32 as the float32 matrix [N, K], each level q
 // as (q - 8) * scale + zero, rounded after the product and after the sum as PyTorch's dequantization rounds it (the
-// library is built without contracting them into one fused multiply-add): the weights of a prefill's many rows, which torch's own matrix product then multiplies
-// faster than int4_gemv_cpu widens them for a few rows at a time
+// library is built without contracting them into one fused multiply-add): the weights of a prefill's many rows,
+// which torch's own matrix product then multiplies faster than int4_gemv_cpu widens them a few rows at a time
 at::Tensor int4_dequantize_cpu(const at::Tensor& weight, const at::Tensor& scales, const at::Tensor& zeros,
                                int64_t group) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte, "weight must be [N, K / 2] uint8");
