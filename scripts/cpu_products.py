@@ -1,10 +1,12 @@
-"""The default model's quantized products on the CPU, as its layers compute them: our C++ kernels (``cpp``) against
-PyTorch's own weight-only kernels (``aten``) for a decode step's rows, and, for a prompt's many rows, the kernels
-against torch's matrix product on the weights dequantized by our C++ code (the path a layer takes past
-``CPP_ROWS`` rows). Random weights of the SmolLM2-135M shape (30 layers of wqkv, wo, w13, w2, each its own weights,
-so that a step reads them from memory as a model does); each figure is the best of ``--repeats`` timings.
+"""The default model's quantized products on the CPU, as its layers compute them: our C++ kernels (``cpp``, and
+``cpp-q8`` on a CPU with AVX512-VNNI) against PyTorch's own weight-only kernels (``aten``) for a decode step's rows,
+and, for a prompt's many rows, the kernels against torch's matrix product on the weights dequantized by our C++ code
+(the path a layer takes past ``CPP_ROWS`` rows). Random weights of the SmolLM2-135M shape (30 layers of wqkv, wo,
+w13, w2, each its own weights, so that a step reads them from memory as a model does; ``table``: the output
+projection of the default model's int8 table, 49152 rows in groups of 32); each figure is the best of ``--repeats``
+timings.
 
-usage: python scripts/cpu_products.py [--threads 1] [--rows 1,4,8,16,35] [--kinds cpp,aten] [--repeats 5]
+usage: python scripts/cpu_products.py [--threads 1] [--rows 1,4,8,16,35] [--kinds cpp,cpp-q8,aten] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -17,21 +19,29 @@ import torch
 import torch.nn.functional as F
 
 from gpt_fast.kernels import cpu_gemv
-from gpt_fast.model.config import QuantConfig
+from gpt_fast.model.config import EmbeddingQuant, QuantConfig
 from gpt_fast.quant.layers import Int4Linear, Int8Linear
 from gpt_fast.quant.products import resolve_kernel
 from gpt_fast.quant.schemes import quantize_int4, quantize_int8
 
 LAYERS = 30
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135M: wqkv, wo, w13, w2 as [N, K]
+TABLE = (49152, 576)  # its tied embedding table, the output projection
 GROUP = 32
 
 
 def layers(scheme: str, kernel: str) -> list[torch.nn.Module]:
-    """A step's quantized layers (``scheme`` int8 or int4 g32), prepared for ``kernel``."""
+    """A step's quantized layers (``scheme`` int8 or int4 g32; ``table``: the output projection alone, int8 g32),
+    prepared for ``kernel``."""
     resolve_kernel(kernel, torch.device("cpu"))
     torch.manual_seed(0)
     made: list[torch.nn.Module] = []
+    if scheme == "table":
+        q, s = quantize_int8(torch.randn(*TABLE), torch.float32, GROUP)
+        table = Int8Linear(TABLE[1], TABLE[0], EmbeddingQuant("int8", GROUP), bias=False)
+        table.load_state_dict({"weight": q, "scales": s}, assign=True)
+        table.prepare(kernel)
+        return [table]
     for _ in range(LAYERS):
         for n, k in SHAPES:
             if scheme == "int8":
@@ -76,19 +86,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rows", default="1,4,8,16,35", help="activation rows, comma-separated")
-    parser.add_argument("--kinds", default="cpp,aten", help="the decode step's kernels: cpp, aten")
+    parser.add_argument("--kinds", default="cpp,aten", help="the decode step's kernels: cpp, cpp-q8, aten")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
     capability = torch.backends.cpu.get_cpu_capability()
     print(f"CPU capability {capability}, {torch.get_num_threads()} threads, torch {torch.__version__}")
-    print("| scheme | kernel | rows | ms per step's 120 products | int4: the kernel / dequantized + F.linear (ms) |")
+    print(
+        "| scheme | kernel | rows | ms per step's products (120; table: 1) "
+        "| int4: the kernel / dequantized + F.linear (ms) |"
+    )
     print("|---|---|---|---|---|")
-    for scheme in ("int8", "int4"):
+    for scheme in ("int8", "int4", "table"):
         for kind in args.kinds.split(","):
+            if scheme == "table" and kind == "aten":  # PyTorch's kernel has no scales per group
+                continue
             step = layers(scheme, kind)
-            for m in rows if kind == "cpp" else rows[:1]:
+            for m in rows if kind.startswith("cpp") else rows[:1]:
                 xs = {k: torch.randn(m, k) for k in (576, 1536)}
                 ms = best_ms(through_layers(step, xs), args.repeats)
                 direct = ""

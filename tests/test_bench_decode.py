@@ -94,6 +94,29 @@ def test_quantized_rows_on_the_same_weights():
     assert len(lines[-1].splitlines()) == 2 + len(rows)
 
 
+def test_quantized_rows_once_per_quantized_kernel(capsys):
+    """``--quant_kernels``: ours once per kernel, named by it, on the same weights; a kernel that is not one is an
+    error of the option."""
+    from gpt_fast.cli.main import main
+
+    lines = []
+    rows = tiny_benchmark(
+        lines,
+        new_tokens=4,
+        repeats=1,
+        peers=False,
+        quantize=quant_schemes(("int8",), 32),
+        quant_kernels=["dequant", "aten"],
+    )
+    names = [r.name for r in rows]
+    assert names[1:3] == ["gpt-fast none int8 dequant", "gpt-fast none int8 aten"]
+    assert rows[1].bytes_per_token == rows[2].bytes_per_token
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "decode", "--quantize", "int8", "--quant_kernels", "cpp,fast"])
+    assert exit_info.value.code == 2
+    assert re.search("--quant_kernels 'fast' is not one of auto, triton, gemlite, cpp, cpp-q8", capsys.readouterr().err)
+
+
 def test_a_rows_engines_share_their_repacked_weights():
     """Layers repacked at load (here int8 for the triton kernel, bf16) each make their own ``words``; the second
     engine's layers then take the first one's, so that a row holds one copy of the weights."""

@@ -185,7 +185,7 @@ BAD_INPUTS = {
     "unknown dtype": (["--dtype", "int8"], "--dtype 'int8' is not one of auto, float32, bfloat16, float16"),
     "unknown quantized kernel": (
         ["--quant_kernel", "fast"],
-        "--quant_kernel 'fast' is not one of auto, triton, gemlite, cpp, aten, dequant",
+        "--quant_kernel 'fast' is not one of auto, triton, gemlite, cpp, cpp-q8, aten, dequant",
     ),
     "not an integer": (["--max_new_tokens", "many"], "'many' is not a valid integer"),
 }

@@ -229,13 +229,17 @@ TABLE_G32 = QuantConfig("int4", 32, embeddings=EmbeddingQuant("int8", 32))
 
 
 @needs_cpp
+@pytest.mark.parametrize("kernel", ["cpp", "cpp-q8"])
 @pytest.mark.parametrize(
     "quant", [QuantConfig("int8"), QuantConfig("int4", 32), TABLE_G32], ids=["int8", "int4", "int4-table-int8-g32"]
 )
-def test_greedy_tokens_match_the_dequantizing_kernel(quant):
+def test_greedy_tokens_match_the_dequantizing_kernel(quant, kernel):
     """A model every product of which the kernels take (inputs multiples of 64) decodes the same greedy tokens with
-    ``cpp`` as with ``dequant``, eager and compiled (the operators' output shapes registered for inductor); with a
-    quantized table, a tied model whose lookup and output projection read it."""
+    ``cpp`` (and this tiny one with ``cpp-q8``, on a CPU with AVX512-VNNI) as with ``dequant``, eager and compiled
+    (the operators' output shapes registered for inductor); with a quantized table, a tied model whose lookup and
+    output projection read it."""
+    if kernel == "cpp-q8" and not cpu_gemv.q8_usable():
+        pytest.skip("needs a CPU with AVX512-VNNI")
     tied = quant.embeddings is not None
     shape = dataclasses.replace(get_shape("tiny"), intermediate_size=192, tie_embeddings=tied)
     state = quantize_state(random_weights(shape, torch.float32, seed=1), shape, quant, torch.float32)
@@ -251,5 +255,5 @@ def test_greedy_tokens_match_the_dequantizing_kernel(quant):
         return engine.generate_ids([1, 2, 3], 24, greedy).tokens
 
     reference = tokens("dequant", "none")
-    assert tokens("cpp", "none") == reference
-    assert tokens("cpp", "default") == reference
+    assert tokens(kernel, "none") == reference
+    assert tokens(kernel, "default") == reference

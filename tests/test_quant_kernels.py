@@ -165,7 +165,9 @@ def test_kernel_choice():
         resolve_kernel("triton", cpu)
     with pytest.raises(ValueError, match="gemlite quantized kernel needs a CUDA GPU with Triton and the gemlite"):
         resolve_kernel("gemlite", cpu)
-    with pytest.raises(ValueError, match="quantized kernel 'fast' is not one of auto, triton, gemlite, cpp, aten"):
+    with pytest.raises(
+        ValueError, match="quantized kernel 'fast' is not one of auto, triton, gemlite, cpp, cpp-q8, aten"
+    ):
         resolve_kernel("fast", cpu)
 
 

@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import gc
 import importlib.util
+import itertools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -317,6 +318,7 @@ def run_benchmark(
     peers: bool,
     builds: int = 1,
     quantize: Sequence[QuantConfig] = (),
+    quant_kernels: Sequence[str] = ("auto",),
     attention_kernels: Sequence[str] = ("auto",),
     activation_kernels: Sequence[str] = ("auto",),
     layers_kernels: Sequence[str] = ("auto",),
@@ -363,7 +365,7 @@ def run_benchmark(
         for lin in linear
         for smp in sampling
     }
-    runners |= quantized_runners(subject, quantize, write, linear)
+    runners |= quantized_runners(subject, quantize, write, linear, quant_kernels)
     if peers:
         runners |= transformers_runners(state, shape, device, dtype, draws, write)
         context_tokens = max(prompt_tokens + new_tokens, ttft_tokens + 1)
@@ -436,19 +438,25 @@ def release_memory(device: torch.device) -> None:
 
 
 def quantized_runners(
-    subject: Subject, schemes: Sequence[QuantConfig], write: Callable[[str], None], linear: Sequence[str] = ("auto",)
+    subject: Subject,
+    schemes: Sequence[QuantConfig],
+    write: Callable[[str], None],
+    linear: Sequence[str] = ("auto",),
+    kernels: Sequence[str] = ("auto",),
 ) -> dict[str, Builder]:
     """The rows of ``--quantize``: ours per scheme (int4 on a CUDA GPU: with our Triton kernel, the automatic
-    choice, and with PyTorch's tinygemm), upstream's int8, torchao's where importable. Ours once per ``linear``
-    kernel where there are several (``triton`` launches our quantized kernels with PDL in CUDA-graph steps)."""
+    choice, and with PyTorch's tinygemm), upstream's int8, torchao's where importable. Ours once per quantized
+    ``kernels`` and ``linear`` kernel where there are several (``triton`` launches our quantized kernels with PDL
+    in CUDA-graph steps)."""
     runners: dict[str, Builder] = {}
     torchao = importlib.util.find_spec("torchao") is not None
     if schemes and not torchao:
         write("torchao is not importable: its rows skipped")
     for scheme in schemes:
-        for lin in linear:
-            name = f"gpt-fast {subject.mode} {scheme.name}" + (f" linear-{lin}" if len(linear) > 1 else "")
-            runners[name] = functools.partial(ours_runners, subject, scheme, linear=lin)
+        for kernel, lin in itertools.product(kernels, linear):
+            name = f"gpt-fast {subject.mode} {scheme.name}" + (f" {kernel}" if len(kernels) > 1 else "")
+            name += f" linear-{lin}" if len(linear) > 1 else ""
+            runners[name] = functools.partial(ours_runners, subject, scheme, kernel, linear=lin)
         if scheme.mode == "int4" and triton_usable(subject.device):
             runners[f"gpt-fast {subject.mode} {scheme.name} tinygemm"] = functools.partial(
                 ours_runners, subject, scheme, "aten"
@@ -505,6 +513,7 @@ def run(options: DecodeBenchOptions, write: Callable[[str], None] = print) -> li
         builds=options.builds,
         peers=options.peers,
         quantize=quant_schemes(options.quantize, options.group_size, options.quantize_table),
+        quant_kernels=options.quant_kernels,
         attention_kernels=options.attention_kernels,
         activation_kernels=options.activation_kernels,
         layers_kernels=options.layers_kernels,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpt_fast.model.config import INT4_GROUP_SIZES, QUANT_MODES
+from gpt_fast.model.config import INT4_GROUP_SIZES, QUANT_KERNELS, QUANT_MODES
 from gpt_fast.model.shapes import SHAPES
 from gpt_fast.util.choices import COMPILE_MODES, COORDINATE_DESCENT, KERNEL_TUNINGS, KV_CACHES
 from gpt_fast.util.options import OptionError, check_at_least, check_names, check_one_of
@@ -49,6 +49,7 @@ class DecodeBenchOptions:
     peers: bool = True
     quantize: tuple[str, ...] = ()
     group_size: int = 128
+    quant_kernels: tuple[str, ...] = ("auto",)
     attention_kernels: tuple[str, ...] = ("auto",)
     activation_kernels: tuple[str, ...] = ("auto",)
     layers_kernels: tuple[str, ...] = ("auto",)
@@ -73,6 +74,7 @@ class DecodeBenchOptions:
         for name in self.quantize:
             check_one_of("quantize", name, QUANT_MODES)
         check_one_of("group_size", self.group_size, INT4_GROUP_SIZES)
+        check_names("quant_kernels", self.quant_kernels, QUANT_KERNELS)
         for name in ("attention_kernels", "activation_kernels", "layers_kernels", "linear_kernels", "sampling_kernels"):
             check_names(name, getattr(self, name))
         if self.kernel_tuning is not None:

@@ -129,7 +129,14 @@ def bench() -> None:
 
 
 DECODE = DecodeBenchOptions
-KERNEL_LISTS = ("attention_kernels", "activation_kernels", "layers_kernels", "linear_kernels", "sampling_kernels")
+KERNEL_LISTS = (
+    "quant_kernels",
+    "attention_kernels",
+    "activation_kernels",
+    "layers_kernels",
+    "linear_kernels",
+    "sampling_kernels",
+)
 
 
 @bench.command("decode")
@@ -162,6 +169,13 @@ KERNEL_LISTS = ("attention_kernels", "activation_kernels", "layers_kernels", "li
     is_flag=True,
     help="The --quantize rows keep a tied embedding table as int8 in groups of 32, as the default model's CPU form "
     "does.",
+)
+@click.option(
+    "--quant_kernels",
+    default="auto",
+    show_default=True,
+    help="The --quantize rows' products, comma-separated, as gpt-fast generate's --quant_kernel: auto, triton, "
+    "gemlite, cpp, cpp-q8, aten, dequant.",
 )
 @click.option(
     "--attention_kernels",

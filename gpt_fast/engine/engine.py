@@ -127,7 +127,7 @@ def default_in_int4(options: EngineOptions) -> bool:
     decodes faster (docs/cpu.md), and which take quantized layers (not batch-invariant steps)."""
     device = resolve_device(options.device)
     plain = options.tp == 1 and not options.batch_invariant and options.dtype in ("auto", "float32")
-    return plain and options.kernels.quant in ("auto", "cpp") and cpp_usable(device)
+    return plain and options.kernels.quant in ("auto", "cpp", "cpp-q8") and cpp_usable(device)
 
 
 class Engine:

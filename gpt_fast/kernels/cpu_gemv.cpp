@@ -16,7 +16,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <type_traits>
+#include <vector>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -30,23 +32,30 @@ constexpr float MID = 8.f;          // the int4 level whose value is the group's
 constexpr int64_t GRAIN = 16;       // output rows per task (over_rows)
 constexpr int ROWS = 4;             // activation rows that share each widened weight
 // Weight bytes (times passes) per thread, at least: the default model's eager decode with two threads and waits
-// that sleep made 34.4 tok/s when every product took both, 40.2 with this (BENCHMARKS.md, 2026-11-30b)
+// that sleep made 34.4 tok/s when every product took both, 40.2 with this (docs/bench/HISTORY.md, 2026-11-30b)
 constexpr int64_t THREAD_WORK = 1 << 20;
 
-// f(n) for the output rows n of N, in tasks of GRAIN rows that torch's threads take one after another until none
-// is left: a thread that another process keeps off its core takes fewer of them, where at::parallel_for's even
-// split would make the whole product wait for its share. `work` is the weight bytes times the passes over them (one
-// per ROWS activation rows); a product takes one thread per THREAD_WORK of it at most, since waking a thread costs
-// more than a small product saves.
+// f(first, last) for the output rows of N, in tasks [first, last) of GRAIN rows that torch's threads take one after
+// another until none is left: a thread that another process keeps off its core takes fewer of them, where
+// at::parallel_for's even split would make the whole product wait for its share. `work` is the weight bytes times
+// the passes over them (one per ROWS activation rows); a product takes one thread per THREAD_WORK of it at most,
+// since waking a thread costs more than a small product saves.
 template <typename F>
-inline void over_rows(int64_t N, int64_t work, F&& f) {
+inline void over_tasks(int64_t N, int64_t work, F&& f) {
   const int64_t tasks = (N + GRAIN - 1) / GRAIN;
   const int64_t threads = std::min({static_cast<int64_t>(at::get_num_threads()), tasks,
                                     std::max<int64_t>(1, work / THREAD_WORK)});
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {  // one thread: the loop runs here, no parallel region
-    for (int64_t t = next++; t < tasks; t = next++)
-      for (int64_t n = t * GRAIN; n < std::min(N, (t + 1) * GRAIN); ++n) f(n);
+    for (int64_t t = next++; t < tasks; t = next++) f(t * GRAIN, std::min(N, (t + 1) * GRAIN));
+  });
+}
+
+// f(n) for the output rows n of N, as over_tasks shares them
+template <typename F>
+inline void over_rows(int64_t N, int64_t work, F&& f) {
+  over_tasks(N, work, [&](int64_t first, int64_t last) {
+    for (int64_t n = first; n < last; ++n) f(n);
   });
 }
 
@@ -293,26 +302,42 @@ at::Tensor int8_group_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, co
   return out;
 }
 
-// x [M, K] float32 times the int4 weight [N, K / 2] (column 2 t in the low nibble of byte t) with scales and zeros
-// [N, groups] float32 (a level q stands for (q - 8) * scale + zero): [M, N]; K a multiple of 64, group_size of 32
-at::Tensor int4_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
-                         const at::Tensor& zeros, int64_t group) {
+// The checks of an int4 product's operands (int4_gemv_cpu, int4_q8_gemv_cpu); its groups
+int64_t check_int4(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales, const at::Tensor& zeros,
+                   int64_t group) {
   check_rows(x, weight, 2);
-  const int64_t M = x.size(0), N = weight.size(0), K = x.size(1), G = (K + group - 1) / group;
+  const int64_t N = weight.size(0), K = x.size(1), G = (K + group - 1) / group;
   TORCH_CHECK(weight.scalar_type() == at::kByte && K % INT4_BLOCK == 0 && group >= MIN_GROUP &&
                   (group & (group - 1)) == 0,
               "uint8 weight with K % 64 == 0 and group_size a power of two from 32");
   for (const auto& t : {scales, zeros})
     TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 2 && t.size(0) == N && t.size(1) == G,
                 "scales and zeros must be [N, groups] float32");
+  return G;
+}
+
+// the sums of x [M, K] over each group of columns: [M, G]
+at::Tensor group_sums(const float* x, int64_t M, int64_t K, int64_t G, int64_t group) {
+  auto sums = at::zeros({M, G}, at::kFloat);
+  float* s = sums.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) s[m * G + k / group] += x[m * K + k];
+  return sums;
+}
+
+// x [M, K] float32 times the int4 weight [N, K / 2] (column 2 t in the low nibble of byte t) with scales and zeros
+// [N, groups] float32 (a level q stands for (q - 8) * scale + zero): [M, N]; K a multiple of 64, group_size of 32
+at::Tensor int4_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                         const at::Tensor& zeros, int64_t group) {
+  const int64_t G = check_int4(x, weight, scales, zeros, group);
+  const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
   auto xc = x.contiguous(), wc = weight.contiguous(), sc = scales.contiguous(), zc = zeros.contiguous();
-  auto xt = at::empty({M, K}, x.options()), xsums = at::zeros({M, G}, x.options());
+  auto xt = at::empty({M, K}, x.options());
   const float* xd = xc.data_ptr<float>();
-  float *xtp = xt.data_ptr<float>(), *xs = xsums.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) {
-    transpose_blocks(xd + m * K, xtp + m * K, K);
-    for (int64_t k = 0; k < K; ++k) xs[m * G + k / group] += xd[m * K + k];
-  }
+  float* xtp = xt.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) transpose_blocks(xd + m * K, xtp + m * K, K);
+  auto xsums = group_sums(xd, M, K, G, group);
+  const float* xs = xsums.data_ptr<float>();
   auto out = at::empty({M, N}, x.options());
   const uint8_t* wp = wc.data_ptr<uint8_t>();
   const float *sp = sc.data_ptr<float>(), *zp = zc.data_ptr<float>();
@@ -377,6 +402,226 @@ at::Tensor int4_dequantize_cpu(const at::Tensor& weight, const at::Tensor& scale
   return out;
 }
 
+// ---- activations rounded to int8 (int8_q8_gemv_cpu, int4_q8_gemv_cpu) ----
+//
+// As llama.cpp multiplies its Q8_0 and Q4_1 weights: each block of QBLOCK activation columns is rounded to int8
+// levels with one float scale (x ~ d q, d = max |x| / 127), and a weight row's product is a sum over blocks of
+// (weight scale) * d * (integer dot product of the block), 32 columns of which one AVX512-VNNI instruction (vpdpbusd)
+// multiplies and sums, where the float kernels above widen and multiply 8 at a time. The results differ from the
+// dequantized reference by the activations' rounding (half a level of their block at most per column). vpdpbusd
+// takes unsigned bytes times signed ones: the int8 weights go in as w + 128 and the int4 levels as they are (0..15),
+// and each lane's sum starts from the integer that makes it the weights' own values' (centered int4 levels, q - 8)
+// times the activations' levels: -128 or -8 times the sum of those levels.
+
+constexpr int64_t QBLOCK = 32;  // activation columns per scale
+constexpr float QMAX = 127.f;
+constexpr int64_t PREFETCH = 4096;  // bytes of weights ahead of those read that are asked for (prefetch)
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define Q8_TARGET __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
+
+bool q8_usable() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+#else
+bool q8_usable() {
+  return false;
+}
+#endif
+
+// log2 of a power of two n
+inline int log2_of(int64_t n) {
+  int bits = 0;
+  while ((int64_t{1} << bits) < n) ++bits;
+  return bits;
+}
+
+// The levels q [QBLOCK] of the block x [QBLOCK], rounded to the nearest (ties to even), and its scale d = max |x| /
+// 127 (x ~ d q; a block of zeros has d = 0)
+inline float quantize_block(const float* x, int8_t* q) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < QBLOCK; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float inverse = amax > 0.f ? QMAX / amax : 0.f;
+  for (int64_t i = 0; i < QBLOCK; ++i) q[i] = static_cast<int8_t>(std::nearbyint(x[i] * inverse));
+  return amax / QMAX;
+}
+
+// Activation rows rounded block by block: levels [M, K], scales [M, K / QBLOCK] and offsets [M, K / lane], the
+// first value of each vpdpbusd lane's sum (a lane: 4 columns of int8 weights, 8 of int4)
+struct Q8Rows {
+  const int8_t* levels;
+  const float* scales;
+  const int32_t* offsets;
+
+  // the same from row m on (rows of K columns, an offset per `lane` columns)
+  Q8Rows from(int64_t m, int64_t K, int64_t lane) const {
+    return {levels + m * K, scales + m * (K / QBLOCK), offsets + m * (K / lane)};
+  }
+};
+
+// x [M, K] rounded for int8 weights (`int4` false: levels in x's order, offsets -128 times each 4 columns' levels)
+// or int4 ones (levels of each 64 columns with the even columns' first, then the odd ones', the order of a row's
+// low and high nibbles; offsets -8 times the levels of lane i's 4 even and 4 odd columns), in buffers of the calling
+// thread kept from call to call
+Q8Rows round_rows(const float* x, int64_t M, int64_t K, bool int4) {
+  thread_local std::vector<int8_t> levels;
+  thread_local std::vector<float> scales;
+  thread_local std::vector<int32_t> offsets;
+  const int64_t lane = int4 ? 8 : 4;
+  levels.resize(M * K);
+  scales.resize(M * K / QBLOCK);
+  offsets.resize(M * K / lane);
+  int8_t block[QBLOCK];
+  for (int64_t b = 0; b < M * K / QBLOCK; ++b) {  // blocks of all rows in turn: K is a multiple of QBLOCK
+    scales[b] = quantize_block(x + b * QBLOCK, block);
+    const int64_t chunk = (b - b % 2) * QBLOCK;  // int4: the 64 columns of block b
+    for (int64_t i = 0; i < QBLOCK; ++i) {
+      const int64_t c = (b % 2) * QBLOCK + i;  // int4: column c of the chunk goes to c / 2, or 32 + c / 2 if odd
+      levels[int4 ? chunk + (c % 2) * QBLOCK + c / 2 : b * QBLOCK + i] = block[i];
+    }
+  }
+  for (int64_t i = 0; i < M * K / lane; ++i) {
+    // int4: lane i is 4 bytes of its chunk's even levels and the same 4 of its odd ones
+    const int8_t* first = int4 ? levels.data() + (i / 8) * INT4_BLOCK + (i % 8) * 4 : levels.data() + 4 * i;
+    int32_t sum = 0;
+    for (int t = 0; t < 4; ++t) sum += first[t] + (int4 ? first[QBLOCK + t] : 0);
+    offsets[i] = (int4 ? -8 : -128) * sum;
+  }
+  return {levels.data(), scales.data(), offsets.data()};
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// Asks for the cache line PREFETCH bytes past p: a row's weights, read a block at a time, come from memory faster
+// with this (the 28 MB output projection of the SmolLM2 shape, one thread: 1.0-1.1 ms against 1.2-1.4 ms), where
+// the hardware's own prefetching leaves the memory idle between blocks
+Q8_TARGET inline void prefetch(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p) + PREFETCH, _MM_HINT_T0);
+}
+
+// out[r * N] for the R activation rows from m (rounded: a) and the int8 weight row w [K] with scales sw: one
+// (!GROUPED) or one per group of 2^shift blocks
+template <int R, bool GROUPED>
+Q8_TARGET inline void int8_q8_rows(const Q8Rows& a, int64_t m, int64_t K, const int8_t* w, const float* sw, int shift,
+                                   float* out, int64_t N) {
+  const int64_t B = K / QBLOCK;
+  const auto [q, d, offsets] = a.from(m, K, 4);  // row r's from q + r K, d + r B, offsets + r K / 4
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t b = 0; b < B; ++b) {
+    if (b % 2 == 0) prefetch(w + b * QBLOCK);
+    const __m256i wu = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * QBLOCK)), flip);
+    const float ws = GROUPED ? sw[b >> shift] : 1.f;
+    for (int r = 0; r < R; ++r) {
+      const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * K + b * QBLOCK));
+      const __m256i start = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(offsets + r * (K / 4) + b * 8));
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(start, wu, qv));
+      acc[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(d[r * B + b] * ws), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * N] = sum_lanes(acc[r]) * (GROUPED ? 1.f : sw[0]);
+}
+
+// out[r * N] for the R activation rows from m (rounded: a, whose xsums [R, G] are the sums of x itself over each
+// group) and the int4 weight row w [K / 2] with scales and zeros [G], a group 2^shift blocks: the sum over blocks of
+// scale * d * (centered levels . rounded levels), plus the sum over groups of zero * xsums
+template <int R>
+Q8_TARGET inline void int4_q8_rows(const Q8Rows& a, int64_t m, const float* xsums, int64_t K, int64_t G,
+                                   const uint8_t* w, const float* scales, const float* zeros, int shift, float* out,
+                                   int64_t N) {
+  const int64_t B = K / QBLOCK;
+  const auto [q, d, offsets] = a.from(m, K, 8);  // row r's from q + r K, d + r B, offsets + r K / 8
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  for (int64_t c = 0; c < K / INT4_BLOCK; ++c) {  // lanes 0-3 of a chunk's sums are block 2 c, 4-7 block 2 c + 1
+    if (c % 2 == 0) prefetch(w + c * INT4_BLOCK / 2);
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * INT4_BLOCK / 2));
+    const __m256i low = _mm256_and_si256(v, nibble), high = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+    const __m256 ws = _mm256_set_m128(_mm_set1_ps(scales[(2 * c + 1) >> shift]), _mm_set1_ps(scales[(2 * c) >> shift]));
+    for (int r = 0; r < R; ++r) {
+      const int8_t* qc = q + r * K + c * INT4_BLOCK;
+      const __m256i even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qc));
+      const __m256i odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qc + QBLOCK));
+      const __m256i start = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(offsets + r * (K / 8) + c * 8));
+      const __m256i sums = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(start, low, even), high, odd);
+      const float* dc = d + r * B + 2 * c;
+      const __m256 dx = _mm256_set_m128(_mm_set1_ps(dc[1]), _mm_set1_ps(dc[0]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(ws, dx), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float zero_part = 0.f;
+    for (int64_t g = 0; g < G; ++g) zero_part += zeros[g] * xsums[r * G + g];
+    out[r * N] = zero_part + sum_lanes(acc[r]);
+  }
+}
+#endif
+
+// x [M, K] float32 times the int8 weight [N, K] with scales [N] or [N, K / group] float32, the activations rounded
+// to int8 per QBLOCK columns: [M, N]; K a multiple of 32, a group a power of two from 32 dividing K
+at::Tensor int8_q8_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                            int64_t group) {
+  check_rows(x, weight, 1);
+  const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
+  TORCH_CHECK(q8_usable(), "int8_q8_gemv_cpu needs a CPU with AVX512-VNNI");
+  TORCH_CHECK(weight.scalar_type() == at::kChar && K % QBLOCK == 0, "int8 weight with K % 32 == 0");
+  const bool grouped = scales.dim() == 2;
+  TORCH_CHECK(!grouped || (group >= QBLOCK && (group & (group - 1)) == 0 && K % group == 0),
+              "group_size a power of two from 32 dividing K");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.size(0) == N && (!grouped || scales.size(1) == K / group),
+              "scales must be [N] or [N, K / group_size] float32");
+  auto xc = x.contiguous(), wc = weight.contiguous(), sc = scales.contiguous();
+  auto out = at::empty({M, N}, x.options());
+#if defined(__AVX2__) && defined(__FMA__)
+  const Q8Rows rounded = round_rows(xc.data_ptr<float>(), M, K, false);
+  const int8_t* wp = wc.data_ptr<int8_t>();
+  const float* sp = sc.data_ptr<float>();
+  float* yp = out.data_ptr<float>();
+  const int64_t G = grouped ? K / group : 1;
+  const int shift = grouped ? log2_of(group / QBLOCK) : 0;
+  over_rows(N, N * K * passes(M), [&](int64_t n) {
+    by_rows(M, [&](auto rows, int64_t m) {
+      constexpr int R = decltype(rows)::value;
+      if (grouped)
+        int8_q8_rows<R, true>(rounded, m, K, wp + n * K, sp + n * G, shift, yp + m * N + n, N);
+      else
+        int8_q8_rows<R, false>(rounded, m, K, wp + n * K, sp + n, shift, yp + m * N + n, N);
+    });
+  });
+#endif
+  return out;
+}
+
+// x [M, K] float32 times the int4 weight [N, K / 2] with scales and zeros [N, groups] float32 (as int4_gemv_cpu),
+// the activations rounded to int8 per QBLOCK columns: [M, N]; K a multiple of 64, group_size a power of two from 32
+at::Tensor int4_q8_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                            const at::Tensor& zeros, int64_t group) {
+  const int64_t G = check_int4(x, weight, scales, zeros, group);
+  const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
+  TORCH_CHECK(q8_usable(), "int4_q8_gemv_cpu needs a CPU with AVX512-VNNI");
+  auto xc = x.contiguous(), wc = weight.contiguous(), sc = scales.contiguous(), zc = zeros.contiguous();
+  const float* xd = xc.data_ptr<float>();
+  auto xsums = group_sums(xd, M, K, G, group);
+  const float* xs = xsums.data_ptr<float>();
+  auto out = at::empty({M, N}, x.options());
+#if defined(__AVX2__) && defined(__FMA__)
+  const Q8Rows rounded = round_rows(xd, M, K, true);
+  const uint8_t* wp = wc.data_ptr<uint8_t>();
+  const float *sp = sc.data_ptr<float>(), *zp = zc.data_ptr<float>();
+  float* yp = out.data_ptr<float>();
+  const int shift = log2_of(group / QBLOCK);
+  over_rows(N, N * K / 2 * passes(M), [&](int64_t n) {
+    by_rows(M, [&](auto rows, int64_t m) {
+      int4_q8_rows<decltype(rows)::value>(rounded, m, xs + m * G, K, G, wp + n * K / 2, sp + n * G, zp + n * G, shift,
+                                          yp + m * N + n, N);
+    });
+  });
+#endif
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(gpt_fast, m) {
@@ -384,6 +629,9 @@ TORCH_LIBRARY_FRAGMENT(gpt_fast, m) {
   m.def("int8_group_gemv_cpu(Tensor x, Tensor weight, Tensor scales, int group_size) -> Tensor");
   m.def("int4_gemv_cpu(Tensor x, Tensor weight, Tensor scales, Tensor zeros, int group_size) -> Tensor");
   m.def("int4_dequantize_cpu(Tensor weight, Tensor scales, Tensor zeros, int group_size) -> Tensor");
+  m.def("int8_q8_gemv_cpu(Tensor x, Tensor weight, Tensor scales, int group_size) -> Tensor");
+  m.def("int4_q8_gemv_cpu(Tensor x, Tensor weight, Tensor scales, Tensor zeros, int group_size) -> Tensor");
+  m.def("q8_usable() -> bool", &q8_usable);
 }
 
 TORCH_LIBRARY_IMPL(gpt_fast, CPU, m) {
@@ -391,4 +639,6 @@ TORCH_LIBRARY_IMPL(gpt_fast, CPU, m) {
   m.impl("int8_group_gemv_cpu", &int8_group_gemv_cpu);
   m.impl("int4_gemv_cpu", &int4_gemv_cpu);
   m.impl("int4_dequantize_cpu", &int4_dequantize_cpu);
+  m.impl("int8_q8_gemv_cpu", &int8_q8_gemv_cpu);
+  m.impl("int4_q8_gemv_cpu", &int4_q8_gemv_cpu);
 }

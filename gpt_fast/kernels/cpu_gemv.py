@@ -1,10 +1,12 @@
 """Our C++ kernels for the quantized products of a few rows on an x86 CPU (``cpu_gemv.cpp`` beside this file): the
 operators ``torch.ops.gpt_fast.int8_gemv_cpu``, ``int8_group_gemv_cpu`` and ``int4_gemv_cpu``, and
-``int4_dequantize_cpu`` for a prefill's many rows.
+``int4_dequantize_cpu`` for a prefill's many rows; and, on a CPU with AVX512-VNNI, ``int8_q8_gemv_cpu`` and
+``int4_q8_gemv_cpu``, whose activations are rounded to int8 per 32 columns as llama.cpp rounds them, so that each
+block's sum is one integer instruction.
 
 They exist because PyTorch's own weight-only CPU kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``)
 are slower than the float32 product they replace: scalar code on an AVX2 CPU, and on an AVX-512 one (a Zen 4 EPYC) a
-decode step's products took 10 to 19 times ours (BENCHMARKS.md, 2026-11-30b); and inductor turns a dequantizing
+decode step's products took 10 to 19 times ours (docs/bench/HISTORY.md, 2026-11-30b); and inductor turns a dequantizing
 product into a float copy of the weights and a matrix product (docs/cpu.md, "Quantized products"). The source is
 compiled once per machine with torch's own extension builder (a C++ compiler and ninja; torch keeps the library in
 its extensions folder and rebuilds it when the source changes), when a checkpoint first asks for these kernels.
@@ -36,6 +38,7 @@ INT8_COLUMNS = 16  # the int8 kernel's inputs: a multiple of this
 INT8_GROUPS = 16  # the grouped int8 kernel's group sizes: a multiple of this, dividing the inputs
 INT4_COLUMNS = 64  # the int4 kernel's inputs: a multiple of this
 INT4_GROUPS = 32  # the int4 kernel's group sizes: a multiple of this
+Q8_BLOCK = 32  # columns of activations that share one scale in the q8 kernels: their inputs are a multiple of it
 BUILD_NOTE_SECONDS = 2.0  # a load slower than this compiled the library
 
 
@@ -77,6 +80,29 @@ def load_cpu_kernels() -> None:
     seconds = time.perf_counter() - start
     if seconds > BUILD_NOTE_SECONDS:
         print(f"Built gpt-fast's CPU quantized kernels in {seconds:.1f} s (once on this machine)", file=sys.stderr)
+
+
+def q8_usable() -> bool:
+    """Whether this CPU runs the q8 kernels (AVX512-F, BW, VL and VNNI, as the library reads the CPU's own
+    flags): builds and loads the library first."""
+    load_cpu_kernels()
+    return bool(torch.ops.gpt_fast.q8_usable())
+
+
+def int8_q8_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    """``x`` [M, K] float32 (K a multiple of :data:`Q8_BLOCK`) rounded to int8 per block of 32 columns, times the
+    int8 ``weight`` [N, K] with ``scales`` [N] float32, or [N, K / group_size] (``group_size`` a power of two from 32
+    dividing K): [M, N]. Each output differs from the product with ``x`` by the rounding of ``x``: at most half a
+    level of each block (``max |x| / 254``) per column, times the weight."""
+    return torch.ops.gpt_fast.int8_q8_gemv_cpu(x, weight, scales, group_size or 0)
+
+
+def int4_q8_gemv(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """As :func:`int4_gemv` (``group_size`` a power of two from 32), with ``x`` rounded to int8 per block of 32
+    columns in the products with the levels; the zero points multiply the sums of ``x`` itself."""
+    return torch.ops.gpt_fast.int4_q8_gemv_cpu(x, weight, scales, zeros, group_size)
 
 
 def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,7 @@ from gpt_fast.quant.products import (
     int8_dequantize,
     int8_interleave,
     int8_linear,
+    q8_takes,
     resolve_kernel,
     takes_matmul,
 )
@@ -116,10 +117,15 @@ class Int8Linear(QuantizedLinear):
         which replaces ``weight`` (prefills read it too): one copy of the weights in memory. Otherwise
         ``weight`` stays, read as it is; ``cpp`` where our C++ kernel does not take the layer
         (:func:`gpt_fast.quant.products.cpp_takes`) means ``dequant``. Scales per group take ``cpp`` (groups of
-        a multiple of 16 that divide the inputs) or ``dequant``. ``gemlite`` is ``triton`` with gemlite's copy
-        of the weights beside the words, in a 16-bit model, for products of
+        a multiple of 16 that divide the inputs) or ``dequant``. ``cpp-q8`` where its kernel does not take the
+        layer (:func:`gpt_fast.quant.products.q8_takes`) means ``cpp``. ``gemlite`` is ``triton`` with gemlite's
+        copy of the weights beside the words, in a 16-bit model, for products of
         :data:`gpt_fast.quant.products.GEMLITE_ROWS` rows."""
         takes = cpp_takes(self.weight, self.scales, self.in_features, INT8_COLUMNS)
+        if kernel == "cpp-q8" and takes and q8_takes(self.in_features, self.group_size):
+            self.kernel = kernel
+            return
+        kernel = "cpp" if kernel == "cpp-q8" else kernel
         if self.group_size is not None:
             whole = self.group_size % INT8_GROUPS == 0 and self.in_features % self.group_size == 0
             self.kernel = "cpp" if kernel == "cpp" and takes and whole else "dequant"
@@ -184,14 +190,15 @@ class Int4Linear(QuantizedLinear):
         our Triton kernel (:func:`gpt_fast.quant.products.group_interleave`) into ``words``, which replaces
         ``weight`` (prefills read it too): one copy of the weights in memory. ``cpp`` reads the weights as they are;
         where our C++ kernel does not take the layer (:func:`gpt_fast.quant.products.cpp_takes`, groups of a
-        multiple of 32) it means ``dequant``. ``gemlite`` means ``triton`` (see :mod:`gpt_fast.quant.products`)."""
+        multiple of 32) it means ``dequant``; so does ``cpp-q8``, which takes the layers ``cpp`` does.
+        ``gemlite`` means ``triton`` (see :mod:`gpt_fast.quant.products`)."""
         kernel = "triton" if kernel == "gemlite" else kernel
         repack = {"cpu": self._repack_cpu, "cuda": self._repack_cuda}.get(self.weight.device.type)
         if kernel == "aten" and repack is not None and repack():
             self.kernel = "aten"
-        elif kernel == "cpp":
+        elif kernel in ("cpp", "cpp-q8"):
             takes = cpp_takes(self.weight, self.scales, self.in_features, INT4_COLUMNS)
-            self.kernel = "cpp" if takes and self.group_size % INT4_GROUPS == 0 else "dequant"
+            self.kernel = kernel if takes and self.group_size % INT4_GROUPS == 0 else "dequant"
         else:
             self.kernel = "dequant" if kernel == "aten" else kernel
         if self.kernel == "triton":
@@ -239,8 +246,9 @@ class Int4Linear(QuantizedLinear):
         if self.kernel == "triton" and takes_matmul(rows, INT4_GEMV_ROWS):
             group = self.group_size
             out = torch.ops.gpt_fast.int4_matmul(group_columns(rows, group), self.words, self.scales, self.zeros, group)
-        elif self.kernel == "cpp":
-            out = int4_cpp_linear(rows, self.weight, self.scales, self.zeros, self.group_size)
+        elif self.kernel in ("cpp", "cpp-q8"):
+            q8 = self.kernel == "cpp-q8"
+            out = int4_cpp_linear(rows, self.weight, self.scales, self.zeros, self.group_size, q8)
         elif self.kernel == "aten" and few:
             out = int4_aten_linear(rows, self.packed, self.scales_and_zeros, self.group_size)
         elif self.kernel == "triton" and few:

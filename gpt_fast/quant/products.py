@@ -30,6 +30,13 @@ for 1024 rows.
   rows (int4: :data:`INT4_KERNEL_ROWS`; more multiply weights our C++ code dequantizes). The CPU's choice where
   they build: PyTorch's own kernels were 10 to 19 times slower on the CPUs measured (docs/cpu.md, "Quantized
   products").
+- ``cpp-q8``: ``cpp`` with the activations rounded to int8 per block of 32 columns, as llama.cpp rounds them for
+  its Q8_0 and Q4_1 weights, so that a block's products are summed by one AVX512-VNNI instruction (vpdpbusd):
+  :func:`gpt_fast.kernels.cpu_gemv.int8_q8_gemv` and ``int4_q8_gemv``, on a CPU with AVX512-VNNI, for as many
+  rows as ``cpp``'s kernels (more take ``cpp``'s path). On a Zen 4 core a decode step's products took 7.3 ms against
+  ``cpp``'s 7.8 (int8) and 6.6 against 8.2 (int4), the output projection 1.2 against 2.0 (BENCHMARKS.md,
+  2026-11-30c). Its products differ from the dequantized reference by the
+  activations' rounding (relative error about 1e-2), where ``cpp``'s differ by the order of float32 sums only.
 - ``aten``: PyTorch's own weight-only kernels, ``torch.ops.aten._weight_int8pack_mm``, and for int4
   ``_weight_int4pack_mm_for_cpu`` or CUDA's tinygemm ``_weight_int4pack_mm`` (on a copy of the weights repacked
   once at load, :mod:`gpt_fast.quant.layers`). The CPU's choice where ``cpp`` is not usable (another CPU, no C++
@@ -61,7 +68,7 @@ FEW_ROWS = 16  # activation rows the specialized kernels take; more are a matrix
 CPP_ROWS = 64
 # int4 products of more rows than this multiply the weights dequantized by our C++ code in torch's matrix product:
 # on the SmolLM2 shapes, 35 rows took 162.1 ms (one thread) and 82.7 ms (two) for a step's 120 products against the
-# kernel's 174.1 and 103.4, and the two were even at 16 rows (BENCHMARKS.md, 2026-11-30b, "the products alone")
+# kernel's 174.1 and 103.4, and the two were even at 16 rows (docs/bench/HISTORY.md, 2026-11-30b, "the products alone")
 INT4_KERNEL_ROWS = 16
 
 
@@ -79,13 +86,17 @@ def resolve_kernel(kernel: str, device: torch.device) -> str:
             f"the gemlite quantized kernel needs a CUDA GPU with Triton and the gemlite package "
             f"(pip install 'gpt-fast[gemlite]'); here: {here}"
         )
-    if kernel == "cpp" and not cpp_usable(device):
-        raise ValueError(f"the cpp quantized kernels need an x86 CPU with AVX2, a C++ compiler and ninja, not {device}")
+    if kernel in ("cpp", "cpp-q8") and not cpp_usable(device):
+        raise ValueError(
+            f"the {kernel} quantized kernels need an x86 CPU with AVX2, a C++ compiler and ninja, not {device}"
+        )
+    if kernel == "cpp-q8" and not cpu_gemv.q8_usable():
+        raise ValueError("the cpp-q8 quantized kernels need a CPU with AVX512-VNNI (and AVX512-F, BW, VL)")
     if kernel == "auto":
         kernel = "triton" if triton_usable(device) else "cpp" if cpp_usable(device) else _plain(device)
     if kernel in ("triton", "gemlite"):
         register_triton_ops()
-    if kernel == "cpp":
+    if kernel in ("cpp", "cpp-q8"):
         register_cpu_ops()
     return kernel
 
@@ -101,27 +112,30 @@ def cpp_usable(device: torch.device) -> bool:
 
 @functools.cache
 def register_cpu_ops() -> None:
-    """Build and load our C++ kernels (:mod:`gpt_fast.kernels.cpu_gemv`, which registers
-    ``torch.ops.gpt_fast.int8_gemv_cpu``, ``int8_group_gemv_cpu``, ``int4_gemv_cpu`` and ``int4_dequantize_cpu``)
-    and give ``torch.compile`` their output shapes, eagerly (see :func:`register_triton_ops`). Nothing happens at
-    import."""
+    """Build and load our C++ kernels (:mod:`gpt_fast.kernels.cpu_gemv`, which registers the products
+    ``torch.ops.gpt_fast.int8_gemv_cpu``, ``int8_group_gemv_cpu``, ``int4_gemv_cpu``, ``int8_q8_gemv_cpu`` and
+    ``int4_q8_gemv_cpu``, and ``int4_dequantize_cpu``) and give ``torch.compile`` their output shapes, eagerly (see
+    :func:`register_triton_ops`). Nothing happens at import."""
     cpu_gemv.load_cpu_kernels()
 
-    @torch.library.register_fake("gpt_fast::int8_gemv_cpu")
-    def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        return x.new_empty((x.shape[0], weight.shape[0]))
+    def product(x: torch.Tensor, weight: torch.Tensor, *operands: torch.Tensor | int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], weight.shape[0]))  # [M, N] for x [M, K] and weight [N, ...]
 
-    @torch.library.register_fake("gpt_fast::int8_group_gemv_cpu")
-    def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
-        return x.new_empty((x.shape[0], weight.shape[0]))
-
-    @torch.library.register_fake("gpt_fast::int4_gemv_cpu")
-    def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> torch.Tensor:
-        return x.new_empty((x.shape[0], weight.shape[0]))
+    for name in ("int8_gemv_cpu", "int8_group_gemv_cpu", "int4_gemv_cpu", "int8_q8_gemv_cpu", "int4_q8_gemv_cpu"):
+        torch.library.register_fake(f"gpt_fast::{name}", product)
 
     @torch.library.register_fake("gpt_fast::int4_dequantize_cpu")
     def _(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> torch.Tensor:
         return scales.new_empty((weight.shape[0], 2 * weight.shape[1]))
+
+
+def q8_takes(columns: int, group_size: int | None) -> bool:
+    """Whether the ``cpp-q8`` kernels take a layer (one :func:`cpp_takes` takes) of ``columns`` inputs with a scale
+    per row (``group_size`` None) or per group: whole blocks of activations, groups a power of two from a block
+    dividing the inputs."""
+    block = cpu_gemv.Q8_BLOCK
+    grouped = group_size is None or (group_size >= block and group_size & (group_size - 1) == 0)
+    return columns % block == 0 and grouped and columns % (group_size or block) == 0
 
 
 def cpp_takes(weight: torch.Tensor, scales: torch.Tensor, columns: int, multiple: int) -> bool:
@@ -293,6 +307,8 @@ def int8_linear(
     elif kernel == "triton" and few:
         gemv = torch.ops.gpt_fast.int8_gemv_pdl if pdl else torch.ops.gpt_fast.int8_gemv
         out = gemv(rows.contiguous(), weight, scales)
+    elif kernel == "cpp-q8" and rows.shape[0] <= CPP_ROWS:
+        out = cpu_gemv.int8_q8_gemv(rows, weight, scales, None)
     elif kernel == "cpp" and rows.shape[0] <= CPP_ROWS:
         out = cpu_gemv.int8_gemv(rows, weight, scales)
     elif kernel == "aten" and few:
@@ -308,6 +324,8 @@ def _int8_group_linear(
     rows: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, kernel: str, group_size: int
 ) -> torch.Tensor:
     """``rows`` [M, K] times the int8 ``weight`` [N, K] with ``scales`` [N, groups]: [M, N]."""
+    if kernel == "cpp-q8" and rows.shape[0] <= CPP_ROWS:
+        return cpu_gemv.int8_q8_gemv(rows, weight, scales, group_size)
     if kernel == "cpp" and rows.shape[0] <= CPP_ROWS:
         return cpu_gemv.int8_group_gemv(rows, weight, scales, group_size)
     return F.linear(rows, int8_dequantize(weight, scales, group_size).to(rows.dtype))
@@ -419,13 +437,20 @@ def int4_triton_linear(
 
 
 def int4_cpp_linear(
-    rows: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    q8: bool = False,
 ) -> torch.Tensor:
     """``rows`` [M, K] (float32) times the int4 ``weight`` [N, K / 2] as the checkpoint holds it, with our C++ kernel
     (:func:`gpt_fast.kernels.cpu_gemv.int4_gemv`; a layer takes it where :func:`cpp_takes` says so) up to
-    :data:`INT4_KERNEL_ROWS` rows, and more in ``F.linear`` with the weights dequantized by our C++ code."""
+    :data:`INT4_KERNEL_ROWS` rows (``q8``: :func:`gpt_fast.kernels.cpu_gemv.int4_q8_gemv`), and more in
+    ``F.linear`` with the weights dequantized by our C++ code."""
     if rows.shape[0] <= INT4_KERNEL_ROWS:
-        return cpu_gemv.int4_gemv(rows, weight, scales, zeros, group_size)
+        gemv = cpu_gemv.int4_q8_gemv if q8 else cpu_gemv.int4_gemv
+        return gemv(rows, weight, scales, zeros, group_size)
     return F.linear(rows, cpu_gemv.int4_dequantize(weight, scales, zeros, group_size))
 
 
