@@ -523,6 +523,17 @@ Q8_TARGET inline void int8_q8_rows(const Q8Rows& a, int64_t m, int64_t K, const 
   for (int r = 0; r < R; ++r) out[r * N] = sum_lanes(acc[r]) * (GROUPED ? 1.f : sw[0]);
 }
 
+// a . b over n floats, in vectors of 8: a row's zero points times the sums of its groups, which one sum after
+// another would make a chain of n dependent additions at the end of every row
+Q8_TARGET inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float sum = sum_lanes(acc);
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
 // out[r * N] for the R activation rows from m (rounded: a, whose xsums [R, G] are the sums of x itself over each
 // group) and the int4 weight row w [K / 2] with scales and zeros [G], a group 2^shift blocks: the sum over blocks of
 // scale * d * (centered levels . rounded levels), plus the sum over groups of zero * xsums
@@ -551,11 +562,7 @@ Q8_TARGET inline void int4_q8_rows(const Q8Rows& a, int64_t m, const float* xsum
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(ws, dx), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    float zero_part = 0.f;
-    for (int64_t g = 0; g < G; ++g) zero_part += zeros[g] * xsums[r * G + g];
-    out[r * N] = zero_part + sum_lanes(acc[r]);
-  }
+  for (int r = 0; r < R; ++r) out[r * N] = dot(zeros, xsums + r * G, G) + sum_lanes(acc[r]);
 }
 #endif
 
