@@ -64,7 +64,7 @@ from gpt_fast.model.config import (
 )
 from gpt_fast.model.transformer import Transformer, weight_bytes_per_token
 from gpt_fast.parallel.tensor_parallel import TensorParallel, device_of, env_ranks, join
-from gpt_fast.quant.products import cpp_usable
+from gpt_fast.quant.products import CPP_KERNELS, cpp_usable
 from gpt_fast.text.chat_template import chat_prompt_ids
 from gpt_fast.text.textstream import TextStream
 from gpt_fast.text.tokenizer import Tokenizer
@@ -127,7 +127,7 @@ def default_in_int4(options: EngineOptions) -> bool:
     decodes faster (docs/cpu.md), and which take quantized layers (not batch-invariant steps)."""
     device = resolve_device(options.device)
     plain = options.tp == 1 and not options.batch_invariant and options.dtype in ("auto", "float32")
-    return plain and options.kernels.quant in ("auto", "cpp", "cpp-q8") and cpp_usable(device)
+    return plain and options.kernels.quant in ("auto", *CPP_KERNELS) and cpp_usable(device)
 
 
 class Engine:

@@ -4,7 +4,9 @@
 // gpt_fast/kernels/cpu_gemv.py).
 //
 // Each weight is widened to float32 and multiplied by the activation in float32, as the dequantized reference does:
-// the results differ from it by the order of the float32 sums only (the activations are never rounded to integers).
+// the results differ from it by the order of the float32 sums only. The operators int8_q8_gemv_cpu and
+// int4_q8_gemv_cpu (a CPU with AVX512-VNNI) round the activations to int8 instead, as llama.cpp does (see "activations
+// rounded to int8" below).
 // Output rows are shared among torch's threads in tasks of GRAIN rows that each thread takes in turn (over_rows);
 // each reads its rows of weights once for all the activation rows, and widens each weight once for every ROWS of them.
 
@@ -35,27 +37,20 @@ constexpr int ROWS = 4;             // activation rows that share each widened w
 // that sleep made 34.4 tok/s when every product took both, 40.2 with this (docs/bench/HISTORY.md, 2026-11-30b)
 constexpr int64_t THREAD_WORK = 1 << 20;
 
-// f(first, last) for the output rows of N, in tasks [first, last) of GRAIN rows that torch's threads take one after
-// another until none is left: a thread that another process keeps off its core takes fewer of them, where
-// at::parallel_for's even split would make the whole product wait for its share. `work` is the weight bytes times
-// the passes over them (one per ROWS activation rows); a product takes one thread per THREAD_WORK of it at most,
-// since waking a thread costs more than a small product saves.
+// f(n) for the output rows n of N, in tasks of GRAIN rows that torch's threads take one after another until none
+// is left: a thread that another process keeps off its core takes fewer of them, where at::parallel_for's even
+// split would make the whole product wait for its share. `work` is the weight bytes times the passes over them (one
+// per ROWS activation rows); a product takes one thread per THREAD_WORK of it at most, since waking a thread costs
+// more than a small product saves.
 template <typename F>
-inline void over_tasks(int64_t N, int64_t work, F&& f) {
+inline void over_rows(int64_t N, int64_t work, F&& f) {
   const int64_t tasks = (N + GRAIN - 1) / GRAIN;
   const int64_t threads = std::min({static_cast<int64_t>(at::get_num_threads()), tasks,
                                     std::max<int64_t>(1, work / THREAD_WORK)});
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {  // one thread: the loop runs here, no parallel region
-    for (int64_t t = next++; t < tasks; t = next++) f(t * GRAIN, std::min(N, (t + 1) * GRAIN));
-  });
-}
-
-// f(n) for the output rows n of N, as over_tasks shares them
-template <typename F>
-inline void over_rows(int64_t N, int64_t work, F&& f) {
-  over_tasks(N, work, [&](int64_t first, int64_t last) {
-    for (int64_t n = first; n < last; ++n) f(n);
+    for (int64_t t = next++; t < tasks; t = next++)
+      for (int64_t n = t * GRAIN; n < std::min(N, (t + 1) * GRAIN); ++n) f(n);
   });
 }
 
@@ -430,13 +425,6 @@ bool q8_usable() {
 }
 #endif
 
-// log2 of a power of two n
-inline int log2_of(int64_t n) {
-  int bits = 0;
-  while ((int64_t{1} << bits) < n) ++bits;
-  return bits;
-}
-
 // The levels q [QBLOCK] of the block x [QBLOCK], rounded to the nearest (ties to even), and its scale d = max |x| /
 // 127 (x ~ d q; a block of zeros has d = 0)
 inline float quantize_block(const float* x, int8_t* q) {
@@ -474,11 +462,11 @@ Q8Rows round_rows(const float* x, int64_t M, int64_t K, bool int4) {
   offsets.resize(M * K / lane);
   int8_t block[QBLOCK];
   for (int64_t b = 0; b < M * K / QBLOCK; ++b) {  // blocks of all rows in turn: K is a multiple of QBLOCK
-    scales[b] = quantize_block(x + b * QBLOCK, block);
+    scales[b] = quantize_block(x + b * QBLOCK, int4 ? block : levels.data() + b * QBLOCK);
     const int64_t chunk = (b - b % 2) * QBLOCK;  // int4: the 64 columns of block b
-    for (int64_t i = 0; i < QBLOCK; ++i) {
-      const int64_t c = (b % 2) * QBLOCK + i;  // int4: column c of the chunk goes to c / 2, or 32 + c / 2 if odd
-      levels[int4 ? chunk + (c % 2) * QBLOCK + c / 2 : b * QBLOCK + i] = block[i];
+    for (int64_t i = 0; int4 && i < QBLOCK; ++i) {
+      const int64_t c = (b % 2) * QBLOCK + i;  // column c of the chunk goes to c / 2, or 32 + c / 2 if odd
+      levels[chunk + (c % 2) * QBLOCK + c / 2] = block[i];
     }
   }
   for (int64_t i = 0; i < M * K / lane; ++i) {
@@ -587,7 +575,7 @@ at::Tensor int8_q8_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, const
   const float* sp = sc.data_ptr<float>();
   float* yp = out.data_ptr<float>();
   const int64_t G = grouped ? K / group : 1;
-  const int shift = grouped ? log2_of(group / QBLOCK) : 0;
+  const int shift = grouped ? __builtin_ctzll(group / QBLOCK) : 0;  // group / QBLOCK = 2^shift
   over_rows(N, N * K * passes(M), [&](int64_t n) {
     by_rows(M, [&](auto rows, int64_t m) {
       constexpr int R = decltype(rows)::value;
@@ -618,7 +606,7 @@ at::Tensor int4_q8_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, const
   const uint8_t* wp = wc.data_ptr<uint8_t>();
   const float *sp = sc.data_ptr<float>(), *zp = zc.data_ptr<float>();
   float* yp = out.data_ptr<float>();
-  const int shift = log2_of(group / QBLOCK);
+  const int shift = __builtin_ctzll(group / QBLOCK);  // group / QBLOCK = 2^shift
   over_rows(N, N * K / 2 * passes(M), [&](int64_t n) {
     by_rows(M, [&](auto rows, int64_t m) {
       int4_q8_rows<decltype(rows)::value>(rounded, m, xs + m * G, K, G, wp + n * K / 2, sp + n * G, zp + n * G, shift,

@@ -20,6 +20,7 @@ from gpt_fast.kernels.gemlite_int8 import GemliteWeights, gemlite_int8_product, 
 from gpt_fast.model.config import EmbeddingQuant, ModelConfig, QuantConfig
 from gpt_fast.quant.layout import TABLE, quantized_linears, quantized_tensors
 from gpt_fast.quant.products import (
+    CPP_KERNELS,
     FEW_ROWS,
     GEMLITE_ROWS,
     INT4_GEMV_ROWS,
@@ -196,7 +197,7 @@ class Int4Linear(QuantizedLinear):
         repack = {"cpu": self._repack_cpu, "cuda": self._repack_cuda}.get(self.weight.device.type)
         if kernel == "aten" and repack is not None and repack():
             self.kernel = "aten"
-        elif kernel in ("cpp", "cpp-q8"):
+        elif kernel in CPP_KERNELS:
             takes = cpp_takes(self.weight, self.scales, self.in_features, INT4_COLUMNS)
             self.kernel = kernel if takes and self.group_size % INT4_GROUPS == 0 else "dequant"
         else:
@@ -246,7 +247,7 @@ class Int4Linear(QuantizedLinear):
         if self.kernel == "triton" and takes_matmul(rows, INT4_GEMV_ROWS):
             group = self.group_size
             out = torch.ops.gpt_fast.int4_matmul(group_columns(rows, group), self.words, self.scales, self.zeros, group)
-        elif self.kernel in ("cpp", "cpp-q8"):
+        elif self.kernel in CPP_KERNELS:
             q8 = self.kernel == "cpp-q8"
             out = int4_cpp_linear(rows, self.weight, self.scales, self.zeros, self.group_size, q8)
         elif self.kernel == "aten" and few:

@@ -33,10 +33,11 @@ for 1024 rows.
 - ``cpp-q8``: ``cpp`` with the activations rounded to int8 per block of 32 columns, as llama.cpp rounds them for
   its Q8_0 and Q4_1 weights, so that a block's products are summed by one AVX512-VNNI instruction (vpdpbusd):
   :func:`gpt_fast.kernels.cpu_gemv.int8_q8_gemv` and ``int4_q8_gemv``, on a CPU with AVX512-VNNI, for as many
-  rows as ``cpp``'s kernels (more take ``cpp``'s path). On a Zen 4 core a decode step's products took 7.3 ms against
-  ``cpp``'s 7.8 (int8) and 6.6 against 8.2 (int4), the output projection 1.2 against 2.0 (BENCHMARKS.md,
-  2026-11-30c). Its products differ from the dequantized reference by the
-  activations' rounding (relative error about 1e-2), where ``cpp``'s differ by the order of float32 sums only.
+  rows as ``cpp``'s kernels (more take ``cpp``'s path). On a Zen 4 core, one thread, a decode step's int4 products
+  took 7.87–8.46 ms against ``cpp``'s 9.20–9.43, and the default model's output projection 1.26–1.28 against
+  1.86–2.00 (BENCHMARKS.md, 2026-11-30c). Its products differ from the dequantized reference by the activations'
+  rounding (relative error about 5e-3 on random rows), where ``cpp``'s differ by the order of float32 sums only.
+  Not ``auto``'s choice: its greedy tokens are not the float model's (docs/cpu.md).
 - ``aten``: PyTorch's own weight-only kernels, ``torch.ops.aten._weight_int8pack_mm``, and for int4
   ``_weight_int4pack_mm_for_cpu`` or CUDA's tinygemm ``_weight_int4pack_mm`` (on a copy of the weights repacked
   once at load, :mod:`gpt_fast.quant.layers`). The CPU's choice where ``cpp`` is not usable (another CPU, no C++
@@ -59,6 +60,7 @@ from gpt_fast.kernels.gemlite_int8 import gemlite_importable
 from gpt_fast.model.config import QUANT_KERNELS as KERNELS
 from gpt_fast.quant.schemes import INT4_MID, int8_column_scales, pack_int4, unpack_int4
 
+CPP_KERNELS = ("cpp", "cpp-q8")  # the kernels of our C++ library (gpt_fast.kernels.cpu_gemv)
 SIXTEEN_BITS = (torch.float16, torch.bfloat16)  # what our float16-pairs kernels and the tensor cores multiply
 FEW_ROWS = 16  # activation rows the specialized kernels take; more are a matrix product
 # Rows our C++ CPU kernels take (they widen each weight once for every 4 rows): against dequantize + F.linear on the
@@ -86,7 +88,7 @@ def resolve_kernel(kernel: str, device: torch.device) -> str:
             f"the gemlite quantized kernel needs a CUDA GPU with Triton and the gemlite package "
             f"(pip install 'gpt-fast[gemlite]'); here: {here}"
         )
-    if kernel in ("cpp", "cpp-q8") and not cpp_usable(device):
+    if kernel in CPP_KERNELS and not cpp_usable(device):
         raise ValueError(
             f"the {kernel} quantized kernels need an x86 CPU with AVX2, a C++ compiler and ninja, not {device}"
         )
@@ -96,7 +98,7 @@ def resolve_kernel(kernel: str, device: torch.device) -> str:
         kernel = "triton" if triton_usable(device) else "cpp" if cpp_usable(device) else _plain(device)
     if kernel in ("triton", "gemlite"):
         register_triton_ops()
-    if kernel in ("cpp", "cpp-q8"):
+    if kernel in CPP_KERNELS:
         register_cpu_ops()
     return kernel
 
