@@ -50,6 +50,15 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _step_settings():
+    """Compiled steps are checked as the commands check them (:func:`gpt_fast.util.settings.apply_step_settings`),
+    from the first test on, not only after a test has run a command in this process."""
+    from gpt_fast.util.settings import apply_step_settings
+
+    apply_step_settings()
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _own_user_cache(tmp_path_factory: pytest.TempPathFactory):
     """The default model is prepared in this test run's own cache, never in the user's."""
     with pytest.MonkeyPatch.context() as patch:

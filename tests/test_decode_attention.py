@@ -8,18 +8,28 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from decode_attention_reference import decoded_logits, model_configs, random_model, reference_attention
+from decode_attention_reference import (
+    decoded_logits,
+    kernel_errors,
+    model_configs,
+    model_errors,
+    paged_kernel_errors,
+    random_model,
+    reference_attention,
+)
 
 from gpt_fast.accel.decode_attention import (
     attention_pdl,
     fused_decode_attention,
     fused_decode_attention_pdl,
+    register_cpp_ops,
     resolve_attention_kernel,
     use_attention_kernel,
 )
 from gpt_fast.accel.options import KernelOptions
 from gpt_fast.convert.random_init import random_weights
 from gpt_fast.engine.engine import Engine, EngineOptions
+from gpt_fast.kernels import cpu_attention, cpu_gemv
 from gpt_fast.model.shapes import get_shape
 from tests.interpreter import interpret_all, needs_triton, old_numpy
 
@@ -30,13 +40,50 @@ TINY = get_shape("tiny")
 
 
 def test_kernel_choice_on_the_cpu():
+    """``auto`` takes the C++ kernel in compiled steps where it builds, never in eager ones or with regional
+    compilation; ``cpp`` is refused where it cannot run."""
     cpu = torch.device("cpu")
-    assert resolve_attention_kernel("auto", cpu, "reduce-overhead") == "torch"
+    cpp = "cpp" if cpu_gemv.cpu_kernels_usable() else "torch"
+    assert resolve_attention_kernel("auto", cpu, "reduce-overhead") == cpp
+    assert resolve_attention_kernel("auto", cpu, "default") == cpp
+    assert resolve_attention_kernel("auto", cpu, "none") == "torch"
+    assert resolve_attention_kernel("auto", cpu, "default", regional_compile=True) == "torch"
     assert resolve_attention_kernel("torch", cpu, "none") == "torch"
     with pytest.raises(ValueError, match="the triton attention kernel needs a CUDA GPU with Triton installed, not cpu"):
         resolve_attention_kernel("triton", cpu, "none")
-    with pytest.raises(ValueError, match="attention kernel 'flash' is not one of auto, triton, torch"):
+    with pytest.raises(ValueError, match="attention kernel 'flash' is not one of auto, triton, cpp, torch"):
         resolve_attention_kernel("flash", cpu, "none")
+    with pytest.raises(ValueError, match="the cpp attention kernel needs an x86 CPU with AVX2, a C\\+\\+ compiler"):
+        resolve_attention_kernel("cpp", torch.device("cuda"), "default")
+
+
+needs_cpp = pytest.mark.skipif(not cpu_gemv.cpu_kernels_usable(), reason="our C++ kernels do not build here")
+
+
+def cpp_kernel(*args: object, launch: object = None) -> torch.Tensor:
+    """The C++ kernel as the reference's cases call a kernel (``launch`` is the Triton kernel's)."""
+    register_cpp_ops()
+    return cpu_attention.decode_attention(*args)
+
+
+@needs_cpp
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-6), (torch.bfloat16, 2**-9)])
+def test_the_cpp_kernel_matches_the_pytorch_code(dtype, tolerance):
+    """The reference's cases (MHA, GQA, MQA; head_dim 16 to 128; shared positions and each row's own, the first and
+    the last; later cache rows; sliding windows; soft-capping), over a static cache and a paged one: the output
+    against rotary embedding + the cache's update + ``attend_one_query``, and the cache after the write. The
+    rotated key is rounded to the cache's dtype as the model's code rounds it, so the cache is equal; the output
+    differs by the order of float32 sums, in bfloat16 by an output rounded the other way now and then (the
+    tolerance is half its precision)."""
+    for errors in (kernel_errors(cpp_kernel, dtype, "cpu"), paged_kernel_errors(cpp_kernel, dtype, "cpu")):
+        assert errors[0] < tolerance and errors[1] == 0.0
+
+
+@needs_cpp
+def test_tiny_models_decode_with_the_cpp_kernel_as_with_the_pytorch_code():
+    """Plain Llama, GQA, q/k norms, Gemma 2's windows with soft-capping, Phi-3's head_dim 96; rows at their own
+    positions, a paged cache: the logits of five decode steps."""
+    assert model_errors(cpp_kernel) < 1e-5
 
 
 def test_a_rocm_build_keeps_the_pytorch_code(monkeypatch):
@@ -76,7 +123,7 @@ def test_auto_takes_the_kernel_where_it_was_measured_faster(
 
 
 def test_engine_options_check_the_attention_kernel():
-    with pytest.raises(ValueError, match="kernels.attention 'flash' is not one of auto, triton, torch"):
+    with pytest.raises(ValueError, match="kernels.attention 'flash' is not one of auto, triton, cpp, torch"):
         EngineOptions(kernels=KernelOptions(attention="flash"))
     with pytest.raises(ValueError, match="the triton attention kernel needs a CUDA GPU"):
         Engine.from_state(get_shape("tiny"), {}, EngineOptions(device="cpu", kernels=KernelOptions(attention="triton")))
@@ -139,6 +186,8 @@ def test_every_attention_layer_gets_the_kernel_and_its_window():
     assert all(a.decode_kernel is fused_decode_attention for a in layers)
     use_attention_kernel(engine.model, "triton", pdl=True)
     assert all(a.decode_kernel is fused_decode_attention_pdl for a in layers)
+    use_attention_kernel(engine.model, "cpp")
+    assert all(a.decode_kernel is cpu_attention.decode_attention for a in layers)
     use_attention_kernel(engine.model, "torch")
     assert all(a.decode_kernel is None for a in layers)
 

@@ -5,6 +5,9 @@
   combines the splits of a long cache), where inductor makes six of the PyTorch code. Over the static cache and the
   paged one (given its block table). Wrapped as the ``torch.library.triton_op`` ``gpt_fast::decode_attention`` (it
   mutates the cache), so that ``torch.compile`` places it in its own generated code and CUDA graphs capture it.
+- ``cpp``: :mod:`gpt_fast.kernels.cpu_attention`, on an x86 CPU that builds our C++ kernels: the same in one C++
+  operator per layer, ``gpt_fast::decode_attention_cpu``, which reads the positions up to the query's where the
+  compiled PyTorch code reads the whole cache.
 - ``torch``: the model's own code (:func:`gpt_fast.model.transformer.apply_rope`,
   :meth:`gpt_fast.model.cache.KVCache.update`, :func:`gpt_fast.model.transformer.attend_one_query`): runs
   everywhere, ROCm and the CPU included.
@@ -24,6 +27,7 @@ from torch import nn
 from gpt_fast.accel.choice import choose
 from gpt_fast.accel.linear import pdl_kernels_measured, steps_with_pdl
 from gpt_fast.accel.options import ATTENTION_KERNELS, check_regional_compile
+from gpt_fast.kernels import cpu_attention, cpu_gemv
 from gpt_fast.model.transformer import Attention
 
 
@@ -44,9 +48,33 @@ def resolve_attention_kernel(
     Triton (a CUDA GPU with Triton installed, not ROCm) registers its operators (:func:`register_triton_ops`), before
     anything is compiled."""
     check_regional_compile(kernel, regional_compile)
+    if kernel == "cpp" or (kernel == "auto" and device.type == "cpu"):
+        return _resolve_cpp(kernel, device, compile_mode, regional_compile)
     measured = pdl_kernels_measured(device, compile_mode)
     auto = "triton" if measured and not regional_compile else "torch"
     return choose(kernel, ATTENTION_KERNELS, "attention kernel", device, auto, register_triton_ops)
+
+
+def _resolve_cpp(kernel: str, device: torch.device, compile_mode: str, regional_compile: bool) -> str:
+    """``cpp`` where it runs (refused elsewhere); ``auto`` on the CPU: ``cpp`` in compiled steps where the kernels
+    build, without ``regional_compile``. One layer of the default model's shape, a query at position 70 of a
+    192-position cache, one thread: 9.2 µs against 22.7 for inductor's code of the model's attention (docs/cpu.md,
+    "Where a token's time goes")."""
+    usable = device.type == "cpu" and cpu_gemv.cpu_kernels_usable()
+    if kernel == "cpp" and not usable:
+        raise ValueError(f"the cpp attention kernel needs an x86 CPU with AVX2, a C++ compiler and ninja, not {device}")
+    if kernel == "auto" and (not usable or compile_mode == "none" or regional_compile):
+        return "torch"
+    register_cpp_ops()
+    return "cpp"
+
+
+@functools.cache
+def register_cpp_ops() -> None:
+    """Build and load our C++ kernels (:func:`gpt_fast.kernels.cpu_gemv.load_cpu_kernels`) and give
+    ``gpt_fast::decode_attention_cpu`` its shape function for ``torch.compile``, before anything is compiled."""
+    cpu_gemv.load_cpu_kernels()
+    torch.library.register_fake("gpt_fast::decode_attention_cpu", lambda q, *_args: q.new_empty(q.shape))
 
 
 def attention_pdl(kernel: str, device: torch.device, compile_mode: str) -> bool:
@@ -109,9 +137,12 @@ def fused_decode_attention_pdl(*args: object) -> torch.Tensor:
 
 def use_attention_kernel(model: nn.Module, kernel: str, pdl: bool = False) -> None:
     """Give every attention layer of ``model`` the decode kernel ``kernel`` (a name :func:`resolve_attention_kernel`
-    returned): ``triton``, the fused kernel (launched with PDL with ``pdl``: see :func:`attention_pdl`); ``torch``,
-    none (the model's PyTorch code)."""
-    fused = fused_decode_attention_pdl if pdl else fused_decode_attention
+    returned): ``triton``, the fused kernel (launched with PDL with ``pdl``: see :func:`attention_pdl`); ``cpp``,
+    the C++ one; ``torch``, none (the model's PyTorch code)."""
+    fused = {
+        "triton": fused_decode_attention_pdl if pdl else fused_decode_attention,
+        "cpp": cpu_attention.decode_attention,
+    }.get(kernel)
     for module in model.modules():
         if isinstance(module, Attention):
-            module.decode_kernel = fused if kernel == "triton" else None
+            module.decode_kernel = fused

@@ -10,7 +10,8 @@ from gpt_fast.model.config import QUANT_KERNELS
 from gpt_fast.util.options import OptionError, check_one_of
 
 TRITON_OR_TORCH = ("auto", "triton", "torch")  # our Triton kernel, or the model's PyTorch code
-ATTENTION_KERNELS = ACTIVATION_KERNELS = LAYERS_KERNELS = LINEAR_KERNELS = SAMPLING_KERNELS = TRITON_OR_TORCH
+ACTIVATION_KERNELS = LAYERS_KERNELS = LINEAR_KERNELS = SAMPLING_KERNELS = TRITON_OR_TORCH
+ATTENTION_KERNELS = ("auto", "triton", "cpp", "torch")  # cpp: our C++ kernel on an x86 CPU
 
 
 @dataclass(frozen=True)
@@ -59,5 +60,6 @@ def check_regional_compile(kernel: str, regional_compile: bool) -> None:
     compile an operator that mutates its input inside a reused region (``torch.compiler.nested_compile_region``
     raises "Found a custom (non-ATen) operator whose output has alias annotations", pytorch/pytorch#186807; seen
     with torch 2.11 on an H200 and 2.13 on the CPU)."""
-    if kernel == "triton" and regional_compile:
-        raise OptionError("regional_compile does not combine with the triton attention kernel yet", "regional_compile")
+    if kernel in ("triton", "cpp") and regional_compile:
+        message = f"regional_compile does not combine with the {kernel} attention kernel yet"
+        raise OptionError(message, "regional_compile")

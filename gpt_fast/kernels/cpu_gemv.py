@@ -1,4 +1,5 @@
-"""Our C++ kernels for the quantized products of a few rows on an x86 CPU (``cpu_gemv.cpp`` beside this file): the
+"""Our C++ kernels for the quantized products of a few rows on an x86 CPU (``cpu_gemv.cpp`` beside this file; the
+library also holds the decode attention of ``cpu_attention.cpp``, :mod:`gpt_fast.kernels.cpu_attention`): the
 operators ``torch.ops.gpt_fast.int8_gemv_cpu``, ``int8_group_gemv_cpu`` and ``int4_gemv_cpu``, and
 ``int4_dequantize_cpu`` for a prefill's many rows; and, on a CPU with AVX512-VNNI, ``int8_q8_gemv_cpu`` and
 ``int4_q8_gemv_cpu``, whose activations are rounded to int8 per 32 columns as llama.cpp rounds them, so that each
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_attention.cpp"))
 LIBRARY = "gpt_fast_cpu_gemv_avx2"
 # -ffp-contract=off: a product and a sum written apart stay two roundings, so that int4_dequantize_cpu gives
 # PyTorch's numbers (the kernels' fused multiply-adds are written as such)
@@ -66,20 +67,20 @@ def _put_ninja_on_path() -> None:
 @functools.cache
 def load_cpu_kernels() -> None:
     """Build (the first time on this machine, some 20 s, said on standard error) and load the library that
-    registers the operators."""
+    registers the operators (the products' and the decode attention's)."""
     from torch.utils.cpp_extension import load
 
     start = time.perf_counter()
     load(
         LIBRARY,
-        sources=[str(SOURCE)],
+        sources=[str(source) for source in SOURCES],
         extra_cflags=[*FLAGS, *OPENMP],
         extra_ldflags=OPENMP,
         is_python_module=False,
     )
     seconds = time.perf_counter() - start
     if seconds > BUILD_NOTE_SECONDS:
-        print(f"Built gpt-fast's CPU quantized kernels in {seconds:.1f} s (once on this machine)", file=sys.stderr)
+        print(f"Built gpt-fast's CPU kernels in {seconds:.1f} s (once on this machine)", file=sys.stderr)
 
 
 def q8_usable() -> bool:

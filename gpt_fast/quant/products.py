@@ -35,7 +35,7 @@ for 1024 rows.
   :func:`gpt_fast.kernels.cpu_gemv.int8_q8_gemv` and ``int4_q8_gemv``, on a CPU with AVX512-VNNI, for as many
   rows as ``cpp``'s kernels (more take ``cpp``'s path). On a Zen 4 core, one thread, a decode step's int4 products
   took 7.87–8.46 ms against ``cpp``'s 9.20–9.43, and the default model's output projection 1.26–1.28 against
-  1.86–2.00 (BENCHMARKS.md, 2026-11-30c). Its products differ from the dequantized reference by the activations'
+  1.86–2.00 (docs/bench/HISTORY.md, 2026-11-30c). Its products differ from the dequantized reference by the activations'
   rounding (relative error about 5e-3 on random rows), where ``cpp``'s differ by the order of float32 sums only.
   Not ``auto``'s choice: its greedy tokens are not the float model's (docs/cpu.md).
 - ``aten``: PyTorch's own weight-only kernels, ``torch.ops.aten._weight_int8pack_mm``, and for int4

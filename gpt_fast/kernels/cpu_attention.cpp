@@ -1,0 +1,262 @@
+// The attention of a decode step (one query position per row) on an x86 CPU, as the operator
+// gpt_fast::decode_attention_cpu (built with cpu_gemv.cpp into one library by gpt_fast/kernels/cpu_gemv.py): the
+// rotary embedding of the step's query and key, the write of its key and value into the cache, and the attention over
+// the positions the query sees, in one call per layer.
+//
+// The model's compiled code reads the whole cache under an additive mask, every position up to the cache's length;
+// this reads the positions up to the query's own (and not older than a sliding window). Each kv head's keys and values
+// are read once for the query heads that share them. Sums are float32, as the model's code (attend_one_query) sums
+// them; the rotated query and key are rounded to the cache's dtype first, as that code rounds them.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <vector>
+
+namespace {
+
+constexpr int64_t LANES = 8;  // float32 lanes of an AVX2 vector
+constexpr int64_t KEYS = 4;   // keys whose scores are summed side by side (dots)
+
+template <typename T>
+inline float widen(T x) {
+  return static_cast<float>(x);
+}
+
+// round a float32 to the dtype T and back, as `.to(dtype)` then `.float()` do
+template <typename T>
+inline float round_to(float x) {
+  return static_cast<float>(static_cast<T>(x));
+}
+
+// 8 values from p as float32
+inline __m256 load8(const float* p) {
+  return _mm256_loadu_ps(p);
+}
+
+inline __m256 load8(const c10::BFloat16* p) {  // a bfloat16 is a float32's high half
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+inline __m256 load8(const c10::Half* p) {
+  float wide[LANES];
+  for (int64_t j = 0; j < LANES; ++j) wide[j] = static_cast<float>(p[j]);
+  return _mm256_loadu_ps(wide);
+}
+
+inline float sum_lanes(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// e^x for 8 float32 x <= 0 (scores less their maximum), to within 2 ulp: x = k ln 2 + r with |r| <= ln 2 / 2 (ln 2
+// in two parts, so that r is exact), e^r by its Taylor polynomial of degree 7 in Horner form, times 2^k built in the
+// exponent bits; below -87 (2^k underflows) the result is 0
+inline __m256 exp8(__m256 x) {
+  const __m256 low = _mm256_set1_ps(-87.f);
+  const __m256 tiny = _mm256_cmp_ps(x, low, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, low);
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.f / 5040);
+  for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+// out[j] = the sum over d < D of a[d] * keys[j][d] for j < KEYS (D a multiple of LANES): KEYS chains of fused
+// multiply-adds side by side, where one dot product at a time waits on each addition's latency
+template <typename T>
+inline void dots(const float* a, const T* const* keys, int64_t D, float* out) {
+  __m256 sums[KEYS];
+  for (int64_t j = 0; j < KEYS; ++j) sums[j] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += LANES) {
+    const __m256 x = _mm256_loadu_ps(a + d);
+    for (int64_t j = 0; j < KEYS; ++j) sums[j] = _mm256_fmadd_ps(x, load8(keys[j] + d), sums[j]);
+  }
+  for (int64_t j = 0; j < KEYS; ++j) out[j] = sum_lanes(sums[j]);
+}
+
+// acc[d] += w * b[d] for d < D (a multiple of LANES)
+template <typename T>
+inline void add_scaled(float* acc, float w, const T* b, int64_t D) {
+  const __m256 weight = _mm256_set1_ps(w);
+  for (int64_t d = 0; d < D; d += LANES)
+    _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(weight, load8(b + d), _mm256_loadu_ps(acc + d)));
+}
+
+// `out` [D] = x [D] rotated by the position whose tables are cos, sin [D/2] (the halves rotated together, as
+// apply_rope does), rounded to T
+template <typename T>
+inline void rotate(const T* x, const float* cos, const float* sin, int64_t D, float* out) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = widen(x[i]), x2 = widen(x[i + half]);
+    out[i] = round_to<T>(x1 * cos[i] - x2 * sin[i]);
+    out[i + half] = round_to<T>(x2 * cos[i] + x1 * sin[i]);
+  }
+}
+
+// Where a row's keys and values are: static cache [2, R, H_kv, S, D], or paged [2, N, block_size, H_kv, D] with the
+// block table [R, W].
+template <typename T>
+struct Cache {
+  T* base;
+  int64_t half_stride;  // from the keys to the values
+  const int64_t* table;  // null: static
+  int64_t table_stride, block_size;
+  int64_t row_stride, head_stride, pos_stride;  // static: per row; paged: per block (row_stride), per offset
+
+  T* at(int64_t row, int64_t head, int64_t pos) const {
+    if (table == nullptr) return base + row * row_stride + head * head_stride + pos * pos_stride;
+    const int64_t block = table[row * table_stride + pos / block_size];
+    return base + block * row_stride + (pos % block_size) * pos_stride + head * head_stride;
+  }
+};
+
+// One row's kv head `h`: rotate and store its key and value at `pos`, then attend its G query heads `q` [G, D]
+// (rotated) over positions lo .. pos, writing `out` [G, D].
+template <typename T>
+void attend_head(const Cache<T>& cache, int64_t row, int64_t h, int64_t lo, int64_t pos, const float* q, int64_t G,
+                 int64_t D, float scale, std::optional<double> softcap, T* out, int64_t out_head_stride) {
+  const int64_t n = pos - lo + 1;
+  const int64_t whole = (n + LANES - 1) / LANES * LANES;
+  const int64_t padded = whole + KEYS;  // whole vectors, and room for the last KEYS scores
+  std::vector<float> scores(G * padded);  // [G, n], each head's padded to whole vectors
+  for (int64_t p0 = 0; p0 < n; p0 += KEYS) {
+    const int64_t m = std::min(KEYS, n - p0);
+    const T* keys[KEYS];
+    for (int64_t j = 0; j < KEYS; ++j) keys[j] = cache.at(row, h, lo + p0 + std::min(j, m - 1));
+    for (int64_t g = 0; g < G; ++g) {
+      float* out = scores.data() + g * padded + p0;
+      dots(q + g * D, keys, D, out);
+      for (int64_t j = 0; j < m; ++j) {
+        out[j] *= scale;
+        if (softcap) out[j] = std::tanh(out[j] / static_cast<float>(*softcap)) * static_cast<float>(*softcap);
+      }
+    }
+  }
+  std::vector<float> acc(G * D, 0.f);  // [G, D]
+  std::vector<float> total(G, 0.f);
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores.data() + g * padded;
+    const __m256 top = _mm256_set1_ps(*std::max_element(s, s + n));
+    std::fill(s + n, s + whole, -INFINITY);  // e^-inf: 0
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t p = 0; p < whole; p += LANES) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + p), top));
+      _mm256_storeu_ps(s + p, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    total[g] = sum_lanes(sum);
+  }
+  for (int64_t p = 0; p < n; ++p) {
+    const T* value = cache.at(row, h, lo + p) + cache.half_stride;
+    for (int64_t g = 0; g < G; ++g) add_scaled(acc.data() + g * D, scores[g * padded + p], value, D);
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) out[g * out_head_stride + d] = static_cast<T>(acc[g * D + d] / total[g]);
+}
+
+template <typename T>
+void decode_attention_typed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                            const at::Tensor& sin, at::Tensor& kv, const at::Tensor& input_pos, int64_t first_row,
+                            double scale, std::optional<double> softcap, std::optional<int64_t> window,
+                            const std::optional<at::Tensor>& table, at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(2), D = q.size(3), H_kv = k.size(2), G = H / H_kv;
+  const bool paged = table.has_value();
+  Cache<T> cache{kv.data_ptr<T>(), kv.stride(0), paged ? table->data_ptr<int64_t>() : nullptr,
+                 paged ? table->stride(0) : 0, paged ? kv.size(2) : 0, kv.stride(1),
+                 paged ? kv.stride(3) : kv.stride(2), paged ? kv.stride(2) : kv.stride(3)};
+  const int64_t* positions = input_pos.data_ptr<int64_t>();
+  const float* cos_rows = cos.data_ptr<float>();
+  const float* sin_rows = sin.data_ptr<float>();
+  const bool shared_pos = input_pos.numel() == 1, shared_rope = cos.numel() == D / 2;
+  const T *qs = q.data_ptr<T>(), *ks = k.data_ptr<T>(), *vs = v.data_ptr<T>();
+  T* outs = out.data_ptr<T>();
+  at::parallel_for(0, B * H_kv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> rotated(G * D), key(D);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / H_kv, h = task % H_kv, row = first_row + b;
+      const int64_t pos = positions[shared_pos ? 0 : b];
+      const int64_t lo = window ? std::max<int64_t>(0, pos - *window + 1) : 0;
+      const float* c = cos_rows + (shared_rope ? 0 : b) * (D / 2);
+      const float* s = sin_rows + (shared_rope ? 0 : b) * (D / 2);
+      for (int64_t g = 0; g < G; ++g)
+        rotate(qs + b * q.stride(0) + (h * G + g) * q.stride(2), c, s, D, rotated.data() + g * D);
+      rotate(ks + b * k.stride(0) + h * k.stride(2), c, s, D, key.data());
+      T* key_slot = cache.at(row, h, pos);
+      const T* value = vs + b * v.stride(0) + h * v.stride(2);
+      for (int64_t d = 0; d < D; ++d) {
+        key_slot[d] = static_cast<T>(key[d]);
+        key_slot[cache.half_stride + d] = value[d];
+      }
+      attend_head(cache, row, h, lo, pos, rotated.data(), G, D, static_cast<float>(scale), softcap,
+                  outs + b * out.stride(0) + h * G * out.stride(2), out.stride(2));
+    }
+  });
+}
+
+// q [B, 1, H, D], k and v [B, 1, H_kv, D] (the last dimension contiguous), cos and sin [1, D/2] or [B, 1, D/2]
+// float32, input_pos [1] or [B, 1] int64; kv and table (int64) as Cache says. Returns [B, 1, H, D] in q's dtype.
+at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                                const at::Tensor& sin, at::Tensor& kv, const at::Tensor& input_pos, int64_t first_row,
+                                double scale, std::optional<double> softcap, std::optional<int64_t> window,
+                                const std::optional<at::Tensor>& table) {
+  TORCH_CHECK(q.dim() == 4 && q.size(1) == 1 && k.dim() == 4 && v.dim() == 4, "decode_attention_cpu: one position");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "decode_attention_cpu: heads contiguous");
+  TORCH_CHECK(q.size(3) % LANES == 0 && q.size(2) % k.size(2) == 0, "decode_attention_cpu: head shapes");
+  TORCH_CHECK(kv.dim() == 5 && kv.is_contiguous() && kv.scalar_type() == q.scalar_type(), "decode_attention_cpu: kv");
+  TORCH_CHECK(input_pos.scalar_type() == at::kLong, "decode_attention_cpu: int64 positions");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "decode_attention_cpu: float32 rope");
+  TORCH_CHECK(cos.numel() == sin.numel() && cos.numel() % (q.size(3) / 2) == 0, "decode_attention_cpu: rope shapes");
+  // the step's own small tensors, contiguous already in a compiled step: no copy there
+  const at::Tensor c = cos.is_contiguous() ? cos : cos.contiguous();
+  const at::Tensor s = sin.is_contiguous() ? sin : sin.contiguous();
+  const at::Tensor pos = input_pos.is_contiguous() ? input_pos : input_pos.contiguous();
+  std::optional<at::Tensor> blocks;
+  if (table.has_value()) {
+    TORCH_CHECK(table->scalar_type() == at::kLong, "decode_attention_cpu: an int64 block table");
+    blocks = table->is_contiguous() ? *table : table->contiguous();
+  }
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  switch (q.scalar_type()) {
+    case at::kFloat:
+      decode_attention_typed<float>(q, k, v, c, s, kv, pos, first_row, scale, softcap, window, blocks, out);
+      break;
+    case at::kBFloat16:
+      decode_attention_typed<c10::BFloat16>(q, k, v, c, s, kv, pos, first_row, scale, softcap, window, blocks, out);
+      break;
+    case at::kHalf:
+      decode_attention_typed<c10::Half>(q, k, v, c, s, kv, pos, first_row, scale, softcap, window, blocks, out);
+      break;
+    default:
+      TORCH_CHECK(false, "decode_attention_cpu: float32, bfloat16 or float16");
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(gpt_fast, m) {
+  m.def(
+      "decode_attention_cpu(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) kv, Tensor input_pos, "
+      "int first_row, float scale, float? softcap, int? window, Tensor? table=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(gpt_fast, CPU, m) {
+  m.impl("decode_attention_cpu", &decode_attention_cpu);
+}
