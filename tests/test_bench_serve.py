@@ -78,8 +78,10 @@ def often(monkeypatch):
 
 @pytest.mark.slow
 def test_one_run_prints_every_figure(tmp_path, capsys, often):
+    """Answers of 96 tokens: one client's run lasts about 100 ms, so the cache readings every 5 ms see it busy on a
+    loaded machine too (with 24, a run of some 25 ms was once read only idle)."""
     output = tmp_path / "figures.json"
-    options = ServeBenchOptions(**TINY, clients=(3,), rounds=1, max_tokens=24, workdir=str(tmp_path))
+    options = ServeBenchOptions(**TINY, clients=(3,), rounds=1, max_tokens=96, workdir=str(tmp_path))
     run(dataclasses.replace(options, output=str(output)))
     out = capsys.readouterr().out
     figures = json.loads(output.read_text())
