@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 
@@ -95,6 +97,22 @@ def test_compiled_greedy_equals_eager(model):
         longer_prompt.tokens
         == generate(model, PROMPT * 2, max_new_tokens=5, sampling=GREEDY, steps=make_steps("none")).tokens
     )
+
+
+@torch.no_grad()
+def test_generations_of_two_models_take_turns_on_one_compiled_step(model):
+    """Two models of different shapes, whose decode steps are two compiled versions of one function, decoding in
+    turns: each gives its eager tokens, with Dynamo checking a module's guards only where its ``__dict__`` changed
+    (:func:`gpt_fast.util.settings.apply_step_settings`, on for the test run)."""
+    torch.manual_seed(1)
+    other = Transformer(dataclasses.replace(model.config, n_layer=3))
+    for p in other.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    other.eval()
+    steps = make_steps("default")
+    expected = {m: greedy(m, max_new_tokens=12).tokens for m in (model, other)}
+    for m in (model, other, model, other):
+        assert generate(m, PROMPT, max_new_tokens=12, sampling=GREEDY, steps=steps).tokens == expected[m]
 
 
 def test_compiled_prefill_samples_with_top_k_and_top_p(model):
