@@ -29,6 +29,7 @@ from gpt_fast.accel.linear import pdl_kernels_measured, steps_with_pdl
 from gpt_fast.accel.options import ATTENTION_KERNELS, check_regional_compile
 from gpt_fast.kernels import cpu_attention, cpu_gemv
 from gpt_fast.model.transformer import Attention
+from gpt_fast.quant.products import cpp_usable
 
 
 def resolve_attention_kernel(
@@ -60,7 +61,7 @@ def _resolve_cpp(kernel: str, device: torch.device, compile_mode: str, regional_
     build, without ``regional_compile``. One layer of the default model's shape, a query at position 70 of a
     192-position cache, one thread: 9.2 µs against 22.7 for inductor's code of the model's attention (docs/cpu.md,
     "Where a token's time goes")."""
-    usable = device.type == "cpu" and cpu_gemv.cpu_kernels_usable()
+    usable = cpp_usable(device)
     if kernel == "cpp" and not usable:
         raise ValueError(f"the cpp attention kernel needs an x86 CPU with AVX2, a C++ compiler and ninja, not {device}")
     if kernel == "auto" and (not usable or compile_mode == "none" or regional_compile):

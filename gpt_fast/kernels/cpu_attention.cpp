@@ -127,15 +127,19 @@ struct Cache {
   }
 };
 
-// One row's kv head `h`: rotate and store its key and value at `pos`, then attend its G query heads `q` [G, D]
-// (rotated) over positions lo .. pos, writing `out` [G, D].
+// One row's kv head `h`, its key and value at `pos` stored already: its G query heads `q` [G, D] (rotated) over
+// positions lo .. pos, writing `out` [G, D]; the scores and sums in buffers of the calling thread kept from call to
+// call (a decode step makes one call per row, kv head and layer)
 template <typename T>
 void attend_head(const Cache<T>& cache, int64_t row, int64_t h, int64_t lo, int64_t pos, const float* q, int64_t G,
                  int64_t D, float scale, std::optional<double> softcap, T* out, int64_t out_head_stride) {
   const int64_t n = pos - lo + 1;
   const int64_t whole = (n + LANES - 1) / LANES * LANES;
   const int64_t padded = whole + KEYS;  // whole vectors, and room for the last KEYS scores
-  std::vector<float> scores(G * padded);  // [G, n], each head's padded to whole vectors
+  thread_local std::vector<float> scores, acc, total;
+  scores.resize(G * padded);  // [G, n], each head's padded to whole vectors
+  acc.assign(G * D, 0.f);     // [G, D]
+  total.resize(G);
   for (int64_t p0 = 0; p0 < n; p0 += KEYS) {
     const int64_t m = std::min(KEYS, n - p0);
     const T* keys[KEYS];
@@ -149,8 +153,6 @@ void attend_head(const Cache<T>& cache, int64_t row, int64_t h, int64_t lo, int6
       }
     }
   }
-  std::vector<float> acc(G * D, 0.f);  // [G, D]
-  std::vector<float> total(G, 0.f);
   for (int64_t g = 0; g < G; ++g) {
     float* s = scores.data() + g * padded;
     const __m256 top = _mm256_set1_ps(*std::max_element(s, s + n));

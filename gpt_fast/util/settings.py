@@ -37,9 +37,9 @@ def apply_torch_settings(
 
 def apply_step_settings() -> None:
     """Less host work per call of a compiled step, which is most of what a small model's CPU decode step costs
-    beside its products: one int8 token of the default model took 0.92 ms in Dynamo's guards and 2.29 ms in
-    inductor's Python wrapper and small kernels, against 0.40 and 2.06 ms with these settings (docs/cpu.md, "Where a
-    token's time goes").
+    beside its products: profiled, one int8 token of the default model took 0.92 ms in Dynamo's guards and 2.29 ms
+    in inductor's Python wrapper and small kernels, against 0.42 and 2.06 ms with these settings
+    (docs/bench/2026-11-30d_cpu_step_overhead.txt; docs/cpu.md, "Where a token's time goes").
 
     - Dynamo checks a module's guards only when its ``__dict__`` changed since the last call
       (``use_recursive_dict_tags_for_guards``). Replacing a module, a parameter, a buffer (new caches) or a kernel
