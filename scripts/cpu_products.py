@@ -1,10 +1,11 @@
 """The default model's quantized products on the CPU, as its layers compute them: our C++ kernels (``cpp``, and
-``cpp-q8`` on a CPU with AVX512-VNNI) against PyTorch's own weight-only kernels (``aten``) for a decode step's rows,
-and, for a prompt's many rows, the kernels against torch's matrix product on the weights dequantized by our C++ code
-(the path a layer takes past ``CPP_ROWS`` rows). Random weights of the SmolLM2-135M shape (30 layers of wqkv, wo,
-w13, w2, each its own weights, so that a step reads them from memory as a model does; ``table``: the output
-projection of the default model's int8 table, 49152 rows in groups of 32); each figure is the best of ``--repeats``
-timings.
+``cpp-q8`` on a CPU with AVX512-VNNI) against PyTorch's own weight-only kernels (``aten``) for a decode step's rows;
+and, for ``cpp``, the same products by each of our paths: the tile kernels (``int8_matmul``, ``int4_matmul``: a
+prompt's rows), the few-rows kernels (``int8_gemv``, ``int4_gemv``: a decode step's) and torch's matrix product on
+the weights dequantized whole (int4: by our C++ code; the path past ``CPP_MATMUL_ROWS`` rows). Random weights of the
+SmolLM2-135M shape (30 layers of wqkv, wo, w13, w2, each its own weights, so that a step reads them from memory as a
+model does; ``table``: the output projection of the default model's int8 table, 49152 rows in groups of 32); each
+figure is the best of ``--repeats`` timings.
 
 usage: python scripts/cpu_products.py [--threads 1] [--rows 1,4,8,16,35] [--kinds cpp,cpp-q8,aten] [--repeats 5]
 """
@@ -71,15 +72,22 @@ def through_layers(step: list[torch.nn.Module], xs: dict[int, torch.Tensor]) -> 
     return lambda: [layer(xs[layer.in_features]) for layer in step]
 
 
-def int4_kernel(step: list[torch.nn.Module], xs: dict[int, torch.Tensor]) -> Callable[[], object]:
-    return lambda: [cpu_gemv.int4_gemv(xs[m.in_features], m.weight, m.scales, m.zeros, GROUP) for m in step]
-
-
-def int4_dequantized(step: list[torch.nn.Module], xs: dict[int, torch.Tensor]) -> Callable[[], object]:
-    def run() -> object:
-        return [F.linear(xs[m.in_features], cpu_gemv.int4_dequantize(m.weight, m.scales, m.zeros, GROUP)) for m in step]
-
-    return run
+def paths(scheme: str, step: list[torch.nn.Module], xs: dict[int, torch.Tensor]) -> list[Callable[[], object]]:
+    """A step's products of ``scheme`` (int8 or int4) by the tile kernel, the few-rows kernel and torch's matrix
+    product on the weights dequantized whole, in that order."""
+    if scheme == "int8":
+        return [
+            lambda: [cpu_gemv.int8_matmul(xs[m.in_features], m.weight, m.scales, None) for m in step],
+            lambda: [cpu_gemv.int8_gemv(xs[m.in_features], m.weight, m.scales) for m in step],
+            lambda: [F.linear(xs[m.in_features], m.weight.float()) * m.scales for m in step],
+        ]
+    return [
+        lambda: [cpu_gemv.int4_matmul(xs[m.in_features], m.weight, m.scales, m.zeros, GROUP) for m in step],
+        lambda: [cpu_gemv.int4_gemv(xs[m.in_features], m.weight, m.scales, m.zeros, GROUP) for m in step],
+        lambda: [
+            F.linear(xs[m.in_features], cpu_gemv.int4_dequantize(m.weight, m.scales, m.zeros, GROUP)) for m in step
+        ],
+    ]
 
 
 def main() -> None:
@@ -95,7 +103,7 @@ def main() -> None:
     print(f"CPU capability {capability}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     print(
         "| scheme | kernel | rows | ms per step's products (120; table: 1) "
-        "| int4: the kernel / dequantized + F.linear (ms) |"
+        "| cpp: tile / few-rows kernel / dequantized + F.linear (ms) |"
     )
     print("|---|---|---|---|---|")
     for scheme in ("int8", "int4", "table"):
@@ -107,9 +115,8 @@ def main() -> None:
                 xs = {k: torch.randn(m, k) for k in (576, 1536)}
                 ms = best_ms(through_layers(step, xs), args.repeats)
                 direct = ""
-                if kind == "cpp" and scheme == "int4":
-                    kernel = best_ms(int4_kernel(step, xs), args.repeats)
-                    direct = f"{kernel:.2f} / {best_ms(int4_dequantized(step, xs), args.repeats):.2f}"
+                if kind == "cpp" and scheme != "table" and m > 1:
+                    direct = " / ".join(f"{best_ms(run, args.repeats):.2f}" for run in paths(scheme, step, xs))
                 print(f"| {scheme} | {kind} | {m} | {ms:.2f} | {direct} |", flush=True)
 
 

@@ -1,5 +1,5 @@
-"""Eager CPU decode of the default model's forms side by side in one process (BENCHMARKS.md, 2026-11-29, the CPU's
-quantized products): every variant loaded once, run in turn, the order reversed every other round, at 1 and 2
+"""Eager CPU decode of the default model's forms side by side in one process (docs/bench/HISTORY.md, 2026-11-29, the
+CPU's quantized products): every variant loaded once, run in turn, the order reversed every other round, at 1 and 2
 threads; tok/s of greedy tokens after "Hello, my name is".
 
     gpt-fast convert SmolLM2-135M-Instruct.Q4_1.gguf --quantize int4 --group_size 32 --output_dir /tmp/int4

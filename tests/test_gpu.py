@@ -287,6 +287,6 @@ def test_a_row_of_the_decode_bench_after_another_on_the_7b_shape():
     """`gpt-fast bench decode --quantize int4` builds a row's engines after the last row's are freed. On the
     Llama-2-7B shape a row whose prefill multiplies by cuBLAS (here PyTorch's tinygemm row, which dequantizes for
     prefills) must not reuse a cuBLAS workspace from the freed row's CUDA-graph pool: that was an illegal memory
-    access at its first generation (BENCHMARKS.md, 2026-11-29)."""
+    access at its first generation (docs/bench/HISTORY.md, 2026-11-29)."""
     result = subprocess.run([sys.executable, "-c", ROW_AFTER_ROW], capture_output=True, text=True, timeout=900)
     assert result.returncode == 0 and "every row measured" in result.stdout, result.stderr[-3000:]

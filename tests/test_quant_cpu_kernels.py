@@ -16,9 +16,10 @@ from gpt_fast.model.shapes import get_shape
 from gpt_fast.quant.layers import Int4Linear, Int8Embedding, Int8Linear
 from gpt_fast.quant.layout import quantize_state
 from gpt_fast.quant.products import (
-    CPP_ROWS,
+    CPP_INT4_GEMV_ROWS,
+    CPP_INT8_GEMV_ROWS,
+    CPP_MATMUL_ROWS,
     FEW_ROWS,
-    INT4_KERNEL_ROWS,
     int4_dequantize,
     int8_linear,
     register_cpu_ops,
@@ -63,10 +64,19 @@ def int8_group_layer(out_features, cols, group_size, dtype=torch.float32, seed=0
     return layer, dequantize_int8(q, scales, group_size).double()
 
 
+@pytest.fixture(params=[True, False], ids=["avx512", "avx2"])
+def avx512(request):
+    """The kernels with their AVX-512 code where this CPU has it, and without it, as on a CPU that has not."""
+    register_cpu_ops()
+    before = torch.ops.gpt_fast.set_avx512(request.param)
+    yield
+    torch.ops.gpt_fast.set_avx512(before)
+
+
 @needs_cpp
-@pytest.mark.parametrize("rows", [1, 5, FEW_ROWS, CPP_ROWS])
+@pytest.mark.parametrize("rows", [1, 5, CPP_INT8_GEMV_ROWS, FEW_ROWS, 50, CPP_MATMUL_ROWS])
 @pytest.mark.parametrize("out_features, cols", [(96, 160), (24, 176), (40, 576), (17, 1536)])
-def test_int8_kernel_matches_the_float_product(rows, out_features, cols):
+def test_int8_kernel_matches_the_float_product(rows, out_features, cols, avx512):
     register_cpu_ops()
     torch.manual_seed(rows)
     q, scales = quantize_int8(torch.randn(out_features, cols), torch.float32)
@@ -78,13 +88,13 @@ def test_int8_kernel_matches_the_float_product(rows, out_features, cols):
 
 
 @needs_cpp
-@pytest.mark.parametrize("rows", [1, 3, INT4_KERNEL_ROWS, INT4_KERNEL_ROWS + 2])
+@pytest.mark.parametrize("rows", [1, 3, CPP_INT4_GEMV_ROWS, CPP_INT4_GEMV_ROWS + 2, 50])
 @pytest.mark.parametrize(
     "out_features, cols, group_size",
     [(96, 256, 32), (40, 576, 64), (33, 576, 128), (24, 1536, 256), (8, 64, 32)],
     ids=["g32", "g64", "g128-short-last-group", "g256", "one-block"],
 )
-def test_int4_kernel_matches_the_float_product(rows, out_features, cols, group_size):
+def test_int4_kernel_matches_the_float_product(rows, out_features, cols, group_size, avx512):
     """Through the layer, on the weights as the checkpoint holds them; groups of 32 split a block of 64 columns,
     576 columns in groups of 128 end with a group of 64."""
     assert_the_cpp_layer_matches(*int4_layer(out_features, cols, group_size, seed=rows), rows)
@@ -120,42 +130,66 @@ def assert_the_cpp_layer_matches(layer, dequantized, rows):
 
 
 @needs_cpp
-def test_int4_kernel_reads_every_level_and_a_zero_of_its_own_per_group():
+@pytest.mark.parametrize(
+    "product, rows", [("int4_gemv", 2), ("int4_matmul", 2), ("int4_matmul", 53)], ids=["gemv", "tile", "tile-53"]
+)
+def test_int4_kernel_reads_every_level_and_a_zero_of_its_own_per_group(product, rows, avx512):
     """Weights of every level 0..15 at every column position, scales and zeros that differ per group and row: each
-    nibble and each group's numbers land where the scheme says (an exact float64 check of small integers)."""
+    nibble and each group's numbers land where the scheme says (an exact float64 check of small integers), and each
+    output where it belongs: 53 rows are two chunks of the tile kernel, the second ending with blocks of 2 rows,
+    and 37 outputs are two tasks, the second ending with a block of one."""
     register_cpu_ops()
-    out_features, cols, group_size = 16, 128, 32
+    out_features, cols, group_size = 37, 128, 32
     levels = (torch.arange(out_features)[:, None] + torch.arange(cols)[None, :] * 7) % 16  # [N, K]
     packed = (levels[:, 0::2] | (levels[:, 1::2] << 4)).to(torch.uint8)
     scales = torch.arange(1, 1 + out_features * 4, dtype=torch.float32).reshape(out_features, 4) / 4
     zeros = -torch.arange(out_features * 4, dtype=torch.float32).reshape(out_features, 4)
-    x = torch.randint(-3, 4, (2, cols)).float()
+    x = torch.randint(-3, 4, (rows, cols)).float()
     expected = x.double() @ dequantize_int4(packed, scales, zeros, group_size).double().T
-    got = cpu_gemv.int4_gemv(x, packed, scales, zeros, group_size)
+    got = getattr(cpu_gemv, product)(x, packed, scales, zeros, group_size)
     assert torch.equal(got.double(), expected)
 
 
 @needs_cpp
-@pytest.mark.parametrize("rows", [1, 3, FEW_ROWS + 2, CPP_ROWS])
+@pytest.mark.parametrize("rows", [1, 3, CPP_INT8_GEMV_ROWS, FEW_ROWS + 2, 50])
 @pytest.mark.parametrize("out_features, cols, group_size", [(96, 576, 32), (40, 256, 64), (17, 512, 128), (8, 32, 32)])
-def test_grouped_int8_kernel_matches_the_float_product(rows, out_features, cols, group_size):
+def test_grouped_int8_kernel_matches_the_float_product(rows, out_features, cols, group_size, avx512):
     """Through the layer, on the weights and per-group scales as the checkpoint holds them."""
     assert_the_cpp_layer_matches(*int8_group_layer(out_features, cols, group_size, seed=rows), rows)
 
 
+def every_int8_value(out_features: int, cols: int) -> torch.Tensor:
+    """int8 weights [N, K] with every value -128..127 at every column position."""
+    return ((torch.arange(out_features)[:, None] * 31 + torch.arange(cols)[None, :] * 7) % 256 - 128).to(torch.int8)
+
+
 @needs_cpp
 @pytest.mark.parametrize("group_size", [16, 32])
-def test_grouped_int8_kernel_reads_every_value_and_each_groups_scale(group_size):
+@pytest.mark.parametrize("tile", [False, True], ids=["gemv", "tile"])
+def test_grouped_int8_kernel_reads_every_value_and_each_groups_scale(group_size, tile, avx512):
     """Weights of every value -128..127 at every column position and scales that differ per group and row: each
     byte and each group's scale land where the scheme says (an exact float64 check of small numbers)."""
     register_cpu_ops()
-    out_features, cols = 16, 256
+    out_features, cols = 19, 256
     groups = cols // group_size
-    q = ((torch.arange(out_features)[:, None] * 31 + torch.arange(cols)[None, :] * 7) % 256 - 128).to(torch.int8)
+    q = every_int8_value(out_features, cols)
     scales = torch.arange(1, 1 + out_features * groups, dtype=torch.float32).reshape(out_features, groups) / 4
-    x = torch.randint(-3, 4, (3, cols)).float()
+    x = torch.randint(-3, 4, (52 if tile else 3, cols)).float()
     expected = x.double() @ dequantize_int8(q, scales, group_size).double().T
-    assert torch.equal(cpu_gemv.int8_group_gemv(x, q, scales, group_size).double(), expected)
+    product = cpu_gemv.int8_matmul if tile else cpu_gemv.int8_group_gemv
+    assert torch.equal(product(x, q, scales, group_size).double(), expected)
+
+
+@needs_cpp
+def test_int8_tile_kernel_scales_each_rows_sums(avx512):
+    """Scales per row multiply each output of the tile kernel exactly (small numbers), 50 rows by 21 outputs."""
+    register_cpu_ops()
+    out_features, cols = 21, 160
+    q = every_int8_value(out_features, cols)
+    scales = torch.arange(1, 1 + out_features, dtype=torch.float32) / 8
+    x = torch.randint(-3, 4, (50, cols)).float()
+    expected = x.double() @ dequantize_int8(q, scales).double().T
+    assert torch.equal(cpu_gemv.int8_matmul(x, q, scales, None).double(), expected)
 
 
 @needs_cpp
@@ -181,14 +215,14 @@ def test_a_quantized_table_looks_up_and_projects_the_same_tensors(group_size):
 @needs_cpp
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_many_rows_take_the_dequantized_product(kind, monkeypatch):
-    """A long prefill (more rows than :data:`CPP_ROWS`) dequantizes (int4: with our C++ code, from
-    :data:`INT4_KERNEL_ROWS` rows on) and calls F.linear, on the same weights."""
+    """A long prefill (more rows than :data:`CPP_MATMUL_ROWS`) dequantizes (int4: with our C++ code) and calls
+    F.linear, on the same weights."""
     register_cpu_ops()
     layer, dequantized = int8_layer(48, 192) if kind == "int8" else int4_layer(48, 192, 64)
     layer.prepare("cpp")
-    monkeypatch.setattr(cpu_gemv, "int8_gemv", lambda *args: pytest.fail("the kernel took too many rows"))
-    monkeypatch.setattr(cpu_gemv, "int4_gemv", lambda *args: pytest.fail("the kernel took too many rows"))
-    x = torch.randn(CPP_ROWS + 5, 192)
+    for name in ("int8_gemv", "int4_gemv", "int8_matmul", "int4_matmul"):
+        monkeypatch.setattr(cpu_gemv, name, lambda *args: pytest.fail("the kernel took too many rows"))
+    x = torch.randn(CPP_MATMUL_ROWS + 5, 192)
     assert relative_error(layer(x), x.double() @ dequantized.T) < TOLERANCE
 
 

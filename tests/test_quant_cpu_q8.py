@@ -9,7 +9,7 @@ import torch
 from gpt_fast.kernels import cpu_gemv
 from gpt_fast.model.config import EmbeddingQuant, QuantConfig
 from gpt_fast.quant.layers import Int4Linear, Int8Linear
-from gpt_fast.quant.products import CPP_ROWS, INT4_KERNEL_ROWS, register_cpu_ops, resolve_kernel
+from gpt_fast.quant.products import Q8_INT4_ROWS, Q8_INT8_ROWS, register_cpu_ops, resolve_kernel
 from gpt_fast.quant.schemes import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8, unpack_int4
 
 # Relative error ||ours - reference|| / ||reference|| against the float64 product of the rounded activations: the
@@ -49,7 +49,7 @@ def int4_reference(x, q, scales, zeros, group_size):
     return rounded(x) @ ((unpack_int4(q).double() - 8) * s).T + x.double() @ z.T
 
 
-@pytest.mark.parametrize("rows", [1, 5, 35, CPP_ROWS])
+@pytest.mark.parametrize("rows", [1, 5, Q8_INT8_ROWS, 35])
 @pytest.mark.parametrize("out_features, cols", [(96, 160), (40, 576), (17, 1536), (8, 96)])
 def test_int8_kernel_matches_the_rounded_product(q8, rows, out_features, cols):
     """Scales per row; 160 and 96 columns are an odd number of blocks (the last on its own)."""
@@ -75,7 +75,7 @@ def test_grouped_int8_kernel_matches_the_rounded_product(q8, rows, out_features,
     assert relative_error(got, x.double() @ weights.T) < ROUNDING_TOLERANCE
 
 
-@pytest.mark.parametrize("rows", [1, 3, INT4_KERNEL_ROWS, 35])
+@pytest.mark.parametrize("rows", [1, 3, Q8_INT4_ROWS, 35])
 @pytest.mark.parametrize(
     "out_features, cols, group_size",
     [(96, 576, 32), (40, 192, 64), (33, 576, 128), (24, 1536, 256)],
@@ -151,8 +151,8 @@ def layer_int8(cols, group_size=None):
 def test_layers_take_the_kernels_where_their_blocks_fit(q8, monkeypatch):
     """int8 inputs a multiple of 32 and groups a power of two from 32 take ``cpp-q8``; 80 inputs (a multiple of
     16 only) take ``cpp``, groups that do not divide the inputs ``dequant``; int4 layers take it where ``cpp``
-    does. More rows than
-    :data:`CPP_ROWS` (int4: :data:`INT4_KERNEL_ROWS`) take ``cpp``'s path, on the same weights."""
+    does. More rows than :data:`Q8_INT8_ROWS` (int4: :data:`Q8_INT4_ROWS`) take ``cpp``'s path, on the same
+    weights."""
     for cols, group_size, kernel in [
         (96, None, "cpp-q8"),
         (256, 64, "cpp-q8"),
@@ -172,9 +172,9 @@ def test_layers_take_the_kernels_where_their_blocks_fit(q8, monkeypatch):
     layer.prepare("cpp-q8")
     monkeypatch.setattr(cpu_gemv, "int8_q8_gemv", lambda *args: pytest.fail("the kernel took too many rows"))
     monkeypatch.setattr(cpu_gemv, "int4_q8_gemv", lambda *args: pytest.fail("the kernel took too many rows"))
-    x = torch.randn(CPP_ROWS + 1, 96)
+    x = torch.randn(Q8_INT8_ROWS + 1, 96)
     assert relative_error(layer(x), x.double() @ dequantized.T) < 1e-5
-    x = torch.randn(INT4_KERNEL_ROWS + 1, 192)
+    x = torch.randn(Q8_INT4_ROWS + 1, 192)
     exact = x.double() @ dequantize_int4(q, scales, zeros, 64).double().T
     assert relative_error(int4(x), exact) < 1e-5
 

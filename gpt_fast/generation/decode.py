@@ -139,7 +139,7 @@ class GraphedPrefill:
     this object's pool and nothing captured later reuses it. Otherwise a graph captured after the engine that owned
     an earlier capture was freed replays into freed memory: on an H200 with the Llama-2-7B shape, an illegal memory
     access at the first synchronize of the second engine's generation, whenever its prefill multiplies by cuBLAS
-    (BENCHMARKS.md, 2026-11-29; ``tests/test_gpu.py`` builds that case).
+    (docs/bench/HISTORY.md, 2026-11-29; ``tests/test_gpu.py`` builds that case).
     """
 
     def __init__(

@@ -1,6 +1,7 @@
-// The products of a few rows of float32 activations with int8 or int4 weights on an x86 CPU with AVX2 and FMA, as
-// the operators gpt_fast::int8_gemv_cpu (a scale per row), gpt_fast::int8_group_gemv_cpu (a scale per group of
-// columns) and gpt_fast::int4_gemv_cpu, and gpt_fast::int4_dequantize_cpu for a prefill's many rows (built by
+// The products of float32 activations with int8 or int4 weights on an x86 CPU with AVX2 and FMA: a decode step's few
+// rows as the operators gpt_fast::int8_gemv_cpu (a scale per row), gpt_fast::int8_group_gemv_cpu (a scale per group
+// of columns) and gpt_fast::int4_gemv_cpu; a prompt's many as gpt_fast::int8_matmul_cpu and int4_matmul_cpu (see "a
+// prompt's many rows" below); and gpt_fast::int4_dequantize_cpu for longer prompts (built by
 // gpt_fast/kernels/cpu_gemv.py).
 //
 // Each weight is widened to float32 and multiplied by the activation in float32, as the dequantized reference does:
@@ -397,6 +398,251 @@ at::Tensor int4_dequantize_cpu(const at::Tensor& weight, const at::Tensor& scale
   return out;
 }
 
+// ---- a prompt's many rows: weights dequantized a task at a time (int8_matmul_cpu, int4_matmul_cpu) ----
+//
+// A prompt's product of M rows is bound by its multiply-adds, not by reading the weights: each task dequantizes its
+// GRAIN weight rows once into a float buffer of the thread and multiplies it by all the activation rows in blocks of
+// TILE_ROWS x TILE_COLUMNS outputs, each output a chain of 8-wide fused multiply-adds along K: 12 chains run side by
+// side, and each vector loaded serves 3 or 4 of them. Where torch's matrix product of the dequantized weights writes
+// and reads back a float copy of the whole matrix, this reads the weights' own bytes once. The dequantized numbers
+// are the reference's (int4_dequantize_cpu's; an int8 weight times its group's scale, or widened, its row's scale
+// multiplying the sum): the results differ from it by the order of the float32 sums only. On a CPU with AVX-512 the
+// dequantization itself takes 16 weights an instruction (int4: a lookup of the group's 16 numbers).
+
+constexpr int TILE_ROWS = 3;        // activation rows of a block
+constexpr int TILE_COLUMNS = 4;     // weight rows (outputs) of a block
+constexpr int64_t CHUNK_ROWS = 48;  // activation rows that meet a task's weights before the next ones
+
+// f(n0, n1) for the output rows n0 .. n1 - 1 of N, tasks of GRAIN rows shared as over_rows shares them
+template <typename F>
+inline void over_tasks(int64_t N, int64_t work, F&& f) {
+  over_rows((N + GRAIN - 1) / GRAIN * GRAIN, work, [&](int64_t n) {
+    if (n % GRAIN == 0 && n < N) f(n, std::min(N, n + GRAIN));
+  });
+}
+
+// out[r * N + c] = x[r] . w[c] for the R rows x [R, K] and the C float weight rows w [C, K] (K a multiple of 8)
+template <int R, int C>
+inline void float_block(const float* x, const float* w, int64_t K, float* out, int64_t N) {
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc[R * C];
+  for (int i = 0; i < R * C; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_ps(w + c * K + k);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + r * K + k);
+      for (int c = 0; c < C; ++c) acc[r * C + c] = _mm256_fmadd_ps(xv, wv[c], acc[r * C + c]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if constexpr (C == 4) {  // the 4 sums at once: lane c of the halves' sum is acc[r * 4 + c]'s
+      const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(acc[r * 4], acc[r * 4 + 1]),
+                                          _mm256_hadd_ps(acc[r * 4 + 2], acc[r * 4 + 3]));
+      _mm_storeu_ps(out + r * N, _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1)));
+    } else {
+      for (int c = 0; c < C; ++c) out[r * N + c] = sum_lanes(acc[r * C + c]);
+    }
+  }
+#else
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) acc += x[r * K + k] * w[c * K + k];
+      out[r * N + c] = acc;
+    }
+#endif
+}
+
+// float_block<R, C> for C (1 to TILE_COLUMNS) weight rows
+template <int R>
+inline void columns_block(int64_t C, const float* x, const float* w, int64_t K, float* out, int64_t N) {
+  switch (C) {
+    case 4: float_block<R, 4>(x, w, K, out, N); break;
+    case 3: float_block<R, 3>(x, w, K, out, N); break;
+    case 2: float_block<R, 2>(x, w, K, out, N); break;
+    default: float_block<R, 1>(x, w, K, out, N); break;
+  }
+}
+
+// out [M, N] from column 0 to C - 1: x [M, K] times the float weight rows w [C, K], CHUNK_ROWS activation rows
+// at a time (so that they stay in the core's cache while each block of weight rows meets them)
+void float_tile(const float* x, int64_t M, int64_t K, const float* w, int64_t C, float* out, int64_t N) {
+  for (int64_t m0 = 0; m0 < M; m0 += CHUNK_ROWS) {
+    const int64_t m1 = std::min(M, m0 + CHUNK_ROWS);
+    for (int64_t c = 0; c < C; c += TILE_COLUMNS) {
+      const int64_t columns = std::min<int64_t>(TILE_COLUMNS, C - c);
+      int64_t m = m0;
+      for (; m + TILE_ROWS <= m1; m += TILE_ROWS)
+        columns_block<TILE_ROWS>(columns, x + m * K, w + c * K, K, out + m * N + c, N);
+      for (; m < m1; ++m) columns_block<1>(columns, x + m * K, w + c * K, K, out + m * N + c, N);
+    }
+  }
+}
+
+// out [M, N] = x [M, K] times the weights [N, K] that row(n, buffer) writes as K floats, a task at a time
+template <typename Row>
+void dequantized_product(const float* x, int64_t M, int64_t K, int64_t N, int64_t work, float* out, Row&& row) {
+  over_tasks(N, work, [&](int64_t n0, int64_t n1) {
+    thread_local std::vector<float> tile;
+    tile.resize(GRAIN * K);
+    for (int64_t n = n0; n < n1; ++n) row(n, tile.data() + (n - n0) * K);
+    float_tile(x, M, K, tile.data(), n1 - n0, out + n0, N);
+  });
+}
+
+constexpr int64_t PAIRED = 32;  // columns whose even ones int4_level_pairs writes first, then the odd ones
+
+// x [M, K] (K a multiple of PAIRED) with the columns of each PAIRED in the order that int4_level_pairs writes a row's
+// weights, the 16 even columns, then the 16 odd ones, in a buffer of the calling thread kept from call to call
+const float* pair_columns(const float* x, int64_t M, int64_t K) {
+  thread_local std::vector<float> paired;
+  paired.resize(M * K);
+  for (int64_t c = 0; c < M * K; c += PAIRED)
+    for (int64_t i = 0; i < PAIRED / 2; ++i) {
+      paired[c + i] = x[c + 2 * i];
+      paired[c + PAIRED / 2 + i] = x[c + 2 * i + 1];
+    }
+  return paired.data();
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define LUT_TARGET __attribute__((target("avx2,fma,avx512f")))
+
+// A row of int4_level_pairs on a CPU with AVX-512: each group's 16 numbers (level - 8) * scale + zero computed once, as the
+// reference rounds them, and each weight looked up among them by its nibble (vpermps of 16 lanes reads the low 4 bits
+// of each index), 16 weights an instruction
+LUT_TARGET void int4_lookup_row(const uint8_t* w, int64_t K, int64_t group, const float* scales, const float* zeros,
+                                float* out) {
+  const __m512 levels = _mm512_sub_ps(
+      _mm512_cvtepi32_ps(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)), _mm512_set1_ps(MID));
+  for (int64_t g = 0; g * group < K; ++g) {
+    const __m512 table = _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(scales[g])), _mm512_set1_ps(zeros[g]));
+    for (int64_t c = g * group; c < std::min(K, (g + 1) * group); c += PAIRED) {
+      const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c / 2)));
+      _mm512_storeu_ps(out + c, _mm512_permutexvar_ps(bytes, table));
+      _mm512_storeu_ps(out + c + PAIRED / 2, _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table));
+    }
+  }
+}
+
+// whether the kernels take their AVX-512 code: the CPU has it, unless tests turned it off (set_avx512)
+std::atomic<bool> avx512{__builtin_cpu_supports("avx512f")};
+
+bool lookup_usable() {
+  return avx512.load(std::memory_order_relaxed);
+}
+#endif
+
+// Lets the kernels take their AVX-512 code (where the CPU has it) or not, as on a CPU without it; the previous setting
+bool set_avx512(bool enabled) {
+#if defined(__AVX2__) && defined(__FMA__)
+  return avx512.exchange(enabled && __builtin_cpu_supports("avx512f"));
+#else
+  return false;
+#endif
+}
+
+// out[j] = (level - 8) * scale + zero for the columns from `first` to `last` (multiples of PAIRED) of a row of int4
+// weights w, in pair_columns' order: per PAIRED columns (16 bytes), the low nibbles' 16, then the high nibbles' 16. A
+// product rounded, then a sum, as int4_dequantize_cpu's numbers
+inline void int4_level_pairs(const uint8_t* w, int64_t first, int64_t last, float scale, float zero, float* out) {
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 s = _mm256_set1_ps(scale), z = _mm256_set1_ps(zero);
+  const __m256i mid = _mm256_set1_epi32(static_cast<int>(MID)), nibble = _mm256_set1_epi32(0xF);
+  for (int64_t c = first; c < last; c += PAIRED / 2) {  // 8 bytes: columns 8 h .. 8 h + 7 of each half h
+    const int64_t half = (c - first) % PAIRED / 2, base = c - (c - first) % PAIRED;
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + c / 2)));
+    const __m256 low = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(bytes, nibble), mid));
+    const __m256 high = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(bytes, 4), mid));
+    _mm256_storeu_ps(out + base + half, _mm256_add_ps(_mm256_mul_ps(low, s), z));
+    _mm256_storeu_ps(out + base + PAIRED / 2 + half, _mm256_add_ps(_mm256_mul_ps(high, s), z));
+  }
+#else
+  for (int64_t c = first; c < last; c += PAIRED)
+    for (int64_t i = 0; i < PAIRED / 2; ++i) {
+      out[c + i] = (static_cast<float>(w[c / 2 + i] & 0xF) - MID) * scale + zero;
+      out[c + PAIRED / 2 + i] = (static_cast<float>(w[c / 2 + i] >> 4) - MID) * scale + zero;
+    }
+#endif
+}
+
+// x [M, K] float32 times the int4 weight [N, K / 2] with scales and zeros [N, groups] float32 (as int4_gemv_cpu):
+// [M, N], the weights dequantized a task at a time; K a multiple of 64
+at::Tensor int4_matmul_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                           const at::Tensor& zeros, int64_t group) {
+  const int64_t G = check_int4(x, weight, scales, zeros, group);
+  const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
+  auto xc = x.contiguous(), wc = weight.contiguous(), sc = scales.contiguous(), zc = zeros.contiguous();
+  auto out = at::empty({M, N}, x.options());
+  const uint8_t* wp = wc.data_ptr<uint8_t>();
+  const float *sp = sc.data_ptr<float>(), *zp = zc.data_ptr<float>();
+  const auto row = [&](int64_t n, float* out_row) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (lookup_usable()) return int4_lookup_row(wp + n * K / 2, K, group, sp + n * G, zp + n * G, out_row);
+#endif
+    for (int64_t g = 0; g < G; ++g)
+      int4_level_pairs(wp + n * K / 2, g * group, std::min(K, (g + 1) * group), sp[n * G + g], zp[n * G + g], out_row);
+  };
+  const float* paired = pair_columns(xc.data_ptr<float>(), M, K);
+  dequantized_product(paired, M, K, N, N * K / 2 * passes(M), out.data_ptr<float>(), row);
+  return out;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// int8_scaled's first count - count % 16 columns on a CPU with AVX-512, 16 weights an instruction; the columns done
+LUT_TARGET int64_t int8_scaled_wide(const int8_t* w, int64_t count, float scale, float* out) {
+  const __m512 s = _mm512_set1_ps(scale);
+  int64_t k = 0;
+  for (; k + 16 <= count; k += 16) {
+    const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k)));
+    _mm512_storeu_ps(out + k, _mm512_mul_ps(_mm512_cvtepi32_ps(v), s));
+  }
+  return k;
+}
+#endif
+
+// out[k] = w[k] * scale for the int8 weights w [count]: a product rounded, as the reference's w.float() * scale
+inline void int8_scaled(const int8_t* w, int64_t count, float scale, float* out) {
+  int64_t k = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (lookup_usable()) k = int8_scaled_wide(w, count, scale, out);
+  const __m256 s = _mm256_set1_ps(scale);
+  for (; k + 8 <= count; k += 8) _mm256_storeu_ps(out + k, _mm256_mul_ps(int8_floats(w + k), s));
+#endif
+  for (; k < count; ++k) out[k] = static_cast<float>(w[k]) * scale;
+}
+
+// x [M, K] float32 times the int8 weight [N, K] with scales [N] (each multiplying its row's sums) or [N, K / group]
+// float32 (each multiplying its group's weights), as int8_gemv_cpu and int8_group_gemv_cpu: [M, N], the weights
+// dequantized a task at a time; K a multiple of 16, a group a multiple of 8 dividing K
+at::Tensor int8_matmul_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales, int64_t group) {
+  check_rows(x, weight, 1);
+  const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
+  const bool grouped = scales.dim() == 2;
+  TORCH_CHECK(weight.scalar_type() == at::kChar && K % INT8_STEP == 0, "int8 weight with K % 16 == 0");
+  TORCH_CHECK(!grouped || (group > 0 && group % 8 == 0 && K % group == 0),
+              "group_size a multiple of 8 dividing K");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.size(0) == N && (!grouped || scales.size(1) == K / group),
+              "scales must be [N] or [N, K / group_size] float32");
+  auto xc = x.contiguous(), wc = weight.contiguous(), sc = scales.contiguous();
+  auto out = at::empty({M, N}, x.options());
+  const int8_t* wp = wc.data_ptr<int8_t>();
+  const float* sp = sc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t G = grouped ? K / group : 1;
+  dequantized_product(xc.data_ptr<float>(), M, K, N, N * K * passes(M), op, [&](int64_t n, float* row) {
+    for (int64_t g = 0; g < G; ++g)
+      int8_scaled(wp + n * K + g * (K / G), K / G, grouped ? sp[n * G + g] : 1.f, row + g * (K / G));
+  });
+  if (!grouped)
+    at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m)
+        for (int64_t n = 0; n < N; ++n) op[m * N + n] *= sp[n];
+    });
+  return out;
+}
+
 // ---- activations rounded to int8 (int8_q8_gemv_cpu, int4_q8_gemv_cpu) ----
 //
 // As llama.cpp multiplies its Q8_0 and Q4_1 weights: each block of QBLOCK activation columns is rounded to int8
@@ -624,9 +870,12 @@ TORCH_LIBRARY_FRAGMENT(gpt_fast, m) {
   m.def("int8_group_gemv_cpu(Tensor x, Tensor weight, Tensor scales, int group_size) -> Tensor");
   m.def("int4_gemv_cpu(Tensor x, Tensor weight, Tensor scales, Tensor zeros, int group_size) -> Tensor");
   m.def("int4_dequantize_cpu(Tensor weight, Tensor scales, Tensor zeros, int group_size) -> Tensor");
+  m.def("int4_matmul_cpu(Tensor x, Tensor weight, Tensor scales, Tensor zeros, int group_size) -> Tensor");
+  m.def("int8_matmul_cpu(Tensor x, Tensor weight, Tensor scales, int group_size) -> Tensor");
   m.def("int8_q8_gemv_cpu(Tensor x, Tensor weight, Tensor scales, int group_size) -> Tensor");
   m.def("int4_q8_gemv_cpu(Tensor x, Tensor weight, Tensor scales, Tensor zeros, int group_size) -> Tensor");
   m.def("q8_usable() -> bool", &q8_usable);
+  m.def("set_avx512(bool enabled) -> bool", &set_avx512);
 }
 
 TORCH_LIBRARY_IMPL(gpt_fast, CPU, m) {
@@ -634,6 +883,8 @@ TORCH_LIBRARY_IMPL(gpt_fast, CPU, m) {
   m.impl("int8_group_gemv_cpu", &int8_group_gemv_cpu);
   m.impl("int4_gemv_cpu", &int4_gemv_cpu);
   m.impl("int4_dequantize_cpu", &int4_dequantize_cpu);
+  m.impl("int4_matmul_cpu", &int4_matmul_cpu);
+  m.impl("int8_matmul_cpu", &int8_matmul_cpu);
   m.impl("int8_q8_gemv_cpu", &int8_q8_gemv_cpu);
   m.impl("int4_q8_gemv_cpu", &int4_q8_gemv_cpu);
 }

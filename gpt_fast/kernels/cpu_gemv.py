@@ -1,7 +1,8 @@
-"""Our C++ kernels for the quantized products of a few rows on an x86 CPU (``cpu_gemv.cpp`` beside this file; the
-library also holds the decode attention of ``cpu_attention.cpp``, :mod:`gpt_fast.kernels.cpu_attention`): the
-operators ``torch.ops.gpt_fast.int8_gemv_cpu``, ``int8_group_gemv_cpu`` and ``int4_gemv_cpu``, and
-``int4_dequantize_cpu`` for a prefill's many rows; and, on a CPU with AVX512-VNNI, ``int8_q8_gemv_cpu`` and
+"""Our C++ kernels for the quantized products of an x86 CPU (``cpu_gemv.cpp`` beside this file; the library also
+holds the decode attention of ``cpu_attention.cpp``, :mod:`gpt_fast.kernels.cpu_attention`): the operators
+``torch.ops.gpt_fast.int8_gemv_cpu``, ``int8_group_gemv_cpu`` and ``int4_gemv_cpu`` for a decode step's few rows,
+``int8_matmul_cpu`` and ``int4_matmul_cpu`` for a prompt's many, ``int4_dequantize_cpu`` for longer prompts' torch
+matrix product; and, on a CPU with AVX512-VNNI, ``int8_q8_gemv_cpu`` and
 ``int4_q8_gemv_cpu``, whose activations are rounded to int8 per 32 columns as llama.cpp rounds them, so that each
 block's sum is one integer instruction.
 
@@ -122,6 +123,21 @@ def int4_dequantize(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
     """The int4 ``weight`` [N, K / 2] with ``scales`` and ``zeros`` [N, groups] float32 as the float32 matrix [N, K],
     the numbers :func:`gpt_fast.quant.products.int4_dequantize` gives, in one pass over threads."""
     return torch.ops.gpt_fast.int4_dequantize_cpu(weight, scales, zeros, group_size)
+
+
+def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    """As :func:`int8_gemv` (``scales`` [N]) or :func:`int8_group_gemv` (``scales`` [N, K / group_size]), for a
+    prompt's many rows: each thread dequantizes a few weight rows at a time into its cache and multiplies them by
+    every row of ``x``, in blocks of 3 rows by 4 outputs."""
+    return torch.ops.gpt_fast.int8_matmul_cpu(x, weight, scales, group_size or 0)
+
+
+def int4_matmul(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """As :func:`int4_gemv`, for a prompt's many rows, as :func:`int8_matmul` computes them: the weights take the
+    numbers :func:`int4_dequantize` gives them."""
+    return torch.ops.gpt_fast.int4_matmul_cpu(x, weight, scales, zeros, group_size)
 
 
 def int4_gemv(

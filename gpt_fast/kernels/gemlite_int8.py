@@ -1,7 +1,7 @@
 """gemlite's A16W8 Triton kernels (the optional ``gemlite`` package, ``pip install 'gpt-fast[gemlite]'``) for the
 products of a batched decode step with int8 weights: 16-bit activation rows [M, K] times int8 weights [N, K] with a
 scale per output channel. On an H200 they take 4 to 64 rows in 0.50 to 0.87 times our Triton matrix product's time,
-while our GEMV stays the faster one for one to three rows (BENCHMARKS.md, 2026-11-29, "Quantized products beside
+while our GEMV stays the faster one for one to three rows (docs/bench/HISTORY.md, 2026-11-29, "Quantized products beside
 gemlite"). gemlite keeps its own copy of the weights, transposed; its kernels tune themselves on the first call for
 each number of rows (Triton's autotuning), which an engine's warm-up step does before any CUDA graph is recorded."""
 

@@ -107,7 +107,7 @@ def decode_launch(group: int, head_dim: int, n_kv: int, rows: int = 1) -> Launch
       positions), in loop steps of as many positions as keep the [group, positions, head_dim / 2] products at
       :data:`ROWS_TILE_ELEMENTS` (16 to 128), over 4 warps: a program keeps its loads in flight without spilling.
       On an H200, Llama-2-7B shape, rows around position 512 of a 1024-position cache, the kernel alone
-      (BENCHMARKS.md, 2026-11-29 "batched decode steps"): 8 rows 25.7 µs (static cache) and 30.0 µs (paged)
+      (docs/bench/HISTORY.md, 2026-11-29 "batched decode steps"): 8 rows 25.7 µs (static cache) and 30.0 µs (paged)
       against 41.6 and 54.0 µs with the one-row tile below, 64 rows 139.7 and 156.7 against 267.2 and 375.2.
 
     - At least :data:`MANY_KV_HEADS` kv heads (multi-head attention of a 7B model): the kv heads alone make enough

@@ -21,23 +21,25 @@ for 1024 rows.
 - ``gemlite``: ``triton``, but an int8 layer's products of :data:`GEMLITE_ROWS` rows (a batched decode step) go
   to gemlite's kernels (:mod:`gpt_fast.kernels.gemlite_int8`, the optional ``gemlite`` package), on a second copy
   of the weights: on an H200 they take 4 to 64 rows in 0.50 to 0.87 times our matrix product's time, and the 7B's
-  8-row step 4.65 ms where ours takes 6.86 (BENCHMARKS.md, 2026-11-29, "Quantized products beside gemlite"). An
+  8-row step 4.65 ms where ours takes 6.86 (docs/bench/HISTORY.md, 2026-11-29, "Quantized products beside gemlite"). An
   int4 layer computes as with ``triton``: gemlite's int4 keeps ``(q - z) * s`` with ``z`` in 16 bits, which cannot
   hold our zero points exactly (its products' error was 2.5 times ours), and tinygemm is the fastest at 8 rows.
   Not ``auto``'s choice yet: it doubles an int8 model's weights in memory.
 - ``cpp``: our C++ kernels for an x86 CPU with AVX2 (:mod:`gpt_fast.kernels.cpu_gemv`), float32 activations, on
-  the weights as the checkpoint holds them (int8 with a scale per row or per group, int4), up to :data:`CPP_ROWS`
-  rows (int4: :data:`INT4_KERNEL_ROWS`; more multiply weights our C++ code dequantizes). The CPU's choice where
-  they build: PyTorch's own kernels were 10 to 19 times slower on the CPUs measured (docs/cpu.md, "Quantized
-  products").
+  the weights as the checkpoint holds them (int8 with a scale per row or per group, int4): a decode step's few rows
+  (up to :data:`CPP_INT8_GEMV_ROWS`, int4 :data:`CPP_INT4_GEMV_ROWS`) and a prompt's (up to
+  :data:`CPP_MATMUL_ROWS`) each in kernels of their own, more in torch's matrix product of the weights dequantized.
+  The CPU's choice where they build: PyTorch's own kernels were 10 to 19 times slower on the CPUs measured
+  (docs/cpu.md, "Quantized products").
 - ``cpp-q8``: ``cpp`` with the activations rounded to int8 per block of 32 columns, as llama.cpp rounds them for
   its Q8_0 and Q4_1 weights, so that a block's products are summed by one AVX512-VNNI instruction (vpdpbusd):
-  :func:`gpt_fast.kernels.cpu_gemv.int8_q8_gemv` and ``int4_q8_gemv``, on a CPU with AVX512-VNNI, for as many
-  rows as ``cpp``'s kernels (more take ``cpp``'s path). On a Zen 4 core, one thread, a decode step's int4 products
-  took 7.87–8.46 ms against ``cpp``'s 9.20–9.43, and the default model's output projection 1.26–1.28 against
-  1.86–2.00 (docs/bench/HISTORY.md, 2026-11-30c). Its products differ from the dequantized reference by the activations'
-  rounding (relative error about 5e-3 on random rows), where ``cpp``'s differ by the order of float32 sums only.
-  Not ``auto``'s choice: its greedy tokens are not the float model's (docs/cpu.md).
+  :func:`gpt_fast.kernels.cpu_gemv.int8_q8_gemv` and ``int4_q8_gemv``, on a CPU with AVX512-VNNI, up to
+  :data:`Q8_INT8_ROWS` (int4 :data:`Q8_INT4_ROWS`) rows (more take ``cpp``'s path). On a Zen 4 core, one thread, a
+  decode step's int4 products took 7.87–8.46 ms against ``cpp``'s 9.20–9.43, and the default model's output
+  projection 1.26–1.28 against 1.86–2.00 (docs/bench/HISTORY.md, 2026-11-30c). Its products differ from the
+  dequantized reference by the activations' rounding (relative error about 5e-3 on random rows), where ``cpp``'s
+  differ by the order of float32 sums only. Not ``auto``'s choice: its greedy tokens are not the float model's
+  (docs/cpu.md).
 - ``aten``: PyTorch's own weight-only kernels, ``torch.ops.aten._weight_int8pack_mm``, and for int4
   ``_weight_int4pack_mm_for_cpu`` or CUDA's tinygemm ``_weight_int4pack_mm`` (on a copy of the weights repacked
   once at load, :mod:`gpt_fast.quant.layers`). The CPU's choice where ``cpp`` is not usable (another CPU, no C++
@@ -63,15 +65,21 @@ from gpt_fast.quant.schemes import INT4_MID, int8_column_scales, pack_int4, unpa
 CPP_KERNELS = ("cpp", "cpp-q8")  # the kernels of our C++ library (gpt_fast.kernels.cpu_gemv)
 SIXTEEN_BITS = (torch.float16, torch.bfloat16)  # what our float16-pairs kernels and the tensor cores multiply
 FEW_ROWS = 16  # activation rows the specialized kernels take; more are a matrix product
-# Rows our C++ CPU kernels take (they widen each weight once for every 4 rows): against dequantize + F.linear on the
-# SmolLM2 shapes they were faster up to 64 rows and even at about 128 (BENCHMARKS.md, 2026-11-29, the CPU's quantized
-# products), so that a chat prompt's prefill takes them too; int8's still were on 2026-11-30 with one thread (a step's
-# products of 35 rows cast to float32 and multiplied by F.linear: 251.4 ms; docs/bench/2026-11-30b_cpu_products.txt)
-CPP_ROWS = 64
-# int4 products of more rows than this multiply the weights dequantized by our C++ code in torch's matrix product:
-# on the SmolLM2 shapes, 35 rows took 162.1 ms (one thread) and 82.7 ms (two) for a step's 120 products against the
-# kernel's 174.1 and 103.4, and the two were even at 16 rows (docs/bench/HISTORY.md, 2026-11-30b, "the products alone")
-INT4_KERNEL_ROWS = 16
+# The rows of a product that each of our C++ CPU kernels takes, from a step's 120 products of the SmolLM2 shapes on a
+# Zen 4 core, the weights read from memory (docs/bench/2026-11-30e_cpu_prompt_products.txt, one and two threads). A
+# decode step's few rows go to the kernels that read the weights once for all of them and widen each weight once for
+# every 4 rows, while they are faster: int8 up to 12 rows (41.6 ms against the tile kernel's 46.3; 16 rows 69.8
+# against 56.5), int4 up to 5 (6 rows 27.8 against 24.9), ``cpp-q8``'s int8 up to 16 (38.5) and int4 up to 12 (38.7
+# against 37.7; 16 rows 55.0 against 47.7). More rows go to the tile kernels, which dequantize a few weight rows at a
+# time into the core's cache and multiply them by every row: a 37-row prompt's int4 products take 93.5 ms and int8's
+# 104.1 against 145.5 and 125.8 for the weights dequantized whole and multiplied by torch's matrix product (two
+# threads 59.5 and 67.1 against 81.8 and 85.3). At 256 rows the two are within 3 % either way: torch's product blocks
+# its operands for the cache better than the tile kernels' 3 x 4 outputs as the rows grow, and takes more.
+CPP_INT8_GEMV_ROWS = 12
+CPP_INT4_GEMV_ROWS = 5
+Q8_INT8_ROWS = 16
+Q8_INT4_ROWS = 12
+CPP_MATMUL_ROWS = 256
 
 
 def resolve_kernel(kernel: str, device: torch.device) -> str:
@@ -115,15 +123,16 @@ def cpp_usable(device: torch.device) -> bool:
 @functools.cache
 def register_cpu_ops() -> None:
     """Build and load our C++ kernels (:mod:`gpt_fast.kernels.cpu_gemv`, which registers the products
-    ``torch.ops.gpt_fast.int8_gemv_cpu``, ``int8_group_gemv_cpu``, ``int4_gemv_cpu``, ``int8_q8_gemv_cpu`` and
-    ``int4_q8_gemv_cpu``, and ``int4_dequantize_cpu``) and give ``torch.compile`` their output shapes, eagerly (see
-    :func:`register_triton_ops`). Nothing happens at import."""
+    ``torch.ops.gpt_fast.int8_gemv_cpu``, ``int8_group_gemv_cpu``, ``int4_gemv_cpu``, ``int8_q8_gemv_cpu``,
+    ``int4_q8_gemv_cpu``, ``int8_matmul_cpu`` and ``int4_matmul_cpu``, and ``int4_dequantize_cpu``) and give
+    ``torch.compile`` their output shapes, eagerly (see :func:`register_triton_ops`). Nothing happens at import."""
     cpu_gemv.load_cpu_kernels()
 
     def product(x: torch.Tensor, weight: torch.Tensor, *operands: torch.Tensor | int) -> torch.Tensor:
         return x.new_empty((x.shape[0], weight.shape[0]))  # [M, N] for x [M, K] and weight [N, ...]
 
-    for name in ("int8_gemv_cpu", "int8_group_gemv_cpu", "int4_gemv_cpu", "int8_q8_gemv_cpu", "int4_q8_gemv_cpu"):
+    products = ("int8_gemv_cpu", "int8_group_gemv_cpu", "int4_gemv_cpu", "int8_q8_gemv_cpu", "int4_q8_gemv_cpu")
+    for name in (*products, "int8_matmul_cpu", "int4_matmul_cpu"):
         torch.library.register_fake(f"gpt_fast::{name}", product)
 
     @torch.library.register_fake("gpt_fast::int4_dequantize_cpu")
@@ -309,10 +318,12 @@ def int8_linear(
     elif kernel == "triton" and few:
         gemv = torch.ops.gpt_fast.int8_gemv_pdl if pdl else torch.ops.gpt_fast.int8_gemv
         out = gemv(rows.contiguous(), weight, scales)
-    elif kernel == "cpp-q8" and rows.shape[0] <= CPP_ROWS:
+    elif kernel == "cpp-q8" and rows.shape[0] <= Q8_INT8_ROWS:
         out = cpu_gemv.int8_q8_gemv(rows, weight, scales, None)
-    elif kernel == "cpp" and rows.shape[0] <= CPP_ROWS:
+    elif kernel == "cpp" and rows.shape[0] <= CPP_INT8_GEMV_ROWS:
         out = cpu_gemv.int8_gemv(rows, weight, scales)
+    elif kernel in CPP_KERNELS and rows.shape[0] <= CPP_MATMUL_ROWS:
+        out = cpu_gemv.int8_matmul(rows, weight, scales, None)
     elif kernel == "aten" and few:
         out = torch.ops.aten._weight_int8pack_mm(rows, weight, scales)
     elif words:  # the words' bytes are the columns in interleaved order: so are the rows'
@@ -326,10 +337,12 @@ def _int8_group_linear(
     rows: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, kernel: str, group_size: int
 ) -> torch.Tensor:
     """``rows`` [M, K] times the int8 ``weight`` [N, K] with ``scales`` [N, groups]: [M, N]."""
-    if kernel == "cpp-q8" and rows.shape[0] <= CPP_ROWS:
+    if kernel == "cpp-q8" and rows.shape[0] <= Q8_INT8_ROWS:
         return cpu_gemv.int8_q8_gemv(rows, weight, scales, group_size)
-    if kernel == "cpp" and rows.shape[0] <= CPP_ROWS:
+    if kernel == "cpp" and rows.shape[0] <= CPP_INT8_GEMV_ROWS:
         return cpu_gemv.int8_group_gemv(rows, weight, scales, group_size)
+    if kernel in CPP_KERNELS and rows.shape[0] <= CPP_MATMUL_ROWS:
+        return cpu_gemv.int8_matmul(rows, weight, scales, group_size)
     return F.linear(rows, int8_dequantize(weight, scales, group_size).to(rows.dtype))
 
 
@@ -446,13 +459,18 @@ def int4_cpp_linear(
     group_size: int,
     q8: bool = False,
 ) -> torch.Tensor:
-    """``rows`` [M, K] (float32) times the int4 ``weight`` [N, K / 2] as the checkpoint holds it, with our C++ kernel
-    (:func:`gpt_fast.kernels.cpu_gemv.int4_gemv`; a layer takes it where :func:`cpp_takes` says so) up to
-    :data:`INT4_KERNEL_ROWS` rows (``q8``: :func:`gpt_fast.kernels.cpu_gemv.int4_q8_gemv`), and more in
-    ``F.linear`` with the weights dequantized by our C++ code."""
-    if rows.shape[0] <= INT4_KERNEL_ROWS:
-        gemv = cpu_gemv.int4_q8_gemv if q8 else cpu_gemv.int4_gemv
-        return gemv(rows, weight, scales, zeros, group_size)
+    """``rows`` [M, K] (float32) times the int4 ``weight`` [N, K / 2] as the checkpoint holds it, with our C++ kernels
+    (a layer takes them where :func:`cpp_takes` says so): :func:`gpt_fast.kernels.cpu_gemv.int4_gemv` up to
+    :data:`CPP_INT4_GEMV_ROWS` rows (``q8``: :func:`gpt_fast.kernels.cpu_gemv.int4_q8_gemv` up to :data:`Q8_INT4_ROWS`),
+    ``int4_matmul`` up to :data:`CPP_MATMUL_ROWS`, and more in ``F.linear`` with the weights dequantized by our C++
+    code."""
+    m = rows.shape[0]
+    if q8 and m <= Q8_INT4_ROWS:
+        return cpu_gemv.int4_q8_gemv(rows, weight, scales, zeros, group_size)
+    if not q8 and m <= CPP_INT4_GEMV_ROWS:
+        return cpu_gemv.int4_gemv(rows, weight, scales, zeros, group_size)
+    if m <= CPP_MATMUL_ROWS:
+        return cpu_gemv.int4_matmul(rows, weight, scales, zeros, group_size)
     return F.linear(rows, cpu_gemv.int4_dequantize(weight, scales, zeros, group_size))
 
 
