@@ -8,6 +8,7 @@ model does; ``table``: the output projection of the default model's int8 table, 
 figure is the best of ``--repeats`` timings.
 
 usage: python scripts/cpu_products.py [--threads 1] [--rows 1,4,8,16,35] [--kinds cpp,cpp-q8,aten] [--repeats 5]
+       [--no_avx512]
 """
 
 from __future__ import annotations
@@ -96,11 +97,20 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4,8,16,35", help="activation rows, comma-separated")
     parser.add_argument("--kinds", default="cpp,aten", help="the decode step's kernels: cpp, cpp-q8, aten")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--no_avx512", action="store_true", help="our kernels without their AVX-512 code, as on a CPU without it"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    cpu_gemv.load_cpu_kernels()
+    torch.ops.gpt_fast.set_avx512(not args.no_avx512)
+    avx512 = torch.ops.gpt_fast.set_avx512(not args.no_avx512)  # the setting in force: its previous value
     rows = [int(r) for r in args.rows.split(",")]
     capability = torch.backends.cpu.get_cpu_capability()
-    print(f"CPU capability {capability}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(
+        f"CPU capability {capability}, our kernels' AVX-512 code {'on' if avx512 else 'off'}, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}"
+    )
     print(
         "| scheme | kernel | rows | ms per step's products (120; table: 1) "
         "| cpp: tile / few-rows kernel / dequantized + F.linear (ms) |"

@@ -412,6 +412,27 @@ at::Tensor int4_dequantize_cpu(const at::Tensor& weight, const at::Tensor& scale
 constexpr int TILE_ROWS = 3;        // activation rows of a block
 constexpr int TILE_COLUMNS = 4;     // weight rows (outputs) of a block
 constexpr int64_t CHUNK_ROWS = 48;  // activation rows that meet a task's weights before the next ones
+constexpr int WIDE_ROWS = 4;        // activation rows of a block in the AVX-512 code
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define AVX512_TARGET __attribute__((target("avx2,fma,avx512f")))
+
+// whether the kernels take their AVX-512 code: the CPU has it, unless tests turned it off (set_avx512)
+std::atomic<bool> avx512{__builtin_cpu_supports("avx512f")};
+
+bool avx512_usable() {
+  return avx512.load(std::memory_order_relaxed);
+}
+#endif
+
+// Lets the kernels take their AVX-512 code (where the CPU has it) or not, as on a CPU without it; the previous setting
+bool set_avx512(bool enabled) {
+#if defined(__AVX2__) && defined(__FMA__)
+  return avx512.exchange(enabled && __builtin_cpu_supports("avx512f"));
+#else
+  return false;
+#endif
+}
 
 // f(n0, n1) for the output rows n0 .. n1 - 1 of N, tasks of GRAIN rows shared as over_rows shares them
 template <typename F>
@@ -454,9 +475,40 @@ inline void float_block(const float* x, const float* w, int64_t K, float* out, i
 #endif
 }
 
-// float_block<R, C> for C (1 to TILE_COLUMNS) weight rows
-template <int R>
+#if defined(__AVX2__) && defined(__FMA__)
+// float_block on a CPU with AVX-512 (K a multiple of 16): 16 columns a step, and 32 registers hold WIDE_ROWS x 4
+// accumulators. Where a core has two 512-bit multiply-add units (Intel's servers), that is twice the 8-wide code's
+// multiply-adds a cycle; where 512-bit instructions take two halves (Zen 4), the same.
+template <int R, int C>
+AVX512_TARGET void float_block_wide(const float* x, const float* w, int64_t K, float* out, int64_t N) {
+  __m512 acc[R * C];
+  for (int i = 0; i < R * C; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    __m512 wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_ps(w + c * K + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_loadu_ps(x + r * K + k);
+      for (int c = 0; c < C; ++c) acc[r * C + c] = _mm512_fmadd_ps(xv, wv[c], acc[r * C + c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[r * N + c] = _mm512_reduce_add_ps(acc[r * C + c]);
+}
+#endif
+
+// float_block<R, C> (WIDE: float_block_wide) for C (1 to TILE_COLUMNS) weight rows
+template <int R, bool WIDE>
 inline void columns_block(int64_t C, const float* x, const float* w, int64_t K, float* out, int64_t N) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (WIDE) {
+    switch (C) {
+      case 4: return float_block_wide<R, 4>(x, w, K, out, N);
+      case 3: return float_block_wide<R, 3>(x, w, K, out, N);
+      case 2: return float_block_wide<R, 2>(x, w, K, out, N);
+      default: return float_block_wide<R, 1>(x, w, K, out, N);
+    }
+  }
+#endif
   switch (C) {
     case 4: float_block<R, 4>(x, w, K, out, N); break;
     case 3: float_block<R, 3>(x, w, K, out, N); break;
@@ -466,28 +518,46 @@ inline void columns_block(int64_t C, const float* x, const float* w, int64_t K, 
 }
 
 // out [M, N] from column 0 to C - 1: x [M, K] times the float weight rows w [C, K], CHUNK_ROWS activation rows
-// at a time (so that they stay in the core's cache while each block of weight rows meets them)
+// at a time (so that they stay in the core's cache while each block of weight rows meets them), in blocks of R rows
+template <int R, bool WIDE>
 void float_tile(const float* x, int64_t M, int64_t K, const float* w, int64_t C, float* out, int64_t N) {
   for (int64_t m0 = 0; m0 < M; m0 += CHUNK_ROWS) {
     const int64_t m1 = std::min(M, m0 + CHUNK_ROWS);
     for (int64_t c = 0; c < C; c += TILE_COLUMNS) {
       const int64_t columns = std::min<int64_t>(TILE_COLUMNS, C - c);
       int64_t m = m0;
-      for (; m + TILE_ROWS <= m1; m += TILE_ROWS)
-        columns_block<TILE_ROWS>(columns, x + m * K, w + c * K, K, out + m * N + c, N);
-      for (; m < m1; ++m) columns_block<1>(columns, x + m * K, w + c * K, K, out + m * N + c, N);
+      for (; m + R <= m1; m += R) columns_block<R, WIDE>(columns, x + m * K, w + c * K, K, out + m * N + c, N);
+      for (; m < m1; ++m) columns_block<1, WIDE>(columns, x + m * K, w + c * K, K, out + m * N + c, N);
     }
   }
 }
 
-// out [M, N] = x [M, K] times the weights [N, K] that row(n, buffer) writes as K floats, a task at a time
+// float_tile in the AVX-512 code where the CPU has it (and K is a multiple of 16), else the 8-wide one
+void float_tile(const float* x, int64_t M, int64_t K, const float* w, int64_t C, float* out, int64_t N) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (avx512_usable() && K % 16 == 0) return float_tile<WIDE_ROWS, true>(x, M, K, w, C, out, N);
+#endif
+  float_tile<TILE_ROWS, false>(x, M, K, w, C, out, N);
+}
+
+// Multiply-adds of a tile kernel that count as one byte of THREAD_WORK: a thread reads weights at about 17 GB/s and
+// multiplies at about 42 G multiply-adds a second (85 GFLOPS, a Zen 4 core in float32), so a megabyte of reading
+// takes as long as 2.5 million multiply-adds; the tile kernels count 2, so that a 37-row product of the default
+// model's 576 x 576 output projection (6 million units) takes both threads of a 2-core machine
+constexpr int64_t MULTIPLY_ADDS_PER_BYTE = 2;
+
+// out [M, N] = x [M, K] times the weights [N, K] that row(n, buffer) writes as K floats, a task at a time; each
+// output column n then times column_scales[n] where there are such scales
 template <typename Row>
-void dequantized_product(const float* x, int64_t M, int64_t K, int64_t N, int64_t work, float* out, Row&& row) {
-  over_tasks(N, work, [&](int64_t n0, int64_t n1) {
+void dequantized_product(const float* x, int64_t M, int64_t K, int64_t N, float* out, Row&& row,
+                         const float* column_scales = nullptr) {
+  over_tasks(N, N * K * M / MULTIPLY_ADDS_PER_BYTE, [&](int64_t n0, int64_t n1) {
     thread_local std::vector<float> tile;
     tile.resize(GRAIN * K);
     for (int64_t n = n0; n < n1; ++n) row(n, tile.data() + (n - n0) * K);
     float_tile(x, M, K, tile.data(), n1 - n0, out + n0, N);
+    for (int64_t m = 0; column_scales && m < M; ++m)
+      for (int64_t n = n0; n < n1; ++n) out[m * N + n] *= column_scales[n];
   });
 }
 
@@ -507,13 +577,11 @@ const float* pair_columns(const float* x, int64_t M, int64_t K) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-#define LUT_TARGET __attribute__((target("avx2,fma,avx512f")))
-
-// A row of int4_level_pairs on a CPU with AVX-512: each group's 16 numbers (level - 8) * scale + zero computed once, as the
-// reference rounds them, and each weight looked up among them by its nibble (vpermps of 16 lanes reads the low 4 bits
-// of each index), 16 weights an instruction
-LUT_TARGET void int4_lookup_row(const uint8_t* w, int64_t K, int64_t group, const float* scales, const float* zeros,
-                                float* out) {
+// A row of int4_level_pairs on a CPU with AVX-512: each group's 16 numbers (level - 8) * scale + zero computed once,
+// as the reference rounds them, and each weight looked up among them by its nibble (vpermps of 16 lanes reads the
+// low 4 bits of each index), 16 weights an instruction
+AVX512_TARGET void int4_lookup_row(const uint8_t* w, int64_t K, int64_t group, const float* scales,
+                                   const float* zeros, float* out) {
   const __m512 levels = _mm512_sub_ps(
       _mm512_cvtepi32_ps(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)), _mm512_set1_ps(MID));
   for (int64_t g = 0; g * group < K; ++g) {
@@ -525,23 +593,7 @@ LUT_TARGET void int4_lookup_row(const uint8_t* w, int64_t K, int64_t group, cons
     }
   }
 }
-
-// whether the kernels take their AVX-512 code: the CPU has it, unless tests turned it off (set_avx512)
-std::atomic<bool> avx512{__builtin_cpu_supports("avx512f")};
-
-bool lookup_usable() {
-  return avx512.load(std::memory_order_relaxed);
-}
 #endif
-
-// Lets the kernels take their AVX-512 code (where the CPU has it) or not, as on a CPU without it; the previous setting
-bool set_avx512(bool enabled) {
-#if defined(__AVX2__) && defined(__FMA__)
-  return avx512.exchange(enabled && __builtin_cpu_supports("avx512f"));
-#else
-  return false;
-#endif
-}
 
 // out[j] = (level - 8) * scale + zero for the columns from `first` to `last` (multiples of PAIRED) of a row of int4
 // weights w, in pair_columns' order: per PAIRED columns (16 bytes), the low nibbles' 16, then the high nibbles' 16. A
@@ -579,19 +631,19 @@ at::Tensor int4_matmul_cpu(const at::Tensor& x, const at::Tensor& weight, const 
   const float *sp = sc.data_ptr<float>(), *zp = zc.data_ptr<float>();
   const auto row = [&](int64_t n, float* out_row) {
 #if defined(__AVX2__) && defined(__FMA__)
-    if (lookup_usable()) return int4_lookup_row(wp + n * K / 2, K, group, sp + n * G, zp + n * G, out_row);
+    if (avx512_usable()) return int4_lookup_row(wp + n * K / 2, K, group, sp + n * G, zp + n * G, out_row);
 #endif
     for (int64_t g = 0; g < G; ++g)
       int4_level_pairs(wp + n * K / 2, g * group, std::min(K, (g + 1) * group), sp[n * G + g], zp[n * G + g], out_row);
   };
   const float* paired = pair_columns(xc.data_ptr<float>(), M, K);
-  dequantized_product(paired, M, K, N, N * K / 2 * passes(M), out.data_ptr<float>(), row);
+  dequantized_product(paired, M, K, N, out.data_ptr<float>(), row);
   return out;
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
 // int8_scaled's first count - count % 16 columns on a CPU with AVX-512, 16 weights an instruction; the columns done
-LUT_TARGET int64_t int8_scaled_wide(const int8_t* w, int64_t count, float scale, float* out) {
+AVX512_TARGET int64_t int8_scaled_wide(const int8_t* w, int64_t count, float scale, float* out) {
   const __m512 s = _mm512_set1_ps(scale);
   int64_t k = 0;
   for (; k + 16 <= count; k += 16) {
@@ -606,7 +658,7 @@ LUT_TARGET int64_t int8_scaled_wide(const int8_t* w, int64_t count, float scale,
 inline void int8_scaled(const int8_t* w, int64_t count, float scale, float* out) {
   int64_t k = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-  if (lookup_usable()) k = int8_scaled_wide(w, count, scale, out);
+  if (avx512_usable()) k = int8_scaled_wide(w, count, scale, out);
   const __m256 s = _mm256_set1_ps(scale);
   for (; k + 8 <= count; k += 8) _mm256_storeu_ps(out + k, _mm256_mul_ps(int8_floats(w + k), s));
 #endif
@@ -631,15 +683,11 @@ at::Tensor int8_matmul_cpu(const at::Tensor& x, const at::Tensor& weight, const 
   const float* sp = sc.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t G = grouped ? K / group : 1;
-  dequantized_product(xc.data_ptr<float>(), M, K, N, N * K * passes(M), op, [&](int64_t n, float* row) {
+  const auto row = [&](int64_t n, float* out_row) {
     for (int64_t g = 0; g < G; ++g)
-      int8_scaled(wp + n * K + g * (K / G), K / G, grouped ? sp[n * G + g] : 1.f, row + g * (K / G));
-  });
-  if (!grouped)
-    at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t m = begin; m < end; ++m)
-        for (int64_t n = 0; n < N; ++n) op[m * N + n] *= sp[n];
-    });
+      int8_scaled(wp + n * K + g * (K / G), K / G, grouped ? sp[n * G + g] : 1.f, out_row + g * (K / G));
+  };
+  dequantized_product(xc.data_ptr<float>(), M, K, N, op, row, grouped ? nullptr : sp);
   return out;
 }
 

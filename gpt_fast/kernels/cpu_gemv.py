@@ -127,8 +127,8 @@ def int4_dequantize(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
 
 def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group_size: int | None) -> torch.Tensor:
     """As :func:`int8_gemv` (``scales`` [N]) or :func:`int8_group_gemv` (``scales`` [N, K / group_size]), for a
-    prompt's many rows: each thread dequantizes a few weight rows at a time into its cache and multiplies them by
-    every row of ``x``, in blocks of 3 rows by 4 outputs."""
+    prompt's many rows: each thread dequantizes 16 weight rows at a time into its cache and multiplies them by
+    every row of ``x``, in blocks of 3 rows by 4 outputs (with AVX-512, 4 by 4)."""
     return torch.ops.gpt_fast.int8_matmul_cpu(x, weight, scales, group_size or 0)
 
 

@@ -73,13 +73,15 @@ FEW_ROWS = 16  # activation rows the specialized kernels take; more are a matrix
 # against 37.7; 16 rows 55.0 against 47.7). More rows go to the tile kernels, which dequantize a few weight rows at a
 # time into the core's cache and multiply them by every row: a 37-row prompt's int4 products take 93.5 ms and int8's
 # 104.1 against 145.5 and 125.8 for the weights dequantized whole and multiplied by torch's matrix product (two
-# threads 59.5 and 67.1 against 81.8 and 85.3). At 256 rows the two are within 3 % either way: torch's product blocks
-# its operands for the cache better than the tile kernels' 3 x 4 outputs as the rows grow, and takes more.
+# threads 59.5 and 67.1 against 81.8 and 85.3). Past 64 rows torch's matrix product takes them: it blocks its
+# operands for the cache better than the tile kernels as the rows grow, and on an Intel Xeon with two 512-bit
+# multiply-add units a core it was as fast at 64 rows and twice as fast at 256 (int4, one thread: 465.0 ms against
+# 862.8), where on the Zen 4 the tile kernels still led at 256 (docs/bench/2026-11-30f_cpu_tile_kernels.txt).
 CPP_INT8_GEMV_ROWS = 12
 CPP_INT4_GEMV_ROWS = 5
 Q8_INT8_ROWS = 16
 Q8_INT4_ROWS = 12
-CPP_MATMUL_ROWS = 256
+CPP_MATMUL_ROWS = 64
 
 
 def resolve_kernel(kernel: str, device: torch.device) -> str:
