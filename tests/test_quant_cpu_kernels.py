@@ -262,16 +262,26 @@ def test_auto_takes_the_cpp_kernels_on_this_cpu():
 TABLE_G32 = QuantConfig("int4", 32, embeddings=EmbeddingQuant("int8", 32))
 
 
+def counted(product, calls: list[str]):
+    """``product``, noting its name in ``calls`` at each call."""
+
+    def run(*args):
+        calls.append(product.__name__)
+        return product(*args)
+
+    return run
+
+
 @needs_cpp
 @pytest.mark.parametrize("kernel", ["cpp", "cpp-q8"])
 @pytest.mark.parametrize(
     "quant", [QuantConfig("int8"), QuantConfig("int4", 32), TABLE_G32], ids=["int8", "int4", "int4-table-int8-g32"]
 )
-def test_greedy_tokens_match_the_dequantizing_kernel(quant, kernel):
+def test_greedy_tokens_match_the_dequantizing_kernel(quant, kernel, monkeypatch):
     """A model every product of which the kernels take (inputs multiples of 64) decodes the same greedy tokens with
     ``cpp`` (and this tiny one with ``cpp-q8``, on a CPU with AVX512-VNNI) as with ``dequant``, eager and compiled
     (the operators' output shapes registered for inductor); with a quantized table, a tied model whose lookup and
-    output projection read it."""
+    output projection read it. The prompt's 20 rows take the tile kernels, each step's one row the few-rows ones."""
     if kernel == "cpp-q8" and not cpu_gemv.q8_usable():
         pytest.skip("needs a CPU with AVX512-VNNI")
     tied = quant.embeddings is not None
@@ -286,8 +296,12 @@ def test_greedy_tokens_match_the_dequantizing_kernel(quant, kernel):
         layers = [m for m in engine.model.modules() if isinstance(m, (Int8Linear, Int4Linear))]
         assert layers and all(m.kernel == kernel for m in layers)
         assert isinstance(engine.model.tok_embeddings, Int8Embedding) == tied
-        return engine.generate_ids([1, 2, 3], 24, greedy).tokens
+        return engine.generate_ids(list(range(1, 21)), 24, greedy).tokens
 
     reference = tokens("dequant", "none")
+    tiles: list[str] = []
+    for name in ("int8_matmul", "int4_matmul"):
+        monkeypatch.setattr(cpu_gemv, name, counted(getattr(cpu_gemv, name), tiles))
     assert tokens(kernel, "none") == reference
+    assert tiles, "the prompt did not take the tile kernels"
     assert tokens(kernel, "default") == reference
