@@ -321,15 +321,101 @@ at::Tensor group_sums(const float* x, int64_t M, int64_t K, int64_t G, int64_t g
   return sums;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#define AVX512_TARGET __attribute__((target("avx2,fma,avx512f")))
+
+// whether the kernels take their AVX-512 code: the CPU has it, unless tests turned it off (set_avx512)
+std::atomic<bool> avx512{__builtin_cpu_supports("avx512f")};
+
+bool avx512_usable() {
+  return avx512.load(std::memory_order_relaxed);
+}
+#endif
+
+// Lets the kernels take their AVX-512 code (where the CPU has it) or not, as on a CPU without it; the previous setting
+bool set_avx512(bool enabled) {
+#if defined(__AVX2__) && defined(__FMA__)
+  return avx512.exchange(enabled && __builtin_cpu_supports("avx512f"));
+#else
+  return false;
+#endif
+}
+
+constexpr int64_t PAIRED = 32;  // columns whose even ones int4_level_pairs writes first, then the odd ones
+
+// x [M, K] (K a multiple of PAIRED) with the columns of each PAIRED in the order that int4_level_pairs writes a row's
+// weights, the 16 even columns, then the 16 odd ones, in a buffer of the calling thread kept from call to call
+const float* pair_columns(const float* x, int64_t M, int64_t K) {
+  thread_local std::vector<float> paired;
+  paired.resize(M * K);
+  for (int64_t c = 0; c < M * K; c += PAIRED)
+    for (int64_t i = 0; i < PAIRED / 2; ++i) {
+      paired[c + i] = x[c + 2 * i];
+      paired[c + PAIRED / 2 + i] = x[c + 2 * i + 1];
+    }
+  return paired.data();
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// the 16 numbers (level - 8) * scale + zero of a group, as the reference rounds them (a product, then a sum)
+AVX512_TARGET inline __m512 group_numbers(float scale, float zero) {
+  const __m512 levels = _mm512_sub_ps(
+      _mm512_cvtepi32_ps(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)), _mm512_set1_ps(MID));
+  return _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(scale)), _mm512_set1_ps(zero));
+}
+
+// int4_rows on a CPU with AVX-512, for the R rows xp [R, K] in pair_columns' order: each weight looked up among its
+// group's 16 numbers by its nibble (vpermps of 16 lanes reads the low 4 bits of each index), 16 weights an
+// instruction, and multiplied by its activation, where the 8-wide code widens, shifts and masks each nibble. The
+// products are the dequantized reference's; a row's sums run on two accumulators
+template <int R>
+AVX512_TARGET void int4_lookup_rows(const float* xp, int64_t K, const uint8_t* w, const float* scales,
+                                    const float* zeros, int64_t group, float* out, int64_t N) {
+  __m512 even[R], odd[R];
+  for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g * group < K; ++g) {
+    const __m512 table = group_numbers(scales[g], zeros[g]);
+    for (int64_t c = g * group; c < std::min(K, (g + 1) * group); c += PAIRED) {
+      const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c / 2)));
+      const __m512 low = _mm512_permutexvar_ps(bytes, table);
+      const __m512 high = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+      for (int r = 0; r < R; ++r) {
+        even[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xp + r * K + c), low, even[r]);
+        odd[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xp + r * K + c + PAIRED / 2), high, odd[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * N] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
+}
+#endif
+
 // x [M, K] float32 times the int4 weight [N, K / 2] (column 2 t in the low nibble of byte t) with scales and zeros
 // [N, groups] float32 (a level q stands for (q - 8) * scale + zero): [M, N]; K a multiple of 64, group_size of 32
+// or more (a power of two). With AVX-512, int4_lookup_rows (docs/bench/2026-11-30f_cpu_tile_kernels.txt: a step's
+// int4 products of one row 8.2-10.9 ms against 10.2-10.3 with the 8-wide code)
 at::Tensor int4_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                          const at::Tensor& zeros, int64_t group) {
   const int64_t G = check_int4(x, weight, scales, zeros, group);
   const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
   auto xc = x.contiguous(), wc = weight.contiguous(), sc = scales.contiguous(), zc = zeros.contiguous();
-  auto xt = at::empty({M, K}, x.options());
   const float* xd = xc.data_ptr<float>();
+#if defined(__AVX2__) && defined(__FMA__)
+  if (avx512_usable()) {
+    auto out = at::empty({M, N}, x.options());
+    const float* paired = pair_columns(xd, M, K);
+    const uint8_t* wp = wc.data_ptr<uint8_t>();
+    const float *sp = sc.data_ptr<float>(), *zp = zc.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    over_rows(N, N * K / 2 * passes(M), [&](int64_t n) {
+      by_rows(M, [&](auto rows, int64_t m) {
+        int4_lookup_rows<decltype(rows)::value>(paired + m * K, K, wp + n * K / 2, sp + n * G, zp + n * G, group,
+                                                op + m * N + n, N);
+      });
+    });
+    return out;
+  }
+#endif
+  auto xt = at::empty({M, K}, x.options());
   float* xtp = xt.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m) transpose_blocks(xd + m * K, xtp + m * K, K);
   auto xsums = group_sums(xd, M, K, G, group);
@@ -414,25 +500,6 @@ constexpr int TILE_COLUMNS = 4;     // weight rows (outputs) of a block
 constexpr int64_t CHUNK_ROWS = 48;  // activation rows that meet a task's weights before the next ones
 constexpr int WIDE_ROWS = 4;        // activation rows of a block in the AVX-512 code
 
-#if defined(__AVX2__) && defined(__FMA__)
-#define AVX512_TARGET __attribute__((target("avx2,fma,avx512f")))
-
-// whether the kernels take their AVX-512 code: the CPU has it, unless tests turned it off (set_avx512)
-std::atomic<bool> avx512{__builtin_cpu_supports("avx512f")};
-
-bool avx512_usable() {
-  return avx512.load(std::memory_order_relaxed);
-}
-#endif
-
-// Lets the kernels take their AVX-512 code (where the CPU has it) or not, as on a CPU without it; the previous setting
-bool set_avx512(bool enabled) {
-#if defined(__AVX2__) && defined(__FMA__)
-  return avx512.exchange(enabled && __builtin_cpu_supports("avx512f"));
-#else
-  return false;
-#endif
-}
 
 // f(n0, n1) for the output rows n0 .. n1 - 1 of N, tasks of GRAIN rows shared as over_rows shares them
 template <typename F>
@@ -559,21 +626,6 @@ void dequantized_product(const float* x, int64_t M, int64_t K, int64_t N, float*
     for (int64_t m = 0; column_scales && m < M; ++m)
       for (int64_t n = n0; n < n1; ++n) out[m * N + n] *= column_scales[n];
   });
-}
-
-constexpr int64_t PAIRED = 32;  // columns whose even ones int4_level_pairs writes first, then the odd ones
-
-// x [M, K] (K a multiple of PAIRED) with the columns of each PAIRED in the order that int4_level_pairs writes a row's
-// weights, the 16 even columns, then the 16 odd ones, in a buffer of the calling thread kept from call to call
-const float* pair_columns(const float* x, int64_t M, int64_t K) {
-  thread_local std::vector<float> paired;
-  paired.resize(M * K);
-  for (int64_t c = 0; c < M * K; c += PAIRED)
-    for (int64_t i = 0; i < PAIRED / 2; ++i) {
-      paired[c + i] = x[c + 2 * i];
-      paired[c + PAIRED / 2 + i] = x[c + 2 * i + 1];
-    }
-  return paired.data();
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
