@@ -103,8 +103,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     cpu_gemv.load_cpu_kernels()
-    torch.ops.gpt_fast.set_avx512(not args.no_avx512)
-    avx512 = torch.ops.gpt_fast.set_avx512(not args.no_avx512)  # the setting in force: its previous value
+    avx512 = torch.ops.gpt_fast.set_avx512(not args.no_avx512)  # the setting in force
     rows = [int(r) for r in args.rows.split(",")]
     capability = torch.backends.cpu.get_cpu_capability()
     print(

@@ -38,20 +38,27 @@ constexpr int ROWS = 4;             // activation rows that share each widened w
 // that sleep made 34.4 tok/s when every product took both, 40.2 with this (docs/bench/HISTORY.md, 2026-11-30b)
 constexpr int64_t THREAD_WORK = 1 << 20;
 
-// f(n) for the output rows n of N, in tasks of GRAIN rows that torch's threads take one after another until none
-// is left: a thread that another process keeps off its core takes fewer of them, where at::parallel_for's even
-// split would make the whole product wait for its share. `work` is the weight bytes times the passes over them (one
-// per ROWS activation rows); a product takes one thread per THREAD_WORK of it at most, since waking a thread costs
-// more than a small product saves.
+// f(n0, n1) for the output rows n0 .. n1 - 1 of N, tasks of GRAIN rows that torch's threads take one after another
+// until none is left: a thread that another process keeps off its core takes fewer of them, where
+// at::parallel_for's even split would make the whole product wait for its share. `work` is the weight bytes times
+// the passes over them (one per ROWS activation rows); a product takes one thread per THREAD_WORK of it at most,
+// since waking a thread costs more than a small product saves.
 template <typename F>
-inline void over_rows(int64_t N, int64_t work, F&& f) {
+inline void over_tasks(int64_t N, int64_t work, F&& f) {
   const int64_t tasks = (N + GRAIN - 1) / GRAIN;
   const int64_t threads = std::min({static_cast<int64_t>(at::get_num_threads()), tasks,
                                     std::max<int64_t>(1, work / THREAD_WORK)});
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {  // one thread: the loop runs here, no parallel region
-    for (int64_t t = next++; t < tasks; t = next++)
-      for (int64_t n = t * GRAIN; n < std::min(N, (t + 1) * GRAIN); ++n) f(n);
+    for (int64_t t = next++; t < tasks; t = next++) f(t * GRAIN, std::min(N, (t + 1) * GRAIN));
+  });
+}
+
+// f(n) for the output rows n of N, shared among threads as over_tasks shares them
+template <typename F>
+inline void over_rows(int64_t N, int64_t work, F&& f) {
+  over_tasks(N, work, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) f(n);
   });
 }
 
@@ -332,10 +339,11 @@ bool avx512_usable() {
 }
 #endif
 
-// Lets the kernels take their AVX-512 code (where the CPU has it) or not, as on a CPU without it; the previous setting
+// Lets the kernels take their AVX-512 code (where the CPU has it) or not, as on a CPU without it; the setting in force
 bool set_avx512(bool enabled) {
 #if defined(__AVX2__) && defined(__FMA__)
-  return avx512.exchange(enabled && __builtin_cpu_supports("avx512f"));
+  avx512.store(enabled && __builtin_cpu_supports("avx512f"));
+  return avx512_usable();
 #else
   return false;
 #endif
@@ -364,9 +372,16 @@ AVX512_TARGET inline __m512 group_numbers(float scale, float zero) {
   return _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(scale)), _mm512_set1_ps(zero));
 }
 
+// the numbers of the 32 int4 weights in the 16 bytes at w (their group's `table`, group_numbers): the low nibbles'
+// in `low`, the high nibbles' in `high`, looked up by vpermps, which reads the low 4 bits of each index
+AVX512_TARGET inline void lookup_nibbles(const uint8_t* w, __m512 table, __m512& low, __m512& high) {
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  low = _mm512_permutexvar_ps(bytes, table);
+  high = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+}
+
 // int4_rows on a CPU with AVX-512, for the R rows xp [R, K] in pair_columns' order: each weight looked up among its
-// group's 16 numbers by its nibble (vpermps of 16 lanes reads the low 4 bits of each index), 16 weights an
-// instruction, and multiplied by its activation, where the 8-wide code widens, shifts and masks each nibble. The
+// group's 16 numbers by its nibble (lookup_nibbles), 16 weights an instruction, and multiplied by its activation, where the 8-wide code widens, shifts and masks each nibble. The
 // products are the dequantized reference's; a row's sums run on two accumulators
 template <int R>
 AVX512_TARGET void int4_lookup_rows(const float* xp, int64_t K, const uint8_t* w, const float* scales,
@@ -376,9 +391,8 @@ AVX512_TARGET void int4_lookup_rows(const float* xp, int64_t K, const uint8_t* w
   for (int64_t g = 0; g * group < K; ++g) {
     const __m512 table = group_numbers(scales[g], zeros[g]);
     for (int64_t c = g * group; c < std::min(K, (g + 1) * group); c += PAIRED) {
-      const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c / 2)));
-      const __m512 low = _mm512_permutexvar_ps(bytes, table);
-      const __m512 high = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+      __m512 low, high;
+      lookup_nibbles(w + c / 2, table, low, high);
       for (int r = 0; r < R; ++r) {
         even[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xp + r * K + c), low, even[r]);
         odd[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xp + r * K + c + PAIRED / 2), high, odd[r]);
@@ -399,14 +413,15 @@ at::Tensor int4_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, const at
   const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
   auto xc = x.contiguous(), wc = weight.contiguous(), sc = scales.contiguous(), zc = zeros.contiguous();
   const float* xd = xc.data_ptr<float>();
+  auto out = at::empty({M, N}, x.options());
+  const uint8_t* wp = wc.data_ptr<uint8_t>();
+  const float *sp = sc.data_ptr<float>(), *zp = zc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t work = N * K / 2 * passes(M);
 #if defined(__AVX2__) && defined(__FMA__)
   if (avx512_usable()) {
-    auto out = at::empty({M, N}, x.options());
     const float* paired = pair_columns(xd, M, K);
-    const uint8_t* wp = wc.data_ptr<uint8_t>();
-    const float *sp = sc.data_ptr<float>(), *zp = zc.data_ptr<float>();
-    float* op = out.data_ptr<float>();
-    over_rows(N, N * K / 2 * passes(M), [&](int64_t n) {
+    over_rows(N, work, [&](int64_t n) {
       by_rows(M, [&](auto rows, int64_t m) {
         int4_lookup_rows<decltype(rows)::value>(paired + m * K, K, wp + n * K / 2, sp + n * G, zp + n * G, group,
                                                 op + m * N + n, N);
@@ -420,11 +435,7 @@ at::Tensor int4_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, const at
   for (int64_t m = 0; m < M; ++m) transpose_blocks(xd + m * K, xtp + m * K, K);
   auto xsums = group_sums(xd, M, K, G, group);
   const float* xs = xsums.data_ptr<float>();
-  auto out = at::empty({M, N}, x.options());
-  const uint8_t* wp = wc.data_ptr<uint8_t>();
-  const float *sp = sc.data_ptr<float>(), *zp = zc.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  over_rows(N, N * K / 2 * passes(M), [&](int64_t n) {
+  over_rows(N, work, [&](int64_t n) {
     by_rows(M, [&](auto rows, int64_t m) {
       int4_rows<decltype(rows)::value>(xtp + m * K, xs + m * G, K, G, wp + n * K / 2, sp + n * G, zp + n * G, group,
                                        op + m * N + n, N);
@@ -499,15 +510,6 @@ constexpr int TILE_ROWS = 3;        // activation rows of a block
 constexpr int TILE_COLUMNS = 4;     // weight rows (outputs) of a block
 constexpr int64_t CHUNK_ROWS = 48;  // activation rows that meet a task's weights before the next ones
 constexpr int WIDE_ROWS = 4;        // activation rows of a block in the AVX-512 code
-
-
-// f(n0, n1) for the output rows n0 .. n1 - 1 of N, tasks of GRAIN rows shared as over_rows shares them
-template <typename F>
-inline void over_tasks(int64_t N, int64_t work, F&& f) {
-  over_rows((N + GRAIN - 1) / GRAIN * GRAIN, work, [&](int64_t n) {
-    if (n % GRAIN == 0 && n < N) f(n, std::min(N, n + GRAIN));
-  });
-}
 
 // out[r * N + c] = x[r] . w[c] for the R rows x [R, K] and the C float weight rows w [C, K] (K a multiple of 8)
 template <int R, int C>
@@ -629,19 +631,17 @@ void dequantized_product(const float* x, int64_t M, int64_t K, int64_t N, float*
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// A row of int4_level_pairs on a CPU with AVX-512: each group's 16 numbers (level - 8) * scale + zero computed once,
-// as the reference rounds them, and each weight looked up among them by its nibble (vpermps of 16 lanes reads the
-// low 4 bits of each index), 16 weights an instruction
+// A row of int4_level_pairs on a CPU with AVX-512: each group's 16 numbers computed once (group_numbers) and each
+// weight looked up among them by its nibble (lookup_nibbles), 16 weights an instruction
 AVX512_TARGET void int4_lookup_row(const uint8_t* w, int64_t K, int64_t group, const float* scales,
                                    const float* zeros, float* out) {
-  const __m512 levels = _mm512_sub_ps(
-      _mm512_cvtepi32_ps(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)), _mm512_set1_ps(MID));
   for (int64_t g = 0; g * group < K; ++g) {
-    const __m512 table = _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(scales[g])), _mm512_set1_ps(zeros[g]));
+    const __m512 table = group_numbers(scales[g], zeros[g]);
     for (int64_t c = g * group; c < std::min(K, (g + 1) * group); c += PAIRED) {
-      const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c / 2)));
-      _mm512_storeu_ps(out + c, _mm512_permutexvar_ps(bytes, table));
-      _mm512_storeu_ps(out + c + PAIRED / 2, _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table));
+      __m512 low, high;
+      lookup_nibbles(w + c / 2, table, low, high);
+      _mm512_storeu_ps(out + c, low);
+      _mm512_storeu_ps(out + c + PAIRED / 2, high);
     }
   }
 }
