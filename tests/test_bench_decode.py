@@ -16,6 +16,7 @@ from gpt_fast.bench.options import DecodeBenchOptions
 from gpt_fast.convert.hf_config import hf_config_dict
 from gpt_fast.convert.layout import split_tensors
 from gpt_fast.convert.random_init import random_weights
+from gpt_fast.kernels.cpu_gemv import cpu_kernels_usable
 from gpt_fast.model.config import QuantConfig
 from gpt_fast.model.shapes import get_shape
 
@@ -217,8 +218,8 @@ def test_every_registered_shape_converts_back_from_its_hf_config():
 
 
 def test_the_decode_kernels_are_named_and_checked():
-    """On the CPU ``auto`` is the PyTorch code for all five: one row, the kernels named in the header; Triton is
-    refused."""
+    """On the CPU ``auto`` is the PyTorch code for four of them and, where our C++ kernels build, ``cpp`` for the
+    layers: one row, the kernels named in the header; Triton is refused."""
     lines = []
     rows = tiny_benchmark(
         lines,
@@ -231,9 +232,11 @@ def test_the_decode_kernels_are_named_and_checked():
         sampling_kernels=["auto", "torch"],
     )
     assert [r.name for r in rows] == ["gpt-fast none"]
+    layers = "cpp" if cpu_kernels_usable() else "torch"
     assert lines[-2].endswith(
-        "our decode's attention kernel: torch; activation kernel: torch; layers kernel: torch; linear kernel: torch; "
-        "sampling kernel: torch; our compiled steps: the whole step compiled, kernels tuned by coordinate descent"
+        f"our decode's attention kernel: torch; activation kernel: torch; layers kernel: {layers}; "
+        "linear kernel: torch; sampling kernel: torch; our compiled steps: the whole step compiled, kernels tuned by "
+        "coordinate descent"
     )
     with pytest.raises(ValueError, match="the triton attention kernel needs a CUDA GPU"):
         tiny_benchmark(lines, peers=False, attention_kernels=["triton"])

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from gpt_fast.accel import persistent
+from gpt_fast.accel.choice import Context
 from gpt_fast.accel.options import KernelOptions
 from gpt_fast.accel.persistent import check_layers_kernel, resolve_layers_kernel, use_layers_kernel
 from gpt_fast.convert.random_init import random_weights
@@ -26,11 +27,13 @@ H200_PROGRAMS = 132
 
 
 def test_kernel_choice_on_the_cpu():
-    cpu = torch.device("cpu")
+    """``auto`` never takes the Triton kernel (on a CPU it takes the C++ one where that computes the model:
+    ``tests/test_cpu_layers.py``)."""
+    cpu = Context(torch.device("cpu"), "default", get_shape("tiny"), dtype=torch.bfloat16)
     assert resolve_layers_kernel("auto", cpu) == "torch"
     with pytest.raises(ValueError, match="triton layers kernel needs a CUDA GPU with Triton installed, not cpu"):
         resolve_layers_kernel("triton", cpu)
-    with pytest.raises(ValueError, match="kernels.layers 'mega' is not one of auto, triton, torch"):
+    with pytest.raises(ValueError, match="kernels.layers 'mega' is not one of auto, triton, cpp, torch"):
         EngineOptions(kernels=KernelOptions(layers="mega"))
     with pytest.raises(ValueError, match="the triton layers kernel needs a CUDA GPU"):
         Engine.from_state(get_shape("tiny"), {}, EngineOptions(device="cpu", kernels=KernelOptions(layers="triton")))
@@ -74,7 +77,8 @@ def test_compiled_one_token_steps_of_one_sequence_call_the_kernel_and_nothing_el
     and batches keep the layers' code. A stand-in that records its calls and runs the layers leaves the logits as
     they were."""
     shape = get_shape("tiny")
-    engine = Engine.from_state(shape, random_weights(shape, torch.float32, seed=0), EngineOptions(device="cpu"))
+    options = EngineOptions(device="cpu", kernels=KernelOptions(layers="torch"))
+    engine = Engine.from_state(shape, random_weights(shape, torch.float32, seed=0), options)
     model, calls = engine.model, []
 
     def stand_in(model, x, input_pos):

@@ -14,7 +14,10 @@ from gpt_fast.model.config import ModelConfig, QuantConfig
 @dataclass(frozen=True)
 class Context:
     """Where the kernels run: the device, the compile mode of the decode steps, the model's config and quantization,
-    and the engine options that rule kernels out (regional compilation, batch-invariant steps)."""
+    the engine options that rule kernels out (regional compilation, batch-invariant steps, tensor parallelism),
+    the model's dtype (None:
+    not known) and the quantized products' kernel as resolved (:func:`gpt_fast.accel.registry.resolve_kernels`
+    fills it in)."""
 
     device: torch.device
     compile_mode: str
@@ -22,6 +25,9 @@ class Context:
     quantization: QuantConfig | None = None
     regional_compile: bool = False
     batch_invariant: bool = False
+    tensor_parallel: bool = False
+    dtype: torch.dtype | None = None
+    quant_kernel: str | None = None
 
 
 def choose(

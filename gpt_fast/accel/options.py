@@ -10,8 +10,8 @@ from gpt_fast.model.config import QUANT_KERNELS
 from gpt_fast.util.options import OptionError, check_one_of
 
 TRITON_OR_TORCH = ("auto", "triton", "torch")  # our Triton kernel, or the model's PyTorch code
-ACTIVATION_KERNELS = LAYERS_KERNELS = LINEAR_KERNELS = SAMPLING_KERNELS = TRITON_OR_TORCH
-ATTENTION_KERNELS = ("auto", "triton", "cpp", "torch")  # cpp: our C++ kernel on an x86 CPU
+ACTIVATION_KERNELS = LINEAR_KERNELS = SAMPLING_KERNELS = TRITON_OR_TORCH
+ATTENTION_KERNELS = LAYERS_KERNELS = ("auto", "triton", "cpp", "torch")  # cpp: our C++ kernel on an x86 CPU
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,8 @@ class KernelOptions:
       :mod:`gpt_fast.quant.products`;
     - ``attention``: a compiled decode step's fused attention, :mod:`gpt_fast.accel.decode_attention`;
     - ``activation``: a gated MLP's activation in a compiled decode step, :mod:`gpt_fast.accel.gated_activation`;
-    - ``layers``: every layer of a one-token step in one persistent kernel, :mod:`gpt_fast.accel.persistent`;
+    - ``layers``: every layer of a one-token step in one kernel (a persistent Triton kernel, or one C++ operator on
+      the CPU), :mod:`gpt_fast.accel.persistent`;
     - ``linear``: the decoder layers' unquantized products of a one-row step, :mod:`gpt_fast.accel.linear`;
     - ``sampling``: top-k sampling of a decode step's logits, :mod:`gpt_fast.accel.top_k`.
     """

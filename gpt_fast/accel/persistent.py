@@ -1,13 +1,19 @@
-"""The decoder layers of a compiled decode step as one kernel (``layers_kernel``), or the model's own code.
+"""The decoder layers of a one-token decode step of one sequence as one kernel (``layers_kernel``), or the model's code.
 
 - ``triton``: :mod:`gpt_fast.kernels.triton_persistent`, on CUDA GPUs (not ROCm) with Triton: one persistent kernel
-  runs every layer of a one-token step of one sequence, where inductor launches about 14 kernels per layer. It is
-  the ``torch.library.custom_op`` ``gpt_fast::decode_layers`` (it writes the KV caches), opaque to
+  runs every layer of a compiled one-token step of one sequence, where inductor launches about 14 kernels per layer.
+  It is the ``torch.library.custom_op`` ``gpt_fast::decode_layers`` (it writes the KV caches), opaque to
   ``torch.compile``; CUDA graphs capture it. For a plain Llama-style decoder only (see :func:`check_layers_kernel`)
   and unquantized weights; other steps (a prefill, several rows) keep the model's code.
+- ``cpp``: :mod:`gpt_fast.kernels.cpu_layers`, on an x86 CPU that builds our C++ kernels: every layer of a one-token
+  step of one sequence in one C++ operator, ``gpt_fast::decode_layers_cpu``, eager or compiled, where the model's
+  code makes a few dozen Python (eager) or wrapper (compiled) calls per layer. float32 models whose products are
+  ours (float32 weights, or the ``cpp`` and ``cpp-q8`` quantized kernels), Llama-style with q/k/v biases, norms
+  with an offset, GeGLU and soft-capped attention (see :func:`check_cpp_layers`).
 - ``torch``: the model's code, everywhere.
 
-``auto`` is ``torch``: the kernel is there to be chosen and measured (BENCHMARKS.md).
+``auto`` is ``cpp`` where it computes the model (docs/cpu.md, "Where a token's time goes"), else ``torch``: the
+Triton kernel is there to be chosen and measured (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -17,11 +23,14 @@ import functools
 import torch
 from torch import nn
 
-from gpt_fast.accel.choice import choose
+from gpt_fast.accel.choice import Context, choose
 from gpt_fast.accel.options import LAYERS_KERNELS
+from gpt_fast.kernels import cpu_gemv, cpu_layers
 from gpt_fast.kernels.persistent_table import TABLE_COLUMNS
 from gpt_fast.model.config import ModelConfig, QuantConfig
 from gpt_fast.model.transformer import Transformer
+from gpt_fast.quant.layers import Int4Linear, Int8Linear
+from gpt_fast.quant.products import CPP_KERNELS, cpp_usable
 
 
 def check_layers_kernel(config: ModelConfig, quantization: QuantConfig | None, programs: int) -> None:
@@ -57,10 +66,72 @@ def check_layers_kernel(config: ModelConfig, quantization: QuantConfig | None, p
         )
 
 
-def resolve_layers_kernel(kernel: str, device: torch.device) -> str:
-    """``auto``: the model's code. Choosing Triton (a CUDA GPU with Triton, not ROCm) registers the operator
-    (:func:`register_layers_op`) before anything is compiled."""
-    return choose(kernel, LAYERS_KERNELS, "layers kernel", device, "torch", register_layers_op)
+def check_cpp_layers(context: Context) -> None:
+    """Raise ``ValueError`` (one line) unless the C++ operator computes this model's layers: an x86 CPU that builds
+    our kernels, float32, products of float32 weights or our C++ quantized kernels, a decoder without q/k norms,
+    post-norms, sliding-window layers or experts, a head size that is a multiple of 8, and one process computing
+    every step alike (no tensor parallelism, whose layers all-reduce, nor batch-invariant steps, whose one-row and
+    many-row steps must compute alike)."""
+    config, quantized = context.config, context.quantization is not None
+    if not cpp_usable(context.device):
+        raise ValueError(
+            f"the cpp layers kernel needs an x86 CPU with AVX2, a C++ compiler and ninja, not {context.device}"
+        )
+    unsupported = {
+        f"{context.dtype} weights (it computes float32)": context.dtype not in (None, torch.float32),
+        f"the {context.quant_kernel} quantized kernel (it computes cpp and cpp-q8)": (
+            quantized and context.quant_kernel not in (None, *CPP_KERNELS)
+        ),
+        "quantized layers whose shapes our C++ products do not take": quantized and not _cpp_takes_layers(context),
+        "tensor parallelism": context.tensor_parallel,
+        "batch-invariant steps": context.batch_invariant,
+        "q/k norms": config.qk_norm,
+        "post-norms": config.post_norms,
+        "sliding-window layers": config.sliding_window is not None,
+        "experts": config.is_moe,
+        "a head size that is not a multiple of 8": config.head_dim % 8 != 0,
+    }
+    for what, found in unsupported.items():
+        if found:
+            raise ValueError(f"--layers_kernel cpp does not compute models with {what}")
+
+
+def _cpp_takes_layers(context: Context) -> bool:
+    """Whether our C++ products take every quantized layer of the model (as :class:`Int8Linear` and
+    :class:`Int4Linear` decide when they are prepared): inputs and groups that are whole multiples of the kernels'."""
+    config, quant = context.config, context.quantization
+    inputs = {config.dim, config.q_size, config.intermediate_size}  # of wqkv and w13, wo, w2
+    group = quant.group_size
+    if quant.mode == "int4":
+        return group % cpu_gemv.INT4_GROUPS == 0 and all(k % cpu_gemv.INT4_COLUMNS == 0 for k in inputs)
+    grouped = group is None or all(group % cpu_gemv.INT8_GROUPS == 0 and k % group == 0 for k in inputs)
+    return grouped and all(k % cpu_gemv.INT8_COLUMNS == 0 for k in inputs)
+
+
+def resolve_layers_kernel(kernel: str, context: Context) -> str:
+    """``auto``: ``cpp`` where it computes the model (:func:`check_cpp_layers`, the dtype known), else the model's
+    code. Choosing Triton (a CUDA GPU with Triton, not ROCm) registers its operator (:func:`register_layers_op`),
+    choosing C++ loads our library (:func:`register_cpp_layers_op`), before anything is compiled."""
+    if kernel == "cpp" or (kernel == "auto" and context.device.type == "cpu"):
+        try:
+            check_cpp_layers(context)
+        except ValueError:
+            if kernel == "cpp":
+                raise
+            return "torch"
+        if context.dtype is None and kernel == "auto":
+            return "torch"
+        register_cpp_layers_op()
+        return "cpp"
+    return choose(kernel, LAYERS_KERNELS, "layers kernel", context.device, "torch", register_layers_op)
+
+
+@functools.cache
+def register_cpp_layers_op() -> None:
+    """Build and load our C++ kernels (:func:`gpt_fast.kernels.cpu_gemv.load_cpu_kernels`) and give
+    ``gpt_fast::decode_layers_cpu`` its shape function for ``torch.compile``."""
+    cpu_gemv.load_cpu_kernels()
+    torch.library.register_fake("gpt_fast::decode_layers_cpu", lambda x, *_args: x.new_empty(x.shape))
 
 
 def fill_pointer_table(model: Transformer) -> None:
@@ -130,9 +201,59 @@ def persistent_layers(model: Transformer, x: torch.Tensor, input_pos: torch.Tens
     )  # fmt: skip
 
 
+def product_plan(linear: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
+    """A product's tensors and plan (kind, group size, bias) for :func:`gpt_fast.kernels.cpu_layers.decode_layers`."""
+    if isinstance(linear, nn.Linear) and linear.weight.dtype == torch.float32:
+        kind, tensors, group = "float32", [linear.weight], 0
+    elif isinstance(linear, Int8Linear) and linear.kernel in CPP_KERNELS:
+        kind, tensors, group = "int8", [linear.weight, linear.scales], linear.group_size or 0
+    elif isinstance(linear, Int4Linear) and linear.kernel in CPP_KERNELS:
+        kind, tensors, group = "int4", [linear.weight, linear.scales, linear.zeros], linear.group_size
+    else:
+        what = getattr(linear, "kernel", getattr(getattr(linear, "weight", None), "dtype", None))
+        raise ValueError(f"--layers_kernel cpp does not compute a {type(linear).__name__} ({what})")
+    if kind != "float32" and linear.kernel == "cpp-q8":
+        kind += "-q8"
+    bias = linear.bias
+    return tensors + ([] if bias is None else [bias]), [cpu_layers.KINDS[kind], group, int(bias is not None)]
+
+
+def cpp_plan(model: Transformer) -> tuple[list[torch.Tensor], list[int]]:
+    """Every layer's norm weights and products as :func:`gpt_fast.kernels.cpu_layers.decode_layers` takes them."""
+    weights: list[torch.Tensor] = []
+    plan: list[int] = []
+    for layer in model.layers:
+        attention, mlp = layer.attention, layer.feed_forward
+        weights += [layer.attention_norm.weight, layer.ffn_norm.weight]
+        for linear in (attention.wqkv, attention.wo, mlp.w13, mlp.w2):
+            tensors, numbers = product_plan(linear)
+            weights += tensors
+            plan += numbers
+    return weights, plan
+
+
+def cpp_layers(model: Transformer, x: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+    """What :class:`gpt_fast.model.transformer.Transformer` calls as its ``layers_kernel`` on the CPU: the residual
+    ``x`` [1, 1, D] after every layer, for the token at ``input_pos`` [1]."""
+    cfg, first = model.config, model.layers[0].attention
+    weights, plan = model.cpp_layers_plan
+    kv = [layer.attention.kv_cache.kv for layer in model.layers]
+    shape = [cfg.n_head, cfg.n_local_heads, cfg.head_dim]
+    scale = first.scale or cfg.head_dim**-0.5
+    return cpu_layers.decode_layers(
+        x, weights, plan, kv, model.rope_cos, model.rope_sin, input_pos, shape, cfg.norm_eps, cfg.norm_offset,
+        scale, first.softcap, cfg.mlp_activation == "gelu_tanh",
+    )  # fmt: skip
+
+
 def use_layers_kernel(model: nn.Module, kernel: str) -> None:
     """Give ``model`` the layers kernel ``kernel`` (a name :func:`resolve_layers_kernel` returned)."""
+    if isinstance(model, Transformer) and kernel == "cpp":
+        model.cpp_layers_plan = cpp_plan(model)
+        model.layers_kernel, model.layers_kernel_eager, model.caches_ready = cpp_layers, True, None
+        return
     if isinstance(model, Transformer):
+        model.cpp_layers_plan, model.layers_kernel_eager = None, False
         model.layers_kernel = persistent_layers if kernel == "triton" else None
         model.caches_ready = fill_pointer_table if kernel == "triton" else None
         if kernel == "triton":  # allocated here, outside any CUDA graph's memory pool

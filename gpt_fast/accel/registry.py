@@ -11,7 +11,7 @@ for its kernel as they are read (:func:`gpt_fast.quant.layers.prepare_quantized`
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from gpt_fast.accel import decode_attention, gated_activation, linear, persistent, top_k
 from gpt_fast.accel.choice import Context
@@ -74,7 +74,7 @@ def _resolve_activation(kernel: str, context: Context) -> str:
 
 
 def _resolve_layers(kernel: str, context: Context) -> str:
-    chosen = persistent.resolve_layers_kernel(kernel, context.device)
+    chosen = persistent.resolve_layers_kernel(kernel, context)
     if chosen == "triton":
         persistent.check_layers_kernel(context.config, context.quantization, persistent.programs_for(context.device))
     return chosen
@@ -114,8 +114,14 @@ def resolve_one(name: str, choice: str, context: Context) -> str:
 
 def resolve_kernels(options: KernelOptions, context: Context) -> ChosenKernels:
     """Every operation's kernel on ``context``'s device, in the registry's order (refusing a choice that cannot
-    run there, registering our operators before anything is compiled)."""
-    return ChosenKernels(**{path.name: path.resolve(getattr(options, path.name), context) for path in REGISTRY})
+    run there, registering our operators before anything is compiled). The quantized products' kernel comes
+    first: the others' choices may depend on it (``context.quant_kernel``)."""
+    chosen: dict[str, str] = {}
+    for path in REGISTRY:
+        chosen[path.name] = path.resolve(getattr(options, path.name), context)
+        if path.name == "quant":
+            context = replace(context, quant_kernel=chosen["quant"])
+    return ChosenKernels(**chosen)
 
 
 def install_kernels(model: Transformer, chosen: ChosenKernels, context: Context) -> None:

@@ -331,7 +331,7 @@ def run_benchmark(
 ) -> list[Row]:
     shape = get_shape(shape_name)
     draws = GREEDY if greedy else BLOG_SAMPLING  # how every row samples
-    context = Context(device, mode, shape, regional_compile=regional_compile)
+    context = Context(device, mode, shape, regional_compile=regional_compile, dtype=dtype)
 
     def resolved(name: str, choices: Sequence[str]) -> list[str]:
         return list(dict.fromkeys(resolve_one(name, choice, context) for choice in choices))

@@ -167,6 +167,8 @@ class Engine:
             self.quantization,
             regional_compile=options.regional_compile,
             batch_invariant=options.batch_invariant,
+            tensor_parallel=options.tp > 1,
+            dtype=self.dtype,
         )
         self.kernels = resolve_kernels(options.kernels, self.kernel_context)  # before anything is compiled
         self._tokenizer = checkpoint_tokenizer(checkpoint_dir, config) if config is not None else None

@@ -22,10 +22,34 @@
 #include <optional>
 #include <vector>
 
+namespace gpt_fast_cpu {
+
+// e^x for 8 float32 x <= 0 (scores less their maximum; cpu_layers.cpp's gated activations call it too), to within 2 ulp: x = k ln 2 + r with |r| <= ln 2 / 2 (ln 2
+// in two parts, so that r is exact), e^r by its Taylor polynomial of degree 7 in Horner form, times 2^k built in the
+// exponent bits; below -87 (2^k underflows) the result is 0
+__m256 exp8(__m256 x) {
+  const __m256 low = _mm256_set1_ps(-87.f);
+  const __m256 tiny = _mm256_cmp_ps(x, low, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, low);
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.f / 5040);
+  for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+}  // namespace gpt_fast_cpu
+
 namespace {
+
+using gpt_fast_cpu::exp8;
 
 constexpr int64_t LANES = 8;  // float32 lanes of an AVX2 vector
 constexpr int64_t KEYS = 4;   // keys whose scores are summed side by side (dots)
+constexpr int64_t THREAD_BYTES = 1 << 20;  // keys and values a thread reads at least (attend_token)
 
 template <typename T>
 inline float widen(T x) {
@@ -58,23 +82,6 @@ inline float sum_lanes(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-// e^x for 8 float32 x <= 0 (scores less their maximum), to within 2 ulp: x = k ln 2 + r with |r| <= ln 2 / 2 (ln 2
-// in two parts, so that r is exact), e^r by its Taylor polynomial of degree 7 in Horner form, times 2^k built in the
-// exponent bits; below -87 (2^k underflows) the result is 0
-inline __m256 exp8(__m256 x) {
-  const __m256 low = _mm256_set1_ps(-87.f);
-  const __m256 tiny = _mm256_cmp_ps(x, low, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, low);
-  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.f / 5040);
-  for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
 }
 
 // out[j] = the sum over d < D of a[d] * keys[j][d] for j < KEYS (D a multiple of LANES): KEYS chains of fused
@@ -173,6 +180,27 @@ void attend_head(const Cache<T>& cache, int64_t row, int64_t h, int64_t lo, int6
     for (int64_t d = 0; d < D; ++d) out[g * out_head_stride + d] = static_cast<T>(acc[g * D + d] / total[g]);
 }
 
+// One row's kv head `h` of a step at `pos` (attending from `lo`): its G query heads `q` [G, D] (head stride
+// q_stride) and its key `k` and value `v` [D] rotated by the position's tables cos, sin [D/2], the key and value
+// written into the cache, then the attention, into `out` [G, D] (head stride out_stride); the rotated query and key
+// in buffers of the calling thread
+template <typename T>
+void attend_kv_head(const Cache<T>& cache, int64_t row, int64_t h, int64_t lo, int64_t pos, const T* q,
+                    int64_t q_stride, const T* k, const T* v, const float* c, const float* s, int64_t G, int64_t D,
+                    float scale, std::optional<double> softcap, T* out, int64_t out_stride) {
+  thread_local std::vector<float> rotated, key;
+  rotated.resize(G * D);
+  key.resize(D);
+  for (int64_t g = 0; g < G; ++g) rotate(q + g * q_stride, c, s, D, rotated.data() + g * D);
+  rotate(k, c, s, D, key.data());
+  T* key_slot = cache.at(row, h, pos);
+  for (int64_t d = 0; d < D; ++d) {
+    key_slot[d] = static_cast<T>(key[d]);
+    key_slot[cache.half_stride + d] = v[d];
+  }
+  attend_head(cache, row, h, lo, pos, rotated.data(), G, D, scale, softcap, out, out_stride);
+}
+
 template <typename T>
 void decode_attention_typed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                             const at::Tensor& sin, at::Tensor& kv, const at::Tensor& input_pos, int64_t first_row,
@@ -190,24 +218,15 @@ void decode_attention_typed(const at::Tensor& q, const at::Tensor& k, const at::
   const T *qs = q.data_ptr<T>(), *ks = k.data_ptr<T>(), *vs = v.data_ptr<T>();
   T* outs = out.data_ptr<T>();
   at::parallel_for(0, B * H_kv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> rotated(G * D), key(D);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / H_kv, h = task % H_kv, row = first_row + b;
+      const int64_t b = task / H_kv, h = task % H_kv;
       const int64_t pos = positions[shared_pos ? 0 : b];
       const int64_t lo = window ? std::max<int64_t>(0, pos - *window + 1) : 0;
-      const float* c = cos_rows + (shared_rope ? 0 : b) * (D / 2);
-      const float* s = sin_rows + (shared_rope ? 0 : b) * (D / 2);
-      for (int64_t g = 0; g < G; ++g)
-        rotate(qs + b * q.stride(0) + (h * G + g) * q.stride(2), c, s, D, rotated.data() + g * D);
-      rotate(ks + b * k.stride(0) + h * k.stride(2), c, s, D, key.data());
-      T* key_slot = cache.at(row, h, pos);
-      const T* value = vs + b * v.stride(0) + h * v.stride(2);
-      for (int64_t d = 0; d < D; ++d) {
-        key_slot[d] = static_cast<T>(key[d]);
-        key_slot[cache.half_stride + d] = value[d];
-      }
-      attend_head(cache, row, h, lo, pos, rotated.data(), G, D, static_cast<float>(scale), softcap,
-                  outs + b * out.stride(0) + h * G * out.stride(2), out.stride(2));
+      const int64_t rope = (shared_rope ? 0 : b) * (D / 2);
+      attend_kv_head(cache, first_row + b, h, lo, pos, qs + b * q.stride(0) + h * G * q.stride(2), q.stride(2),
+                     ks + b * k.stride(0) + h * k.stride(2), vs + b * v.stride(0) + h * v.stride(2), cos_rows + rope,
+                     sin_rows + rope, G, D, static_cast<float>(scale), softcap,
+                     outs + b * out.stride(0) + h * G * out.stride(2), out.stride(2));
     }
   });
 }
@@ -252,6 +271,28 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k, const 
 }
 
 }  // namespace
+
+namespace gpt_fast_cpu {
+
+// The attention of decode_layers_cpu (cpu_layers.cpp): one token at `pos` of row 0 of a static float32 cache kv
+// [2, 1, H_kv, S, D], its query, key and value the H + 2 H_kv heads of `qkv` [(H + 2 H_kv) D], rotated by the
+// position's tables cos, sin [D / 2]; the output [H D] into `out`. A second thread takes kv heads only where each
+// thread reads THREAD_BYTES of keys and values: waking one costs more than a short cache's heads take (and, beside
+// a busy process, waits for a core)
+void attend_token(const float* qkv, int64_t H, int64_t H_kv, int64_t D, const float* cos, const float* sin,
+                  const at::Tensor& kv, int64_t pos, float scale, std::optional<double> softcap, float* out) {
+  const Cache<float> cache{kv.data_ptr<float>(), kv.stride(0), nullptr, 0, 0, kv.stride(1), kv.stride(2), kv.stride(3)};
+  const int64_t G = H / H_kv;
+  const float *keys = qkv + H * D, *values = keys + H_kv * D;
+  const int64_t head_bytes = 2 * (pos + 1) * D * static_cast<int64_t>(sizeof(float));
+  at::parallel_for(0, H_kv, std::max<int64_t>(1, THREAD_BYTES / head_bytes), [&](int64_t begin, int64_t end) {
+    for (int64_t h = begin; h < end; ++h)
+      attend_kv_head(cache, 0, h, 0, pos, qkv + h * G * D, D, keys + h * D, values + h * D, cos, sin, G, D, scale,
+                     softcap, out + h * G * D, D);
+  });
+}
+
+}  // namespace gpt_fast_cpu
 
 TORCH_LIBRARY_FRAGMENT(gpt_fast, m) {
   m.def(

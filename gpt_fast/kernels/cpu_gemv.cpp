@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
@@ -85,6 +86,19 @@ inline float sum_lanes(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+constexpr int64_t PREFETCH = 4096;  // bytes of weights ahead of those read that are asked for (prefetch)
+constexpr int64_t LINE = 64;        // bytes of a cache line
+
+// Asks for the cache line PREFETCH bytes past p: a row's weights, read a block at a time, come from memory faster
+// with this (the 28 MB output projection of the SmolLM2 shape, one thread: cpp-q8 1.0-1.1 ms against 1.2-1.4, cpp
+// 1.82-1.92 against 2.01-2.42), where the hardware's own prefetching leaves the memory idle between blocks. The
+// kernels ask once per cache line;
+// the int8 rows kernel without: alternating with and without, a step's 120 products were no faster
+// (docs/bench/2026-11-30g_cpu_layers.txt)
+inline void prefetch(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p) + PREFETCH, _MM_HINT_T0);
 }
 
 // the 8 signed bytes at p as floats
@@ -162,6 +176,7 @@ inline void int8_group_rows(const float* x, int64_t K, const int8_t* w, const fl
     __m256 lo[R], hi[R];
     for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
     for (int64_t k = start; k < start + group; k += INT8_STEP) {
+      if (k % LINE == 0) prefetch(w + k);
       const __m256 w0 = int8_floats(w + k), w1 = int8_floats(w + k + 8);
       for (int r = 0; r < R; ++r) {
         lo[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k), w0, lo[r]);
@@ -225,6 +240,7 @@ inline void int4_rows(const float* xt, const float* xsums, int64_t K, int64_t G,
   __m256 total[R];
   for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < K / INT4_BLOCK; ++b) {
+    if (b % 2 == 0) prefetch(w + b * INT4_BLOCK / 2);
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * INT4_BLOCK / 2));
     __m256 levels[8];
     nibble_floats(v, levels);
@@ -391,6 +407,7 @@ AVX512_TARGET void int4_lookup_rows(const float* xp, int64_t K, const uint8_t* w
   for (int64_t g = 0; g * group < K; ++g) {
     const __m512 table = group_numbers(scales[g], zeros[g]);
     for (int64_t c = g * group; c < std::min(K, (g + 1) * group); c += PAIRED) {
+      if (c / 2 % LINE == 0) prefetch(w + c / 2);
       __m512 low, high;
       lookup_nibbles(w + c / 2, table, low, high);
       for (int r = 0; r < R; ++r) {
@@ -756,7 +773,6 @@ at::Tensor int8_matmul_cpu(const at::Tensor& x, const at::Tensor& weight, const 
 
 constexpr int64_t QBLOCK = 32;  // activation columns per scale
 constexpr float QMAX = 127.f;
-constexpr int64_t PREFETCH = 4096;  // bytes of weights ahead of those read that are asked for (prefetch)
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define Q8_TARGET __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
@@ -826,13 +842,6 @@ Q8Rows round_rows(const float* x, int64_t M, int64_t K, bool int4) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// Asks for the cache line PREFETCH bytes past p: a row's weights, read a block at a time, come from memory faster
-// with this (the 28 MB output projection of the SmolLM2 shape, one thread: 1.0-1.1 ms against 1.2-1.4 ms), where
-// the hardware's own prefetching leaves the memory idle between blocks
-Q8_TARGET inline void prefetch(const void* p) {
-  _mm_prefetch(static_cast<const char*>(p) + PREFETCH, _MM_HINT_T0);
-}
-
 // out[r * N] for the R activation rows from m (rounded: a) and the int8 weight row w [K] with scales sw: one
 // (!GROUPED) or one per group of 2^shift blocks
 template <int R, bool GROUPED>
@@ -964,6 +973,31 @@ at::Tensor int4_q8_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, const
 }
 
 }  // namespace
+
+namespace gpt_fast_cpu {
+
+// One product of decode_layers_cpu (cpu_layers.cpp): the row x [1, K] float32 times a layer's weight of `kind`
+// (gpt_fast/kernels/cpu_layers.py names them), whose tensors are w[0] .. : 0 float32 [N, K]; 1 int8 [N, K] and
+// scales ([N], or [N, K / group]); 2 the same, the row rounded to int8 (int8_q8_gemv_cpu); 3 int4 [N, K / 2], scales
+// and zeros [N, K / group]; 4 the same, the row rounded (int4_q8_gemv_cpu)
+at::Tensor layer_product(int64_t kind, const at::Tensor& x, const at::Tensor* w, int64_t group) {
+  switch (kind) {
+    case 0:
+      return at::mm(x, w[0].t());
+    case 1:
+      return group ? int8_group_gemv_cpu(x, w[0], w[1], group) : int8_gemv_cpu(x, w[0], w[1]);
+    case 2:
+      return int8_q8_gemv_cpu(x, w[0], w[1], group);
+    case 3:
+      return int4_gemv_cpu(x, w[0], w[1], w[2], group);
+    case 4:
+      return int4_q8_gemv_cpu(x, w[0], w[1], w[2], group);
+    default:
+      TORCH_CHECK(false, "layer_product: kind ", kind, " is not 0 to 4");
+  }
+}
+
+}  // namespace gpt_fast_cpu
 
 TORCH_LIBRARY_FRAGMENT(gpt_fast, m) {
   m.def("int8_gemv_cpu(Tensor x, Tensor weight, Tensor scales) -> Tensor");

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_attention.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_attention.cpp", "cpu_layers.cpp"))
 LIBRARY = "gpt_fast_cpu_gemv_avx2"
 # -ffp-contract=off: a product and a sum written apart stay two roundings, so that int4_dequantize_cpu gives
 # PyTorch's numbers (the kernels' fused multiply-adds are written as such)

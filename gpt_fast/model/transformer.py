@@ -460,26 +460,13 @@ class Transformer(nn.Module):
         the new keys alone, with SDPA's causal kernels, rather than over the whole cache through a mask (a
         1024-token prompt's first token on the Llama-2-7B shape: docs/bench/HISTORY.md, 2026-11-23e)."""
         assert self.max_seq_length > 0, "setup_caches() must be called before forward()"
-        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [T, D/2] or [B, T, D/2]
         x = self.tok_embeddings(idx)
         if self.config.embedding_scale != 1.0:
             x = x * self.embedding_scale
-        key_pos = torch.arange(self.max_seq_length, device=idx.device)
-        # [T, S] or [B, T, S], causal over the whole cache; additive and in the model's dtype once here rather
-        # than per layer
-        mask = torch.where(key_pos <= input_pos[..., None], 0.0, float("-inf")).to(x.dtype)
-        causal = from_start and self.config.attn_logit_softcap is None  # soft-capped scores need the mask
-        inputs = {"full_attention": (cos, sin, None if causal else mask)}  # each layer type's rotary tables, mask
-        if self.config.sliding_window is not None:
-            inputs["sliding_attention"] = self.sliding_inputs(input_pos, key_pos, cos, sin, mask)
-        if input_pos.dim() == 2:  # masks [B, 1, T, S]: the same for every head
-            inputs = {kind: (c, s, None if m is None else m[:, None]) for kind, (c, s, m) in inputs.items()}
         if self.layers_kernel is not None and self._one_token_of_one_sequence(idx, input_pos):
             x = self.layers_kernel(self, x, input_pos)
         else:
-            for layer in self.layers:
-                args = (x, *inputs[layer.layer_type], input_pos, first_row)
-                x = layer_region(layer, *args) if self.regional_compile else layer(*args)
+            x = self._layers(x, input_pos, first_row, from_start)
         if last_index is not None:  # [1] or [B]
             x = x.gather(1, last_index.view(-1, 1, 1).expand(x.shape[0], 1, x.shape[-1]))  # [B, 1, D]
         elif last_only:
@@ -489,6 +476,24 @@ class Transformer(nn.Module):
         cap = self.config.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
+    def _layers(self, x: torch.Tensor, input_pos: torch.Tensor, first_row: int, from_start: bool) -> torch.Tensor:
+        """The residual stream ``x`` [B, T, D] through the layers' own code (:meth:`forward`'s arguments)."""
+        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [T, D/2] or [B, T, D/2]
+        key_pos = torch.arange(self.max_seq_length, device=x.device)
+        # [T, S] or [B, T, S], causal over the whole cache; additive and in the model's dtype once here rather
+        # than per layer
+        mask = torch.where(key_pos <= input_pos[..., None], 0.0, float("-inf")).to(x.dtype)
+        causal = from_start and self.config.attn_logit_softcap is None  # soft-capped scores need the mask
+        inputs = {"full_attention": (cos, sin, None if causal else mask)}  # each layer type's rotary tables, mask
+        if self.config.sliding_window is not None:
+            inputs["sliding_attention"] = self.sliding_inputs(input_pos, key_pos, cos, sin, mask)
+        if input_pos.dim() == 2:  # masks [B, 1, T, S]: the same for every head
+            inputs = {kind: (c, s, None if m is None else m[:, None]) for kind, (c, s, m) in inputs.items()}
+        for layer in self.layers:
+            args = (x, *inputs[layer.layer_type], input_pos, first_row)
+            x = layer_region(layer, *args) if self.regional_compile else layer(*args)
+        return x
+
     def tied_output(self, x: torch.Tensor) -> torch.Tensor:
         """The output projection of tied embeddings, ``x`` [..., D] -> [..., V]: the product with the embedding
         table, or a quantized table's own (``project``, :class:`gpt_fast.quant.layers.Int8Embedding`)."""
@@ -497,9 +502,11 @@ class Transformer(nn.Module):
         return (F.linear if self.head_kernel is None else self.head_kernel)(x, self.tok_embeddings.weight, None)
 
     def _one_token_of_one_sequence(self, idx: torch.Tensor, input_pos: torch.Tensor) -> bool:
-        """Whether this is a compiled step of one token of a one-row cache: the steps ``layers_kernel`` takes."""
+        """Whether this is a step of one token of a one-row static cache, compiled or (``layers_kernel_eager``)
+        not: the steps ``layers_kernel`` takes."""
         one_token = idx.shape == (1, 1) and self.max_batch_size == 1 and input_pos.dim() == 1
-        return one_token and self.block_table is None and torch.compiler.is_compiling()
+        compiled = self.layers_kernel_eager or torch.compiler.is_compiling()
+        return one_token and self.block_table is None and compiled
 
     def sliding_inputs(
         self, input_pos: torch.Tensor, key_pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor

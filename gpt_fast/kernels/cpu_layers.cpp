@@ -1,0 +1,187 @@
+// Every decoder layer of a one-token decode step of one sequence on an x86 CPU, as the operator
+// gpt_fast::decode_layers_cpu (built with cpu_gemv.cpp and cpu_attention.cpp into one library by
+// gpt_fast/kernels/cpu_gemv.py). A step of the model's own code makes a few dozen operator calls per layer, each a
+// Python call in eager mode and a call from inductor's wrapper when compiled; this makes one call for all the layers,
+// its norms, residual adds and gated activations written here, its products and attention those of the other two
+// files (layer_product, attend_token), called directly.
+//
+// The layers are the model's Llama-style decoder in float32 (gpt_fast/model/transformer.py, TransformerBlock): the
+// RMSNorm of the residual, the q/k/v product (and bias), the attention, the output product added to the residual,
+// the RMSNorm, the gate and up product, the gated activation, the down product added to the residual. The numbers
+// differ from the model's code by the order of float32 sums only (and by the products' own rounding with the q8
+// kernels).
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/ArrayRef.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <optional>
+
+namespace gpt_fast_cpu {  // cpu_gemv.cpp's and cpu_attention.cpp's, which say what they do
+at::Tensor layer_product(int64_t kind, const at::Tensor& x, const at::Tensor* w, int64_t group);
+void attend_token(const float* qkv, int64_t H, int64_t H_kv, int64_t D, const float* cos, const float* sin,
+                  const at::Tensor& kv, int64_t pos, float scale, std::optional<double> softcap, float* out);
+__m256 exp8(__m256 x);
+}  // namespace gpt_fast_cpu
+
+namespace {
+
+using gpt_fast_cpu::exp8;
+
+constexpr int64_t LANES = 8;           // float32 lanes of an AVX2 vector
+constexpr int64_t PLAN_FIELDS = 3;     // a product's plan: its weight's kind, group size, bias (1) or not (0)
+constexpr int64_t LINEARS = 4;         // wqkv, wo, w13, w2
+constexpr int64_t NORMS = 2;           // the attention norm's and the MLP norm's weights, first in a layer's tensors
+constexpr int64_t TENSORS[] = {1, 2, 2, 3, 3};  // a weight's tensors by kind (layer_product)
+
+// out [n] = RMSNorm of x [n]: x / sqrt(mean(x^2) + eps) times (offset + weight), as the model's rms_norm in float32
+void rms_norm(const float* x, const float* weight, int64_t n, float eps, float offset, float* out) {
+  __m256 squares = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) squares = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(x + i), squares);
+  alignas(32) float lanes[LANES];
+  _mm256_store_ps(lanes, squares);
+  float sum = 0.f;
+  for (const float lane : lanes) sum += lane;
+  for (; i < n; ++i) sum += x[i] * x[i];
+  const float inverse = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+  for (i = 0; i < n; ++i) out[i] = x[i] * inverse * (offset + weight[i]);
+}
+
+// silu(g) = g / (1 + e^-g) for 8 g, as g * s with s = 1 / (1 + e) (g >= 0) or e / (1 + e), e = e^-|g| <= 1
+inline __m256 silu8(__m256 g) {
+  const __m256 magnitude = _mm256_andnot_ps(_mm256_set1_ps(-0.f), g);
+  const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), magnitude));
+  const __m256 one = _mm256_set1_ps(1.f);
+  const __m256 numerator = _mm256_blendv_ps(one, e, g);  // the sign bit of g picks e
+  return _mm256_mul_ps(g, _mm256_div_ps(numerator, _mm256_add_ps(one, e)));
+}
+
+// GeLU with tanh for 8 g: g / 2 * (1 + tanh(y)), y = sqrt(2 / pi) (g + 0.044715 g^3), tanh |y| = (1 - e) / (1 + e)
+// with e = e^(-2 |y|) <= 1, its sign y's
+inline __m256 gelu_tanh8(__m256 g) {
+  const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+  const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+  const __m256 y = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f), _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), cube, g));
+  const __m256 e = exp8(_mm256_mul_ps(_mm256_set1_ps(-2.f), _mm256_andnot_ps(sign, y)));
+  const __m256 magnitude = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+  const __m256 tanh = _mm256_or_ps(magnitude, _mm256_and_ps(sign, y));
+  return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), g), _mm256_add_ps(one, tanh));
+}
+
+// out [I] = act(gate) * up for gate_up [2 I] (the gate first), act silu or GeLU with tanh
+void gated(const float* gate_up, int64_t I, bool gelu, float* out) {
+  int64_t i = 0;
+  for (; i + LANES <= I; i += LANES) {
+    const __m256 g = _mm256_loadu_ps(gate_up + i);
+    const __m256 act = gelu ? gelu_tanh8(g) : silu8(g);
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(act, _mm256_loadu_ps(gate_up + I + i)));
+  }
+  for (; i < I; ++i) {
+    const float g = gate_up[i];
+    const float y = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+    out[i] = (gelu ? 0.5f * g * (1.f + std::tanh(y)) : g / (1.f + std::exp(-g))) * gate_up[I + i];
+  }
+}
+
+// x [n] += y [n]
+void add_into(float* x, const float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] += y[i];
+}
+
+// The weights of the layers in order, each product's tensors as its plan says (the next product: product())
+struct Weights {
+  at::TensorList tensors;
+  c10::IntArrayRef plan;
+  size_t next = 0, planned = 0;
+
+  const at::Tensor& take() {
+    TORCH_CHECK(next < tensors.size(), "decode_layers_cpu: fewer weights than the plan says");
+    return tensors[next++];
+  }
+
+  // x [1, K] times the next product's weight (and bias): [1, N]
+  at::Tensor product(const at::Tensor& x) {
+    TORCH_CHECK(planned + PLAN_FIELDS <= plan.size(), "decode_layers_cpu: a plan of 3 numbers a product");
+    const int64_t kind = plan[planned], group = plan[planned + 1];
+    const bool bias = plan[planned + 2] != 0;
+    planned += PLAN_FIELDS;
+    TORCH_CHECK(kind >= 0 && kind < 5, "decode_layers_cpu: a product's kind is 0 to 4");
+    TORCH_CHECK(next + TENSORS[kind] + bias <= tensors.size(), "decode_layers_cpu: fewer weights than the plan says");
+    at::Tensor y = gpt_fast_cpu::layer_product(kind, x, tensors.data() + next, group);
+    next += TENSORS[kind];
+    if (bias) {
+      const at::Tensor& b = take();
+      TORCH_CHECK(b.numel() == y.numel() && b.is_contiguous() && b.scalar_type() == at::kFloat, "decode_layers_cpu: bias");
+      add_into(y.data_ptr<float>(), b.data_ptr<float>(), y.numel());
+    }
+    return y;
+  }
+};
+
+// x [1, 1, dim] float32, the residual stream into the first layer; weights: each layer's attention and MLP norm
+// weights [dim] then its wqkv, wo, w13, w2 tensors as `plan` [layers * 4 * 3] says (kind, group, bias: see
+// layer_product); kv: each layer's static cache [2, 1, H_kv, S, D] float32, written at the step's position;
+// cos, sin [positions, D / 2] float32 (the model's tables); input_pos [1]; shape: H, H_kv, D. Returns the residual
+// stream out of the last layer, [1, 1, dim].
+at::Tensor decode_layers_cpu(const at::Tensor& x, at::TensorList weights, c10::IntArrayRef plan, at::TensorList kv,
+                             const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& input_pos,
+                             c10::IntArrayRef shape, double eps, double offset, double scale,
+                             std::optional<double> softcap, bool gelu) {
+  TORCH_CHECK(shape.size() == 3, "decode_layers_cpu: shape is H, H_kv, D");
+  const int64_t H = shape[0], H_kv = shape[1], D = shape[2], dim = x.size(-1);
+  TORCH_CHECK(x.numel() == dim && x.scalar_type() == at::kFloat, "decode_layers_cpu: one float32 row");
+  TORCH_CHECK(H_kv > 0 && H % H_kv == 0 && D % LANES == 0, "decode_layers_cpu: head shapes");
+  TORCH_CHECK(plan.size() == kv.size() * LINEARS * PLAN_FIELDS, "decode_layers_cpu: a plan for every layer");
+  TORCH_CHECK(input_pos.numel() == 1 && input_pos.scalar_type() == at::kLong, "decode_layers_cpu: one int64 position");
+  const int64_t pos = input_pos.data_ptr<int64_t>()[0];
+  for (const at::Tensor* table : {&cos, &sin})
+    TORCH_CHECK(table->scalar_type() == at::kFloat && table->is_contiguous() && table->size(-1) == D / 2 &&
+                    pos >= 0 && pos < table->numel() / (D / 2),
+                "decode_layers_cpu: rotary tables [positions, D / 2] float32 with the step's position");
+  const float *c = cos.data_ptr<float>() + pos * (D / 2), *s = sin.data_ptr<float>() + pos * (D / 2);
+  at::Tensor h = x.reshape({1, dim}).clone();  // [1, dim]: the residual stream
+  at::Tensor normed = at::empty({1, dim}, x.options()), attended = at::empty({1, H * D}, x.options());
+  float* hp = h.data_ptr<float>();
+  Weights w{weights, plan};
+  for (const at::Tensor& cache : kv) {
+    TORCH_CHECK(cache.dim() == 5 && cache.size(1) == 1 && cache.size(2) == H_kv && cache.size(4) == D &&
+                    cache.is_contiguous() && cache.scalar_type() == at::kFloat && pos < cache.size(3),
+                "decode_layers_cpu: a static float32 cache [2, 1, H_kv, S, D] holding the step's position");
+    const at::Tensor& attention_norm = w.take();
+    const at::Tensor& mlp_norm = w.take();
+    for (const at::Tensor* norm : {&attention_norm, &mlp_norm})
+      TORCH_CHECK(norm->numel() == dim && norm->scalar_type() == at::kFloat && norm->is_contiguous(),
+                  "decode_layers_cpu: norm weights [dim] float32");
+    rms_norm(hp, attention_norm.data_ptr<float>(), dim, eps, offset, normed.data_ptr<float>());
+    const at::Tensor qkv = w.product(normed);
+    TORCH_CHECK(qkv.numel() == (H + 2 * H_kv) * D, "decode_layers_cpu: wqkv gives H + 2 H_kv heads");
+    gpt_fast_cpu::attend_token(qkv.data_ptr<float>(), H, H_kv, D, c, s, cache, pos,
+                               static_cast<float>(scale), softcap, attended.data_ptr<float>());
+    add_into(hp, w.product(attended).data_ptr<float>(), dim);
+    rms_norm(hp, mlp_norm.data_ptr<float>(), dim, eps, offset, normed.data_ptr<float>());
+    const at::Tensor gate_up = w.product(normed);
+    const int64_t I = gate_up.numel() / 2;
+    at::Tensor hidden = at::empty({1, I}, x.options());
+    gated(gate_up.data_ptr<float>(), I, gelu, hidden.data_ptr<float>());
+    add_into(hp, w.product(hidden).data_ptr<float>(), dim);
+  }
+  TORCH_CHECK(w.next == weights.size(), "decode_layers_cpu: more weights than the plan says");
+  return h.view(x.sizes());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(gpt_fast, m) {
+  m.def(
+      "decode_layers_cpu(Tensor x, Tensor[] weights, int[] plan, Tensor(a!)[] kv, Tensor cos, Tensor sin, "
+      "Tensor input_pos, int[] shape, float eps, float offset, float scale, float? softcap, bool gelu) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(gpt_fast, CPU, m) {
+  m.impl("decode_layers_cpu", &decode_layers_cpu);
+}

@@ -1,0 +1,180 @@
+"""The layers of a CPU decode step in one C++ operator (``--layers_kernel cpp``, :mod:`gpt_fast.kernels.cpu_layers`):
+which models and options it takes, which steps call it, and that its steps give the logits of the model's own code
+(the PyTorch layers, the reference here) for float32 and quantized weights and each family feature it computes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from gpt_fast.accel.choice import Context
+from gpt_fast.accel.options import KernelOptions
+from gpt_fast.accel.persistent import check_cpp_layers, resolve_layers_kernel
+from gpt_fast.convert.random_init import random_weights
+from gpt_fast.engine.engine import Engine, EngineOptions
+from gpt_fast.generation.sampling import SamplingConfig
+from gpt_fast.kernels import cpu_gemv
+from gpt_fast.model.config import QuantConfig
+from gpt_fast.model.shapes import get_shape
+from gpt_fast.quant.layout import quantize_state
+
+needs_cpp = pytest.mark.skipif(not cpu_gemv.cpu_kernels_usable(), reason="our C++ kernels do not build here")
+CPU = torch.device("cpu")
+GREEDY = SamplingConfig(temperature=0.0)
+# tiny, with inputs of every product a multiple of 64 (int4's kernels take those)
+SHAPE = dataclasses.replace(get_shape("tiny"), intermediate_size=192)
+
+
+def context(**fields: object) -> Context:
+    return Context(**{"device": CPU, "compile_mode": "none", "config": SHAPE, "dtype": torch.float32, **fields})
+
+
+@needs_cpp
+def test_auto_takes_it_where_it_computes_the_model():
+    assert resolve_layers_kernel("auto", context()) == "cpp"
+    assert resolve_layers_kernel("auto", context(quantization=QuantConfig("int8"), quant_kernel="cpp-q8")) == "cpp"
+    for other in (
+        {"dtype": torch.bfloat16},
+        {"dtype": None},  # not known
+        {"quantization": QuantConfig("int8"), "quant_kernel": "aten"},
+        {"quantization": QuantConfig("int4", group_size=32), "quant_kernel": "cpp", "config": get_shape("tiny")},
+        {"config": dataclasses.replace(SHAPE, qk_norm=True)},
+        {"tensor_parallel": True},
+    ):
+        assert resolve_layers_kernel("auto", context(**other)) == "torch", other
+    assert resolve_layers_kernel("auto", context(device=torch.device("cuda"))) == "torch"
+
+
+@needs_cpp
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"dtype": torch.bfloat16}, "does not compute models with torch.bfloat16 weights"),
+        ({"quantization": QuantConfig("int8"), "quant_kernel": "dequant"}, "the dequant quantized kernel"),
+        (
+            {"quantization": QuantConfig("int4", group_size=32), "config": get_shape("tiny")},
+            "quantized layers whose shapes our C\\+\\+ products do not take",
+        ),
+        ({"config": dataclasses.replace(SHAPE, post_norms=True)}, "does not compute models with post-norms"),
+        ({"config": dataclasses.replace(SHAPE, head_dim=12)}, "a head size that is not a multiple of 8"),
+        ({"tensor_parallel": True}, "does not compute models with tensor parallelism"),
+        ({"batch_invariant": True}, "does not compute models with batch-invariant steps"),
+    ],
+)
+def test_what_it_refuses_by_name(fields, message):
+    with pytest.raises(ValueError, match=f"--layers_kernel cpp {message}" if "does not" in message else message):
+        check_cpp_layers(context(**fields))
+
+
+def test_it_needs_our_cpu_kernels():
+    with pytest.raises(ValueError, match="the cpp layers kernel needs an x86 CPU with AVX2"):
+        check_cpp_layers(context(device=torch.device("cuda")))
+    with pytest.raises(ValueError, match="kernels.layers 'mega' is not one of auto, triton, cpp, torch"):
+        EngineOptions(kernels=KernelOptions(layers="mega"))
+
+
+def engines(config, quant=None, quant_kernel="auto"):
+    """The same weights with the C++ layers and with the model's own."""
+    state = random_weights(config, torch.float32, seed=0)
+    if quant is not None:
+        state = quantize_state(state, config, quant, torch.float32)
+    made = {}
+    for layers in ("cpp", "torch"):
+        options = EngineOptions(device="cpu", kernels=KernelOptions(quant=quant_kernel, layers=layers))
+        made[layers] = Engine.from_state(config, state, options, quant)
+    return made["cpp"], made["torch"]
+
+
+def step_logits(engine, tokens, steps):
+    """The logits of a prompt's prefill and of ``steps`` decode steps, each fed the next of ``tokens``."""
+    model = engine.model
+    model.setup_caches(1, 64)
+    with torch.no_grad():
+        out = [model(torch.tensor([tokens[:4]]), torch.arange(4), from_start=True)[0, -1]]
+        for i in range(steps):
+            pos = torch.tensor([4 + i])
+            out.append(model(torch.tensor([[tokens[4 + i]]]), pos)[0, -1])
+    return torch.stack(out)  # [1 + steps, V]
+
+
+FEATURES = {
+    "llama": {},
+    "qkv bias": {"qkv_bias": True},
+    "norm offset": {"norm_offset": 1.0},
+    "geglu": {"mlp_activation": "gelu_tanh"},
+    "soft-capped": {"attn_logit_softcap": 5.0, "query_pre_attn_scalar": 24.0},
+    "one kv head": {"n_local_heads": 1},
+}
+
+
+@needs_cpp
+@pytest.mark.parametrize("features", FEATURES.values(), ids=FEATURES.keys())
+def test_float32_steps_give_the_model_codes_logits(features):
+    config = dataclasses.replace(SHAPE, **features)
+    cpp, plain = engines(config)
+    assert cpp.kernels.layers == "cpp" and plain.kernels.layers == "torch"
+    tokens = torch.randint(0, config.vocab_size, (24,), generator=torch.Generator().manual_seed(1)).tolist()
+    ours, reference = step_logits(cpp, tokens, 20), step_logits(plain, tokens, 20)
+    assert torch.allclose(ours, reference, rtol=1e-4, atol=1e-4), (ours - reference).abs().max()
+
+
+QUANTS = {
+    "int8 cpp": (QuantConfig("int8"), "cpp"),
+    "int8 cpp-q8": (QuantConfig("int8"), "cpp-q8"),
+    "int4 cpp": (QuantConfig("int4", group_size=32), "cpp"),
+    "int4 cpp-q8": (QuantConfig("int4", group_size=64), "cpp-q8"),
+}
+
+
+@needs_cpp
+@pytest.mark.parametrize("quant, kernel", QUANTS.values(), ids=QUANTS.keys())
+def test_quantized_steps_give_the_model_codes_logits(quant, kernel):
+    """The products are the same kernels on either side: what differs is the code around them. The q8 kernels
+    round each row to int8, which turns the float32 sums' differences into a level at most now and then."""
+    if kernel == "cpp-q8" and not cpu_gemv.q8_usable():
+        pytest.skip("the cpp-q8 kernels need AVX512-VNNI")
+    config = dataclasses.replace(SHAPE, qkv_bias=True)
+    cpp, plain = engines(config, quant, kernel)
+    assert cpp.model.layers[0].attention.wqkv.kernel == kernel
+    tokens = torch.randint(0, config.vocab_size, (24,), generator=torch.Generator().manual_seed(2)).tolist()
+    ours, reference = step_logits(cpp, tokens, 20), step_logits(plain, tokens, 20)
+    tolerance = 2e-2 if kernel == "cpp-q8" else 1e-4
+    assert torch.allclose(ours, reference, rtol=tolerance, atol=tolerance), (ours - reference).abs().max()
+
+
+@needs_cpp
+def test_only_one_token_steps_of_one_sequence_call_it(monkeypatch):
+    """Prefills and batches keep the layers' code; a one-token step of one row calls the operator."""
+    cpp, _ = engines(SHAPE)
+    calls = []
+    operator = torch.ops.gpt_fast.decode_layers_cpu
+    monkeypatch.setattr(
+        "gpt_fast.kernels.cpu_layers.torch.ops.gpt_fast",
+        type("Ops", (), {"decode_layers_cpu": staticmethod(lambda *a: calls.append(1) or operator(*a))}),
+    )
+    step_logits(cpp, list(range(10)), 3)
+    assert len(calls) == 3
+    model = cpp.model
+    model.setup_caches(2, 64)
+    with torch.no_grad():
+        model(torch.tensor([[1], [2]]), torch.tensor([0]))
+    assert len(calls) == 3
+
+
+@needs_cpp
+def test_greedy_tokens_are_the_model_codes_compiled_and_eager():
+    """Greedy decoding with the operator, eager and compiled, gives the tokens of the model's code."""
+    state = random_weights(SHAPE, torch.float32, seed=3)
+    tokens = {}
+    for name, compile_mode, layers in (
+        ("torch", "none", "torch"),
+        ("eager", "none", "cpp"),
+        ("compiled", "default", "cpp"),
+    ):
+        torch._dynamo.reset()
+        options = EngineOptions(device="cpu", compile=compile_mode, kernels=KernelOptions(layers=layers))
+        engine = Engine.from_state(SHAPE, state, options)
+        tokens[name] = engine.generate_ids([5, 6, 7], 24, GREEDY).tokens
+    assert tokens["eager"] == tokens["torch"] == tokens["compiled"]
