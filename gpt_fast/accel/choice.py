@@ -14,10 +14,9 @@ from gpt_fast.model.config import ModelConfig, QuantConfig
 @dataclass(frozen=True)
 class Context:
     """Where the kernels run: the device, the compile mode of the decode steps, the model's config and quantization,
-    the engine options that rule kernels out (regional compilation, batch-invariant steps, tensor parallelism),
-    the model's dtype (None:
-    not known) and the quantized products' kernel as resolved (:func:`gpt_fast.accel.registry.resolve_kernels`
-    fills it in)."""
+    the engine options that rule kernels out (regional compilation, batch-invariant steps, tensor parallelism), the
+    model's dtype (None: not known) and the quantized products' kernel as resolved
+    (:func:`gpt_fast.accel.registry.resolve_kernels` fills it in)."""
 
     device: torch.device
     compile_mode: str

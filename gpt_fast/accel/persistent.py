@@ -30,7 +30,7 @@ from gpt_fast.kernels.persistent_table import TABLE_COLUMNS
 from gpt_fast.model.config import ModelConfig, QuantConfig
 from gpt_fast.model.transformer import Transformer
 from gpt_fast.quant.layers import Int4Linear, Int8Linear
-from gpt_fast.quant.products import CPP_KERNELS, cpp_usable
+from gpt_fast.quant.products import CPP_KERNELS, cpp_shape_takes, cpp_usable
 
 
 def check_layers_kernel(config: ModelConfig, quantization: QuantConfig | None, programs: int) -> None:
@@ -97,33 +97,32 @@ def check_cpp_layers(context: Context) -> None:
 
 
 def _cpp_takes_layers(context: Context) -> bool:
-    """Whether our C++ products take every quantized layer of the model (as :class:`Int8Linear` and
-    :class:`Int4Linear` decide when they are prepared): inputs and groups that are whole multiples of the kernels'."""
+    """Whether our C++ products take every quantized layer of the model, as the layers decide when they are
+    prepared (:func:`gpt_fast.quant.products.cpp_shape_takes`): the inputs of wqkv and w13, wo, w2."""
     config, quant = context.config, context.quantization
-    inputs = {config.dim, config.q_size, config.intermediate_size}  # of wqkv and w13, wo, w2
-    group = quant.group_size
-    if quant.mode == "int4":
-        return group % cpu_gemv.INT4_GROUPS == 0 and all(k % cpu_gemv.INT4_COLUMNS == 0 for k in inputs)
-    grouped = group is None or all(group % cpu_gemv.INT8_GROUPS == 0 and k % group == 0 for k in inputs)
-    return grouped and all(k % cpu_gemv.INT8_COLUMNS == 0 for k in inputs)
+    inputs = {config.dim, config.q_size, config.intermediate_size}
+    return all(cpp_shape_takes(quant.mode, k, quant.group_size) for k in inputs)
+
+
+def _cpp_computes(context: Context) -> bool:
+    """Whether :func:`check_cpp_layers` passes."""
+    try:
+        check_cpp_layers(context)
+    except ValueError:
+        return False
+    return True
 
 
 def resolve_layers_kernel(kernel: str, context: Context) -> str:
     """``auto``: ``cpp`` where it computes the model (:func:`check_cpp_layers`, the dtype known), else the model's
     code. Choosing Triton (a CUDA GPU with Triton, not ROCm) registers its operator (:func:`register_layers_op`),
     choosing C++ loads our library (:func:`register_cpp_layers_op`), before anything is compiled."""
-    if kernel == "cpp" or (kernel == "auto" and context.device.type == "cpu"):
-        try:
-            check_cpp_layers(context)
-        except ValueError:
-            if kernel == "cpp":
-                raise
-            return "torch"
-        if context.dtype is None and kernel == "auto":
-            return "torch"
-        register_cpp_layers_op()
-        return "cpp"
-    return choose(kernel, LAYERS_KERNELS, "layers kernel", context.device, "torch", register_layers_op)
+    if kernel == "cpp":
+        check_cpp_layers(context)
+    elif not (kernel == "auto" and context.dtype is not None and _cpp_computes(context)):
+        return choose(kernel, LAYERS_KERNELS, "layers kernel", context.device, "torch", register_layers_op)
+    register_cpp_layers_op()
+    return "cpp"
 
 
 @functools.cache

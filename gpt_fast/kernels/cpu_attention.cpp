@@ -24,9 +24,9 @@
 
 namespace gpt_fast_cpu {
 
-// e^x for 8 float32 x <= 0 (scores less their maximum; cpu_layers.cpp's gated activations call it too), to within 2 ulp: x = k ln 2 + r with |r| <= ln 2 / 2 (ln 2
-// in two parts, so that r is exact), e^r by its Taylor polynomial of degree 7 in Horner form, times 2^k built in the
-// exponent bits; below -87 (2^k underflows) the result is 0
+// e^x for 8 float32 x <= 0 (scores less their maximum; cpu_layers.cpp's gated activations call it too), to within
+// 2 ulp: x = k ln 2 + r with |r| <= ln 2 / 2 (ln 2 in two parts, so that r is exact), e^r by its Taylor polynomial
+// of degree 7 in Horner form, times 2^k built in the exponent bits; below -87 (2^k underflows) the result is 0
 __m256 exp8(__m256 x) {
   const __m256 low = _mm256_set1_ps(-87.f);
   const __m256 tiny = _mm256_cmp_ps(x, low, _CMP_LT_OQ);

@@ -145,7 +145,7 @@ at::Tensor decode_layers_cpu(const at::Tensor& x, at::TensorList weights, c10::I
                 "decode_layers_cpu: rotary tables [positions, D / 2] float32 with the step's position");
   const float *c = cos.data_ptr<float>() + pos * (D / 2), *s = sin.data_ptr<float>() + pos * (D / 2);
   at::Tensor h = x.reshape({1, dim}).clone();  // [1, dim]: the residual stream
-  at::Tensor normed = at::empty({1, dim}, x.options()), attended = at::empty({1, H * D}, x.options());
+  at::Tensor normed = at::empty({1, dim}, x.options()), attended = at::empty({1, H * D}, x.options()), hidden;
   float* hp = h.data_ptr<float>();
   Weights w{weights, plan};
   for (const at::Tensor& cache : kv) {
@@ -166,7 +166,7 @@ at::Tensor decode_layers_cpu(const at::Tensor& x, at::TensorList weights, c10::I
     rms_norm(hp, mlp_norm.data_ptr<float>(), dim, eps, offset, normed.data_ptr<float>());
     const at::Tensor gate_up = w.product(normed);
     const int64_t I = gate_up.numel() / 2;
-    at::Tensor hidden = at::empty({1, I}, x.options());
+    if (!hidden.defined()) hidden = at::empty({1, I}, x.options());  // [1, I]: every layer's MLP is alike
     gated(gate_up.data_ptr<float>(), I, gelu, hidden.data_ptr<float>());
     add_into(hp, w.product(hidden).data_ptr<float>(), dim);
   }

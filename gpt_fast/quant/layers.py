@@ -15,7 +15,6 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from gpt_fast.kernels.cpu_gemv import INT4_COLUMNS, INT4_GROUPS, INT8_COLUMNS, INT8_GROUPS
 from gpt_fast.kernels.gemlite_int8 import GemliteWeights, gemlite_int8_product, gemlite_int8_weights
 from gpt_fast.model.config import EmbeddingQuant, ModelConfig, QuantConfig
 from gpt_fast.quant.layout import TABLE, quantized_linears, quantized_tensors
@@ -122,14 +121,13 @@ class Int8Linear(QuantizedLinear):
         layer (:func:`gpt_fast.quant.products.q8_takes`) means ``cpp``. ``gemlite`` is ``triton`` with gemlite's
         copy of the weights beside the words, in a 16-bit model, for products of
         :data:`gpt_fast.quant.products.GEMLITE_ROWS` rows."""
-        takes = cpp_takes(self.weight, self.scales, self.in_features, INT8_COLUMNS)
+        takes = cpp_takes(self.weight, self.scales, self.in_features, "int8", self.group_size)
         if kernel == "cpp-q8" and takes and q8_takes(self.in_features, self.group_size):
             self.kernel = kernel
             return
         kernel = "cpp" if kernel == "cpp-q8" else kernel
         if self.group_size is not None:
-            whole = self.group_size % INT8_GROUPS == 0 and self.in_features % self.group_size == 0
-            self.kernel = "cpp" if kernel == "cpp" and takes and whole else "dequant"
+            self.kernel = "cpp" if kernel == "cpp" and takes else "dequant"
             return
         batched, kernel = kernel == "gemlite", "triton" if kernel == "gemlite" else kernel
         self.kernel = "dequant" if kernel == "cpp" and not takes else kernel
@@ -198,8 +196,8 @@ class Int4Linear(QuantizedLinear):
         if kernel == "aten" and repack is not None and repack():
             self.kernel = "aten"
         elif kernel in CPP_KERNELS:
-            takes = cpp_takes(self.weight, self.scales, self.in_features, INT4_COLUMNS)
-            self.kernel = kernel if takes and self.group_size % INT4_GROUPS == 0 else "dequant"
+            takes = cpp_takes(self.weight, self.scales, self.in_features, "int4", self.group_size)
+            self.kernel = kernel if takes else "dequant"
         else:
             self.kernel = "dequant" if kernel == "aten" else kernel
         if self.kernel == "triton":

@@ -151,11 +151,21 @@ def q8_takes(columns: int, group_size: int | None) -> bool:
     return columns % block == 0 and grouped and columns % (group_size or block) == 0
 
 
-def cpp_takes(weight: torch.Tensor, scales: torch.Tensor, columns: int, multiple: int) -> bool:
+def cpp_shape_takes(mode: str, columns: int, group_size: int | None) -> bool:
+    """Whether our C++ kernels (:mod:`gpt_fast.kernels.cpu_gemv`) take a layer of ``columns`` inputs quantized as
+    ``mode`` with ``group_size``: inputs a multiple of the kernel's; int4 groups a multiple of its groups; int8
+    scales per row, or per group of a multiple of its groups dividing the inputs."""
+    if mode == "int4":
+        return columns % cpu_gemv.INT4_COLUMNS == 0 and group_size % cpu_gemv.INT4_GROUPS == 0
+    whole = group_size is None or (group_size % cpu_gemv.INT8_GROUPS == 0 and columns % group_size == 0)
+    return columns % cpu_gemv.INT8_COLUMNS == 0 and whole
+
+
+def cpp_takes(weight: torch.Tensor, scales: torch.Tensor, columns: int, mode: str, group_size: int | None) -> bool:
     """Whether our C++ kernels take a layer's ``weight`` and ``scales`` of ``columns`` inputs: on the CPU, float32
-    scales (those of a float32 model, whose activations are float32), inputs a multiple of ``multiple`` (the
-    kernel's, :mod:`gpt_fast.kernels.cpu_gemv`)."""
-    return weight.device.type == "cpu" and scales.dtype == torch.float32 and columns % multiple == 0
+    scales (those of a float32 model, whose activations are float32), shapes they take (:func:`cpp_shape_takes`)."""
+    on_cpu = weight.device.type == "cpu" and scales.dtype == torch.float32
+    return on_cpu and cpp_shape_takes(mode, columns, group_size)
 
 
 @functools.cache
