@@ -12,6 +12,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/FunctionRef.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -23,6 +24,8 @@
 #include <vector>
 
 namespace gpt_fast_cpu {
+
+void share_tasks(int64_t tasks, int64_t threads, c10::function_ref<void(int64_t)> task);  // cpu_threads.cpp's
 
 // e^x for 8 float32 x <= 0 (scores less their maximum; cpu_layers.cpp's gated activations call it too), to within
 // 2 ulp: x = k ln 2 + r with |r| <= ln 2 / 2 (ln 2 in two parts, so that r is exact), e^r by its Taylor polynomial
@@ -217,17 +220,15 @@ void decode_attention_typed(const at::Tensor& q, const at::Tensor& k, const at::
   const bool shared_pos = input_pos.numel() == 1, shared_rope = cos.numel() == D / 2;
   const T *qs = q.data_ptr<T>(), *ks = k.data_ptr<T>(), *vs = v.data_ptr<T>();
   T* outs = out.data_ptr<T>();
-  at::parallel_for(0, B * H_kv, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / H_kv, h = task % H_kv;
-      const int64_t pos = positions[shared_pos ? 0 : b];
-      const int64_t lo = window ? std::max<int64_t>(0, pos - *window + 1) : 0;
-      const int64_t rope = (shared_rope ? 0 : b) * (D / 2);
-      attend_kv_head(cache, first_row + b, h, lo, pos, qs + b * q.stride(0) + h * G * q.stride(2), q.stride(2),
-                     ks + b * k.stride(0) + h * k.stride(2), vs + b * v.stride(0) + h * v.stride(2), cos_rows + rope,
-                     sin_rows + rope, G, D, static_cast<float>(scale), softcap,
-                     outs + b * out.stride(0) + h * G * out.stride(2), out.stride(2));
-    }
+  gpt_fast_cpu::share_tasks(B * H_kv, at::get_num_threads(), [&](int64_t task) {
+    const int64_t b = task / H_kv, h = task % H_kv;
+    const int64_t pos = positions[shared_pos ? 0 : b];
+    const int64_t lo = window ? std::max<int64_t>(0, pos - *window + 1) : 0;
+    const int64_t rope = (shared_rope ? 0 : b) * (D / 2);
+    attend_kv_head(cache, first_row + b, h, lo, pos, qs + b * q.stride(0) + h * G * q.stride(2), q.stride(2),
+                   ks + b * k.stride(0) + h * k.stride(2), vs + b * v.stride(0) + h * v.stride(2), cos_rows + rope,
+                   sin_rows + rope, G, D, static_cast<float>(scale), softcap,
+                   outs + b * out.stride(0) + h * G * out.stride(2), out.stride(2));
   });
 }
 
@@ -285,10 +286,11 @@ void attend_token(const float* qkv, int64_t H, int64_t H_kv, int64_t D, const fl
   const int64_t G = H / H_kv;
   const float *keys = qkv + H * D, *values = keys + H_kv * D;
   const int64_t head_bytes = 2 * (pos + 1) * D * static_cast<int64_t>(sizeof(float));
-  at::parallel_for(0, H_kv, std::max<int64_t>(1, THREAD_BYTES / head_bytes), [&](int64_t begin, int64_t end) {
-    for (int64_t h = begin; h < end; ++h)
-      attend_kv_head(cache, 0, h, 0, pos, qkv + h * G * D, D, keys + h * D, values + h * D, cos, sin, G, D, scale,
-                     softcap, out + h * G * D, D);
+  const int64_t threads = std::min(static_cast<int64_t>(at::get_num_threads()),
+                                   std::max<int64_t>(1, H_kv * head_bytes / THREAD_BYTES));
+  share_tasks(H_kv, threads, [&](int64_t h) {
+    attend_kv_head(cache, 0, h, 0, pos, qkv + h * G * D, D, keys + h * D, values + h * D, cos, sin, G, D, scale,
+                   softcap, out + h * G * D, D);
   });
 }
 

@@ -8,24 +8,29 @@
 // the results differ from it by the order of the float32 sums only. The operators int8_q8_gemv_cpu and
 // int4_q8_gemv_cpu (a CPU with AVX512-VNNI) round the activations to int8 instead, as llama.cpp does (see "activations
 // rounded to int8" below).
-// Output rows are shared among torch's threads in tasks of GRAIN rows that each thread takes in turn (over_rows);
-// each reads its rows of weights once for all the activation rows, and widens each weight once for every ROWS of them.
+// Output rows are shared among the calling thread and our helper threads (cpu_threads.cpp) in tasks of GRAIN rows
+// that each thread takes in turn (over_rows); each reads its rows of weights once for all the activation rows, and
+// widens each weight once for every ROWS of them.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/FunctionRef.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <type_traits>
 #include <vector>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
+
+namespace gpt_fast_cpu {  // cpu_threads.cpp's, which says what it does
+void share_tasks(int64_t tasks, int64_t threads, c10::function_ref<void(int64_t)> task);
+}  // namespace gpt_fast_cpu
 
 namespace {
 
@@ -36,23 +41,21 @@ constexpr float MID = 8.f;          // the int4 level whose value is the group's
 constexpr int64_t GRAIN = 16;       // output rows per task (over_rows)
 constexpr int ROWS = 4;             // activation rows that share each widened weight
 // Weight bytes (times passes) per thread, at least: the default model's eager decode with two threads and waits
-// that sleep made 34.4 tok/s when every product took both, 40.2 with this (docs/bench/HISTORY.md, 2026-11-30b)
+// that sleep made 34.4 tok/s when every product took both, 40.2 with this (docs/bench/HISTORY.md, 2026-11-30b); with
+// our own helpers, 64 KB made it faster idle and slower beside a busy process (BENCHMARKS.md, 2026-11-30h)
 constexpr int64_t THREAD_WORK = 1 << 20;
 
-// f(n0, n1) for the output rows n0 .. n1 - 1 of N, tasks of GRAIN rows that torch's threads take one after another
-// until none is left: a thread that another process keeps off its core takes fewer of them, where
-// at::parallel_for's even split would make the whole product wait for its share. `work` is the weight bytes times
-// the passes over them (one per ROWS activation rows); a product takes one thread per THREAD_WORK of it at most,
-// since waking a thread costs more than a small product saves.
+// f(n0, n1) for the output rows n0 .. n1 - 1 of N, tasks of GRAIN rows that the calling thread and our helper
+// threads take one after another until none is left (gpt_fast_cpu::share_tasks): a thread that another process keeps
+// off its core takes fewer of them, where an even split would make the whole product wait for its share. `work` is
+// the weight bytes times the passes over them (one per ROWS activation rows); a product takes one of torch's
+// thread count per THREAD_WORK of it at most, since waking a thread costs more than a small product saves.
 template <typename F>
 inline void over_tasks(int64_t N, int64_t work, F&& f) {
   const int64_t tasks = (N + GRAIN - 1) / GRAIN;
-  const int64_t threads = std::min({static_cast<int64_t>(at::get_num_threads()), tasks,
-                                    std::max<int64_t>(1, work / THREAD_WORK)});
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {  // one thread: the loop runs here, no parallel region
-    for (int64_t t = next++; t < tasks; t = next++) f(t * GRAIN, std::min(N, (t + 1) * GRAIN));
-  });
+  const int64_t threads =
+      std::min(static_cast<int64_t>(at::get_num_threads()), std::max<int64_t>(1, work / THREAD_WORK));
+  gpt_fast_cpu::share_tasks(tasks, threads, [&](int64_t t) { f(t * GRAIN, std::min(N, (t + 1) * GRAIN)); });
 }
 
 // f(n) for the output rows n of N, shared among threads as over_tasks shares them
@@ -502,12 +505,11 @@ at::Tensor int4_dequantize_cpu(const at::Tensor& weight, const at::Tensor& scale
   const uint8_t* wp = wc.data_ptr<uint8_t>();
   const float *sp = sc.data_ptr<float>(), *zp = zc.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, N, GRAIN, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n)
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t last = std::min(K, (g + 1) * group);  // a shorter last group ends with the row
-        dequantize_group(wp + n * K / 2, g * group, last, sp[n * G + g], zp[n * G + g], op + n * K);
-      }
+  over_rows(N, N * K, [&](int64_t n) {
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t last = std::min(K, (g + 1) * group);  // a shorter last group ends with the row
+      dequantize_group(wp + n * K / 2, g * group, last, sp[n * G + g], zp[n * G + g], op + n * K);
+    }
   });
   return out;
 }

@@ -26,16 +26,13 @@ from pathlib import Path
 
 import torch
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_attention.cpp", "cpu_layers.cpp"))
+SOURCE_NAMES = ("cpu_gemv.cpp", "cpu_attention.cpp", "cpu_layers.cpp", "cpu_threads.cpp")
+SOURCES = tuple(Path(__file__).with_name(name) for name in SOURCE_NAMES)
 LIBRARY = "gpt_fast_cpu_gemv_avx2"
 # -ffp-contract=off: a product and a sum written apart stay two roundings, so that int4_dequantize_cpu gives
 # PyTorch's numbers (the kernels' fused multiply-adds are written as such)
 FLAGS = ["-O3", "-ffp-contract=off", "-mavx2", "-mfma"]
 CAPABILITIES = ("AVX2", "AVX512")  # torch.backends.cpu.get_cpu_capability() of a CPU with AVX2 and FMA
-# at::parallel_for shares a product's rows among torch's threads only in code compiled with OpenMP: without it, the
-# header's loop runs on the calling thread alone. Linked against libgomp.so.1, the library takes the one torch has
-# loaded already, so it shares torch's threads and their count.
-OPENMP = ["-fopenmp"]
 INT8_COLUMNS = 16  # the int8 kernel's inputs: a multiple of this
 INT8_GROUPS = 16  # the grouped int8 kernel's group sizes: a multiple of this, dividing the inputs
 INT4_COLUMNS = 64  # the int4 kernel's inputs: a multiple of this
@@ -75,8 +72,7 @@ def load_cpu_kernels() -> None:
     load(
         LIBRARY,
         sources=[str(source) for source in SOURCES],
-        extra_cflags=[*FLAGS, *OPENMP],
-        extra_ldflags=OPENMP,
+        extra_cflags=FLAGS,
         is_python_module=False,
     )
     seconds = time.perf_counter() - start
