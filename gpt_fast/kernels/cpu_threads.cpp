@@ -17,6 +17,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <exception>
 #include <mutex>
 #include <thread>
 #if defined(__x86_64__) || defined(__i386__)
@@ -63,6 +64,7 @@ class Pool {
   std::atomic<int64_t> finished_{0};  // tasks of this job finished, by anyone
   std::atomic<int> sleeping_{0};      // helpers asleep or about to be
   std::atomic<bool> caller_sleeps_{false};
+  std::exception_ptr error_;  // the first exception a task of this job threw (under mutex_)
   std::atomic_flag busy_ = ATOMIC_FLAG_INIT;  // a job is running: another caller (or a task) runs its own serially
   std::mutex mutex_;
   std::condition_variable wake_helpers_, wake_caller_;
@@ -99,7 +101,13 @@ void Pool::run(int64_t tasks, int64_t threads, Task task) {
     caller_sleeps_.store(false, std::memory_order_relaxed);
   }
   state_.store((generation << GENERATION_SHIFT) | TASK_MASK, std::memory_order_release);  // no task is left
+  std::exception_ptr error;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::swap(error, error_);
+  }
   busy_.clear(std::memory_order_release);
+  if (error) std::rethrow_exception(error);
 }
 
 void Pool::take(uint64_t generation, const Task* task, int64_t tasks) {
@@ -107,7 +115,12 @@ void Pool::take(uint64_t generation, const Task* task, int64_t tasks) {
   while ((state >> GENERATION_SHIFT) == generation && static_cast<int64_t>(state & TASK_MASK) < tasks) {
     if (!state_.compare_exchange_weak(state, state + 1, std::memory_order_acq_rel, std::memory_order_acquire))
       continue;
-    (*task)(static_cast<int64_t>(state & TASK_MASK));
+    try {
+      (*task)(static_cast<int64_t>(state & TASK_MASK));
+    } catch (...) {  // kept for the caller, which rethrows it once no task of the job is running
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!error_) error_ = std::current_exception();
+    }
     const bool last = finished_.fetch_add(1, std::memory_order_seq_cst) + 1 == tasks;
     if (last && caller_sleeps_.load(std::memory_order_seq_cst)) {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -147,8 +160,8 @@ void Pool::helper(int64_t index) {
 namespace gpt_fast_cpu {
 
 // task(t) for t in 0 .. tasks - 1, on the calling thread and up to `threads` - 1 helpers, each taking the next task
-// not taken yet; returns when all are finished. Called from a task, or while another thread's job runs, it runs the
-// tasks on the calling thread.
+// not taken yet; returns when all are finished, then rethrows the first exception a task threw (as at::parallel_for
+// does). Called from a task, or while another thread's job runs, it runs the tasks on the calling thread.
 void share_tasks(int64_t tasks, int64_t threads, c10::function_ref<void(int64_t)> task) {
   // never destroyed: its helpers sleep until the process ends; a forked child, which has none of them (and maybe a
   // mutex one held), starts a pool of its own
