@@ -1,12 +1,13 @@
 """Our CPU kernels' own helper threads (``gpt_fast/kernels/cpu_threads.cpp``): products and attentions large enough to
 take a second thread give the numbers they give on one thread (each output row is computed by one thread, in the same
 order), and those match the float64 reference, call after call, from two Python threads at once, and in a forked
-child, which has none of the parent's helper threads: the caller never waits for a helper that has not started."""
+child, which has none of the parent's helper threads: the caller never waits for a helper that has not started.
+The helper count follows torch's thread count, which tests/conftest.py restores after each test."""
 
 from __future__ import annotations
 
 import multiprocessing
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -24,14 +25,6 @@ needs_cpp = pytest.mark.skipif(not cpu_gemv.cpu_kernels_usable(), reason="our C+
 # 4 MB of int8 weights, 2 MB of int4: each product takes two threads (a thread per megabyte it reads)
 OUT_FEATURES, COLUMNS = 4096, 1024
 TOLERANCE = 1e-5  # float32 sums against the float64 product, as in test_quant_cpu_kernels.py
-
-
-@pytest.fixture
-def threads() -> Iterator[Callable[[int], None]]:
-    """Sets torch's thread count, which our kernels' helper count follows; the test's own count is restored."""
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
 
 
 def int8_product() -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]:
@@ -57,29 +50,29 @@ def inputs(count: int, rows: int = 1) -> list[torch.Tensor]:
 @needs_cpp
 @pytest.mark.parametrize("kind", PRODUCTS)
 @pytest.mark.parametrize("rows", [1, 4])
-def test_two_threads_give_one_threads_numbers_call_after_call(kind, rows, threads):
+def test_two_threads_give_one_threads_numbers_call_after_call(kind, rows):
     register_cpu_ops()
     product, weights = PRODUCTS[kind]()
     xs = inputs(8, rows)
-    threads(1)
+    torch.set_num_threads(1)
     alone = [product(x) for x in xs]
     for x, out in zip(xs, alone, strict=True):
         assert relative_error(out, x.double() @ weights.T) < TOLERANCE
-    threads(2)
+    torch.set_num_threads(2)
     for _ in range(25):
         for x, out in zip(xs, alone, strict=True):
             assert torch.equal(product(x), out)
 
 
 @needs_cpp
-def test_two_python_threads_call_the_kernels_at_once(threads):
+def test_two_python_threads_call_the_kernels_at_once():
     """One caller's job at a time takes the helpers; a second caller meanwhile runs its tasks on its own thread."""
     register_cpu_ops()
     product, _ = int8_product()
     xs = inputs(16)
-    threads(1)
+    torch.set_num_threads(1)
     alone = [product(x) for x in xs]
-    threads(2)
+    torch.set_num_threads(2)
 
     def run(offset: int) -> bool:
         return all(torch.equal(product(xs[(i + offset) % 16]), alone[(i + offset) % 16]) for i in range(200))
@@ -96,12 +89,12 @@ def product_in_child(product: Callable[[torch.Tensor], torch.Tensor], x: torch.T
 
 
 @needs_cpp
-def test_a_forked_child_computes_without_the_parents_helpers(threads):
+def test_a_forked_child_computes_without_the_parents_helpers():
     """The parent has started its helper; the forked child has none, so its caller takes every task itself."""
     register_cpu_ops()
     product, _ = int8_product()
     (x,) = inputs(1)
-    threads(2)
+    torch.set_num_threads(2)
     expected = product(x)
     context = multiprocessing.get_context("fork")
     queue = context.Queue()
@@ -114,9 +107,9 @@ def test_a_forked_child_computes_without_the_parents_helpers(threads):
 
 @needs_cpp
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-6), (torch.bfloat16, 2**-9)])
-def test_the_attention_on_two_threads_matches_the_pytorch_code(dtype, tolerance, threads):
+def test_the_attention_on_two_threads_matches_the_pytorch_code(dtype, tolerance):
     """The decode attention shares its rows' kv heads among the threads: the reference's cases (batches of 1 to 4
     rows, MHA to MQA) against the model's code, as tests/test_decode_attention.py checks them on one thread."""
-    threads(2)
+    torch.set_num_threads(2)
     output_error, cache_error = kernel_errors(cpp_kernel, dtype, "cpu")
     assert output_error < tolerance and cache_error == 0.0

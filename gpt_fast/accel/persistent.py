@@ -67,16 +67,24 @@ def check_layers_kernel(config: ModelConfig, quantization: QuantConfig | None, p
 
 
 def check_cpp_layers(context: Context) -> None:
-    """Raise ``ValueError`` (one line) unless the C++ operator computes this model's layers: an x86 CPU that builds
-    our kernels, float32, products of float32 weights or our C++ quantized kernels, a decoder without q/k norms,
-    post-norms, sliding-window layers or experts, a head size that is a multiple of 8, and one process computing
-    every step alike (no tensor parallelism, whose layers all-reduce, nor batch-invariant steps, whose one-row and
-    many-row steps must compute alike)."""
-    config, quantized = context.config, context.quantization is not None
+    """Raise ``ValueError`` (one line) unless the C++ operator computes this model's layers
+    (:func:`cpp_layers_refusal`)."""
     if not cpp_usable(context.device):
         raise ValueError(
             f"the cpp layers kernel needs an x86 CPU with AVX2, a C++ compiler and ninja, not {context.device}"
         )
+    refused = cpp_layers_refusal(context)
+    if refused is not None:
+        raise ValueError(f"--layers_kernel cpp does not compute models with {refused}")
+
+
+def cpp_layers_refusal(context: Context) -> str | None:
+    """What in this model the C++ operator does not compute, None where it computes it all: float32, products of
+    float32 weights or our C++ quantized kernels, a decoder without q/k norms, post-norms, sliding-window layers or
+    experts, a head size that is a multiple of 8, and one process computing every step alike (no tensor
+    parallelism, whose layers all-reduce, nor batch-invariant steps, whose one-row and many-row steps must compute
+    alike). The device is :func:`check_cpp_layers`'s to check."""
+    config, quantized = context.config, context.quantization is not None
     unsupported = {
         f"{context.dtype} weights (it computes float32)": context.dtype not in (None, torch.float32),
         f"the {context.quant_kernel} quantized kernel (it computes cpp and cpp-q8)": (
@@ -91,9 +99,12 @@ def check_cpp_layers(context: Context) -> None:
         "experts": config.is_moe,
         "a head size that is not a multiple of 8": config.head_dim % 8 != 0,
     }
-    for what, found in unsupported.items():
-        if found:
-            raise ValueError(f"--layers_kernel cpp does not compute models with {what}")
+    return next((what for what, found in unsupported.items() if found), None)
+
+
+def _cpp_computes(context: Context) -> bool:
+    """Whether :func:`check_cpp_layers` passes."""
+    return cpp_usable(context.device) and cpp_layers_refusal(context) is None
 
 
 def _cpp_takes_layers(context: Context) -> bool:
@@ -104,17 +115,8 @@ def _cpp_takes_layers(context: Context) -> bool:
     return all(cpp_shape_takes(quant.mode, k, quant.group_size) for k in inputs)
 
 
-def _cpp_computes(context: Context) -> bool:
-    """Whether :func:`check_cpp_layers` passes."""
-    try:
-        check_cpp_layers(context)
-    except ValueError:
-        return False
-    return True
-
-
 def resolve_layers_kernel(kernel: str, context: Context) -> str:
-    """``auto``: ``cpp`` where it computes the model (:func:`check_cpp_layers`, the dtype known), else the model's
+    """``auto``: ``cpp`` where it computes the model (:func:`cpp_layers_refusal`, the dtype known), else the model's
     code. Choosing Triton (a CUDA GPU with Triton, not ROCm) registers its operator (:func:`register_layers_op`),
     choosing C++ loads our library (:func:`register_cpp_layers_op`), before anything is compiled."""
     if kernel == "cpp":

@@ -8,7 +8,6 @@
 // are read once for the query heads that share them. Sums are float32, as the model's code (attend_one_query) sums
 // them; the rotated query and key are rounded to the cache's dtype first, as that code rounds them.
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
@@ -25,7 +24,7 @@
 
 namespace gpt_fast_cpu {
 
-void share_tasks(int64_t tasks, int64_t threads, c10::function_ref<void(int64_t)> task);  // cpu_threads.cpp's
+void share_tasks(int64_t tasks, int64_t wanted, c10::function_ref<void(int64_t)> task);  // cpu_threads.cpp's
 
 // e^x for 8 float32 x <= 0 (scores less their maximum; cpu_layers.cpp's gated activations call it too), to within
 // 2 ulp: x = k ln 2 + r with |r| <= ln 2 / 2 (ln 2 in two parts, so that r is exact), e^r by its Taylor polynomial
@@ -220,7 +219,7 @@ void decode_attention_typed(const at::Tensor& q, const at::Tensor& k, const at::
   const bool shared_pos = input_pos.numel() == 1, shared_rope = cos.numel() == D / 2;
   const T *qs = q.data_ptr<T>(), *ks = k.data_ptr<T>(), *vs = v.data_ptr<T>();
   T* outs = out.data_ptr<T>();
-  gpt_fast_cpu::share_tasks(B * H_kv, at::get_num_threads(), [&](int64_t task) {
+  gpt_fast_cpu::share_tasks(B * H_kv, B * H_kv, [&](int64_t task) {
     const int64_t b = task / H_kv, h = task % H_kv;
     const int64_t pos = positions[shared_pos ? 0 : b];
     const int64_t lo = window ? std::max<int64_t>(0, pos - *window + 1) : 0;
@@ -286,9 +285,7 @@ void attend_token(const float* qkv, int64_t H, int64_t H_kv, int64_t D, const fl
   const int64_t G = H / H_kv;
   const float *keys = qkv + H * D, *values = keys + H_kv * D;
   const int64_t head_bytes = 2 * (pos + 1) * D * static_cast<int64_t>(sizeof(float));
-  const int64_t threads = std::min(static_cast<int64_t>(at::get_num_threads()),
-                                   std::max<int64_t>(1, H_kv * head_bytes / THREAD_BYTES));
-  share_tasks(H_kv, threads, [&](int64_t h) {
+  share_tasks(H_kv, std::max<int64_t>(1, H_kv * head_bytes / THREAD_BYTES), [&](int64_t h) {
     attend_kv_head(cache, 0, h, 0, pos, qkv + h * G * D, D, keys + h * D, values + h * D, cos, sin, G, D, scale,
                    softcap, out + h * G * D, D);
   });

@@ -12,7 +12,6 @@
 // that each thread takes in turn (over_rows); each reads its rows of weights once for all the activation rows, and
 // widens each weight once for every ROWS of them.
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
@@ -29,7 +28,7 @@
 #endif
 
 namespace gpt_fast_cpu {  // cpu_threads.cpp's, which says what it does
-void share_tasks(int64_t tasks, int64_t threads, c10::function_ref<void(int64_t)> task);
+void share_tasks(int64_t tasks, int64_t wanted, c10::function_ref<void(int64_t)> task);
 }  // namespace gpt_fast_cpu
 
 namespace {
@@ -48,14 +47,13 @@ constexpr int64_t THREAD_WORK = 1 << 20;
 // f(n0, n1) for the output rows n0 .. n1 - 1 of N, tasks of GRAIN rows that the calling thread and our helper
 // threads take one after another until none is left (gpt_fast_cpu::share_tasks): a thread that another process keeps
 // off its core takes fewer of them, where an even split would make the whole product wait for its share. `work` is
-// the weight bytes times the passes over them (one per ROWS activation rows); a product takes one of torch's
-// thread count per THREAD_WORK of it at most, since waking a thread costs more than a small product saves.
+// the weight bytes times the passes over them (one per ROWS activation rows); a product takes one thread per
+// THREAD_WORK of it at most, since waking a thread costs more than a small product saves.
 template <typename F>
 inline void over_tasks(int64_t N, int64_t work, F&& f) {
   const int64_t tasks = (N + GRAIN - 1) / GRAIN;
-  const int64_t threads =
-      std::min(static_cast<int64_t>(at::get_num_threads()), std::max<int64_t>(1, work / THREAD_WORK));
-  gpt_fast_cpu::share_tasks(tasks, threads, [&](int64_t t) { f(t * GRAIN, std::min(N, (t + 1) * GRAIN)); });
+  gpt_fast_cpu::share_tasks(tasks, std::max<int64_t>(1, work / THREAD_WORK),
+                            [&](int64_t t) { f(t * GRAIN, std::min(N, (t + 1) * GRAIN)); });
 }
 
 // f(n) for the output rows n of N, shared among threads as over_tasks shares them
@@ -97,9 +95,8 @@ constexpr int64_t LINE = 64;        // bytes of a cache line
 // Asks for the cache line PREFETCH bytes past p: a row's weights, read a block at a time, come from memory faster
 // with this (the 28 MB output projection of the SmolLM2 shape, one thread: cpp-q8 1.0-1.1 ms against 1.2-1.4, cpp
 // 1.82-1.92 against 2.01-2.42), where the hardware's own prefetching leaves the memory idle between blocks. The
-// kernels ask once per cache line;
-// the int8 rows kernel without: alternating with and without, a step's 120 products were no faster
-// (docs/bench/2026-11-30g_cpu_layers.txt)
+// kernels ask once per cache line; the int8 rows kernel does without: alternating with and without, a step's 120
+// products were no faster (docs/bench/2026-11-30g_cpu_layers.txt)
 inline void prefetch(const void* p) {
   _mm_prefetch(static_cast<const char*>(p) + PREFETCH, _MM_HINT_T0);
 }

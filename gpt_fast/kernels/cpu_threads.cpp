@@ -9,6 +9,7 @@
 // away at each check (sched_yield, so that a spinning helper never keeps another thread of this process or of another
 // from a core), then sleeps until the next job.
 
+#include <ATen/Parallel.h>
 #include <c10/util/FunctionRef.h>
 #include <pthread.h>
 
@@ -159,16 +160,18 @@ void Pool::helper(int64_t index) {
 
 namespace gpt_fast_cpu {
 
-// task(t) for t in 0 .. tasks - 1, on the calling thread and up to `threads` - 1 helpers, each taking the next task
-// not taken yet; returns when all are finished, then rethrows the first exception a task threw (as at::parallel_for
-// does). Called from a task, or while another thread's job runs, it runs the tasks on the calling thread.
-void share_tasks(int64_t tasks, int64_t threads, c10::function_ref<void(int64_t)> task) {
+// task(t) for t in 0 .. tasks - 1, on the calling thread and helpers, at most `wanted` threads in all and no more
+// than torch's thread count (at::get_num_threads: --threads, OMP_NUM_THREADS), each taking the next task not taken
+// yet; returns when all are finished, then rethrows the first exception a task threw (as at::parallel_for does).
+// Called from a task, or while another thread's job runs, it runs the tasks on the calling thread.
+void share_tasks(int64_t tasks, int64_t wanted, c10::function_ref<void(int64_t)> task) {
   // never destroyed: its helpers sleep until the process ends; a forked child, which has none of them (and maybe a
   // mutex one held), starts a pool of its own
   static std::atomic<Pool*> pool = [] {
     pthread_atfork(nullptr, nullptr, [] { pool.store(new Pool(), std::memory_order_relaxed); });
     return new Pool();
   }();
+  const int64_t threads = std::min(wanted, static_cast<int64_t>(at::get_num_threads()));
   pool.load(std::memory_order_relaxed)->run(tasks, threads, task);
 }
 

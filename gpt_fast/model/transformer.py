@@ -374,9 +374,10 @@ class Transformer(nn.Module):
     # F.linear.
     head_kernel = None
     # Every layer of a compiled one-token step of a one-row cache as one operator, called with (model, x,
-    # input_pos), and what it needs done with the model once the caches are allocated, called with the model
-    # (gpt_fast.accel.persistent sets both); None: the layers' code, nothing.
+    # input_pos), whether it takes eager steps too, and what it needs done with the model once the caches are
+    # allocated, called with the model (gpt_fast.accel.persistent sets them); None: the layers' code, nothing.
     layers_kernel = None
+    layers_kernel_eager = False
     caches_ready = None
     # What the decode steps (gpt_fast.generation.decode) hand to gpt_fast.generation.sampling.sample for top-k
     # sampling, a
