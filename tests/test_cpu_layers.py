@@ -11,12 +11,12 @@ import torch
 
 from gpt_fast.accel.choice import Context
 from gpt_fast.accel.options import KernelOptions
-from gpt_fast.accel.persistent import check_cpp_layers, resolve_layers_kernel
+from gpt_fast.accel.persistent import check_cpp_layers, resolve_layers_kernel, use_layers_kernel
 from gpt_fast.convert.random_init import random_weights
 from gpt_fast.engine.engine import Engine, EngineOptions
 from gpt_fast.generation.sampling import SamplingConfig
 from gpt_fast.kernels import cpu_gemv
-from gpt_fast.model.config import QuantConfig
+from gpt_fast.model.config import EmbeddingQuant, QuantConfig
 from gpt_fast.model.shapes import get_shape
 from gpt_fast.quant.layout import quantize_state
 
@@ -106,6 +106,7 @@ FEATURES = {
     "geglu": {"mlp_activation": "gelu_tanh"},
     "soft-capped": {"attn_logit_softcap": 5.0, "query_pre_attn_scalar": 24.0},
     "one kv head": {"n_local_heads": 1},
+    "MLP width 108": {"intermediate_size": 108},  # the float32 products' 32-, 8- and 1-column steps (w2: 96 + 8 + 4)
 }
 
 
@@ -178,3 +179,59 @@ def test_greedy_tokens_are_the_model_codes_compiled_and_eager():
         engine = Engine.from_state(SHAPE, state, options)
         tokens[name] = engine.generate_ids([5, 6, 7], 24, GREEDY).tokens
     assert tokens["eager"] == tokens["torch"] == tokens["compiled"]
+
+
+TABLE = EmbeddingQuant("int8", group_size=32)  # the default model's CPU table (a GGUF's Q8_0 blocks)
+HEADS = {
+    "float32 output": (dataclasses.replace(SHAPE, final_logit_softcap=30.0), None, "auto"),
+    "float32 tied table": (dataclasses.replace(SHAPE, tie_embeddings=True), None, "auto"),
+    "int8 table cpp": (dataclasses.replace(SHAPE, tie_embeddings=True), QuantConfig("int8", embeddings=TABLE), "cpp"),
+    "int8 table cpp-q8": (
+        dataclasses.replace(SHAPE, tie_embeddings=True),
+        QuantConfig("int8", embeddings=TABLE),
+        "cpp-q8",
+    ),
+    "int4 with an int8 output copy": (SHAPE, QuantConfig("int4", group_size=32, output=True), "cpp"),
+}
+
+
+@needs_cpp
+@pytest.mark.parametrize("config, quant, kernel", HEADS.values(), ids=HEADS.keys())
+def test_the_operator_computes_the_final_norm_and_the_head(config, quant, kernel):
+    """Where our products compute the output projection, the operator returns the logits (the final norm and the
+    head inside it; a soft-cap after it), and they are the model's code's."""
+    if kernel == "cpp-q8" and not cpu_gemv.q8_usable():
+        pytest.skip("the cpp-q8 kernels need AVX512-VNNI")
+    cpp, plain = engines(config, quant, kernel)
+    assert cpp.model.layers_kernel_logits and not plain.model.layers_kernel_logits
+    tokens = torch.randint(0, config.vocab_size, (24,), generator=torch.Generator().manual_seed(4)).tolist()
+    ours, reference = step_logits(cpp, tokens, 20), step_logits(plain, tokens, 20)
+    tolerance = 2e-2 if kernel == "cpp-q8" else 1e-4
+    assert torch.allclose(ours, reference, rtol=tolerance, atol=tolerance), (ours - reference).abs().max()
+
+
+@needs_cpp
+def test_a_head_our_products_do_not_compute_stays_the_models():
+    """A quantized table on the dequantizing kernel: the operator returns the residual, the model does the rest."""
+    config = dataclasses.replace(SHAPE, tie_embeddings=True)
+    quant = QuantConfig("int8", embeddings=TABLE)
+    cpp, plain = engines(config, quant, "cpp")
+    cpp.model.tok_embeddings.kernel = "dequant"
+    use_layers_kernel(cpp.model, "cpp")
+    assert not cpp.model.layers_kernel_logits
+    tokens = torch.randint(0, config.vocab_size, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+    ours, reference = step_logits(cpp, tokens, 8), step_logits(plain, tokens, 8)
+    assert torch.allclose(ours, reference, rtol=1e-4, atol=1e-4), (ours - reference).abs().max()
+
+
+@needs_cpp
+def test_the_caches_are_listed_once_per_set_up_and_dropped_for_a_paged_cache():
+    cpp, _ = engines(SHAPE)
+    model = cpp.model
+    model.setup_caches(1, 64)
+    caches = [layer.attention.kv_cache.kv.data_ptr() for layer in model.layers]
+    assert [kv.data_ptr() for kv in model.cpp_layers_kv] == caches
+    model.setup_caches(2, 64, blocks=16)
+    assert model.cpp_layers_kv is None
+    model.setup_caches(1, 32)
+    assert model.cpp_layers_kv[0].shape[3] == 32

@@ -132,13 +132,18 @@ def register_cpp_layers_op() -> None:
     """Build and load our C++ kernels (:func:`gpt_fast.kernels.cpu_gemv.load_cpu_kernels`) and give
     ``gpt_fast::decode_layers_cpu`` its shape function for ``torch.compile``."""
     cpu_gemv.load_cpu_kernels()
-    torch.library.register_fake("gpt_fast::decode_layers_cpu", lambda x, *_args: x.new_empty(x.shape))
+    torch.library.register_fake(
+        "gpt_fast::decode_layers_cpu",
+        lambda x, weights, plan, kv, *_args: x.new_empty(cpu_layers.output_shape(x, weights, plan, len(kv))),
+    )
 
 
 def fill_pointer_table(model: Transformer) -> None:
     """Write the kernel's data pointers into ``model.layers_table`` [L, :data:`TABLE_COLUMNS`]: the model calls it
     once its caches are allocated, outside any CUDA graph (a capture cannot copy from the host), and the graphs
-    read the table where it is."""
+    read the table where it is. A paged cache's steps never call the kernel: nothing to write."""
+    if model.block_table is not None:
+        return
     rows = [[t.data_ptr() for t in (*_weights_of(layer), layer.attention.kv_cache.kv)] for layer in model.layers]
     model.layers_table.copy_(torch.tensor(rows, dtype=torch.int64))
 
@@ -204,23 +209,33 @@ def persistent_layers(model: Transformer, x: torch.Tensor, input_pos: torch.Tens
 
 def product_plan(linear: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
     """A product's tensors and plan (kind, group size, bias) for :func:`gpt_fast.kernels.cpu_layers.decode_layers`."""
-    if isinstance(linear, nn.Linear) and linear.weight.dtype == torch.float32:
-        kind, tensors, group = "float32", [linear.weight], 0
-    elif isinstance(linear, Int8Linear) and linear.kernel in CPP_KERNELS:
-        kind, tensors, group = "int8", [linear.weight, linear.scales], linear.group_size or 0
-    elif isinstance(linear, Int4Linear) and linear.kernel in CPP_KERNELS:
-        kind, tensors, group = "int4", [linear.weight, linear.scales, linear.zeros], linear.group_size
-    else:
+    found = _product_kind(linear)
+    if found is None:
         what = getattr(linear, "kernel", getattr(getattr(linear, "weight", None), "dtype", None))
         raise ValueError(f"--layers_kernel cpp does not compute a {type(linear).__name__} ({what})")
-    if kind != "float32" and linear.kernel == "cpp-q8":
-        kind += "-q8"
-    bias = linear.bias
+    kind, tensors, group = found
+    bias = getattr(linear, "bias", None)
     return tensors + ([] if bias is None else [bias]), [cpu_layers.KINDS[kind], group, int(bias is not None)]
 
 
+def _product_kind(linear: nn.Module) -> tuple[str, list[torch.Tensor], int] | None:
+    """The kind (:data:`gpt_fast.kernels.cpu_layers.KINDS`), tensors and group size of a product our C++ products
+    compute: float32 weights (a linear layer's, or a tied embedding table's), or the ``cpp`` and ``cpp-q8``
+    quantized kernels' (a quantized table's too, :class:`gpt_fast.quant.layers.Int8Embedding`); None otherwise."""
+    if isinstance(linear, (nn.Linear, nn.Embedding)) and linear.weight.dtype == torch.float32:
+        return "float32", [linear.weight], 0
+    q8 = "-q8" if getattr(linear, "kernel", None) == "cpp-q8" else ""
+    if isinstance(linear, Int8Linear) and linear.kernel in CPP_KERNELS:
+        return "int8" + q8, [linear.weight, linear.scales], linear.group_size or 0
+    if isinstance(linear, Int4Linear) and linear.kernel in CPP_KERNELS:
+        return "int4" + q8, [linear.weight, linear.scales, linear.zeros], linear.group_size
+    return None
+
+
 def cpp_plan(model: Transformer) -> tuple[list[torch.Tensor], list[int]]:
-    """Every layer's norm weights and products as :func:`gpt_fast.kernels.cpu_layers.decode_layers` takes them."""
+    """Every layer's norm weights and products as :func:`gpt_fast.kernels.cpu_layers.decode_layers` takes them, then,
+    where our products compute the output projection (the model's own head product unset), the final norm's weight
+    and that product: the operator then returns the logits."""
     weights: list[torch.Tensor] = []
     plan: list[int] = []
     for layer in model.layers:
@@ -230,20 +245,32 @@ def cpp_plan(model: Transformer) -> tuple[list[torch.Tensor], list[int]]:
             tensors, numbers = product_plan(linear)
             weights += tensors
             plan += numbers
+    head = model.tok_embeddings if model.output is None else model.output
+    if model.head_kernel is None and _product_kind(head) is not None:
+        tensors, numbers = product_plan(head)
+        weights += [model.norm.weight, *tensors]
+        plan += numbers
     return weights, plan
+
+
+def cpp_caches_ready(model: Transformer) -> None:
+    """Keep the layers' static caches in a list for :func:`cpp_layers` (read once per cache set-up, not per token);
+    a paged cache's steps never call the operator, and the list is dropped so that the old caches can be freed."""
+    static = model.block_table is None
+    model.cpp_layers_kv = [layer.attention.kv_cache.kv for layer in model.layers] if static else None
 
 
 def cpp_layers(model: Transformer, x: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
     """What :class:`gpt_fast.model.transformer.Transformer` calls as its ``layers_kernel`` on the CPU: the residual
-    ``x`` [1, 1, D] after every layer, for the token at ``input_pos`` [1]."""
+    ``x`` [1, 1, D] after every layer, for the token at ``input_pos`` [1]; or, where :func:`cpp_plan` holds the
+    head (``layers_kernel_logits``), the logits [1, 1, V] of its final norm."""
     cfg, first = model.config, model.layers[0].attention
     weights, plan = model.cpp_layers_plan
-    kv = [layer.attention.kv_cache.kv for layer in model.layers]
     shape = [cfg.n_head, cfg.n_local_heads, cfg.head_dim]
     scale = first.scale or cfg.head_dim**-0.5
     return cpu_layers.decode_layers(
-        x, weights, plan, kv, model.rope_cos, model.rope_sin, input_pos, shape, cfg.norm_eps, cfg.norm_offset,
-        scale, first.softcap, cfg.mlp_activation == "gelu_tanh",
+        x, weights, plan, model.cpp_layers_kv, model.rope_cos, model.rope_sin, input_pos, shape, cfg.norm_eps,
+        cfg.norm_offset, scale, first.softcap, cfg.mlp_activation == "gelu_tanh",
     )  # fmt: skip
 
 
@@ -251,10 +278,14 @@ def use_layers_kernel(model: nn.Module, kernel: str) -> None:
     """Give ``model`` the layers kernel ``kernel`` (a name :func:`resolve_layers_kernel` returned)."""
     if isinstance(model, Transformer) and kernel == "cpp":
         model.cpp_layers_plan = cpp_plan(model)
-        model.layers_kernel, model.layers_kernel_eager, model.caches_ready = cpp_layers, True, None
+        model.layers_kernel, model.layers_kernel_eager, model.caches_ready = cpp_layers, True, cpp_caches_ready
+        model.layers_kernel_logits = cpu_layers.holds_head(model.cpp_layers_plan[1], len(model.layers))
+        if model.max_seq_length:
+            cpp_caches_ready(model)
         return
     if isinstance(model, Transformer):
-        model.cpp_layers_plan, model.layers_kernel_eager = None, False
+        model.cpp_layers_plan, model.cpp_layers_kv = None, None
+        model.layers_kernel_eager = model.layers_kernel_logits = False
         model.layers_kernel = persistent_layers if kernel == "triton" else None
         model.caches_ready = fill_pointer_table if kernel == "triton" else None
         if kernel == "triton":  # allocated here, outside any CUDA graph's memory pool

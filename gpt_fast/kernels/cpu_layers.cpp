@@ -20,6 +20,7 @@
 
 #include <cmath>
 #include <optional>
+#include <vector>
 
 namespace gpt_fast_cpu {  // cpu_gemv.cpp's and cpu_attention.cpp's, which say what they do
 at::Tensor layer_product(int64_t kind, const at::Tensor& x, const at::Tensor* w, int64_t group);
@@ -127,7 +128,8 @@ struct Weights {
 // weights [dim] then its wqkv, wo, w13, w2 tensors as `plan` [layers * 4 * 3] says (kind, group, bias: see
 // layer_product); kv: each layer's static cache [2, 1, H_kv, S, D] float32, written at the step's position;
 // cos, sin [positions, D / 2] float32 (the model's tables); input_pos [1]; shape: H, H_kv, D. Returns the residual
-// stream out of the last layer, [1, 1, dim].
+// stream out of the last layer, [1, 1, dim]; or, where the plan holds a product more (the output projection) and
+// the weights the final norm's weight [dim] before its tensors, the logits [1, 1, V] of the normed residual.
 at::Tensor decode_layers_cpu(const at::Tensor& x, at::TensorList weights, c10::IntArrayRef plan, at::TensorList kv,
                              const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& input_pos,
                              c10::IntArrayRef shape, double eps, double offset, double scale,
@@ -136,7 +138,9 @@ at::Tensor decode_layers_cpu(const at::Tensor& x, at::TensorList weights, c10::I
   const int64_t H = shape[0], H_kv = shape[1], D = shape[2], dim = x.size(-1);
   TORCH_CHECK(x.numel() == dim && x.scalar_type() == at::kFloat, "decode_layers_cpu: one float32 row");
   TORCH_CHECK(H_kv > 0 && H % H_kv == 0 && D % LANES == 0, "decode_layers_cpu: head shapes");
-  TORCH_CHECK(plan.size() == kv.size() * LINEARS * PLAN_FIELDS, "decode_layers_cpu: a plan for every layer");
+  const size_t layers_plan = kv.size() * LINEARS * PLAN_FIELDS;
+  const bool head = plan.size() == layers_plan + PLAN_FIELDS;
+  TORCH_CHECK(head || plan.size() == layers_plan, "decode_layers_cpu: a plan for every layer (and the head)");
   TORCH_CHECK(input_pos.numel() == 1 && input_pos.scalar_type() == at::kLong, "decode_layers_cpu: one int64 position");
   const int64_t pos = input_pos.data_ptr<int64_t>()[0];
   for (const at::Tensor* table : {&cos, &sin})
@@ -170,8 +174,18 @@ at::Tensor decode_layers_cpu(const at::Tensor& x, at::TensorList weights, c10::I
     gated(gate_up.data_ptr<float>(), I, gelu, hidden.data_ptr<float>());
     add_into(hp, w.product(hidden).data_ptr<float>(), dim);
   }
+  at::Tensor out = h;
+  if (head) {
+    const at::Tensor& final_norm = w.take();
+    TORCH_CHECK(final_norm.numel() == dim && final_norm.scalar_type() == at::kFloat && final_norm.is_contiguous(),
+                "decode_layers_cpu: the final norm's weight [dim] float32");
+    rms_norm(hp, final_norm.data_ptr<float>(), dim, eps, offset, normed.data_ptr<float>());
+    out = w.product(normed);  // [1, V]
+  }
   TORCH_CHECK(w.next == weights.size(), "decode_layers_cpu: more weights than the plan says");
-  return h.view(x.sizes());
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = out.size(-1);
+  return out.view(sizes);
 }
 
 }  // namespace

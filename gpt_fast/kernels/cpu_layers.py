@@ -5,7 +5,8 @@
 directly, with no Python or inductor wrapper between them.
 
 A product's weight is described by its kind (:data:`KINDS`), its group size (0: a scale per row) and whether a bias
-follows its tensors.
+follows its tensors. A plan may end with one product more, the output projection (after the final norm's weight in
+the tensors): the operator then returns the logits.
 """
 
 from __future__ import annotations
@@ -20,6 +21,23 @@ KINDS = {
     "int4": 3,  # weight [N, K / 2] uint8, scales and zeros [N, K / group] (int4_gemv_cpu)
     "int4-q8": 4,  # the same, the row rounded (int4_q8_gemv_cpu)
 }
+TENSORS = (1, 2, 2, 3, 3)  # a weight's tensors by kind, as KINDS numbers them
+PLAN_FIELDS = 3  # a product's plan: its kind, group size, bias (1) or not (0)
+LAYER_PRODUCTS = 4  # wqkv, wo, w13, w2
+
+
+def holds_head(plan: list[int], layers: int) -> bool:
+    """Whether ``plan`` holds the output projection after ``layers`` layers' products (the operator returns logits)."""
+    return len(plan) == (layers * LAYER_PRODUCTS + 1) * PLAN_FIELDS
+
+
+def output_shape(x: torch.Tensor, weights: list[torch.Tensor], plan: list[int], layers: int) -> list[int]:
+    """The shape :func:`decode_layers` returns: ``x``'s [1, 1, dim], or [1, 1, V] where the plan holds the head."""
+    if not holds_head(plan, layers):
+        return list(x.shape)
+    kind, _, bias = plan[-PLAN_FIELDS:]
+    head = weights[len(weights) - TENSORS[kind] - bias]  # [V, ...]: every kind's first tensor has a row per output
+    return [*x.shape[:-1], head.shape[0]]
 
 
 def decode_layers(
@@ -40,10 +58,11 @@ def decode_layers(
     """The residual stream ``x`` [1, 1, dim] (float32) through every layer for the token at ``input_pos`` [1]:
     ``weights`` holds each layer's attention and MLP norm weights, then the tensors of its wqkv, wo, w13 and w2
     (and a bias after a product's tensors where it has one), as ``plan`` says, three numbers a product (kind, group
-    size, bias); ``kv`` each layer's static cache [2, 1, H_kv, S, D] (written at the position); ``cos`` and ``sin``
-    the model's rotary tables [positions, D / 2]; ``shape`` the heads, kv heads and head size; ``gelu``: GeGLU
-    (tanh) rather than SwiGLU. The caller loads the library first
-    (:func:`gpt_fast.kernels.cpu_gemv.load_cpu_kernels`)."""
+    size, bias), and where the plan holds a product more (:func:`holds_head`) the final norm's weight and the output
+    projection's tensors, which make the result the logits [1, 1, V]; ``kv`` each layer's static cache
+    [2, 1, H_kv, S, D] (written at the position); ``cos`` and ``sin`` the model's rotary tables [positions, D / 2];
+    ``shape`` the heads, kv heads and head size; ``gelu``: GeGLU (tanh) rather than SwiGLU. The caller loads the
+    library first (:func:`gpt_fast.kernels.cpu_gemv.load_cpu_kernels`)."""
     return torch.ops.gpt_fast.decode_layers_cpu(
         x, weights, plan, kv, cos, sin, input_pos, shape, eps, offset, scale, softcap, gelu
     )

@@ -374,10 +374,13 @@ class Transformer(nn.Module):
     # F.linear.
     head_kernel = None
     # Every layer of a compiled one-token step of a one-row cache as one operator, called with (model, x,
-    # input_pos), whether it takes eager steps too, and what it needs done with the model once the caches are
-    # allocated, called with the model (gpt_fast.accel.persistent sets them); None: the layers' code, nothing.
+    # input_pos), whether it takes eager steps too, whether it also applies the final norm and the output
+    # projection (it returns logits, not the residual), and what it needs done with the model once the caches are
+    # allocated (static or paged), called with the model (gpt_fast.accel.persistent sets them); None: the layers'
+    # code, nothing.
     layers_kernel = None
     layers_kernel_eager = False
+    layers_kernel_logits = False
     caches_ready = None
     # What the decode steps (gpt_fast.generation.decode) hand to gpt_fast.generation.sampling.sample for top-k
     # sampling, a
@@ -438,7 +441,7 @@ class Transformer(nn.Module):
             self.register_buffer("embedding_scale", scale, persistent=False)
         self.max_batch_size, self.max_seq_length = batch_size, max_seq_length
         self.cache_layout = layout
-        if self.caches_ready is not None and self.block_table is None:
+        if self.caches_ready is not None:
             self.caches_ready(self)
 
     def forward(
@@ -466,6 +469,8 @@ class Transformer(nn.Module):
             x = x * self.embedding_scale
         if self.layers_kernel is not None and self._one_token_of_one_sequence(idx, input_pos):
             x = self.layers_kernel(self, x, input_pos)
+            if self.layers_kernel_logits:  # [1, 1, V]
+                return self._capped(x)
         else:
             x = self._layers(x, input_pos, first_row, from_start)
         if last_index is not None:  # [1] or [B]
@@ -473,7 +478,10 @@ class Transformer(nn.Module):
         elif last_only:
             x = x[:, -1:]
         x = self.norm(x)
-        logits = self.tied_output(x) if self.output is None else self.output(x)
+        return self._capped(self.tied_output(x) if self.output is None else self.output(x))
+
+    def _capped(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` [..., V] soft-capped where the config says (``final_logit_softcap``)."""
         cap = self.config.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
