@@ -971,6 +971,44 @@ at::Tensor int4_q8_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, const
   return out;
 }
 
+// x . w for the float32 rows x [K] and w [K]: 4 chains of fused multiply-adds side by side, the weights asked for
+// PREFETCH bytes ahead
+inline float float_dot(const float* x, const float* w, int64_t K) {
+#if defined(__AVX2__) && defined(__FMA__)
+  constexpr int V = 4;
+  __m256 acc[V];
+  for (auto& a : acc) a = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 * V <= K; k += 8 * V) {
+    prefetch(w + k);
+    prefetch(w + k + LINE / sizeof(float));
+    for (int v = 0; v < V; ++v)
+      acc[v] = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8 * v), _mm256_loadu_ps(w + k + 8 * v), acc[v]);
+  }
+  for (; k + 8 <= K; k += 8) acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), _mm256_loadu_ps(w + k), acc[0]);
+  float sum = sum_lanes(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+#else
+  float sum = 0.f;
+  int64_t k = 0;
+#endif
+  for (; k < K; ++k) sum += x[k] * w[k];
+  return sum;
+}
+
+// The row x [1, K] float32 times the float32 weight [N, K]: [1, N], each weight read once at the memory's speed
+// (torch's product of one row reads it at about half of it on one thread: BENCHMARKS.md, 2026-11-30i)
+at::Tensor float_gemv(const at::Tensor& x, const at::Tensor& weight) {
+  check_rows(x, weight, 1);
+  TORCH_CHECK(x.size(0) == 1 && weight.scalar_type() == at::kFloat, "float_gemv: one row, float32 weights");
+  auto xc = x.contiguous(), wc = weight.contiguous();
+  const int64_t N = weight.size(0), K = x.size(1);
+  auto out = at::empty({1, N}, x.options());
+  const float *xp = xc.data_ptr<float>(), *wp = wc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  over_rows(N, N * K * static_cast<int64_t>(sizeof(float)), [&](int64_t n) { op[n] = float_dot(xp, wp + n * K, K); });
+  return out;
+}
+
 }  // namespace
 
 namespace gpt_fast_cpu {
@@ -982,7 +1020,7 @@ namespace gpt_fast_cpu {
 at::Tensor layer_product(int64_t kind, const at::Tensor& x, const at::Tensor* w, int64_t group) {
   switch (kind) {
     case 0:
-      return at::mm(x, w[0].t());
+      return float_gemv(x, w[0]);
     case 1:
       return group ? int8_group_gemv_cpu(x, w[0], w[1], group) : int8_gemv_cpu(x, w[0], w[1]);
     case 2:
