@@ -1,7 +1,7 @@
 """Every decoder layer of a one-token decode step of one sequence on an x86 CPU as one C++ operator,
 ``torch.ops.gpt_fast.decode_layers_cpu`` (``cpu_layers.cpp``, built into the library of
 :mod:`gpt_fast.kernels.cpu_gemv`): the norms, residual adds and gated activations in C++, the products those of
-``cpu_gemv.cpp`` (float32 weights through torch's own product) and the attention ``cpu_attention.cpp``'s, called
+``cpu_gemv.cpp`` (float32 weights too: float_gemv) and the attention ``cpu_attention.cpp``'s, called
 directly, with no Python or inductor wrapper between them.
 
 A product's weight is described by its kind (:data:`KINDS`), its group size (0: a scale per row) and whether a bias
