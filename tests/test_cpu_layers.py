@@ -5,6 +5,7 @@ which models and options it takes, which steps call it, and that its steps give 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from gpt_fast.convert.random_init import random_weights
 from gpt_fast.engine.engine import Engine, EngineOptions
 from gpt_fast.generation.sampling import SamplingConfig
 from gpt_fast.kernels import cpu_gemv
+from gpt_fast.model import transformer
 from gpt_fast.model.config import EmbeddingQuant, QuantConfig
 from gpt_fast.model.shapes import get_shape
 from gpt_fast.quant.layout import quantize_state
@@ -225,13 +227,24 @@ def test_a_head_our_products_do_not_compute_stays_the_models():
 
 
 @needs_cpp
-def test_the_caches_are_listed_once_per_set_up_and_dropped_for_a_paged_cache():
+def test_the_caches_are_listed_once_per_set_up_and_freed_before_new_ones(monkeypatch):
+    """The operator's list of the caches holds no old cache while the new ones are allocated."""
     cpp, _ = engines(SHAPE)
     model = cpp.model
     model.setup_caches(1, 64)
     caches = [layer.attention.kv_cache.kv.data_ptr() for layer in model.layers]
-    assert [kv.data_ptr() for kv in model.cpp_layers_kv] == caches
-    model.setup_caches(2, 64, blocks=16)
-    assert model.cpp_layers_kv is None
+    assert [kv.data_ptr() for kv in model.layers_kernel_caches] == caches
+    old = weakref.ref(model.layers[0].attention.kv_cache.kv)
+    alive_at_allocation = []
+    make_cache = transformer.KVCache
+
+    def allocating(*args, **kwargs):
+        alive_at_allocation.append(old() is not None)
+        return make_cache(*args, **kwargs)
+
+    monkeypatch.setattr(transformer, "KVCache", allocating)
     model.setup_caches(1, 32)
-    assert model.cpp_layers_kv[0].shape[3] == 32
+    assert alive_at_allocation and not any(alive_at_allocation)
+    assert model.layers_kernel_caches[0].shape[3] == 32
+    model.setup_caches(2, 64, blocks=16)
+    assert model.layers_kernel_caches is None

@@ -254,10 +254,10 @@ def cpp_plan(model: Transformer) -> tuple[list[torch.Tensor], list[int]]:
 
 
 def cpp_caches_ready(model: Transformer) -> None:
-    """Keep the layers' static caches in a list for :func:`cpp_layers` (read once per cache set-up, not per token);
-    a paged cache's steps never call the operator, and the list is dropped so that the old caches can be freed."""
+    """Keep the layers' static caches in a list for :func:`cpp_layers` (``layers_kernel_caches``: read once per cache
+    set-up, not per token); a paged cache's steps never call the operator."""
     static = model.block_table is None
-    model.cpp_layers_kv = [layer.attention.kv_cache.kv for layer in model.layers] if static else None
+    model.layers_kernel_caches = [layer.attention.kv_cache.kv for layer in model.layers] if static else None
 
 
 def cpp_layers(model: Transformer, x: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
@@ -269,7 +269,7 @@ def cpp_layers(model: Transformer, x: torch.Tensor, input_pos: torch.Tensor) -> 
     shape = [cfg.n_head, cfg.n_local_heads, cfg.head_dim]
     scale = first.scale or cfg.head_dim**-0.5
     return cpu_layers.decode_layers(
-        x, weights, plan, model.cpp_layers_kv, model.rope_cos, model.rope_sin, input_pos, shape, cfg.norm_eps,
+        x, weights, plan, model.layers_kernel_caches, model.rope_cos, model.rope_sin, input_pos, shape, cfg.norm_eps,
         cfg.norm_offset, scale, first.softcap, cfg.mlp_activation == "gelu_tanh",
     )  # fmt: skip
 
@@ -284,7 +284,7 @@ def use_layers_kernel(model: nn.Module, kernel: str) -> None:
             cpp_caches_ready(model)
         return
     if isinstance(model, Transformer):
-        model.cpp_layers_plan, model.cpp_layers_kv = None, None
+        model.cpp_layers_plan, model.layers_kernel_caches = None, None
         model.layers_kernel_eager = model.layers_kernel_logits = False
         model.layers_kernel = persistent_layers if kernel == "triton" else None
         model.caches_ready = fill_pointer_table if kernel == "triton" else None

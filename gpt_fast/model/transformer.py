@@ -382,6 +382,9 @@ class Transformer(nn.Module):
     layers_kernel_eager = False
     layers_kernel_logits = False
     caches_ready = None
+    # The caches as the layers kernel reads them, where caches_ready keeps them; dropped before setup_caches replaces
+    # the caches, so that the old ones are freed before the new ones are allocated.
+    layers_kernel_caches = None
     # What the decode steps (gpt_fast.generation.decode) hand to gpt_fast.generation.sampling.sample for top-k
     # sampling, a
     # gpt_fast.generation.sampling.TopKSampler (gpt_fast.accel.top_k sets it); None: torch.topk. The model never calls
@@ -419,6 +422,7 @@ class Transformer(nn.Module):
         cfg, where = self.config, {"dtype": weight.dtype, "device": weight.device}
         for layer in self.layers:
             layer.attention.kv_cache = None  # free the old buffers before allocating new ones
+        self.layers_kernel_caches = None
         self.block_table = None
         if blocks is not None:
             self.block_table = BlockTable(batch_size, max_seq_length, block_size, device=weight.device)
