@@ -995,8 +995,8 @@ inline float float_dot(const float* x, const float* w, int64_t K) {
   return sum;
 }
 
-// The row x [1, K] float32 times the float32 weight [N, K]: [1, N], each weight read once at the memory's speed
-// (torch's product of one row reads it at about half of it on one thread: BENCHMARKS.md, 2026-11-30i)
+// The row x [1, K] float32 times the float32 weight [N, K]: [1, N]; on one thread it reads the weights 1.5x as fast as
+// torch's product of one row (the default model's float32 decode: BENCHMARKS.md, 2026-11-30i)
 at::Tensor float_gemv(const at::Tensor& x, const at::Tensor& weight) {
   check_rows(x, weight, 1);
   TORCH_CHECK(x.size(0) == 1 && weight.scalar_type() == at::kFloat, "float_gemv: one row, float32 weights");
