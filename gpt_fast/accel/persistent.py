@@ -141,9 +141,7 @@ def register_cpp_layers_op() -> None:
 def fill_pointer_table(model: Transformer) -> None:
     """Write the kernel's data pointers into ``model.layers_table`` [L, :data:`TABLE_COLUMNS`]: the model calls it
     once its caches are allocated, outside any CUDA graph (a capture cannot copy from the host), and the graphs
-    read the table where it is. A paged cache's steps never call the kernel: nothing to write."""
-    if model.block_table is not None:
-        return
+    read the table where it is."""
     rows = [[t.data_ptr() for t in (*_weights_of(layer), layer.attention.kv_cache.kv)] for layer in model.layers]
     model.layers_table.copy_(torch.tensor(rows, dtype=torch.int64))
 
@@ -234,8 +232,8 @@ def _product_kind(linear: nn.Module) -> tuple[str, list[torch.Tensor], int] | No
 
 def cpp_plan(model: Transformer) -> tuple[list[torch.Tensor], list[int]]:
     """Every layer's norm weights and products as :func:`gpt_fast.kernels.cpu_layers.decode_layers` takes them, then,
-    where our products compute the output projection (the model's own head product unset), the final norm's weight
-    and that product: the operator then returns the logits."""
+    where our products compute the output projection, the final norm's weight and that product: the operator then
+    returns the logits."""
     weights: list[torch.Tensor] = []
     plan: list[int] = []
     for layer in model.layers:
@@ -246,7 +244,7 @@ def cpp_plan(model: Transformer) -> tuple[list[torch.Tensor], list[int]]:
             weights += tensors
             plan += numbers
     head = model.tok_embeddings if model.output is None else model.output
-    if model.head_kernel is None and _product_kind(head) is not None:
+    if _product_kind(head) is not None:
         tensors, numbers = product_plan(head)
         weights += [model.norm.weight, *tensors]
         plan += numbers
@@ -255,9 +253,8 @@ def cpp_plan(model: Transformer) -> tuple[list[torch.Tensor], list[int]]:
 
 def cpp_caches_ready(model: Transformer) -> None:
     """Keep the layers' static caches in a list for :func:`cpp_layers` (``layers_kernel_caches``: read once per cache
-    set-up, not per token); a paged cache's steps never call the operator."""
-    static = model.block_table is None
-    model.layers_kernel_caches = [layer.attention.kv_cache.kv for layer in model.layers] if static else None
+    set-up, not per token; the model drops it before it replaces the caches)."""
+    model.layers_kernel_caches = [layer.attention.kv_cache.kv for layer in model.layers]
 
 
 def cpp_layers(model: Transformer, x: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
@@ -280,7 +277,7 @@ def use_layers_kernel(model: nn.Module, kernel: str) -> None:
         model.cpp_layers_plan = cpp_plan(model)
         model.layers_kernel, model.layers_kernel_eager, model.caches_ready = cpp_layers, True, cpp_caches_ready
         model.layers_kernel_logits = cpu_layers.holds_head(model.cpp_layers_plan[1], len(model.layers))
-        if model.max_seq_length:
+        if model.max_seq_length and model.block_table is None:
             cpp_caches_ready(model)
         return
     if isinstance(model, Transformer):

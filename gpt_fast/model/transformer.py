@@ -375,9 +375,8 @@ class Transformer(nn.Module):
     head_kernel = None
     # Every layer of a compiled one-token step of a one-row cache as one operator, called with (model, x,
     # input_pos), whether it takes eager steps too, whether it also applies the final norm and the output
-    # projection (it returns logits, not the residual), and what it needs done with the model once the caches are
-    # allocated (static or paged), called with the model (gpt_fast.accel.persistent sets them); None: the layers'
-    # code, nothing.
+    # projection (it returns logits, not the residual), and what it needs done with the model once static caches are
+    # allocated, called with the model (gpt_fast.accel.persistent sets them); None: the layers' code, nothing.
     layers_kernel = None
     layers_kernel_eager = False
     layers_kernel_logits = False
@@ -445,7 +444,7 @@ class Transformer(nn.Module):
             self.register_buffer("embedding_scale", scale, persistent=False)
         self.max_batch_size, self.max_seq_length = batch_size, max_seq_length
         self.cache_layout = layout
-        if self.caches_ready is not None:
+        if self.caches_ready is not None and self.block_table is None:
             self.caches_ready(self)
 
     def forward(
