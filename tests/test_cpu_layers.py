@@ -148,8 +148,8 @@ def test_quantized_steps_give_the_model_codes_logits(quant, kernel):
 
 
 @needs_cpp
-def test_only_one_token_steps_of_one_sequence_call_it(monkeypatch):
-    """Prefills and batches keep the layers' code; a one-token step of one row calls the operator."""
+def test_one_token_steps_call_it_prefills_do_not(monkeypatch):
+    """Prefills keep the layers' code; a one-token step calls the operator, of one row or of several."""
     cpp, _ = engines(SHAPE)
     calls = []
     operator = torch.ops.gpt_fast.decode_layers_cpu
@@ -162,8 +162,55 @@ def test_only_one_token_steps_of_one_sequence_call_it(monkeypatch):
     model = cpp.model
     model.setup_caches(2, 64)
     with torch.no_grad():
-        model(torch.tensor([[1], [2]]), torch.tensor([0]))
-    assert len(calls) == 3
+        model(torch.tensor([[1, 2], [3, 4]]), torch.arange(2), from_start=True)
+        model(torch.tensor([[1], [2]]), torch.tensor([[2], [2]]))
+    assert len(calls) == 4
+
+
+def rows_logits(engine, prompts, steps, paged):
+    """A server's steps on ``engine``: each prompt prefilled alone into its row (cache rows 1 onwards), then
+    ``steps`` decode steps of all the rows at once, each row at its own position, and one step of the last two rows
+    alone (``first_row``); the logits of every step [steps + 1, rows, V]. ``paged``: blocks of 4 positions, each row's
+    in a shuffled order."""
+    model, rows = engine.model, len(prompts)
+    if paged:
+        model.setup_caches(rows + 1, 64, blocks=1 + (rows + 1) * 16, block_size=4)
+        order = torch.randperm((rows + 1) * 16, generator=torch.Generator().manual_seed(6))
+        model.block_table.blocks.copy_(1 + order.view(rows + 1, 16))
+    else:
+        model.setup_caches(rows + 1, 64)
+    generator = torch.Generator().manual_seed(7)
+    out = []
+    with torch.no_grad():
+        for row, prompt in enumerate(prompts, start=1):
+            model(torch.tensor([prompt]), torch.arange(len(prompt)), first_row=row)
+        positions = torch.tensor([[len(prompt)] for prompt in prompts])  # [rows, 1]
+        for _ in range(steps):
+            tokens = torch.randint(0, model.config.vocab_size, (rows, 1), generator=generator)
+            out.append(model(tokens, positions, first_row=1)[:, -1])
+            positions = positions + 1
+        tokens = torch.randint(0, model.config.vocab_size, (2, 1), generator=generator)
+        out.append(torch.cat([out[-1][:-2], model(tokens, positions[-2:], first_row=rows - 1)[:, -1]]))
+    return torch.stack(out)
+
+
+ROWS = {  # and rows: an int4 product of 7 rows is a matrix product (CPP_INT4_GEMV_ROWS)
+    "float32": (None, "auto", 3),
+    "int8 cpp": (QuantConfig("int8"), "cpp", 3),
+    "int4 cpp, 7 rows": (QuantConfig("int4", group_size=32), "cpp", 7),
+}
+
+
+@needs_cpp
+@pytest.mark.parametrize("paged", [False, True], ids=["static", "paged"])
+@pytest.mark.parametrize("quant, kernel, rows", ROWS.values(), ids=ROWS.keys())
+def test_steps_of_many_rows_give_the_model_codes_logits(quant, kernel, rows, paged):
+    """A server's step: rows at their own positions, rows of the cache from ``first_row`` on, static or paged."""
+    config = dataclasses.replace(SHAPE, qkv_bias=True)
+    cpp, plain = engines(config, quant, kernel)
+    prompts = [[3, 4, 5], [6, 7, 8, 9, 10, 11, 12], [13, 14], [15], [16, 17, 18, 19], [20, 21], [22, 23, 24]][:rows]
+    ours, reference = rows_logits(cpp, prompts, 6, paged), rows_logits(plain, prompts, 6, paged)
+    assert torch.allclose(ours, reference, rtol=1e-4, atol=1e-4), (ours - reference).abs().max()
 
 
 @needs_cpp
@@ -247,4 +294,6 @@ def test_the_caches_are_listed_once_per_set_up_and_freed_before_new_ones(monkeyp
     assert alive_at_allocation and not any(alive_at_allocation)
     assert model.layers_kernel_caches[0].shape[3] == 32
     model.setup_caches(2, 64, blocks=16)
-    assert model.layers_kernel_caches is None
+    caches = [layer.attention.kv_cache.kv for layer in model.layers]
+    assert [kv.data_ptr() for kv in model.layers_kernel_caches] == [kv.data_ptr() for kv in caches]
+    assert model.layers_kernel_caches[0].shape[1] == 16  # the paged caches' blocks

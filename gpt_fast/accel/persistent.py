@@ -1,15 +1,16 @@
-"""The decoder layers of a one-token decode step of one sequence as one kernel (``layers_kernel``), or the model's code.
+"""The decoder layers of a decode step of one token (a row) as one kernel (``layers_kernel``), or the model's code.
 
 - ``triton``: :mod:`gpt_fast.kernels.triton_persistent`, on CUDA GPUs (not ROCm) with Triton: one persistent kernel
   runs every layer of a compiled one-token step of one sequence, where inductor launches about 14 kernels per layer.
   It is the ``torch.library.custom_op`` ``gpt_fast::decode_layers`` (it writes the KV caches), opaque to
   ``torch.compile``; CUDA graphs capture it. For a plain Llama-style decoder only (see :func:`check_layers_kernel`)
   and unquantized weights; other steps (a prefill, several rows) keep the model's code.
-- ``cpp``: :mod:`gpt_fast.kernels.cpu_layers`, on an x86 CPU that builds our C++ kernels: every layer of a one-token
-  step of one sequence in one C++ operator, ``gpt_fast::decode_layers_cpu``, eager or compiled, where the model's
-  code makes a few dozen Python (eager) or wrapper (compiled) calls per layer. float32 models whose products are
-  ours (float32 weights, or the ``cpp`` and ``cpp-q8`` quantized kernels), Llama-style with q/k/v biases, norms
-  with an offset, GeGLU and soft-capped attention (see :func:`check_cpp_layers`).
+- ``cpp``: :mod:`gpt_fast.kernels.cpu_layers`, on an x86 CPU that builds our C++ kernels: every layer of a step of
+  one token per row (one sequence's, or a server's rows in a static or paged cache) in one C++ operator,
+  ``gpt_fast::decode_layers_cpu``, eager or compiled, where the model's code makes a few dozen Python (eager) or
+  wrapper (compiled) calls per layer. float32 models whose products are ours (float32 weights, or the ``cpp`` and
+  ``cpp-q8`` quantized kernels), Llama-style with q/k/v biases, norms with an offset, GeGLU and soft-capped attention
+  (see :func:`check_cpp_layers`).
 - ``torch``: the model's code, everywhere.
 
 ``auto`` is ``cpp`` where it computes the model (docs/cpu.md, "Where a token's time goes"), else ``torch``: the
@@ -30,7 +31,19 @@ from gpt_fast.kernels.persistent_table import TABLE_COLUMNS
 from gpt_fast.model.config import ModelConfig, QuantConfig
 from gpt_fast.model.transformer import Transformer
 from gpt_fast.quant.layers import Int4Linear, Int8Linear
-from gpt_fast.quant.products import CPP_KERNELS, cpp_shape_takes, cpp_usable
+from gpt_fast.quant.products import (
+    CPP_INT4_GEMV_ROWS,
+    CPP_INT8_GEMV_ROWS,
+    CPP_KERNELS,
+    Q8_INT4_ROWS,
+    Q8_INT8_ROWS,
+    cpp_shape_takes,
+    cpp_usable,
+)
+
+# by kind (gpt_fast.kernels.cpu_layers.KINDS), the rows a product of the C++ layers takes one weight row at a time,
+# as the layers' own calls choose (gpt_fast.quant.products: int8_linear, int4_cpp_linear); float32 products always do
+GEMV_ROWS = [2**31, CPP_INT8_GEMV_ROWS, Q8_INT8_ROWS, CPP_INT4_GEMV_ROWS, Q8_INT4_ROWS]
 
 
 def check_layers_kernel(config: ModelConfig, quantization: QuantConfig | None, programs: int) -> None:
@@ -193,9 +206,9 @@ def layer_weights(model: Transformer) -> list[torch.Tensor]:
     return [weight for layer in model.layers for weight in _weights_of(layer)]
 
 
-def persistent_layers(model: Transformer, x: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+def persistent_layers(model: Transformer, x: torch.Tensor, input_pos: torch.Tensor, first_row: int) -> torch.Tensor:
     """What :class:`gpt_fast.model.transformer.Transformer` calls as its ``layers_kernel``: the residual ``x`` [1, 1, D]
-    after every layer, for the token at ``input_pos`` [1]."""
+    after every layer, for the token at ``input_pos`` [1] (of the one-row cache: ``first_row`` is 0)."""
     cfg = model.config
     kv = [layer.attention.kv_cache.kv for layer in model.layers]
     shape = [cfg.n_head, cfg.n_local_heads, cfg.head_dim, cfg.intermediate_size, model.max_seq_length]
@@ -252,22 +265,25 @@ def cpp_plan(model: Transformer) -> tuple[list[torch.Tensor], list[int]]:
 
 
 def cpp_caches_ready(model: Transformer) -> None:
-    """Keep the layers' static caches in a list for :func:`cpp_layers` (``layers_kernel_caches``: read once per cache
+    """Keep the layers' caches in a list for :func:`cpp_layers` (``layers_kernel_caches``: read once per cache
     set-up, not per token; the model drops it before it replaces the caches)."""
     model.layers_kernel_caches = [layer.attention.kv_cache.kv for layer in model.layers]
 
 
-def cpp_layers(model: Transformer, x: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+def cpp_layers(model: Transformer, x: torch.Tensor, input_pos: torch.Tensor, first_row: int) -> torch.Tensor:
     """What :class:`gpt_fast.model.transformer.Transformer` calls as its ``layers_kernel`` on the CPU: the residual
-    ``x`` [1, 1, D] after every layer, for the token at ``input_pos`` [1]; or, where :func:`cpp_plan` holds the
-    head (``layers_kernel_logits``), the logits [1, 1, V] of its final norm."""
+    ``x`` [B, 1, D] after every layer, for the tokens at ``input_pos`` ([1] or [B, 1]) of the cache's rows
+    ``first_row`` onwards (static, or paged through the model's block table); or, where :func:`cpp_plan` holds the
+    head (``layers_kernel_logits``), the logits [B, 1, V] of its final norm."""
     cfg, first = model.config, model.layers[0].attention
     weights, plan = model.cpp_layers_plan
     shape = [cfg.n_head, cfg.n_local_heads, cfg.head_dim]
     scale = first.scale or cfg.head_dim**-0.5
+    table = None if model.block_table is None else model.block_table.blocks
     return cpu_layers.decode_layers(
-        x, weights, plan, model.layers_kernel_caches, model.rope_cos, model.rope_sin, input_pos, shape, cfg.norm_eps,
-        cfg.norm_offset, scale, first.softcap, cfg.mlp_activation == "gelu_tanh",
+        x, weights, plan, model.layers_kernel_caches, model.rope_cos, model.rope_sin, input_pos.contiguous(), shape,
+        cfg.norm_eps, cfg.norm_offset, scale, first.softcap, cfg.mlp_activation == "gelu_tanh", first_row, table,
+        GEMV_ROWS,
     )  # fmt: skip
 
 
@@ -276,13 +292,14 @@ def use_layers_kernel(model: nn.Module, kernel: str) -> None:
     if isinstance(model, Transformer) and kernel == "cpp":
         model.cpp_layers_plan = cpp_plan(model)
         model.layers_kernel, model.layers_kernel_eager, model.caches_ready = cpp_layers, True, cpp_caches_ready
+        model.layers_kernel_rows = True
         model.layers_kernel_logits = cpu_layers.holds_head(model.cpp_layers_plan[1], len(model.layers))
-        if model.max_seq_length and model.block_table is None:
+        if model.max_seq_length:
             cpp_caches_ready(model)
         return
     if isinstance(model, Transformer):
         model.cpp_layers_plan, model.layers_kernel_caches = None, None
-        model.layers_kernel_eager = model.layers_kernel_logits = False
+        model.layers_kernel_eager = model.layers_kernel_rows = model.layers_kernel_logits = False
         model.layers_kernel = persistent_layers if kernel == "triton" else None
         model.caches_ready = fill_pointer_table if kernel == "triton" else None
         if kernel == "triton":  # allocated here, outside any CUDA graph's memory pool

@@ -51,7 +51,7 @@ using gpt_fast_cpu::exp8;
 
 constexpr int64_t LANES = 8;  // float32 lanes of an AVX2 vector
 constexpr int64_t KEYS = 4;   // keys whose scores are summed side by side (dots)
-constexpr int64_t THREAD_BYTES = 1 << 20;  // keys and values a thread reads at least (attend_token)
+constexpr int64_t THREAD_BYTES = 1 << 20;  // keys and values a thread reads at least (attend_rows)
 
 template <typename T>
 inline float widen(T x) {
@@ -274,20 +274,29 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k, const 
 
 namespace gpt_fast_cpu {
 
-// The attention of decode_layers_cpu (cpu_layers.cpp): one token at `pos` of row 0 of a static float32 cache kv
-// [2, 1, H_kv, S, D], its query, key and value the H + 2 H_kv heads of `qkv` [(H + 2 H_kv) D], rotated by the
-// position's tables cos, sin [D / 2]; the output [H D] into `out`. A second thread takes kv heads only where each
-// thread reads THREAD_BYTES of keys and values: waking one costs more than a short cache's heads take (and, beside
-// a busy process, waits for a core)
-void attend_token(const float* qkv, int64_t H, int64_t H_kv, int64_t D, const float* cos, const float* sin,
-                  const at::Tensor& kv, int64_t pos, float scale, std::optional<double> softcap, float* out) {
-  const Cache<float> cache{kv.data_ptr<float>(), kv.stride(0), nullptr, 0, 0, kv.stride(1), kv.stride(2), kv.stride(3)};
-  const int64_t G = H / H_kv;
-  const float *keys = qkv + H * D, *values = keys + H_kv * D;
-  const int64_t head_bytes = 2 * (pos + 1) * D * static_cast<int64_t>(sizeof(float));
-  share_tasks(H_kv, std::max<int64_t>(1, H_kv * head_bytes / THREAD_BYTES), [&](int64_t h) {
-    attend_kv_head(cache, 0, h, 0, pos, qkv + h * G * D, D, keys + h * D, values + h * D, cos, sin, G, D, scale,
-                   softcap, out + h * G * D, D);
+// The attention of decode_layers_cpu (cpu_layers.cpp): one token in each of R rows, row r at positions[r] (or all at
+// positions[0], `shared`) of the cache row first_row + r of a float32 cache kv, static [2, rows, H_kv, S, D] or paged
+// [2, N, block_size, H_kv, D] with the block table `table` [rows, W] (row stride table_stride; null: static). Row r's
+// query, key and value are the H + 2 H_kv heads of qkv [R, (H + 2 H_kv) D], rotated by the rows of the rotary tables
+// cos, sin [positions, D / 2] at its position; its output [H D] goes to out [R, H D]. A second thread takes (row, kv
+// head) tasks only where each thread reads THREAD_BYTES of keys and values: waking one costs more than a short
+// cache's heads take (and, beside a busy process, waits for a core)
+void attend_rows(const float* qkv, int64_t R, int64_t H, int64_t H_kv, int64_t D, const float* cos, const float* sin,
+                 const at::Tensor& kv, const int64_t* table, int64_t table_stride, int64_t first_row,
+                 const int64_t* positions, bool shared, float scale, std::optional<double> softcap, float* out) {
+  const bool paged = table != nullptr;
+  const Cache<float> cache{kv.data_ptr<float>(), kv.stride(0), table, table_stride, paged ? kv.size(2) : 0,
+                           kv.stride(1), paged ? kv.stride(3) : kv.stride(2), paged ? kv.stride(2) : kv.stride(3)};
+  const int64_t G = H / H_kv, width = (H + 2 * H_kv) * D;
+  int64_t seen = 0;  // positions the rows attend to
+  for (int64_t r = 0; r < R; ++r) seen += positions[shared ? 0 : r] + 1;
+  const int64_t bytes = 2 * seen * H_kv * D * static_cast<int64_t>(sizeof(float));
+  share_tasks(R * H_kv, std::max<int64_t>(1, bytes / THREAD_BYTES), [&](int64_t task) {
+    const int64_t r = task / H_kv, h = task % H_kv, pos = positions[shared ? 0 : r];
+    const float* row = qkv + r * width;
+    const float *keys = row + H * D, *values = keys + H_kv * D;
+    attend_kv_head(cache, first_row + r, h, 0, pos, row + h * G * D, D, keys + h * D, values + h * D,
+                   cos + pos * (D / 2), sin + pos * (D / 2), G, D, scale, softcap, out + r * H * D + h * G * D, D);
   });
 }
 

@@ -995,17 +995,19 @@ inline float float_dot(const float* x, const float* w, int64_t K) {
   return sum;
 }
 
-// The row x [1, K] float32 times the float32 weight [N, K]: [1, N]; on one thread it reads the weights 1.5x as fast as
-// torch's product of one row (the default model's float32 decode: BENCHMARKS.md, 2026-11-30i)
+// The rows x [M, K] float32 (a decode step's few) times the float32 weight [N, K]: [M, N]; on one thread it reads the
+// weights 1.5x as fast as torch's product of one row (the default model's float32 decode: BENCHMARKS.md, 2026-11-30i)
 at::Tensor float_gemv(const at::Tensor& x, const at::Tensor& weight) {
   check_rows(x, weight, 1);
-  TORCH_CHECK(x.size(0) == 1 && weight.scalar_type() == at::kFloat, "float_gemv: one row, float32 weights");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat, "float_gemv: float32 weights");
   auto xc = x.contiguous(), wc = weight.contiguous();
-  const int64_t N = weight.size(0), K = x.size(1);
-  auto out = at::empty({1, N}, x.options());
+  const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
+  auto out = at::empty({M, N}, x.options());
   const float *xp = xc.data_ptr<float>(), *wp = wc.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  over_rows(N, N * K * static_cast<int64_t>(sizeof(float)), [&](int64_t n) { op[n] = float_dot(xp, wp + n * K, K); });
+  over_rows(N, N * K * static_cast<int64_t>(sizeof(float)), [&](int64_t n) {
+    for (int64_t m = 0; m < M; ++m) op[m * N + n] = float_dot(xp + m * K, wp + n * K, K);  // the weight row in L1
+  });
   return out;
 }
 
@@ -1013,22 +1015,27 @@ at::Tensor float_gemv(const at::Tensor& x, const at::Tensor& weight) {
 
 namespace gpt_fast_cpu {
 
-// One product of decode_layers_cpu (cpu_layers.cpp): the row x [1, K] float32 times a layer's weight of `kind`
+// One product of decode_layers_cpu (cpu_layers.cpp): the rows x [R, K] float32 times a layer's weight of `kind`
 // (gpt_fast/kernels/cpu_layers.py names them), whose tensors are w[0] .. : 0 float32 [N, K]; 1 int8 [N, K] and
-// scales ([N], or [N, K / group]); 2 the same, the row rounded to int8 (int8_q8_gemv_cpu); 3 int4 [N, K / 2], scales
-// and zeros [N, K / group]; 4 the same, the row rounded (int4_q8_gemv_cpu)
-at::Tensor layer_product(int64_t kind, const at::Tensor& x, const at::Tensor* w, int64_t group) {
+// scales ([N], or [N, K / group]); 2 the same, the rows rounded to int8 (int8_q8_gemv_cpu); 3 int4 [N, K / 2], scales
+// and zeros [N, K / group]; 4 the same, the rows rounded (int4_q8_gemv_cpu). A quantized product of more rows than
+// `gemv_rows` (by kind; empty: any) is a matrix product (int8_matmul_cpu, int4_matmul_cpu), as the layers' own calls
+// choose (gpt_fast/quant/products.py)
+at::Tensor layer_product(int64_t kind, const at::Tensor& x, const at::Tensor* w, int64_t group,
+                         c10::IntArrayRef gemv_rows) {
+  const bool matmul = kind > 0 && static_cast<int64_t>(gemv_rows.size()) > kind && x.size(0) > gemv_rows[kind];
   switch (kind) {
     case 0:
       return float_gemv(x, w[0]);
     case 1:
+      if (matmul) return int8_matmul_cpu(x, w[0], w[1], group);
       return group ? int8_group_gemv_cpu(x, w[0], w[1], group) : int8_gemv_cpu(x, w[0], w[1]);
     case 2:
-      return int8_q8_gemv_cpu(x, w[0], w[1], group);
+      return matmul ? int8_matmul_cpu(x, w[0], w[1], group) : int8_q8_gemv_cpu(x, w[0], w[1], group);
     case 3:
-      return int4_gemv_cpu(x, w[0], w[1], w[2], group);
+      return matmul ? int4_matmul_cpu(x, w[0], w[1], w[2], group) : int4_gemv_cpu(x, w[0], w[1], w[2], group);
     case 4:
-      return int4_q8_gemv_cpu(x, w[0], w[1], w[2], group);
+      return matmul ? int4_matmul_cpu(x, w[0], w[1], w[2], group) : int4_q8_gemv_cpu(x, w[0], w[1], w[2], group);
     default:
       TORCH_CHECK(false, "layer_product: kind ", kind, " is not 0 to 4");
   }

@@ -1,9 +1,10 @@
-// Every decoder layer of a one-token decode step of one sequence on an x86 CPU, as the operator
+// Every decoder layer of a decode step of one token per row on an x86 CPU, as the operator
 // gpt_fast::decode_layers_cpu (built with cpu_gemv.cpp and cpu_attention.cpp into one library by
 // gpt_fast/kernels/cpu_gemv.py). A step of the model's own code makes a few dozen operator calls per layer, each a
 // Python call in eager mode and a call from inductor's wrapper when compiled; this makes one call for all the layers,
 // its norms, residual adds and gated activations written here, its products and attention those of the other two
-// files (layer_product, attend_token), called directly.
+// files (layer_product, attend_rows), called directly. A step of several rows (a server's) reads each weight once
+// for all of them (the products take the rows together); each row attends at its own position.
 //
 // The layers are the model's Llama-style decoder in float32 (gpt_fast/model/transformer.py, TransformerBlock): the
 // RMSNorm of the residual, the q/k/v product (and bias), the attention, the output product added to the residual,
@@ -18,14 +19,17 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <vector>
 
 namespace gpt_fast_cpu {  // cpu_gemv.cpp's and cpu_attention.cpp's, which say what they do
-at::Tensor layer_product(int64_t kind, const at::Tensor& x, const at::Tensor* w, int64_t group);
-void attend_token(const float* qkv, int64_t H, int64_t H_kv, int64_t D, const float* cos, const float* sin,
-                  const at::Tensor& kv, int64_t pos, float scale, std::optional<double> softcap, float* out);
+at::Tensor layer_product(int64_t kind, const at::Tensor& x, const at::Tensor* w, int64_t group,
+                         c10::IntArrayRef gemv_rows);
+void attend_rows(const float* qkv, int64_t R, int64_t H, int64_t H_kv, int64_t D, const float* cos, const float* sin,
+                 const at::Tensor& kv, const int64_t* table, int64_t table_stride, int64_t first_row,
+                 const int64_t* positions, bool shared, float scale, std::optional<double> softcap, float* out);
 __m256 exp8(__m256 x);
 }  // namespace gpt_fast_cpu
 
@@ -97,7 +101,7 @@ void add_into(float* x, const float* y, int64_t n) {
 // The weights of the layers in order, each product's tensors as its plan says (the next product: product())
 struct Weights {
   at::TensorList tensors;
-  c10::IntArrayRef plan;
+  c10::IntArrayRef plan, gemv_rows;
   size_t next = 0, planned = 0;
 
   const at::Tensor& take() {
@@ -105,7 +109,7 @@ struct Weights {
     return tensors[next++];
   }
 
-  // x [1, K] times the next product's weight (and bias): [1, N]
+  // x [R, K] times the next product's weight (and bias): [R, N]
   at::Tensor product(const at::Tensor& x) {
     TORCH_CHECK(planned + PLAN_FIELDS <= plan.size(), "decode_layers_cpu: a plan of 3 numbers a product");
     const int64_t kind = plan[planned], group = plan[planned + 1];
@@ -113,79 +117,112 @@ struct Weights {
     planned += PLAN_FIELDS;
     TORCH_CHECK(kind >= 0 && kind < 5, "decode_layers_cpu: a product's kind is 0 to 4");
     TORCH_CHECK(next + TENSORS[kind] + bias <= tensors.size(), "decode_layers_cpu: fewer weights than the plan says");
-    at::Tensor y = gpt_fast_cpu::layer_product(kind, x, tensors.data() + next, group);
+    at::Tensor y = gpt_fast_cpu::layer_product(kind, x, tensors.data() + next, group, gemv_rows);
     next += TENSORS[kind];
     if (bias) {
       const at::Tensor& b = take();
-      TORCH_CHECK(b.numel() == y.numel() && b.is_contiguous() && b.scalar_type() == at::kFloat, "decode_layers_cpu: bias");
-      add_into(y.data_ptr<float>(), b.data_ptr<float>(), y.numel());
+      const int64_t N = y.size(1);
+      TORCH_CHECK(b.numel() == N && b.is_contiguous() && b.scalar_type() == at::kFloat, "decode_layers_cpu: bias");
+      for (int64_t r = 0; r < y.size(0); ++r) add_into(y.data_ptr<float>() + r * N, b.data_ptr<float>(), N);
     }
     return y;
   }
 };
 
-// x [1, 1, dim] float32, the residual stream into the first layer; weights: each layer's attention and MLP norm
-// weights [dim] then its wqkv, wo, w13, w2 tensors as `plan` [layers * 4 * 3] says (kind, group, bias: see
-// layer_product); kv: each layer's static cache [2, 1, H_kv, S, D] float32, written at the step's position;
-// cos, sin [positions, D / 2] float32 (the model's tables); input_pos [1]; shape: H, H_kv, D. Returns the residual
-// stream out of the last layer, [1, 1, dim]; or, where the plan holds a product more (the output projection) and
-// the weights the final norm's weight [dim] before its tensors, the logits [1, 1, V] of the normed residual.
+// Whether the caches are the ones a step of R rows at `positions` reads: float32, static [2, rows, H_kv, S, D] with
+// rows first_row .. first_row + R - 1, or given the block table [rows, W], paged [2, N, block_size, H_kv, D]
+void check_caches(at::TensorList kv, const std::optional<at::Tensor>& table, int64_t first_row, int64_t R,
+                  int64_t H_kv, int64_t D, int64_t last) {
+  if (table.has_value()) {
+    TORCH_CHECK(table->dim() == 2 && table->scalar_type() == at::kLong && table->is_contiguous() && first_row >= 0 &&
+                    first_row + R <= table->size(0),
+                "decode_layers_cpu: a block table [rows, W] int64 holding the step's rows");
+  }
+  for (const at::Tensor& cache : kv) {
+    const bool shaped = cache.dim() == 5 && cache.is_contiguous() && cache.scalar_type() == at::kFloat;
+    if (table.has_value()) {
+      TORCH_CHECK(shaped && cache.size(3) == H_kv && cache.size(4) == D && last < table->size(1) * cache.size(2),
+                  "decode_layers_cpu: a paged float32 cache [2, N, block_size, H_kv, D] holding the step's positions");
+    } else {
+      TORCH_CHECK(shaped && cache.size(2) == H_kv && cache.size(4) == D && first_row >= 0 &&
+                      first_row + R <= cache.size(1) && last < cache.size(3),
+                  "decode_layers_cpu: a static float32 cache [2, rows, H_kv, S, D] holding the step's rows and positions");
+    }
+  }
+}
+
+// x [R, 1, dim] float32, the residual stream of R rows into the first layer, one token each; weights: each layer's
+// attention and MLP norm weights [dim] then its wqkv, wo, w13, w2 tensors as `plan` [layers * 4 * 3] says (kind,
+// group, bias: see layer_product); kv: each layer's cache, whose rows first_row .. first_row + R - 1 are the step's
+// (check_caches: static, or paged with the block table `table`), written at each row's position; cos, sin
+// [positions, D / 2] float32 (the model's tables); input_pos [1] (every row's) or [R, 1] int64; shape: H, H_kv, D;
+// gemv_rows: by kind, the most rows a quantized product takes one weight row at a time (layer_product).
+// Returns the residual stream out of the last layer, [R, 1, dim]; or, where the plan holds a product more (the output
+// projection) and the weights the final norm's weight [dim] before its tensors, the logits [R, 1, V] of the normed
+// residual.
 at::Tensor decode_layers_cpu(const at::Tensor& x, at::TensorList weights, c10::IntArrayRef plan, at::TensorList kv,
                              const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& input_pos,
                              c10::IntArrayRef shape, double eps, double offset, double scale,
-                             std::optional<double> softcap, bool gelu) {
+                             std::optional<double> softcap, bool gelu, int64_t first_row,
+                             const std::optional<at::Tensor>& table, c10::IntArrayRef gemv_rows) {
   TORCH_CHECK(shape.size() == 3, "decode_layers_cpu: shape is H, H_kv, D");
-  const int64_t H = shape[0], H_kv = shape[1], D = shape[2], dim = x.size(-1);
-  TORCH_CHECK(x.numel() == dim && x.scalar_type() == at::kFloat, "decode_layers_cpu: one float32 row");
+  const int64_t H = shape[0], H_kv = shape[1], D = shape[2], dim = x.size(-1), R = x.numel() / dim;
+  TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.scalar_type() == at::kFloat, "decode_layers_cpu: float32 rows [R, 1, dim]");
   TORCH_CHECK(H_kv > 0 && H % H_kv == 0 && D % LANES == 0, "decode_layers_cpu: head shapes");
   const size_t layers_plan = kv.size() * LINEARS * PLAN_FIELDS;
   const bool head = plan.size() == layers_plan + PLAN_FIELDS;
   TORCH_CHECK(head || plan.size() == layers_plan, "decode_layers_cpu: a plan for every layer (and the head)");
-  TORCH_CHECK(input_pos.numel() == 1 && input_pos.scalar_type() == at::kLong, "decode_layers_cpu: one int64 position");
-  const int64_t pos = input_pos.data_ptr<int64_t>()[0];
-  for (const at::Tensor* table : {&cos, &sin})
-    TORCH_CHECK(table->scalar_type() == at::kFloat && table->is_contiguous() && table->size(-1) == D / 2 &&
-                    pos >= 0 && pos < table->numel() / (D / 2),
-                "decode_layers_cpu: rotary tables [positions, D / 2] float32 with the step's position");
-  const float *c = cos.data_ptr<float>() + pos * (D / 2), *s = sin.data_ptr<float>() + pos * (D / 2);
-  at::Tensor h = x.reshape({1, dim}).clone();  // [1, dim]: the residual stream
-  at::Tensor normed = at::empty({1, dim}, x.options()), attended = at::empty({1, H * D}, x.options()), hidden;
-  float* hp = h.data_ptr<float>();
-  Weights w{weights, plan};
+  const bool shared = input_pos.numel() == 1;
+  TORCH_CHECK((shared || input_pos.numel() == R) && input_pos.scalar_type() == at::kLong && input_pos.is_contiguous(),
+              "decode_layers_cpu: int64 positions, one or one a row");
+  const int64_t* positions = input_pos.data_ptr<int64_t>();
+  const int64_t last = *std::max_element(positions, positions + input_pos.numel());
+  TORCH_CHECK(*std::min_element(positions, positions + input_pos.numel()) >= 0, "decode_layers_cpu: positions >= 0");
+  for (const at::Tensor* rope : {&cos, &sin})
+    TORCH_CHECK(rope->scalar_type() == at::kFloat && rope->is_contiguous() && rope->size(-1) == D / 2 &&
+                    last < rope->numel() / (D / 2),
+                "decode_layers_cpu: rotary tables [positions, D / 2] float32 with the step's positions");
+  check_caches(kv, table, first_row, R, H_kv, D, last);
+  const int64_t* blocks = table.has_value() ? table->data_ptr<int64_t>() : nullptr;
+  const int64_t table_stride = table.has_value() ? table->stride(0) : 0;
+  at::Tensor h = x.reshape({R, dim}).clone();  // [R, dim]: the residual stream
+  at::Tensor normed = at::empty({R, dim}, x.options()), attended = at::empty({R, H * D}, x.options()), hidden;
+  float *hp = h.data_ptr<float>(), *np = normed.data_ptr<float>();
+  const auto norm_rows = [&](const at::Tensor& weight) {
+    for (int64_t r = 0; r < R; ++r) rms_norm(hp + r * dim, weight.data_ptr<float>(), dim, eps, offset, np + r * dim);
+  };
+  Weights w{weights, plan, gemv_rows};
   for (const at::Tensor& cache : kv) {
-    TORCH_CHECK(cache.dim() == 5 && cache.size(1) == 1 && cache.size(2) == H_kv && cache.size(4) == D &&
-                    cache.is_contiguous() && cache.scalar_type() == at::kFloat && pos < cache.size(3),
-                "decode_layers_cpu: a static float32 cache [2, 1, H_kv, S, D] holding the step's position");
     const at::Tensor& attention_norm = w.take();
     const at::Tensor& mlp_norm = w.take();
     for (const at::Tensor* norm : {&attention_norm, &mlp_norm})
       TORCH_CHECK(norm->numel() == dim && norm->scalar_type() == at::kFloat && norm->is_contiguous(),
                   "decode_layers_cpu: norm weights [dim] float32");
-    rms_norm(hp, attention_norm.data_ptr<float>(), dim, eps, offset, normed.data_ptr<float>());
-    const at::Tensor qkv = w.product(normed);
-    TORCH_CHECK(qkv.numel() == (H + 2 * H_kv) * D, "decode_layers_cpu: wqkv gives H + 2 H_kv heads");
-    gpt_fast_cpu::attend_token(qkv.data_ptr<float>(), H, H_kv, D, c, s, cache, pos,
-                               static_cast<float>(scale), softcap, attended.data_ptr<float>());
-    add_into(hp, w.product(attended).data_ptr<float>(), dim);
-    rms_norm(hp, mlp_norm.data_ptr<float>(), dim, eps, offset, normed.data_ptr<float>());
-    const at::Tensor gate_up = w.product(normed);
-    const int64_t I = gate_up.numel() / 2;
-    if (!hidden.defined()) hidden = at::empty({1, I}, x.options());  // [1, I]: every layer's MLP is alike
-    gated(gate_up.data_ptr<float>(), I, gelu, hidden.data_ptr<float>());
-    add_into(hp, w.product(hidden).data_ptr<float>(), dim);
+    norm_rows(attention_norm);
+    const at::Tensor qkv = w.product(normed);  // [R, (H + 2 H_kv) D]
+    TORCH_CHECK(qkv.size(1) == (H + 2 * H_kv) * D, "decode_layers_cpu: wqkv gives H + 2 H_kv heads");
+    gpt_fast_cpu::attend_rows(qkv.data_ptr<float>(), R, H, H_kv, D, cos.data_ptr<float>(), sin.data_ptr<float>(),
+                              cache, blocks, table_stride, first_row, positions, shared, static_cast<float>(scale),
+                              softcap, attended.data_ptr<float>());
+    add_into(hp, w.product(attended).data_ptr<float>(), R * dim);
+    norm_rows(mlp_norm);
+    const at::Tensor gate_up = w.product(normed);  // [R, 2 I]
+    const int64_t I = gate_up.size(1) / 2;
+    if (!hidden.defined()) hidden = at::empty({R, I}, x.options());  // [R, I]: every layer's MLP is alike
+    for (int64_t r = 0; r < R; ++r)
+      gated(gate_up.data_ptr<float>() + r * 2 * I, I, gelu, hidden.data_ptr<float>() + r * I);
+    add_into(hp, w.product(hidden).data_ptr<float>(), R * dim);
   }
   at::Tensor out = h;
   if (head) {
     const at::Tensor& final_norm = w.take();
     TORCH_CHECK(final_norm.numel() == dim && final_norm.scalar_type() == at::kFloat && final_norm.is_contiguous(),
                 "decode_layers_cpu: the final norm's weight [dim] float32");
-    rms_norm(hp, final_norm.data_ptr<float>(), dim, eps, offset, normed.data_ptr<float>());
-    out = w.product(normed);  // [1, V]
+    norm_rows(final_norm);
+    out = w.product(normed);  // [R, V]
   }
   TORCH_CHECK(w.next == weights.size(), "decode_layers_cpu: more weights than the plan says");
-  std::vector<int64_t> sizes = x.sizes().vec();
-  sizes.back() = out.size(-1);
-  return out.view(sizes);
+  return out.view({R, 1, out.size(-1)});
 }
 
 }  // namespace
@@ -193,7 +230,8 @@ at::Tensor decode_layers_cpu(const at::Tensor& x, at::TensorList weights, c10::I
 TORCH_LIBRARY_FRAGMENT(gpt_fast, m) {
   m.def(
       "decode_layers_cpu(Tensor x, Tensor[] weights, int[] plan, Tensor(a!)[] kv, Tensor cos, Tensor sin, "
-      "Tensor input_pos, int[] shape, float eps, float offset, float scale, float? softcap, bool gelu) -> Tensor");
+      "Tensor input_pos, int[] shape, float eps, float offset, float scale, float? softcap, bool gelu, "
+      "int first_row=0, Tensor? table=None, int[] gemv_rows=[]) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gpt_fast, CPU, m) {

@@ -373,12 +373,14 @@ class Transformer(nn.Module):
     # The tied output projection's product, with F.linear's arguments (gpt_fast.accel.invariant sets it); None:
     # F.linear.
     head_kernel = None
-    # Every layer of a compiled one-token step of a one-row cache as one operator, called with (model, x,
-    # input_pos), whether it takes eager steps too, whether it also applies the final norm and the output
-    # projection (it returns logits, not the residual), and what it needs done with the model once static caches are
-    # allocated, called with the model (gpt_fast.accel.persistent sets them); None: the layers' code, nothing.
+    # Every layer of a compiled one-token step of a one-row static cache as one operator, called with (model, x,
+    # input_pos, first_row), whether it takes eager steps too, whether it takes steps of one token per row of any
+    # rows of a static or paged cache (a server's), whether it also applies the final norm and the output projection
+    # (it returns logits, not the residual), and what it needs done with the model once caches are allocated, called
+    # with the model (gpt_fast.accel.persistent sets them); None: the layers' code, nothing.
     layers_kernel = None
     layers_kernel_eager = False
+    layers_kernel_rows = False
     layers_kernel_logits = False
     caches_ready = None
     # The caches as the layers kernel reads them, where caches_ready keeps them; dropped before setup_caches replaces
@@ -444,7 +446,7 @@ class Transformer(nn.Module):
             self.register_buffer("embedding_scale", scale, persistent=False)
         self.max_batch_size, self.max_seq_length = batch_size, max_seq_length
         self.cache_layout = layout
-        if self.caches_ready is not None and self.block_table is None:
+        if self.caches_ready is not None:
             self.caches_ready(self)
 
     def forward(
@@ -470,9 +472,9 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(idx)
         if self.config.embedding_scale != 1.0:
             x = x * self.embedding_scale
-        if self.layers_kernel is not None and self._one_token_of_one_sequence(idx, input_pos):
-            x = self.layers_kernel(self, x, input_pos)
-            if self.layers_kernel_logits:  # [1, 1, V]
+        if self.layers_kernel is not None and self._layers_kernel_takes(idx, input_pos):
+            x = self.layers_kernel(self, x, input_pos, first_row)
+            if self.layers_kernel_logits:  # [B, 1, V]
                 return self._capped(x)
         else:
             x = self._layers(x, input_pos, first_row, from_start)
@@ -513,12 +515,13 @@ class Transformer(nn.Module):
             return self.tok_embeddings.project(x)
         return (F.linear if self.head_kernel is None else self.head_kernel)(x, self.tok_embeddings.weight, None)
 
-    def _one_token_of_one_sequence(self, idx: torch.Tensor, input_pos: torch.Tensor) -> bool:
-        """Whether this is a step of one token of a one-row static cache, compiled or (``layers_kernel_eager``)
-        not: the steps ``layers_kernel`` takes."""
-        one_token = idx.shape == (1, 1) and self.max_batch_size == 1 and input_pos.dim() == 1
-        compiled = self.layers_kernel_eager or torch.compiler.is_compiling()
-        return one_token and self.block_table is None and compiled
+    def _layers_kernel_takes(self, idx: torch.Tensor, input_pos: torch.Tensor) -> bool:
+        """Whether ``layers_kernel`` takes this step, compiled or (``layers_kernel_eager``) not: one token of a
+        one-row static cache, or (``layers_kernel_rows``) one token per row of any rows of the cache."""
+        if idx.shape[1] != 1 or not (self.layers_kernel_eager or torch.compiler.is_compiling()):
+            return False
+        one_sequence = idx.shape[0] == 1 and self.max_batch_size == 1 and input_pos.dim() == 1
+        return self.layers_kernel_rows or (one_sequence and self.block_table is None)
 
     def sliding_inputs(
         self, input_pos: torch.Tensor, key_pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor
