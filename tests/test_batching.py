@@ -126,11 +126,14 @@ def test_a_free_slot_stays_at_position_zero(engine):
     assert not batcher.state.live[slots].any() and not batcher.state.input_pos[slots].any()
 
 
-def test_the_step_sizes_unless_told_are_1_8_and_32_below_max_batch():
+def test_the_step_sizes_unless_told_are_1_8_and_32_below_max_batch_or_powers_of_two_eager():
     assert step_rows(BatchOptions(max_batch=64)) == (1, 8, 32, 64)
     assert step_rows(BatchOptions(max_batch=8)) == (1, 8)
     assert step_rows(BatchOptions(max_batch=1)) == (1,)
     assert step_rows(BatchOptions(max_batch=5, step_sizes=(2,))) == (2, 5)
+    assert step_rows(BatchOptions(max_batch=8), compiled=False) == (1, 2, 4, 8)
+    assert step_rows(BatchOptions(max_batch=6), compiled=False) == (1, 2, 4, 6)
+    assert step_rows(BatchOptions(max_batch=5, step_sizes=(2,)), compiled=False) == (2, 5)
 
 
 def test_step_sizes_are_checked():
@@ -194,7 +197,8 @@ def test_logprobs_are_the_models_own(engine):
         assert [lp for _, _, lp in delta.logprob.top] == pytest.approx(best.values.tolist(), abs=1e-4)
 
 
-def test_the_decode_step_runs_slot_0_alone_or_every_slot(engine):
+def test_the_decode_step_runs_the_fewest_rows_that_hold_every_busy_slot(engine):
+    """Eager steps take every power of two up to ``max_batch``: two busy slots run 2 rows of 4."""
     steps = make_slot_steps("none")
     rows_seen = []
 
@@ -211,7 +215,7 @@ def test_the_decode_step_runs_slot_0_alone_or_every_slot(engine):
     for text in ("a", "b"):
         batcher.submit(Request(tuple(engine.encode(text)), 4, GREEDY), Events())
     batcher.run()
-    assert set(rows_seen) == {4}
+    assert set(rows_seen) == {2}
 
 
 def test_a_cancelled_request_frees_its_slot_for_the_next(engine):

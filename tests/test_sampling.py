@@ -165,6 +165,22 @@ def test_rows_sample_as_their_own_settings_say():
         assert got.tolist() == expected
 
 
+@pytest.mark.parametrize(
+    "configs", [ROW_CONFIGS[:1] * 3, ROW_CONFIGS[:3], ROW_CONFIGS[2::-2]], ids=["all greedy", "no top-p", "top-k"]
+)
+def test_eager_cpu_rows_sample_as_the_fixed_shapes_do(configs):
+    """Eager rows on the CPU take a shorter way (the argmax alone, or the top-k candidates alone) to the tokens the
+    fixed shapes of a compiled step give, with the same noise."""
+    vocab = 3000
+    logits = torch.randn(len(configs), vocab, generator=torch.Generator().manual_seed(1)) * 3
+    keys = torch.tensor([seed_key(s) for s in range(len(configs))])
+    settings = row_settings(configs, vocab)
+    for step in range(200):
+        positions = torch.full((len(configs),), step)
+        fixed = sample_rows(logits, *settings, keys, positions, fixed_shapes=True)
+        assert torch.equal(sample_rows(logits, *settings, keys, positions), fixed)
+
+
 def test_row_noise_depends_on_key_and_position_alone():
     keys = torch.tensor([seed_key(1), seed_key(2), seed_key(1)])
     positions = torch.tensor([5, 5, 5])

@@ -268,7 +268,7 @@ class Batcher:
             message = f"max_seq_length {options.max_seq_length} exceeds the model's context of {block_size}"
             raise OptionError(message, "max_seq_length")
         self.model, self.steps, self.options = model, steps, options
-        self.step_rows = step_rows(options)  # the decode step's row counts, ascending
+        self.step_rows = step_rows(options, steps.mode != "none")  # the decode step's row counts, ascending
         self.tokenizer, self.stop_ids = tokenizer, tuple(stop_ids)
         self.compile_constraint = compile_constraint  # a constraint's matcher (None: no constraint can be served)
         self.host_masks: torch.Tensor | None = None  # [N, W]: the constrained slots' next masks, made on first use

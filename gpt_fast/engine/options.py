@@ -144,7 +144,7 @@ class BatchOptions:
     between two decode steps of the other requests (None: whole, before the next step). ``step_sizes``: the decode
     step's row counts, each compiled (and captured as a CUDA graph) once; a step runs the smallest that holds every
     busy slot, slots being taken lowest first (``max_batch`` is always one; None: :data:`STEP_SIZES` below
-    ``max_batch``)."""
+    ``max_batch``, or for eager steps every power of two below it: :func:`step_rows`)."""
 
     max_batch: int = 8
     max_seq_length: int | None = None
@@ -190,9 +190,12 @@ class BatchOptions:
 STEP_SIZES = (1, 8, 32)
 
 
-def step_rows(options: BatchOptions) -> tuple[int, ...]:
-    """The decode step's row counts, ascending, ``max_batch`` the last (:attr:`BatchOptions.step_sizes`)."""
-    sizes = options.step_sizes or tuple(size for size in STEP_SIZES if size < options.max_batch)
+def step_rows(options: BatchOptions, compiled: bool = True) -> tuple[int, ...]:
+    """The decode step's row counts, ascending, ``max_batch`` the last (:attr:`BatchOptions.step_sizes`). Eager steps
+    (not ``compiled``) cost nothing per row count, so unless told they take every power of two: a step of 3 rows
+    runs 4, not 8 (each row's products cost our CPU kernels time of their own: docs/cpu.md, "Serving")."""
+    defaults = STEP_SIZES if compiled else tuple(1 << i for i in range(options.max_batch.bit_length()))
+    sizes = options.step_sizes or tuple(size for size in defaults if size < options.max_batch)
     return tuple(sorted({*sizes, options.max_batch}))
 
 

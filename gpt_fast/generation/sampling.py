@@ -108,14 +108,18 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def row_noise(keys: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Exp(1) draws [B, V] for each row's token at ``positions`` [B], a function of its ``keys`` [B] (from
-    :func:`seed_key`), the position and the token id alone."""
+def token_noise(keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Exp(1) draws [B, N] of the token ids ``tokens`` ([B, N], or [1, N] for every row) for each row's token at
+    ``positions`` [B], a function of its ``keys`` [B] (from :func:`seed_key`), the position and the token id alone."""
     row = mix32(keys ^ mix32(positions))  # [B]
-    token = torch.arange(vocab_size, device=keys.device)
-    bits = mix32(mix32(row[:, None] ^ token)) >> (32 - _UNIFORM_BITS)  # [B, V]
+    bits = mix32(mix32(row[:, None] ^ tokens)) >> (32 - _UNIFORM_BITS)  # [B, N]
     uniform = (bits.float() + 0.5) / 2**_UNIFORM_BITS  # in (0, 1)
     return -uniform.log()
+
+
+def row_noise(keys: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The draws [B, V] of every token id (:func:`token_noise`)."""
+    return token_noise(keys, positions, torch.arange(vocab_size, device=keys.device)[None])
 
 
 def sample_rows(
@@ -125,20 +129,31 @@ def sample_rows(
     top_p: torch.Tensor,
     keys: torch.Tensor,
     positions: torch.Tensor,
+    fixed_shapes: bool | None = None,
 ) -> torch.Tensor:
     """Next token ids [B] from logits [B, V], each row with its own ``temperature`` [B] (below MIN_TEMPERATURE:
-    greedy), ``top_k`` [B] (the vocabulary size: no limit), ``top_p`` [B] and noise (:func:`row_noise`).
+    greedy), ``top_k`` [B] (the vocabulary size: no limit), ``top_p`` [B] and noise (:func:`token_noise`).
 
-    The shapes never depend on the settings, so that rows of different requests decode in one fixed graph: every
-    row's logits are sorted, and top-k and top-p become masks by rank."""
-    vocab = logits.shape[-1]
+    With ``fixed_shapes`` the shapes never depend on the settings, so that rows of different requests decode in one
+    fixed graph: every row's logits are sorted, and top-k and top-p become masks by rank. Eager steps on the CPU
+    (``fixed_shapes`` None there), where reading the settings costs the host nothing, take the same tokens by a
+    shorter way: rows all greedy need the argmax alone, and rows without top-p only their top-k candidates, where
+    sorting SmolLM2's 49152 logits takes 3.5 ms a row on two cores (docs/cpu.md, "Serving")."""
+    if fixed_shapes is None:
+        fixed_shapes = logits.device.type != "cpu" or torch.compiler.is_compiling()
+    greedy = temperature < MIN_TEMPERATURE  # [B]
+    if not fixed_shapes and bool(greedy.all()):
+        return logits.argmax(dim=-1)
     scaled = logits.float() / temperature.clamp_min(MIN_TEMPERATURE)[:, None]
-    ranked, index = scaled.sort(dim=-1, descending=True)  # [B, V]
-    ranked = ranked.masked_fill(torch.arange(vocab, device=logits.device) >= top_k[:, None], float("-inf"))
+    if not fixed_shapes and bool((top_p >= 1).all()):
+        ranked, index = scaled.topk(int(top_k.max()), dim=-1)  # [B, k], descending
+    else:
+        ranked, index = scaled.sort(dim=-1, descending=True)  # [B, V]
+    ranked = ranked.masked_fill(torch.arange(index.shape[1], device=logits.device) >= top_k[:, None], float("-inf"))
     ranked = torch.where(top_p[:, None] < 1, top_p_filter(ranked, top_p[:, None]), ranked)
-    noise = row_noise(keys, positions, vocab).gather(1, index)  # each token's own draw, in rank order
+    noise = token_noise(keys, positions, index)  # each token's own draw, in rank order
     choice = torch.argmax(torch.softmax(ranked, dim=-1) / noise, dim=-1, keepdim=True)  # [B, 1]
-    return torch.where(temperature < MIN_TEMPERATURE, logits.argmax(dim=-1), index.gather(1, choice).squeeze(1))
+    return torch.where(greedy, logits.argmax(dim=-1), index.gather(1, choice).squeeze(1))
 
 
 def mask_logits(logits: torch.Tensor, words: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ import uvicorn
 
 from gpt_fast.engine.batcher import Batcher
 from gpt_fast.engine.engine import Engine
-from gpt_fast.engine.options import BatchOptions, step_rows
+from gpt_fast.engine.options import BatchOptions
 from gpt_fast.serve.app import OpenAIServer
 from gpt_fast.serve.openai_api import Context
 from gpt_fast.serve.options import ServeOptions
@@ -120,7 +120,7 @@ def warmed_up_batcher(engine: Engine, batch_options: BatchOptions, write: Write)
     start = time.perf_counter()
     batcher.warm_up(constrained=True)
     seconds = time.perf_counter() - start
-    sizes = ", ".join(map(str, step_rows(batch_options)))
+    sizes = ", ".join(map(str, batcher.step_rows))
     slots = f"the steps for {sizes} slots, plain and constrained, compiled if asked"
     if batcher.row_prefills is not None and batcher.row_prefills.graphs:
         slots += f"; {len(batcher.row_prefills.graphs)} shapes of prompts prefilled together, in CUDA graphs"
