@@ -76,18 +76,32 @@ def launched(launch, table: torch.Tensor | None = None):
     return attention
 
 
-def sweep_launches(length: int, sizes=(16, 32, 64, 128, 256), splits=(64, 128, 256, 512)) -> list:
+def sweep_launches(
+    length: int, sizes=(16, 32, 64, 128, 256), splits=(64, 128, 256, 512), dot: bool = False, warps=(2, 4, 8)
+) -> list:
     """Tiles as given: splits of ``s`` positions over the whole cache, never stretched; at most 32 positions per
-    warp in a loop step (the 7B's 256-position step over 8 warps already spills 572 bytes of registers)."""
-    grid = itertools.product(sizes, (*splits, length), (2, 4, 8))
+    warp in a loop step (the 7B's 256-position step over 8 warps already spills 572 bytes of registers); ``dot``:
+    on the tensor cores (GQA)."""
+    grid = itertools.product(sizes, (*splits, length), warps)
     return sorted(
         {
-            triton_decode_attention.Launch(b, s, w, -(-length // s))
+            triton_decode_attention.Launch(b, s, w, -(-length // s), dot)
             for b, s, w in grid
             if s % b == 0 and s <= length and b <= 32 * w
         },
         key=lambda launch: (launch.block_s, launch.split_len, launch.warps),
     )
+
+
+def tile_name(launch) -> str:
+    return f"{'dot ' if launch.dot else ''}s{launch.block_s} split{launch.split_len} w{launch.warps}"
+
+
+def reductions_tile(config, rows: int = 1):
+    """For GQA shapes, the tile a float32 cache takes (the reductions, not the tensor cores); None otherwise."""
+    tile = (config.n_head // config.n_local_heads, config.head_dim, config.n_local_heads)
+    launch = triton_decode_attention.decode_launch(*tile, rows, torch.float32)
+    return None if launch == triton_decode_attention.decode_launch(*tile, rows) else launch
 
 
 def step_qkv(config, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -179,8 +193,11 @@ def measure_rows(args: argparse.Namespace) -> list[dict]:
         tile = (config.n_head // config.n_local_heads, config.head_dim, config.n_local_heads)
         launches = {"chosen": triton_decode_attention.decode_launch(*tile, rows)}
         launches["one-row tile"] = triton_decode_attention.decode_launch(*tile)
-        for launch in sweep_launches(length, (16, 32, 64, 128), (32, 64, 128, 256)) if args.sweep else ():
-            launches[f"s{launch.block_s} split{launch.split_len} w{launch.warps}"] = launch
+        if reductions_tile(config, rows) is not None:
+            launches["reductions tile"] = reductions_tile(config, rows)
+        dot = tile[0] > 1  # GQA: the tensor cores' tiles (docs/bench/HISTORY.md, 2026-11-29: none of the others)
+        for launch in sweep_launches(length, (16, 32, 64, 128), (32, 64, 128, 256), dot, (4, 8)) if args.sweep else ():
+            launches[tile_name(launch)] = launch
         for name, launch in launches.items():
             fn = launched(launch, table)
             error = ((fn(inputs, caches[0].clone()).double() - expected).norm() / expected.norm()).item()
@@ -240,8 +257,12 @@ def main() -> None:
                 fused_attention, options=compile_options("default"), fullgraph=True
             ),
         }
-        for launch in sweep_launches(case[1]) if args.sweep else ():
-            variants[f"triton s{launch.block_s} split{launch.split_len} w{launch.warps}"] = launched(launch)
+        config = get_shape(case[0])
+        if reductions_tile(config) is not None:
+            variants["triton, reductions tile"] = launched(reductions_tile(config))
+        for dot in (False, True) if config.n_head > config.n_local_heads else (False,):
+            for launch in sweep_launches(case[1], dot=dot) if args.sweep else ():
+                variants[f"triton {tile_name(launch)}"] = launched(launch)
         expected = torch_attention(inputs, caches[0].clone()).double()  # eager
         for name, fn in variants.items():
             rows.append(measure(name, fn, inputs, caches, expected, case))

@@ -25,7 +25,7 @@ from gpt_fast.model.transformer import Transformer, apply_rope, attend_one_query
 
 # (batch, cache rows, heads, kv heads, head_dim, cache length, positions, first row, window, softcap, launch)
 # positions: [p] shared by the rows, or [[p0], [p1], ...] each row's own; launch: (block_s, split_len, warps,
-# max_splits)
+# max_splits[, dot])
 CASES = [
     (1, 1, 4, 4, 128, 64, [0], 0, None, None, None),  # MHA, the first position
     (1, 1, 4, 4, 128, 512, [511], 0, None, None, None),  # the last position, 16 splits of 32
@@ -40,6 +40,11 @@ CASES = [
     (1, 1, 4, 2, 64, 512, [500], 0, 100, None, (16, 32, 4, 3)),  # 3 splits of 192, the first two before the window
     (1, 1, 16, 16, 128, 512, [300], 0, None, None, None),  # many kv heads (Llama-2-7B's tile): one step per split
     (2, 2, 4, 4, 128, 300, [[5], [290]], 0, None, None, (128, 1024, 4, 16)),  # a many-row step's tile: one split
+    # GQA on the tensor cores (bfloat16; float32 takes the reductions): 9 splits of 32, a window over 3 of 5 splits
+    # with soft-capping, 7 query heads per kv head (Qwen2.5's), one split of 1024 in loop steps of 16
+    (2, 2, 8, 2, 64, 288, [[287], [40]], 0, None, None, (32, 32, 4, 16, True)),
+    (1, 2, 8, 4, 64, 160, [[150]], 1, 70, 30.0, (16, 32, 4, 8, True)),
+    (2, 2, 14, 2, 128, 100, [[99], [3]], 0, None, None, (16, 1024, 4, 16, True)),
 ]
 # (batch, table rows, heads, kv heads, head_dim, max_seq_length, block size, positions, first row, window, softcap,
 # launch, rows on the sink): positions [[p0], [p1], ...], each row's own; the rows on the sink (indices of the batch)
@@ -49,6 +54,7 @@ PAGED_CASES = [
     (3, 4, 4, 4, 16, 72, 12, [[3], [50], [71]], 1, 10, 30.0, (8, 16, 1, 4), []),  # blocks of 12, window, soft-cap
     (2, 2, 4, 1, 64, 600, 16, [[590], [20]], 0, None, None, (16, 16, 4, 32), []),  # MQA: 19 of 32 splits, trimmed
     (2, 2, 4, 4, 128, 304, 16, [[290], [6]], 0, None, None, (128, 1024, 4, 16), []),  # a many-row step's tile
+    (3, 3, 8, 2, 64, 200, 16, [[150], [17], [0]], 0, None, None, (32, 64, 4, 8, True), [2]),  # tensor cores (GQA)
 ]
 
 

@@ -146,17 +146,30 @@ def test_a_decode_steps_short_cache_spreads_over_programs_where_kv_heads_are_few
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-@pytest.mark.parametrize(("shape", "rows", "block_s"), [("llama-2-7b", 8, 128), ("llama-3-8b", 32, 32)])
-def test_a_step_of_many_rows_walks_each_rows_positions_in_one_split(shape, rows, block_s):
-    """From 256 (row, kv head) pairs on, the rows alone make programs enough: a 1024-position cache is one split
-    per row and kv head, in loop steps of ``block_s`` positions over 4 warps; fewer rows keep the one-row tile."""
+@pytest.mark.parametrize(
+    ("shape", "rows", "tile"),
+    [
+        ("llama-2-7b", 8, (1024, 128, False)),  # MHA: 256 (row, kv head) pairs, one split per row and kv head
+        ("llama-2-7b", 4, None),
+        ("llama-3-8b", 32, (1024, 64, True)),  # GQA: the tensor cores
+        ("llama-3-8b", 8, (256, 128, True)),
+        ("llama-3-8b", 4, None),
+    ],
+)
+def test_a_step_of_many_rows_takes_a_tile_of_its_own(shape, rows, tile):
+    """From 256 (row, kv head) pairs on, the rows alone make programs enough: each walks its row's positions in one
+    split of up to 1024 over 4 warps; a GQA step of 16-bit caches from 64 pairs on takes the tensor cores (a float32
+    cache keeps the reductions); fewer rows keep the one-row tile (``None``)."""
     from gpt_fast.kernels.triton_decode_attention import decode_launch
 
     config = get_shape(shape)
-    tile = (config.n_head // config.n_local_heads, config.head_dim, config.n_local_heads)
-    launch = decode_launch(*tile, rows)
-    assert (-(-1024 // launch.split_len), launch.block_s, launch.warps) == (1, block_s, 4)
-    assert decode_launch(*tile, rows // 2) == decode_launch(*tile)
+    group = (config.n_head // config.n_local_heads, config.head_dim, config.n_local_heads)
+    launch = decode_launch(*group, rows)
+    if tile is None:
+        assert launch == decode_launch(*group)
+        return
+    assert (launch.split_len, launch.block_s, launch.dot, launch.warps) == (*tile, 4)
+    assert not decode_launch(*group, rows, torch.float32).dot
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")

@@ -62,18 +62,23 @@ SPLIT_PROGRAMS = 384  # a row's programs over all its kv heads, at most (:func:`
 ROW_PROGRAMS = 256  # (row, kv head) pairs from which a step's rows alone make programs enough (decode_launch)
 ROWS_TILE_ELEMENTS = 8192  # such steps: query heads x positions x half a head per loop step
 ROWS_SPLIT = 1024  # such steps: positions per split
+DOT_ROWS = 16  # the fewest rows of a tensor-core product: a GQA program's query heads padded to it (decode_launch)
+DOT_PAIRS = 64  # (row, kv head) pairs from which a GQA step's products go to the tensor cores (decode_launch)
+DOT_DTYPES = (torch.bfloat16, torch.float16)  # caches whose values the tensor cores' products take exactly
 
 
 @dataclass(frozen=True)
 class Launch:
     """Positions per loop step, positions per split (a multiple of the step; a query that sees more than
     ``max_splits`` splits of it takes a multiple of it, :func:`_span`), warps per program, splits per row and kv
-    head at most (:func:`max_splits` in the launches chosen here)."""
+    head at most (:func:`max_splits` in the launches chosen here); ``dot``: the query heads' scores and weighted
+    values as matrix products on the tensor cores (GQA, a 16-bit cache: :func:`decode_launch`)."""
 
     block_s: int
     split_len: int
     warps: int
     max_splits: int
+    dot: bool = False
 
 
 @triton.jit
@@ -99,8 +104,20 @@ def max_splits(n_kv: int) -> int:
     return max(16, 1 << (SPLIT_PROGRAMS // n_kv).bit_length() - 1)
 
 
-def decode_launch(group: int, head_dim: int, n_kv: int, rows: int = 1) -> Launch:
-    """The tile of a decode step of ``rows`` rows for ``n_kv`` kv heads of ``group`` query heads and ``head_dim``.
+def decode_launch(group: int, head_dim: int, n_kv: int, rows: int = 1, dtype: torch.dtype = torch.bfloat16) -> Launch:
+    """The tile of a decode step of ``rows`` rows for ``n_kv`` kv heads of ``group`` query heads and ``head_dim``,
+    over a cache of ``dtype``.
+
+    - A server's GQA step (``group`` above 1, fewer than :data:`MANY_KV_HEADS` kv heads, at least
+      :data:`DOT_PAIRS` (row, kv head) pairs) over a 16-bit cache, halves of heads of at least :data:`DOT_ROWS`: the
+      query heads' scores and weighted values on the tensor cores (``dot``; on a float32 cache such a launch takes
+      the reductions), the heads padded to :data:`DOT_ROWS`, 4 warps, in splits of 256 positions in loop steps of
+      128, or from :data:`ROW_PROGRAMS` pairs on splits of :data:`ROWS_SPLIT` in loop steps of 64. The reductions
+      over a [group, positions, head_dim / 2] tile that the other tiles use move every product between threads. On
+      an H200, Llama-3-8B shape, rows around position 512 of a 1024-position paged cache, the kernel alone
+      (BENCHMARKS.md, 2026-11-30j): 8 rows 16.2 µs against 51.6 with the reductions, 32 rows 31.4 against 152.3,
+      64 rows 58.2 against 290.5. One row keeps the reductions: a tensor-core tile won at position 2040 (15.4
+      against 26.4 µs) but lost at positions 100 to 250 (11.3 against 9.7; SmolLM2 8.5 against 6.2).
 
     - At least :data:`ROW_PROGRAMS` (row, kv head) pairs (a server's step of many sequences): they alone make
       programs enough, so each walks its positions in splits of :data:`ROWS_SPLIT` (one split up to 1024
@@ -129,6 +146,11 @@ def decode_launch(group: int, head_dim: int, n_kv: int, rows: int = 1) -> Launch
     7.4 µs against 13.5 at position 202, but 5.8 against 4.6 µs at position 7 (docs/bench/HISTORY.md, 2026-11-25g: four
     steps of 64 over 8 warps, two of 128, one of 256 over 16 warps are slower; so is a narrow first step).
     ``scripts/decode_attention_bench.py`` times the kernel alone (``--rows``: a server's step)."""
+    gqa = group > 1 and n_kv < MANY_KV_HEADS and head_dim >= 2 * DOT_ROWS
+    if gqa and dtype in DOT_DTYPES and rows * n_kv >= DOT_PAIRS:
+        if rows * n_kv >= ROW_PROGRAMS:
+            return Launch(64, ROWS_SPLIT, 4, max_splits(n_kv), dot=True)
+        return Launch(128, 256, 4, max_splits(n_kv), dot=True)
     if rows * n_kv >= ROW_PROGRAMS:
         tile = triton.next_power_of_2(group) * triton.next_power_of_2(head_dim // 2)
         return Launch(max(16, min(128, ROWS_TILE_ELEMENTS // tile)), ROWS_SPLIT, 4, max_splits(n_kv))
@@ -178,10 +200,17 @@ def _capped(scores, softcap, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _dots(q1, q2, k1, k2):
+def _dots(q1, q2, k1, k2, DOT: tl.constexpr = False):
     """Products of the queries' halves [G, H] with N keys' halves [N, H]: [G, N]. One query head (MHA) is a plain
-    2-D reduction; several are a 3-D one."""
-    if q1.shape[0] == 1:
+    2-D reduction; several are a 3-D one, or with ``DOT`` (G and N at least 16, the keys as stored) two matrix
+    products in TF32, which holds the 16-bit keys and the queries rounded to their dtype (:func:`_rotate`) exactly:
+    each product exact in float32, as the reduction's. (Triton 3.6's interpreter multiplies 16-bit operands of a
+    matrix product wrongly: float32 operands are right in both.)"""
+    if DOT:
+        dots = tl.dot(q1, tl.trans(k1.to(tl.float32)), input_precision="tf32") + tl.dot(
+            q2, tl.trans(k2.to(tl.float32)), input_precision="tf32"
+        )
+    elif q1.shape[0] == 1:
         dots = (tl.sum(q1 * k1, axis=1) + tl.sum(q2 * k2, axis=1))[None, :]
     else:
         dots = tl.sum(q1[:, None, :] * k1[None, :, :], axis=2) + tl.sum(q2[:, None, :] * k2[None, :, :], axis=2)
@@ -189,9 +218,12 @@ def _dots(q1, q2, k1, k2):
 
 
 @triton.jit
-def _weighted(p, v):
-    """The weights [G, N] times N values' half [N, H], summed over the positions: [G, H]."""
-    if p.shape[0] == 1:
+def _weighted(p, v, DOT: tl.constexpr = False):
+    """The weights [G, N] times N values' half [N, H], summed over the positions: [G, H]; with ``DOT`` (G and N at
+    least 16) a matrix product in TF32, which holds 16-bit values exactly and the weights to 11 bits."""
+    if DOT:
+        weighted = tl.dot(p, v, input_precision="tf32")
+    elif p.shape[0] == 1:
         weighted = tl.sum(tl.sum(p, axis=0)[:, None] * v, axis=0)[None, :]
     else:
         weighted = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
@@ -199,7 +231,7 @@ def _weighted(p, v):
 
 
 @triton.jit
-def _online_softmax(m_i, l_i, acc1, acc2, scores, v1, v2):
+def _online_softmax(m_i, l_i, acc1, acc2, scores, v1, v2, DOT: tl.constexpr = False):
     """Fold the scores [G, N] of N more positions and their values' halves [N, H] into the running maximum and
     sum [G] and weighted sums [G, H]; rows still without a position stay at -inf, 0, 0 (no NaN)."""
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -207,8 +239,8 @@ def _online_softmax(m_i, l_i, acc1, acc2, scores, v1, v2):
     alpha = tl.exp(m_i - m_safe)
     p = tl.exp(scores - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc1 = acc1 * alpha[:, None] + _weighted(p, v1)
-    acc2 = acc2 * alpha[:, None] + _weighted(p, v2)
+    acc1 = acc1 * alpha[:, None] + _weighted(p, v1, DOT)
+    acc2 = acc2 * alpha[:, None] + _weighted(p, v2, DOT)
     return m_new, l_i, acc1, acc2
 
 
@@ -271,12 +303,35 @@ def _cached_tile(
 
 
 @triton.jit
-def _fold_tile(q1, q2, m_i, l_i, acc1, acc2, valid, k1, k2, v1, v2, scale, softcap, SOFTCAP: tl.constexpr):
+def _fold_tile(
+    q1, q2, m_i, l_i, acc1, acc2, valid, k1, k2, v1, v2, scale, softcap, SOFTCAP: tl.constexpr, DOT: tl.constexpr
+):
     """Fold a tile of :func:`_cached_tile` into the running softmax state of the queries' halves [G, HALF_PAD]; a
-    tile without a position in it leaves the state as it was."""
-    dots = _dots(q1, q2, k1.to(tl.float32), k2.to(tl.float32))
+    tile without a position in it leaves the state as it was. ``DOT``: on the tensor cores (:func:`_dots`)."""
+    if DOT:
+        dots = _dots(q1, q2, k1, k2, DOT)
+    else:
+        dots = _dots(q1, q2, k1.to(tl.float32), k2.to(tl.float32))
     scores = tl.where(valid[None, :], _capped(dots * scale, softcap, SOFTCAP), float("-inf"))  # [G, BLOCK]
-    return _online_softmax(m_i, l_i, acc1, acc2, scores, v1.to(tl.float32), v2.to(tl.float32))
+    return _online_softmax(m_i, l_i, acc1, acc2, scores, v1.to(tl.float32), v2.to(tl.float32), DOT)
+
+
+@triton.jit
+def _fold_own(q1, q2, m_i, l_i, acc1, acc2, own, k1, k2, v1, v2, scale, softcap, SOFTCAP: tl.constexpr):
+    """Fold one position, the step's own key's and value's halves [HALF_PAD] (where ``own``), into the running
+    softmax state of the 16 padded query rows [G, HALF_PAD] of a tensor-core tile, as :func:`_online_softmax` folds
+    a tile's, with reductions over the head only: on an H200 (torch 2.11, Triton 3.6), :func:`_dots` and
+    :func:`_weighted` over a tile of one position counted it once per thread that held it with 16 rows (outputs 8
+    times too large at a cache's first position), where Triton's interpreter counted it once."""
+    dots = tl.sum(q1 * k1[None, :], axis=1) + tl.sum(q2 * k2[None, :], axis=1)  # [G]
+    scores = tl.where(own, _capped(dots * scale, softcap, SOFTCAP), float("-inf"))
+    m_new = tl.maximum(m_i, scores)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(scores - m_safe)  # [G]
+    acc1 = acc1 * alpha[:, None] + p[:, None] * v1[None, :]
+    acc2 = acc2 * alpha[:, None] + p[:, None] * v2[None, :]
+    return m_new, l_i * alpha + p, acc1, acc2
 
 
 @triton.jit
@@ -386,6 +441,7 @@ def _decode_attention_split(
     CACHE_BLOCK: tl.constexpr,
     PAGED: tl.constexpr,
     PDL: tl.constexpr,
+    DOT: tl.constexpr,
 ):
     """Program (query row b * H_KV + kv head, split): the GROUP query heads of one kv head over the split's
     positions (:func:`_span` of them from ``split`` times that on; a split past the query's position has none). A
@@ -439,12 +495,14 @@ def _decode_attention_split(
     l_i = tl.zeros((GROUP_PAD,), tl.float32)
     acc1 = tl.zeros((GROUP_PAD, HALF_PAD), tl.float32)
     acc2 = tl.zeros((GROUP_PAD, HALF_PAD), tl.float32)
-    m_i, l_i, acc1, acc2 = _fold_tile(q1, q2, m_i, l_i, acc1, acc2, valid, k1, k2, v1, v2, scale, softcap, SOFTCAP)
+    m_i, l_i, acc1, acc2 = _fold_tile(q1, q2, m_i, l_i, acc1, acc2, valid, k1, k2, v1, v2, scale, softcap, SOFTCAP, DOT)
     for first in range(begin + BLOCK_S, end, BLOCK_S):
         valid, k1, k2, v1, v2 = _cached_tile(
             cache, table, first, lo, end, d, d_in, values_offset, H_KV, HALF, BLOCK_S, CACHE_BLOCK, PAGED
         )
-        m_i, l_i, acc1, acc2 = _fold_tile(q1, q2, m_i, l_i, acc1, acc2, valid, k1, k2, v1, v2, scale, softcap, SOFTCAP)
+        m_i, l_i, acc1, acc2 = _fold_tile(
+            q1, q2, m_i, l_i, acc1, acc2, valid, k1, k2, v1, v2, scale, softcap, SOFTCAP, DOT
+        )
 
     if not FROM_CACHE:  # the step's own key and value: rotated here, written by the split that holds the position
         own = (pos >= start) & (pos < start + span)
@@ -453,9 +511,12 @@ def _decode_attention_split(
         )
         at = cache + _offsets(table, pos, own, H_KV, HALF, CACHE_BLOCK, PAGED) + d
         _store_key_value(at, values_offset, k1, k2, v1, v2, d_in & own, HALF)
-        dots = _dots(q1, q2, k1[None, :], k2[None, :])  # [G, 1]
-        scores = tl.where(own, _capped(dots * scale, softcap, SOFTCAP), float("-inf"))
-        m_i, l_i, acc1, acc2 = _online_softmax(m_i, l_i, acc1, acc2, scores, v1[None, :], v2[None, :])
+        if DOT:
+            m_i, l_i, acc1, acc2 = _fold_own(q1, q2, m_i, l_i, acc1, acc2, own, k1, k2, v1, v2, scale, softcap, SOFTCAP)
+        else:
+            dots = _dots(q1, q2, k1[None, :], k2[None, :])  # [G, 1]
+            scores = tl.where(own, _capped(dots * scale, softcap, SOFTCAP), float("-inf"))
+            m_i, l_i, acc1, acc2 = _online_softmax(m_i, l_i, acc1, acc2, scores, v1[None, :], v2[None, :])
 
     rows = b * H_KV * GROUP + heads  # [G]: index of (row, query head)
     out_in = g_in[:, None] & d_in[None, :]
@@ -582,7 +643,8 @@ def _attend(
     assert rows.q.stride(-1) == rows.k.stride(-1) == rows.v.stride(-1) == 1 and kv.is_contiguous()
     assert table is None or (table.dtype == torch.int64 and table.stride(1) == 1)
     group, half = n_head // n_kv, head_dim // 2
-    launch = launch or decode_launch(group, head_dim, n_kv, n_rows)
+    launch = launch or decode_launch(group, head_dim, n_kv, n_rows, kv.dtype)
+    dot = launch.dot and kv.dtype in DOT_DTYPES and head_dim >= 2 * DOT_ROWS  # a float32 cache: the reductions
     needed = triton.cdiv(max_len, launch.split_len)
     capped = needed > launch.max_splits
     splits = min(needed, launch.max_splits)
@@ -620,7 +682,7 @@ def _attend(
         0 if table is None else table.stride(0),
         H_KV=n_kv,
         GROUP=group,
-        GROUP_PAD=triton.next_power_of_2(group),
+        GROUP_PAD=max(DOT_ROWS, triton.next_power_of_2(group)) if dot else triton.next_power_of_2(group),
         HALF=half,
         HALF_PAD=triton.next_power_of_2(half),
         BLOCK_S=launch.block_s,
@@ -633,6 +695,7 @@ def _attend(
         FROM_CACHE=from_cache,
         CACHE_BLOCK=1 if table is None else kv.shape[2],
         PAGED=table is not None,
+        DOT=dot,
         num_warps=launch.warps,
         **pdl,
     )
