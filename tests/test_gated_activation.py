@@ -61,9 +61,10 @@ def test_engine_options_check_the_activation_kernel():
 def test_compiled_decode_steps_call_the_kernel_and_nothing_else_does(activation):
     """The kernel replaces ``gated`` in compiled steps of one position per row only: eager steps and prefills keep
     the PyTorch code. A stand-in kernel that records its calls and computes as ``gated`` leaves the logits as
-    they were."""
+    they were. The layers' code runs them (not the C++ layers, which compute a CPU's decode steps whole)."""
     shape = dataclasses.replace(get_shape("tiny"), mlp_activation=activation)
-    engine = Engine.from_state(shape, random_weights(shape, torch.float32, seed=0), EngineOptions(device="cpu"))
+    options = EngineOptions(device="cpu", kernels=KernelOptions(layers="torch"))
+    engine = Engine.from_state(shape, random_weights(shape, torch.float32, seed=0), options)
     model, calls = engine.model, []
 
     def stand_in(gate_up: torch.Tensor, name: str) -> torch.Tensor:

@@ -81,8 +81,8 @@ def test_compiled_one_token_steps_of_one_sequence_call_the_kernel_and_nothing_el
     engine = Engine.from_state(shape, random_weights(shape, torch.float32, seed=0), options)
     model, calls = engine.model, []
 
-    def stand_in(model, x, input_pos):
-        calls.append((tuple(x.shape), tuple(input_pos.shape)))
+    def stand_in(model, x, input_pos, first_row):
+        calls.append((tuple(x.shape), tuple(input_pos.shape), first_row))
         cos, sin = model.rope_cos[input_pos], model.rope_sin[input_pos]
         mask = torch.where(torch.arange(model.max_seq_length) <= input_pos[..., None], 0.0, float("-inf"))
         for layer in model.layers:
@@ -98,7 +98,7 @@ def test_compiled_one_token_steps_of_one_sequence_call_the_kernel_and_nothing_el
     got = [compiled(tokens[:1, :5], torch.arange(5)), model(tokens[:1, 5:], torch.tensor([5]))]
     assert calls == []  # a compiled prefill, then an eager step
     got.append(compiled(tokens[:1, 5:], torch.tensor([5])))
-    assert calls == [((1, 1, shape.dim), (1,))]
+    assert calls == [((1, 1, shape.dim), (1,), 0)]
     for result in got[1:]:
         torch.testing.assert_close(result, expected[1], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-5)
