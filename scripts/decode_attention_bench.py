@@ -193,8 +193,8 @@ def measure_rows(args: argparse.Namespace) -> list[dict]:
         tile = (config.n_head // config.n_local_heads, config.head_dim, config.n_local_heads)
         launches = {"chosen": triton_decode_attention.decode_launch(*tile, rows)}
         launches["one-row tile"] = triton_decode_attention.decode_launch(*tile)
-        if reductions_tile(config, rows) is not None:
-            launches["reductions tile"] = reductions_tile(config, rows)
+        if (reductions := reductions_tile(config, rows)) is not None:
+            launches["reductions tile"] = reductions
         dot = tile[0] > 1  # GQA: the tensor cores' tiles (docs/bench/HISTORY.md, 2026-11-29: none of the others)
         for launch in sweep_launches(length, (16, 32, 64, 128), (32, 64, 128, 256), dot, (4, 8)) if args.sweep else ():
             launches[tile_name(launch)] = launch
@@ -258,8 +258,8 @@ def main() -> None:
             ),
         }
         config = get_shape(case[0])
-        if reductions_tile(config) is not None:
-            variants["triton, reductions tile"] = launched(reductions_tile(config))
+        if (reductions := reductions_tile(config)) is not None:
+            variants["triton, reductions tile"] = launched(reductions)
         for dot in (False, True) if config.n_head > config.n_local_heads else (False,):
             for launch in sweep_launches(case[1], dot=dot) if args.sweep else ():
                 variants[f"triton {tile_name(launch)}"] = launched(launch)

@@ -42,8 +42,9 @@ from gpt_fast.quant.products import (
 )
 
 # by kind (gpt_fast.kernels.cpu_layers.KINDS), the rows a product of the C++ layers takes one weight row at a time,
-# as the layers' own calls choose (gpt_fast.quant.products: int8_linear, int4_cpp_linear); float32 products always do
-GEMV_ROWS = [2**31, CPP_INT8_GEMV_ROWS, Q8_INT8_ROWS, CPP_INT4_GEMV_ROWS, Q8_INT4_ROWS]
+# as the layers' own calls choose (gpt_fast.quant.products: int8_linear, int4_cpp_linear); float32 products have no
+# matrix product of their own (0: not read)
+GEMV_ROWS = [0, CPP_INT8_GEMV_ROWS, Q8_INT8_ROWS, CPP_INT4_GEMV_ROWS, Q8_INT4_ROWS]
 
 
 def check_layers_kernel(config: ModelConfig, quantization: QuantConfig | None, programs: int) -> None:

@@ -134,6 +134,13 @@ struct Cache {
     const int64_t block = table[row * table_stride + pos / block_size];
     return base + block * row_stride + (pos % block_size) * pos_stride + head * head_stride;
   }
+
+  // The cache kv, static, or paged with the block table `table` (row stride table_stride) where it is not null
+  static Cache of(const at::Tensor& kv, const int64_t* table, int64_t table_stride) {
+    const bool paged = table != nullptr;
+    return {kv.data_ptr<T>(), kv.stride(0), table, table_stride, paged ? kv.size(2) : 0, kv.stride(1),
+            paged ? kv.stride(3) : kv.stride(2), paged ? kv.stride(2) : kv.stride(3)};
+  }
 };
 
 // One row's kv head `h`, its key and value at `pos` stored already: its G query heads `q` [G, D] (rotated) over
@@ -209,10 +216,8 @@ void decode_attention_typed(const at::Tensor& q, const at::Tensor& k, const at::
                             double scale, std::optional<double> softcap, std::optional<int64_t> window,
                             const std::optional<at::Tensor>& table, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(2), D = q.size(3), H_kv = k.size(2), G = H / H_kv;
-  const bool paged = table.has_value();
-  Cache<T> cache{kv.data_ptr<T>(), kv.stride(0), paged ? table->data_ptr<int64_t>() : nullptr,
-                 paged ? table->stride(0) : 0, paged ? kv.size(2) : 0, kv.stride(1),
-                 paged ? kv.stride(3) : kv.stride(2), paged ? kv.stride(2) : kv.stride(3)};
+  const Cache<T> cache = table.has_value() ? Cache<T>::of(kv, table->data_ptr<int64_t>(), table->stride(0))
+                                           : Cache<T>::of(kv, nullptr, 0);
   const int64_t* positions = input_pos.data_ptr<int64_t>();
   const float* cos_rows = cos.data_ptr<float>();
   const float* sin_rows = sin.data_ptr<float>();
@@ -284,9 +289,7 @@ namespace gpt_fast_cpu {
 void attend_rows(const float* qkv, int64_t R, int64_t H, int64_t H_kv, int64_t D, const float* cos, const float* sin,
                  const at::Tensor& kv, const int64_t* table, int64_t table_stride, int64_t first_row,
                  const int64_t* positions, bool shared, float scale, std::optional<double> softcap, float* out) {
-  const bool paged = table != nullptr;
-  const Cache<float> cache{kv.data_ptr<float>(), kv.stride(0), table, table_stride, paged ? kv.size(2) : 0,
-                           kv.stride(1), paged ? kv.stride(3) : kv.stride(2), paged ? kv.stride(2) : kv.stride(3)};
+  const Cache<float> cache = Cache<float>::of(kv, table, table_stride);
   const int64_t G = H / H_kv, width = (H + 2 * H_kv) * D;
   int64_t seen = 0;  // positions the rows attend to
   for (int64_t r = 0; r < R; ++r) seen += positions[shared ? 0 : r] + 1;

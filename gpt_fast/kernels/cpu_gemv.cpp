@@ -1023,7 +1023,7 @@ namespace gpt_fast_cpu {
 // choose (gpt_fast/quant/products.py)
 at::Tensor layer_product(int64_t kind, const at::Tensor& x, const at::Tensor* w, int64_t group,
                          c10::IntArrayRef gemv_rows) {
-  const bool matmul = kind > 0 && static_cast<int64_t>(gemv_rows.size()) > kind && x.size(0) > gemv_rows[kind];
+  const bool matmul = static_cast<int64_t>(gemv_rows.size()) > kind && x.size(0) > gemv_rows[kind];  // 0: not read
   switch (kind) {
     case 0:
       return float_gemv(x, w[0]);

@@ -22,7 +22,6 @@
 #include <algorithm>
 #include <cmath>
 #include <optional>
-#include <vector>
 
 namespace gpt_fast_cpu {  // cpu_gemv.cpp's and cpu_attention.cpp's, which say what they do
 at::Tensor layer_product(int64_t kind, const at::Tensor& x, const at::Tensor* w, int64_t group,
