@@ -1,7 +1,8 @@
-"""The ``cpp-q8`` kernels (:func:`gpt_fast.kernels.cpu_gemv.int8_q8_gemv` and ``int4_q8_gemv``), whose activations
-are rounded to int8 per block of 32 columns: against a float64 product of a PyTorch reference of that rounding, to
-float32's precision; against the product of the activations themselves, within the rounding's error; exactly, where
-the rounding is exact; the layers' and ``auto``'s choice (greedy decoding: tests/test_quant_cpu_kernels.py)."""
+"""The ``cpp-q8`` kernels (:func:`gpt_fast.kernels.cpu_gemv.int8_q8_gemv`, and ``int4_q8_gemv`` on the weights
+packed by ``pack_int4_q8``), whose activations are rounded to int8 per block of 32 columns: against a float64
+product of a PyTorch reference of that rounding, to float32's precision; against the product of the activations
+themselves, within the rounding's error; exactly, where the rounding is exact; the layers' and ``auto``'s choice
+(greedy decoding: tests/test_quant_cpu_kernels.py)."""
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch
 from gpt_fast.kernels import cpu_gemv
 from gpt_fast.model.config import EmbeddingQuant, QuantConfig
 from gpt_fast.quant.layers import Int4Linear, Int8Linear
-from gpt_fast.quant.products import Q8_INT4_ROWS, Q8_INT8_ROWS, register_cpu_ops, resolve_kernel
+from gpt_fast.quant.products import Q8_INT8_ROWS, register_cpu_ops, resolve_kernel
 from gpt_fast.quant.schemes import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8, unpack_int4
 
 # Relative error ||ours - reference|| / ||reference|| against the float64 product of the rounded activations: the
@@ -75,17 +76,18 @@ def test_grouped_int8_kernel_matches_the_rounded_product(q8, rows, out_features,
     assert relative_error(got, x.double() @ weights.T) < ROUNDING_TOLERANCE
 
 
-@pytest.mark.parametrize("rows", [1, 3, Q8_INT4_ROWS, 35])
+@pytest.mark.parametrize("rows", [1, 3, 4, 35])
 @pytest.mark.parametrize(
     "out_features, cols, group_size",
-    [(96, 576, 32), (40, 192, 64), (33, 576, 128), (24, 1536, 256)],
+    [(96, 576, 32), (48, 192, 64), (32, 576, 128), (16, 1536, 256)],
     ids=["g32", "g64-odd-chunks", "g128-short-last-group", "g256"],
 )
 def test_int4_kernel_matches_the_rounded_product(q8, rows, out_features, cols, group_size):
+    """Every row count: 4 rows at a time, then the rest (35 = 8 x 4 + 3)."""
     torch.manual_seed(rows)
     q, scales, zeros = quantize_int4(torch.randn(out_features, cols), group_size, torch.float32)
     x = torch.randn(rows, cols)
-    got = cpu_gemv.int4_q8_gemv(x, q, scales, zeros, group_size)
+    got = cpu_gemv.int4_q8_gemv(x, *cpu_gemv.pack_int4_q8(q, scales, zeros), group_size)
     assert got.shape == (rows, out_features)
     assert relative_error(got, int4_reference(x, q, scales, zeros, group_size)) < TOLERANCE
     exact = x.double() @ dequantize_int4(q, scales, zeros, group_size).double().T
@@ -124,7 +126,8 @@ def test_int4_kernel_reads_every_level_and_a_zero_of_its_own_per_group(q8):
     zeros = -torch.arange(out_features * 4, dtype=torch.float32).reshape(out_features, 4)
     x = exact_rows(2, cols)
     expected = x.double() @ dequantize_int4(packed, scales, zeros, group_size).double().T
-    assert torch.equal(cpu_gemv.int4_q8_gemv(x, packed, scales, zeros, group_size).double(), expected)
+    words = cpu_gemv.pack_int4_q8(packed, scales, zeros)
+    assert torch.equal(cpu_gemv.int4_q8_gemv(x, *words, group_size).double(), expected)
 
 
 def test_blocks_of_zeros_and_a_lone_large_value(q8):
@@ -150,9 +153,9 @@ def layer_int8(cols, group_size=None):
 
 def test_layers_take_the_kernels_where_their_blocks_fit(q8, monkeypatch):
     """int8 inputs a multiple of 32 and groups a power of two from 32 take ``cpp-q8``; 80 inputs (a multiple of
-    16 only) take ``cpp``, groups that do not divide the inputs ``dequant``; int4 layers take it where ``cpp``
-    does. More rows than :data:`Q8_INT8_ROWS` (int4: :data:`Q8_INT4_ROWS`) take ``cpp``'s path, on the same
-    weights."""
+    16 only) take ``cpp``, groups that do not divide the inputs ``dequant``. More int8 rows than
+    :data:`Q8_INT8_ROWS` take ``cpp``'s path, on the same weights. int4 layers of a multiple of 16 outputs take
+    ``cpp-q8`` on their packed weights for any number of rows; others ``cpp``."""
     for cols, group_size, kernel in [
         (96, None, "cpp-q8"),
         (256, 64, "cpp-q8"),
@@ -162,21 +165,22 @@ def test_layers_take_the_kernels_where_their_blocks_fit(q8, monkeypatch):
         layer, _ = layer_int8(cols, group_size)
         layer.prepare("cpp-q8")
         assert layer.kernel == kernel, (cols, group_size)
-    torch.manual_seed(0)
-    q, scales, zeros = quantize_int4(torch.randn(24, 192), 64, torch.float32)
-    int4 = Int4Linear(192, 24, QuantConfig("int4", 64), bias=False)
-    int4.load_state_dict({"weight": q, "scales": scales, "zeros": zeros}, assign=True)
-    int4.prepare("cpp-q8")
-    assert int4.kernel == "cpp-q8"
+    x = torch.randn(35, 192)
+    for out_features, kernel in [(32, "cpp-q8"), (24, "cpp")]:
+        torch.manual_seed(0)
+        q, scales, zeros = quantize_int4(torch.randn(out_features, 192), 64, torch.float32)
+        int4 = Int4Linear(192, out_features, QuantConfig("int4", 64), bias=False)
+        int4.load_state_dict({"weight": q, "scales": scales, "zeros": zeros}, assign=True)
+        int4.prepare("cpp-q8")
+        assert int4.kernel == kernel
+        assert (int4.weight is None) == (kernel == "cpp-q8")  # packed into words, which replace it
+        exact = x.double() @ dequantize_int4(q, scales, zeros, 64).double().T
+        assert relative_error(int4(x), exact) < (ROUNDING_TOLERANCE if kernel == "cpp-q8" else 1e-5)
     layer, dequantized = layer_int8(96)
     layer.prepare("cpp-q8")
     monkeypatch.setattr(cpu_gemv, "int8_q8_gemv", lambda *args: pytest.fail("the kernel took too many rows"))
-    monkeypatch.setattr(cpu_gemv, "int4_q8_gemv", lambda *args: pytest.fail("the kernel took too many rows"))
     x = torch.randn(Q8_INT8_ROWS + 1, 96)
     assert relative_error(layer(x), x.double() @ dequantized.T) < 1e-5
-    x = torch.randn(Q8_INT4_ROWS + 1, 192)
-    exact = x.double() @ dequantize_int4(q, scales, zeros, 64).double().T
-    assert relative_error(int4(x), exact) < 1e-5
 
 
 def test_kernel_choice(monkeypatch):

@@ -85,6 +85,30 @@ def test_sampling_counts_the_answers_tokens():
     assert state.counts[0, 6] == 2 and state.counts[0, 8] == 1 and int(state.counts[0].sum()) == 3
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_eager_steps_skip_what_no_row_asks_for_and_sample_the_same(temperature):
+    """An eager CPU step whose rows have no adjustments and report no log-probabilities skips both, and samples the
+    tokens of the full path (forced here by marking the rows adjusted, with adjustments that change nothing); a
+    row that reports them gets the full path's log-probabilities."""
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(4)) * 3
+    positions = torch.tensor([5, 9, 2])
+    runs = {}
+    for name, adjusted, scored in [("full", True, True), ("skipped", False, False), ("scored", False, True)]:
+        state = SlotState(3, VOCAB, "cpu")
+        for slot in range(3):
+            sampling = SamplingConfig(temperature=temperature, top_k=None)
+            state.configure(slot, sampling, slot, LogitAdjustments(), torch.tensor([0]), scored=scored and slot == 1)
+        assert not state.adjusted.any()
+        state.adjusted.fill_(adjusted)
+        sample_into(state, slice(0, 3), logits, positions)
+        runs[name] = state
+    assert torch.equal(runs["skipped"].tokens, runs["full"].tokens)
+    assert torch.equal(runs["scored"].tokens, runs["full"].tokens)
+    assert not runs["skipped"].logprobs.any()  # never written
+    torch.testing.assert_close(runs["scored"].logprobs, runs["full"].logprobs)
+    assert torch.equal(runs["scored"].top_ids, runs["full"].top_ids)
+
+
 def test_adjustments_refuse_values_out_of_range():
     for bad in ({"presence_penalty": 3}, {"repetition_penalty": 0}, {"min_p": 1.5}, {"logit_bias": ((-1, 1.0),)},
                 {"logit_bias": ((1, 200.0),)}, {"frequency_penalty": float("nan")}):  # fmt: skip

@@ -35,16 +35,15 @@ from gpt_fast.quant.products import (
     CPP_INT4_GEMV_ROWS,
     CPP_INT8_GEMV_ROWS,
     CPP_KERNELS,
-    Q8_INT4_ROWS,
     Q8_INT8_ROWS,
     cpp_shape_takes,
     cpp_usable,
 )
 
 # by kind (gpt_fast.kernels.cpu_layers.KINDS), the rows a product of the C++ layers takes one weight row at a time,
-# as the layers' own calls choose (gpt_fast.quant.products: int8_linear, int4_cpp_linear); float32 products have no
-# matrix product of their own (0: not read)
-GEMV_ROWS = [0, CPP_INT8_GEMV_ROWS, Q8_INT8_ROWS, CPP_INT4_GEMV_ROWS, Q8_INT4_ROWS]
+# as the layers' own calls choose (gpt_fast.quant.products: int8_linear, int4_cpp_linear); float32 and int4-q8
+# products have no matrix product of their own (0: not read)
+GEMV_ROWS = [0, CPP_INT8_GEMV_ROWS, Q8_INT8_ROWS, CPP_INT4_GEMV_ROWS, 0]
 
 
 def check_layers_kernel(config: ModelConfig, quantization: QuantConfig | None, programs: int) -> None:
@@ -239,8 +238,10 @@ def _product_kind(linear: nn.Module) -> tuple[str, list[torch.Tensor], int] | No
     q8 = "-q8" if getattr(linear, "kernel", None) == "cpp-q8" else ""
     if isinstance(linear, Int8Linear) and linear.kernel in CPP_KERNELS:
         return "int8" + q8, [linear.weight, linear.scales], linear.group_size or 0
-    if isinstance(linear, Int4Linear) and linear.kernel in CPP_KERNELS:
-        return "int4" + q8, [linear.weight, linear.scales, linear.zeros], linear.group_size
+    if isinstance(linear, Int4Linear) and linear.kernel == "cpp-q8":
+        return "int4-q8", [linear.words, linear.scales, linear.zeros], linear.group_size
+    if isinstance(linear, Int4Linear) and linear.kernel == "cpp":
+        return "int4", [linear.weight, linear.scales, linear.zeros], linear.group_size
     return None
 
 

@@ -722,7 +722,8 @@ class Batcher:
         prompt_length = len(job.request.prompt_ids)
         answer = ids[prompt_length:] if job.ids else None
         request = job.request
-        self.state.configure(row, request.sampling, job.key, request.adjust, ids[:prompt_length], answer)
+        scored = request.top_logprobs is not None
+        self.state.configure(row, request.sampling, job.key, request.adjust, ids[:prompt_length], answer, scored)
 
     def _ensure_blocks(self) -> None:
         """Before a decode step: every busy slot holds the block the step writes its next position to (positions

@@ -58,6 +58,8 @@ class SlotState(nn.Module):
         buffer("frequency", 0.0, dtype=torch.float32)  # [N]
         buffer("repetition", 1.0, dtype=torch.float32)  # [N]
         buffer("min_p", 0.0, dtype=torch.float32)  # [N]
+        buffer("adjusted", False, dtype=torch.bool)  # [N]: the slot's adjustments change its logits (else skipped)
+        buffer("scored", False, dtype=torch.bool)  # [N]: the slot's request reports log-probabilities
         buffer("bias", 0.0, vocab_size, dtype=torch.float32)  # [N, V]
         buffer("counts", 0, vocab_size, dtype=torch.int32)  # [N, V]: each token's count in the answer so far
         buffer("seen", False, vocab_size, dtype=torch.bool)  # [N, V]: in the prompt or the answer
@@ -74,16 +76,18 @@ class SlotState(nn.Module):
         adjust: LogitAdjustments,
         prompt: torch.Tensor,
         answer: torch.Tensor | None = None,
+        scored: bool = True,
     ) -> None:
         """Set a slot's sampling settings and adjustments before its ``prompt`` [T] (token ids on the state's
         device) is prefilled; ``answer`` [A]: the tokens it has generated already (a request resumed after it gave
-        its blocks back), which its penalties count."""
+        its blocks back), which its penalties count; ``scored``: its steps report log-probabilities."""
         self.temperature[slot] = sampling.temperature
         self.top_k[slot] = self.vocab_size if sampling.top_k is None else min(sampling.top_k, self.vocab_size)
         self.top_p[slot] = sampling.top_p
         self.keys[slot] = key
         self.presence[slot], self.frequency[slot] = adjust.presence_penalty, adjust.frequency_penalty
         self.repetition[slot], self.min_p[slot] = adjust.repetition_penalty, adjust.min_p
+        self.adjusted[slot], self.scored[slot] = adjust != LogitAdjustments(), scored
         self.bias[slot] = 0.0
         if adjust.logit_bias:
             tokens, biases = zip(*adjust.logit_bias, strict=True)
@@ -123,11 +127,18 @@ def sample_into(
     """Sample the next token of the slots ``rows`` from their ``logits`` [n, V] as their requests adjust them
     (:func:`adjusted_logits`, :func:`min_p_filter`), for ``positions`` [n], into the state, with the model's
     log-probabilities (before any adjustment, temperature and filtering) of it and of the K best tokens. ``masked``:
-    among the tokens each slot's constraint allows, the slots marked ``hold`` keeping their token (uncounted)."""
-    scores = adjusted_logits(state, rows, logits)
+    among the tokens each slot's constraint allows, the slots marked ``hold`` keeping their token (uncounted).
+
+    Eager steps on the CPU, where reading the state costs the host nothing, skip the adjustments where no slot of
+    ``rows`` has any and the log-probabilities where none reports them: passes over every row's whole vocabulary,
+    which otherwise took 10 % of a step of the default model in `gpt-fast serve` (BENCHMARKS.md, 2026-11-30k)."""
+    eager = logits.device.type == "cpu" and not torch.compiler.is_compiling()
+    adjusts = masked or not eager or bool(state.adjusted[rows].any())
+    scores = adjusted_logits(state, rows, logits) if adjusts else logits
     if masked:
         scores = mask_logits(scores, state.allowed[rows])
-    scores = min_p_filter(state, rows, scores)  # [n, V]
+    if adjusts:
+        scores = min_p_filter(state, rows, scores)  # [n, V]
     tokens = sample_rows(
         scores, state.temperature[rows], state.top_k[rows], state.top_p[rows], state.keys[rows], positions
     )  # [n]
@@ -137,11 +148,12 @@ def sample_into(
         took = (~state.hold[rows, None]).int()
     state.counts[rows].scatter_add_(1, tokens[:, None], took)
     state.seen[rows].scatter_(1, tokens[:, None], True)
-    logprobs = logits.float().log_softmax(dim=-1)  # [n, V]
-    best, best_ids = logprobs.topk(state.top_ids.shape[1], dim=-1)  # [n, K]
     state.tokens[rows] = tokens
-    state.logprobs[rows] = torch.cat((logprobs.gather(1, tokens[:, None]), best), dim=1)
-    state.top_ids[rows] = best_ids
+    if not eager or bool(state.scored[rows].any()):
+        logprobs = logits.float().log_softmax(dim=-1)  # [n, V]
+        best, best_ids = logprobs.topk(state.top_ids.shape[1], dim=-1)  # [n, K]
+        state.logprobs[rows] = torch.cat((logprobs.gather(1, tokens[:, None]), best), dim=1)
+        state.top_ids[rows] = best_ids
 
 
 def prefill_slot(model: Transformer, state: SlotState, slot: int, idx: torch.Tensor, masked: bool = False) -> None:

@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 #if defined(__AVX2__) && defined(__FMA__)
@@ -786,68 +787,63 @@ bool q8_usable() {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
 // The levels q [QBLOCK] of the block x [QBLOCK], rounded to the nearest (ties to even), and its scale d = max |x| /
-// 127 (x ~ d q; a block of zeros has d = 0)
-inline float quantize_block(const float* x, int8_t* q) {
-  float amax = 0.f;
-  for (int64_t i = 0; i < QBLOCK; ++i) amax = std::max(amax, std::fabs(x[i]));
-  const float inverse = amax > 0.f ? QMAX / amax : 0.f;
-  for (int64_t i = 0; i < QBLOCK; ++i) q[i] = static_cast<int8_t>(std::nearbyint(x[i] * inverse));
+// 127 (x ~ d q; a block of zeros has d = 0); *sum: the sum of x itself
+Q8_TARGET inline float quantize_block(const float* x, int8_t* q, float* sum) {
+  const __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + 16);  // QBLOCK = 32 floats
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+  *sum = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+  const __m512 inverse = _mm512_set1_ps(amax > 0.f ? QMAX / amax : 0.f);
+  // float -> int32 in the current rounding mode (to the nearest, ties to even, as nearbyint), then to bytes
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(lo, inverse))));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16),
+                   _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(hi, inverse))));
   return amax / QMAX;
 }
 
-// Activation rows rounded block by block: levels [M, K], scales [M, K / QBLOCK] and offsets [M, K / lane], the
-// first value of each vpdpbusd lane's sum (a lane: 4 columns of int8 weights, 8 of int4)
+// Activation rows rounded block by block: levels [M, K], scales [M, K / QBLOCK], offsets [M, K / lane] (the first
+// value of the sum of each `lane` columns: -128 or -8 times their levels, see above) and the sums of x itself over
+// each block [M, K / QBLOCK]
 struct Q8Rows {
   const int8_t* levels;
   const float* scales;
   const int32_t* offsets;
+  const float* sums;
 
   // the same from row m on (rows of K columns, an offset per `lane` columns)
   Q8Rows from(int64_t m, int64_t K, int64_t lane) const {
-    return {levels + m * K, scales + m * (K / QBLOCK), offsets + m * (K / lane)};
+    return {levels + m * K, scales + m * (K / QBLOCK), offsets + m * (K / lane), sums + m * (K / QBLOCK)};
   }
 };
 
-// x [M, K] rounded for int8 weights (`int4` false: levels in x's order, offsets -128 times each 4 columns' levels)
-// or int4 ones (levels of each 64 columns with the even columns' first, then the odd ones', the order of a row's
-// low and high nibbles; offsets -8 times the levels of lane i's 4 even and 4 odd columns), in buffers of the calling
-// thread kept from call to call
-Q8Rows round_rows(const float* x, int64_t M, int64_t K, bool int4) {
+// x [M, K] rounded, with an offset of `factor` times the levels' sum per `lane` columns (int8 weights: -128 per 4,
+// a vpdpbusd lane; int4: -8 per block), in buffers of the calling thread kept from call to call
+Q8_TARGET Q8Rows round_rows(const float* x, int64_t M, int64_t K, int64_t lane, int32_t factor) {
   thread_local std::vector<int8_t> levels;
-  thread_local std::vector<float> scales;
+  thread_local std::vector<float> scales, sums;
   thread_local std::vector<int32_t> offsets;
-  const int64_t lane = int4 ? 8 : 4;
   levels.resize(M * K);
   scales.resize(M * K / QBLOCK);
+  sums.resize(M * K / QBLOCK);
   offsets.resize(M * K / lane);
-  int8_t block[QBLOCK];
-  for (int64_t b = 0; b < M * K / QBLOCK; ++b) {  // blocks of all rows in turn: K is a multiple of QBLOCK
-    scales[b] = quantize_block(x + b * QBLOCK, int4 ? block : levels.data() + b * QBLOCK);
-    const int64_t chunk = (b - b % 2) * QBLOCK;  // int4: the 64 columns of block b
-    for (int64_t i = 0; int4 && i < QBLOCK; ++i) {
-      const int64_t c = (b % 2) * QBLOCK + i;  // column c of the chunk goes to c / 2, or 32 + c / 2 if odd
-      levels[chunk + (c % 2) * QBLOCK + c / 2] = block[i];
-    }
-  }
+  for (int64_t b = 0; b < M * K / QBLOCK; ++b)  // blocks of all rows in turn: K is a multiple of QBLOCK
+    scales[b] = quantize_block(x + b * QBLOCK, levels.data() + b * QBLOCK, &sums[b]);
   for (int64_t i = 0; i < M * K / lane; ++i) {
-    // int4: lane i is 4 bytes of its chunk's even levels and the same 4 of its odd ones
-    const int8_t* first = int4 ? levels.data() + (i / 8) * INT4_BLOCK + (i % 8) * 4 : levels.data() + 4 * i;
     int32_t sum = 0;
-    for (int t = 0; t < 4; ++t) sum += first[t] + (int4 ? first[QBLOCK + t] : 0);
-    offsets[i] = (int4 ? -8 : -128) * sum;
+    for (int64_t t = 0; t < lane; ++t) sum += levels[i * lane + t];
+    offsets[i] = factor * sum;
   }
-  return {levels.data(), scales.data(), offsets.data()};
+  return {levels.data(), scales.data(), offsets.data(), sums.data()};
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
 // out[r * N] for the R activation rows from m (rounded: a) and the int8 weight row w [K] with scales sw: one
 // (!GROUPED) or one per group of 2^shift blocks
 template <int R, bool GROUPED>
 Q8_TARGET inline void int8_q8_rows(const Q8Rows& a, int64_t m, int64_t K, const int8_t* w, const float* sw, int shift,
                                    float* out, int64_t N) {
   const int64_t B = K / QBLOCK;
-  const auto [q, d, offsets] = a.from(m, K, 4);  // row r's from q + r K, d + r B, offsets + r K / 4
+  const auto [q, d, offsets, sums] = a.from(m, K, 4);  // row r's from q + r K, d + r B, offsets + r K / 4
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
@@ -865,46 +861,56 @@ Q8_TARGET inline void int8_q8_rows(const Q8Rows& a, int64_t m, int64_t K, const 
   for (int r = 0; r < R; ++r) out[r * N] = sum_lanes(acc[r]) * (GROUPED ? 1.f : sw[0]);
 }
 
-// a . b over n floats, in vectors of 8: a row's zero points times the sums of its groups, which one sum after
-// another would make a chain of n dependent additions at the end of every row
-Q8_TARGET inline float dot(const float* a, const float* b, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float sum = sum_lanes(acc);
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
+// The int4 weights of int4_q8_gemv_cpu, packed by gpt_fast/kernels/cpu_gemv.py (pack_int4_q8) for vpdpbusd: blocks
+// of PACK_ROWS output rows by QBLOCK columns, each PACK_BYTES bytes, the column blocks of a row block one after
+// another; in a block's 64-byte vector i (of 4), lane n (a 32-bit word) holds row n's 4 levels of columns 4 i .. 4 i +
+// 3 in its bytes' low nibbles and of columns 16 + 4 i .. in their high ones. A vector masked or shifted and masked is
+// then 16 rows' levels of 4 columns that one vpdpbusd multiplies by those 4 columns of an activation row, broadcast
+// to every lane, and sums per row: a block's product with one row is 8 instructions for 512 weights, where the
+// weights are unpacked once for all the rows. The scales and zeros are [row blocks, groups, PACK_ROWS].
+constexpr int64_t PACK_ROWS = 16;
+constexpr int64_t PACK_BYTES = PACK_ROWS * QBLOCK / 2;
+constexpr int64_t VECTOR = 64;  // bytes of a 512-bit vector
 
-// out[r * N] for the R activation rows from m (rounded: a, whose xsums [R, G] are the sums of x itself over each
-// group) and the int4 weight row w [K / 2] with scales and zeros [G], a group 2^shift blocks: the sum over blocks of
-// scale * d * (centered levels . rounded levels), plus the sum over groups of zero * xsums
+// out[r * N + n] for the R activation rows from m (rounded: a) and the PACK_ROWS output rows n of the packed row
+// block w (scales and zeros [G, PACK_ROWS], a group 2^shift column blocks): the sum over column blocks of
+// scale * d * (centered levels . rounded levels), plus the sum over groups of zero * (the sum of x over the group)
 template <int R>
-Q8_TARGET inline void int4_q8_rows(const Q8Rows& a, int64_t m, const float* xsums, int64_t K, int64_t G,
-                                   const uint8_t* w, const float* scales, const float* zeros, int shift, float* out,
-                                   int64_t N) {
+Q8_TARGET inline void int4_q8_block(const Q8Rows& a, int64_t m, int64_t K, int64_t G, const uint8_t* w,
+                                    const float* scales, const float* zeros, int shift, float* out, int64_t N) {
   const int64_t B = K / QBLOCK;
-  const auto [q, d, offsets] = a.from(m, K, 8);  // row r's from q + r K, d + r B, offsets + r K / 8
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
-  for (int64_t c = 0; c < K / INT4_BLOCK; ++c) {  // lanes 0-3 of a chunk's sums are block 2 c, 4-7 block 2 c + 1
-    if (c % 2 == 0) prefetch(w + c * INT4_BLOCK / 2);
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * INT4_BLOCK / 2));
-    const __m256i low = _mm256_and_si256(v, nibble), high = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-    const __m256 ws = _mm256_set_m128(_mm_set1_ps(scales[(2 * c + 1) >> shift]), _mm_set1_ps(scales[(2 * c) >> shift]));
-    for (int r = 0; r < R; ++r) {
-      const int8_t* qc = q + r * K + c * INT4_BLOCK;
-      const __m256i even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qc));
-      const __m256i odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qc + QBLOCK));
-      const __m256i start = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(offsets + r * (K / 8) + c * 8));
-      const __m256i sums = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(start, low, even), high, odd);
-      const float* dc = d + r * B + 2 * c;
-      const __m256 dx = _mm256_set_m128(_mm_set1_ps(dc[1]), _mm_set1_ps(dc[0]));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(ws, dx), acc[r]);
+  const auto [q, d, offsets, sums] = a.from(m, K, QBLOCK);  // row r's from q + r K, and d, offsets, sums + r B
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 part[R], xsum[R];  // the group's scaled integer sums, and the sums of x over it
+    for (int r = 0; r < R; ++r) part[r] = xsum[r] = _mm512_setzero_ps();
+    for (int64_t b = g << shift; b < std::min(B, (g + 1) << shift); ++b) {
+      const uint8_t* wb = w + b * PACK_BYTES;
+      __m512i low[4], high[4];
+      for (int i = 0; i < 4; ++i) {
+        prefetch(wb + VECTOR * i);
+        const __m512i v = _mm512_loadu_si512(wb + VECTOR * i);
+        low[i] = _mm512_and_si512(v, nibble);
+        high[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      }
+      for (int r = 0; r < R; ++r) {
+        int32_t words[8];  // the row's 32 levels of the block, 4 to a word
+        std::memcpy(words, q + r * K + b * QBLOCK, QBLOCK);
+        __m512i s0 = _mm512_set1_epi32(offsets[r * B + b]), s1 = _mm512_setzero_si512();
+        for (int i = 0; i < 4; ++i) {
+          s0 = _mm512_dpbusd_epi32(s0, low[i], _mm512_set1_epi32(words[i]));
+          s1 = _mm512_dpbusd_epi32(s1, high[i], _mm512_set1_epi32(words[4 + i]));
+        }
+        part[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_set1_ps(d[r * B + b]), part[r]);
+        xsum[r] = _mm512_add_ps(xsum[r], _mm512_set1_ps(sums[r * B + b]));
+      }
     }
+    const __m512 s = _mm512_loadu_ps(scales + g * PACK_ROWS), z = _mm512_loadu_ps(zeros + g * PACK_ROWS);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(z, xsum[r], _mm512_fmadd_ps(part[r], s, acc[r]));
   }
-  for (int r = 0; r < R; ++r) out[r * N] = dot(zeros, xsums + r * G, G) + sum_lanes(acc[r]);
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * N, acc[r]);
 }
 #endif
 
@@ -924,7 +930,7 @@ at::Tensor int8_q8_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, const
   auto xc = x.contiguous(), wc = weight.contiguous(), sc = scales.contiguous();
   auto out = at::empty({M, N}, x.options());
 #if defined(__AVX2__) && defined(__FMA__)
-  const Q8Rows rounded = round_rows(xc.data_ptr<float>(), M, K, false);
+  const Q8Rows rounded = round_rows(xc.data_ptr<float>(), M, K, 4, -128);
   const int8_t* wp = wc.data_ptr<int8_t>();
   const float* sp = sc.data_ptr<float>();
   float* yp = out.data_ptr<float>();
@@ -943,29 +949,42 @@ at::Tensor int8_q8_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, const
   return out;
 }
 
-// x [M, K] float32 times the int4 weight [N, K / 2] with scales and zeros [N, groups] float32 (as int4_gemv_cpu),
-// the activations rounded to int8 per QBLOCK columns: [M, N]; K a multiple of 64, group_size a power of two from 32
-at::Tensor int4_q8_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+// x [M, K] float32 times the int4 weights [N, K / 2] packed by pack_int4_q8 (gpt_fast/kernels/cpu_gemv.py): words
+// [N / PACK_ROWS, K / QBLOCK * PACK_BYTES] uint8, scales and zeros [N / PACK_ROWS, groups, PACK_ROWS] float32 (a
+// level q stands for (q - 8) * scale + zero, as int4_gemv_cpu's), the activations rounded to int8 per QBLOCK
+// columns: [M, N]; K a multiple of 32, group_size a power of two from 32. Any number of rows: a row block's weights
+// are unpacked once for every 4 rows, and stay in the core's cache for all of them.
+at::Tensor int4_q8_gemv_cpu(const at::Tensor& x, const at::Tensor& words, const at::Tensor& scales,
                             const at::Tensor& zeros, int64_t group) {
-  const int64_t G = check_int4(x, weight, scales, zeros, group);
-  const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [M, K] float32");
+  const int64_t M = x.size(0), K = x.size(1), G = (K + group - 1) / group, blocks = words.size(0);
   TORCH_CHECK(q8_usable(), "int4_q8_gemv_cpu needs a CPU with AVX512-VNNI");
-  auto xc = x.contiguous(), wc = weight.contiguous(), sc = scales.contiguous(), zc = zeros.contiguous();
-  const float* xd = xc.data_ptr<float>();
-  auto xsums = group_sums(xd, M, K, G, group);
-  const float* xs = xsums.data_ptr<float>();
+  TORCH_CHECK(K % QBLOCK == 0 && group >= QBLOCK && (group & (group - 1)) == 0,
+              "K % 32 == 0 and group_size a power of two from 32");
+  TORCH_CHECK(words.scalar_type() == at::kByte && words.dim() == 2 && words.size(1) == K / QBLOCK * PACK_BYTES,
+              "words must be [N / 16, K * 8] uint8 (pack_int4_q8)");
+  for (const auto& t : {scales, zeros})
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 3 && t.size(0) == blocks && t.size(1) == G &&
+                    t.size(2) == PACK_ROWS,
+                "scales and zeros must be [N / 16, groups, 16] float32 (pack_int4_q8)");
+  auto xc = x.contiguous(), wc = words.contiguous(), sc = scales.contiguous(), zc = zeros.contiguous();
+  const int64_t N = blocks * PACK_ROWS;
   auto out = at::empty({M, N}, x.options());
 #if defined(__AVX2__) && defined(__FMA__)
-  const Q8Rows rounded = round_rows(xd, M, K, true);
+  const Q8Rows rounded = round_rows(xc.data_ptr<float>(), M, K, QBLOCK, -static_cast<int32_t>(MID));
   const uint8_t* wp = wc.data_ptr<uint8_t>();
   const float *sp = sc.data_ptr<float>(), *zp = zc.data_ptr<float>();
   float* yp = out.data_ptr<float>();
   const int shift = __builtin_ctzll(group / QBLOCK);  // group / QBLOCK = 2^shift
-  over_rows(N, N * K / 2 * passes(M), [&](int64_t n) {
-    by_rows(M, [&](auto rows, int64_t m) {
-      int4_q8_rows<decltype(rows)::value>(rounded, m, xs + m * G, K, G, wp + n * K / 2, sp + n * G, zp + n * G, shift,
-                                          yp + m * N + n, N);
-    });
+  over_tasks(N, N * K / 2 * M, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n += PACK_ROWS) {
+      const int64_t block = n / PACK_ROWS;
+      by_rows(M, [&](auto rows, int64_t m) {
+        int4_q8_block<decltype(rows)::value>(rounded, m, K, G, wp + block * (K / QBLOCK) * PACK_BYTES,
+                                             sp + block * G * PACK_ROWS, zp + block * G * PACK_ROWS, shift,
+                                             yp + m * N + n, N);
+      });
+    }
   });
 #endif
   return out;
@@ -1035,7 +1054,7 @@ at::Tensor layer_product(int64_t kind, const at::Tensor& x, const at::Tensor* w,
     case 3:
       return matmul ? int4_matmul_cpu(x, w[0], w[1], w[2], group) : int4_gemv_cpu(x, w[0], w[1], w[2], group);
     case 4:
-      return matmul ? int4_matmul_cpu(x, w[0], w[1], w[2], group) : int4_q8_gemv_cpu(x, w[0], w[1], w[2], group);
+      return int4_q8_gemv_cpu(x, w[0], w[1], w[2], group);
     default:
       TORCH_CHECK(false, "layer_product: kind ", kind, " is not 0 to 4");
   }
@@ -1051,7 +1070,7 @@ TORCH_LIBRARY_FRAGMENT(gpt_fast, m) {
   m.def("int4_matmul_cpu(Tensor x, Tensor weight, Tensor scales, Tensor zeros, int group_size) -> Tensor");
   m.def("int8_matmul_cpu(Tensor x, Tensor weight, Tensor scales, int group_size) -> Tensor");
   m.def("int8_q8_gemv_cpu(Tensor x, Tensor weight, Tensor scales, int group_size) -> Tensor");
-  m.def("int4_q8_gemv_cpu(Tensor x, Tensor weight, Tensor scales, Tensor zeros, int group_size) -> Tensor");
+  m.def("int4_q8_gemv_cpu(Tensor x, Tensor words, Tensor scales, Tensor zeros, int group_size) -> Tensor");
   m.def("q8_usable() -> bool", &q8_usable);
   m.def("set_avx512(bool enabled) -> bool", &set_avx512);
 }

@@ -38,6 +38,7 @@ INT8_GROUPS = 16  # the grouped int8 kernel's group sizes: a multiple of this, d
 INT4_COLUMNS = 64  # the int4 kernel's inputs: a multiple of this
 INT4_GROUPS = 32  # the int4 kernel's group sizes: a multiple of this
 Q8_BLOCK = 32  # columns of activations that share one scale in the q8 kernels: their inputs are a multiple of it
+Q8_ROWS = 16  # the int4 q8 kernel's weight rows per packed block (pack_int4_q8): its outputs are a multiple of it
 BUILD_NOTE_SECONDS = 2.0  # a load slower than this compiled the library
 
 
@@ -96,11 +97,32 @@ def int8_q8_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, gr
 
 
 def int4_q8_gemv(
-    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+    x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
 ) -> torch.Tensor:
-    """As :func:`int4_gemv` (``group_size`` a power of two from 32), with ``x`` rounded to int8 per block of 32
-    columns in the products with the levels; the zero points multiply the sums of ``x`` itself."""
-    return torch.ops.gpt_fast.int4_q8_gemv_cpu(x, weight, scales, zeros, group_size)
+    """As :func:`int4_gemv` (``group_size`` a power of two from 32) on the weights packed by :func:`pack_int4_q8`,
+    with ``x`` [M, K] (any M) rounded to int8 per block of 32 columns in the products with the levels; the zero
+    points multiply the sums of ``x`` itself: [M, N]."""
+    return torch.ops.gpt_fast.int4_q8_gemv_cpu(x, words, scales, zeros, group_size)
+
+
+def pack_int4_q8(
+    weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The int4 ``weight`` [N, K / 2] (column 2 t in the low nibble of byte t; N a multiple of :data:`Q8_ROWS`, K of
+    :data:`Q8_BLOCK`) with its ``scales`` and ``zeros`` [N, groups] as :func:`int4_q8_gemv` reads them: words
+    [N / 16, K * 8] uint8, blocks of 16 rows by 32 columns whose 64-byte vector i holds, in the 4 bytes of row n, its
+    levels of columns 4 i .. 4 i + 3 in the low nibbles and 16 + 4 i .. in the high ones (one vpdpbusd multiplies 16
+    rows' 4 columns after a mask or a shift); scales and zeros [N / 16, groups, 16]."""
+    rows, cols = weight.shape[0], 2 * weight.shape[1]
+    levels = torch.stack((weight & 0xF, weight >> 4), dim=-1).reshape(rows, cols)  # [N, K]
+    # [row block, row, column block, half, vector, byte] -> [row block, column block, vector, row, byte, half]
+    levels = levels.reshape(rows // Q8_ROWS, Q8_ROWS, cols // Q8_BLOCK, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
+    words = (levels[..., 0] | (levels[..., 1] << 4)).reshape(rows // Q8_ROWS, -1).contiguous()
+
+    def by_block(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N / 16, G, 16]
+        return t.reshape(rows // Q8_ROWS, Q8_ROWS, -1).transpose(1, 2).contiguous()
+
+    return words, by_block(scales), by_block(zeros)
 
 
 def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

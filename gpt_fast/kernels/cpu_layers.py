@@ -20,7 +20,7 @@ KINDS = {
     "int8": 1,  # weight [N, K] int8, scales [N] or [N, K / group] (int8_gemv_cpu, int8_group_gemv_cpu)
     "int8-q8": 2,  # the same, the row rounded to int8 per 32 columns (int8_q8_gemv_cpu)
     "int4": 3,  # weight [N, K / 2] uint8, scales and zeros [N, K / group] (int4_gemv_cpu)
-    "int4-q8": 4,  # the same, the row rounded (int4_q8_gemv_cpu)
+    "int4-q8": 4,  # words [N / 16, K * 8], scales and zeros [N / 16, K / group, 16] (pack_int4_q8, int4_q8_gemv_cpu)
 }
 TENSORS = (1, 2, 2, 3, 3)  # a weight's tensors by kind, as KINDS numbers them
 PLAN_FIELDS = 3  # a product's plan: its kind, group size, bias (1) or not (0)

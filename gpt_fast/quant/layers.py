@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from gpt_fast.kernels import cpu_gemv
 from gpt_fast.kernels.gemlite_int8 import GemliteWeights, gemlite_int8_product, gemlite_int8_weights
 from gpt_fast.model.config import EmbeddingQuant, ModelConfig, QuantConfig
 from gpt_fast.quant.layout import TABLE, quantized_linears, quantized_tensors
@@ -189,19 +190,27 @@ class Int4Linear(QuantizedLinear):
         our Triton kernel (:func:`gpt_fast.quant.products.group_interleave`) into ``words``, which replaces
         ``weight`` (prefills read it too): one copy of the weights in memory. ``cpp`` reads the weights as they are;
         where our C++ kernel does not take the layer (:func:`gpt_fast.quant.products.cpp_takes`, groups of a
-        multiple of 32) it means ``dequant``; so does ``cpp-q8``, which takes the layers ``cpp`` does.
-        ``gemlite`` means ``triton`` (see :mod:`gpt_fast.quant.products`)."""
+        multiple of 32) it means ``dequant``. ``cpp-q8`` packs the weights for its kernel
+        (:func:`gpt_fast.kernels.cpu_gemv.pack_int4_q8`) into ``words``, ``scales`` and ``zeros`` [N / 16, groups,
+        16], which replace ``weight``, ``scales`` and ``zeros``; where that kernel does not take the layer (groups a
+        power of two, outputs a multiple of 16) it means ``cpp``. ``gemlite`` means ``triton`` (see
+        :mod:`gpt_fast.quant.products`)."""
         kernel = "triton" if kernel == "gemlite" else kernel
         repack = {"cpu": self._repack_cpu, "cuda": self._repack_cuda}.get(self.weight.device.type)
         if kernel == "aten" and repack is not None and repack():
             self.kernel = "aten"
         elif kernel in CPP_KERNELS:
             takes = cpp_takes(self.weight, self.scales, self.in_features, "int4", self.group_size)
-            self.kernel = kernel if takes else "dequant"
+            packs = q8_takes(self.in_features, self.group_size) and self.weight.shape[0] % cpu_gemv.Q8_ROWS == 0
+            self.kernel = ("cpp-q8" if kernel == "cpp-q8" and packs else "cpp") if takes else "dequant"
         else:
             self.kernel = "dequant" if kernel == "aten" else kernel
         if self.kernel == "triton":
             self.words = nn.Parameter(group_interleave(self.weight, self.group_size), requires_grad=False)
+            self.weight = None
+        if self.kernel == "cpp-q8":
+            packed = cpu_gemv.pack_int4_q8(self.weight, self.scales, self.zeros)
+            self.words, self.scales, self.zeros = (nn.Parameter(t, requires_grad=False) for t in packed)
             self.weight = None
 
     def _repack_cpu(self) -> bool:
@@ -245,9 +254,10 @@ class Int4Linear(QuantizedLinear):
         if self.kernel == "triton" and takes_matmul(rows, INT4_GEMV_ROWS):
             group = self.group_size
             out = torch.ops.gpt_fast.int4_matmul(group_columns(rows, group), self.words, self.scales, self.zeros, group)
-        elif self.kernel in CPP_KERNELS:
-            q8 = self.kernel == "cpp-q8"
-            out = int4_cpp_linear(rows, self.weight, self.scales, self.zeros, self.group_size, q8)
+        elif self.kernel == "cpp-q8":
+            out = cpu_gemv.int4_q8_gemv(rows, self.words, self.scales, self.zeros, self.group_size)
+        elif self.kernel == "cpp":
+            out = int4_cpp_linear(rows, self.weight, self.scales, self.zeros, self.group_size)
         elif self.kernel == "aten" and few:
             out = int4_aten_linear(rows, self.packed, self.scales_and_zeros, self.group_size)
         elif self.kernel == "triton" and few:

@@ -33,10 +33,13 @@ for 1024 rows.
   (docs/cpu.md, "Quantized products").
 - ``cpp-q8``: ``cpp`` with the activations rounded to int8 per block of 32 columns, as llama.cpp rounds them for
   its Q8_0 and Q4_1 weights, so that a block's products are summed by one AVX512-VNNI instruction (vpdpbusd):
-  :func:`gpt_fast.kernels.cpu_gemv.int8_q8_gemv` and ``int4_q8_gemv``, on a CPU with AVX512-VNNI, up to
-  :data:`Q8_INT8_ROWS` (int4 :data:`Q8_INT4_ROWS`) rows (more take ``cpp``'s path). On a Zen 4 core, one thread, a
-  decode step's int4 products took 7.87–8.46 ms against ``cpp``'s 9.20–9.43, and the default model's output
-  projection 1.26–1.28 against 1.86–2.00 (docs/bench/HISTORY.md, 2026-11-30c). Its products differ from the
+  :func:`gpt_fast.kernels.cpu_gemv.int8_q8_gemv`, on a CPU with AVX512-VNNI, up to :data:`Q8_INT8_ROWS` rows (more
+  take ``cpp``'s path); the default model's output projection took 1.26–1.28 ms against ``cpp``'s 1.86–2.00 on a
+  Zen 4 core, one thread (docs/bench/HISTORY.md, 2026-11-30c). An int4 layer's products of any number of rows are
+  ``int4_q8_gemv``'s, on a copy of its weights packed at load for that instruction that replaces them
+  (:func:`gpt_fast.kernels.cpu_gemv.pack_int4_q8`), in blocks of 16 rows that each instruction multiplies at once:
+  a decode step's products read the weights at the memory's speed and 4 rows cost 1.5 times one (BENCHMARKS.md,
+  2026-11-30k). Its products differ from the
   dequantized reference by the activations' rounding (relative error about 5e-3 on random rows), where ``cpp``'s
   differ by the order of float32 sums only. Not ``auto``'s choice: its greedy tokens are not the float model's
   (docs/cpu.md).
@@ -80,7 +83,6 @@ FEW_ROWS = 16  # activation rows the specialized kernels take; more are a matrix
 CPP_INT8_GEMV_ROWS = 12
 CPP_INT4_GEMV_ROWS = 5
 Q8_INT8_ROWS = 16
-Q8_INT4_ROWS = 12
 CPP_MATMUL_ROWS = 64
 
 
@@ -133,9 +135,13 @@ def register_cpu_ops() -> None:
     def product(x: torch.Tensor, weight: torch.Tensor, *operands: torch.Tensor | int) -> torch.Tensor:
         return x.new_empty((x.shape[0], weight.shape[0]))  # [M, N] for x [M, K] and weight [N, ...]
 
-    products = ("int8_gemv_cpu", "int8_group_gemv_cpu", "int4_gemv_cpu", "int8_q8_gemv_cpu", "int4_q8_gemv_cpu")
+    products = ("int8_gemv_cpu", "int8_group_gemv_cpu", "int4_gemv_cpu", "int8_q8_gemv_cpu")
     for name in (*products, "int8_matmul_cpu", "int4_matmul_cpu"):
         torch.library.register_fake(f"gpt_fast::{name}", product)
+
+    @torch.library.register_fake("gpt_fast::int4_q8_gemv_cpu")
+    def _(x: torch.Tensor, words: torch.Tensor, *operands: torch.Tensor | int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], words.shape[0] * cpu_gemv.Q8_ROWS))  # words [N / 16, K * 8]
 
     @torch.library.register_fake("gpt_fast::int4_dequantize_cpu")
     def _(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> torch.Tensor:
@@ -469,17 +475,13 @@ def int4_cpp_linear(
     scales: torch.Tensor,
     zeros: torch.Tensor,
     group_size: int,
-    q8: bool = False,
 ) -> torch.Tensor:
     """``rows`` [M, K] (float32) times the int4 ``weight`` [N, K / 2] as the checkpoint holds it, with our C++ kernels
     (a layer takes them where :func:`cpp_takes` says so): :func:`gpt_fast.kernels.cpu_gemv.int4_gemv` up to
-    :data:`CPP_INT4_GEMV_ROWS` rows (``q8``: :func:`gpt_fast.kernels.cpu_gemv.int4_q8_gemv` up to :data:`Q8_INT4_ROWS`),
-    ``int4_matmul`` up to :data:`CPP_MATMUL_ROWS`, and more in ``F.linear`` with the weights dequantized by our C++
-    code."""
+    :data:`CPP_INT4_GEMV_ROWS` rows, ``int4_matmul`` up to :data:`CPP_MATMUL_ROWS`, and more in ``F.linear`` with the
+    weights dequantized by our C++ code."""
     m = rows.shape[0]
-    if q8 and m <= Q8_INT4_ROWS:
-        return cpu_gemv.int4_q8_gemv(rows, weight, scales, zeros, group_size)
-    if not q8 and m <= CPP_INT4_GEMV_ROWS:
+    if m <= CPP_INT4_GEMV_ROWS:
         return cpu_gemv.int4_gemv(rows, weight, scales, zeros, group_size)
     if m <= CPP_MATMUL_ROWS:
         return cpu_gemv.int4_matmul(rows, weight, scales, zeros, group_size)
