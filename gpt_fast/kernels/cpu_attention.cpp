@@ -99,12 +99,29 @@ inline void dots(const float* a, const T* const* keys, int64_t D, float* out) {
   for (int64_t j = 0; j < KEYS; ++j) out[j] = sum_lanes(sums[j]);
 }
 
-// acc[d] += w * b[d] for d < D (a multiple of LANES)
+// out[d] = (the sum over p < n of w[p] * values[p][d]) / total for d < D (a multiple of LANES), rounded to T: the
+// sums of CHUNK columns at a time in registers, p after p (the model's order), where a sum kept in memory is a load
+// and a store for every position
 template <typename T>
-inline void add_scaled(float* acc, float w, const T* b, int64_t D) {
-  const __m256 weight = _mm256_set1_ps(w);
-  for (int64_t d = 0; d < D; d += LANES)
-    _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(weight, load8(b + d), _mm256_loadu_ps(acc + d)));
+inline void weighted_sum(const float* w, const T* const* values, int64_t n, int64_t D, float total, T* out) {
+  constexpr int64_t VECTORS = 8, CHUNK = VECTORS * LANES;
+  for (int64_t d0 = 0; d0 < D; d0 += CHUNK) {
+    const int64_t vectors = std::min(CHUNK, D - d0) / LANES;
+    __m256 acc[VECTORS];
+    for (auto& a : acc) a = _mm256_setzero_ps();
+    for (int64_t p = 0; p < n; ++p) {
+      const __m256 weight = _mm256_set1_ps(w[p]);
+      const T* v = values[p] + d0;
+      if (vectors == VECTORS) {
+        for (int64_t c = 0; c < VECTORS; ++c) acc[c] = _mm256_fmadd_ps(weight, load8(v + c * LANES), acc[c]);
+      } else {
+        for (int64_t c = 0; c < vectors; ++c) acc[c] = _mm256_fmadd_ps(weight, load8(v + c * LANES), acc[c]);
+      }
+    }
+    alignas(32) float sums[CHUNK];
+    for (int64_t c = 0; c < vectors; ++c) _mm256_store_ps(sums + c * LANES, acc[c]);
+    for (int64_t d = 0; d < vectors * LANES; ++d) out[d0 + d] = static_cast<T>(sums[d] / total);
+  }
 }
 
 // `out` [D] = x [D] rotated by the position whose tables are cos, sin [D/2] (the halves rotated together, as
@@ -135,6 +152,16 @@ struct Cache {
     return base + block * row_stride + (pos % block_size) * pos_stride + head * head_stride;
   }
 
+  // out[p] = at(row, head, lo + p) for p < n, one table lookup per block (a division each)
+  void positions(int64_t row, int64_t head, int64_t lo, int64_t n, const T** out) const {
+    for (int64_t p = 0; p < n;) {
+      const int64_t run = table == nullptr ? n - p : std::min(n - p, block_size - (lo + p) % block_size);
+      T* first = at(row, head, lo + p);
+      for (int64_t i = 0; i < run; ++i) out[p + i] = first + i * pos_stride;
+      p += run;
+    }
+  }
+
   // The cache kv, static, or paged with the block table `table` (row stride table_stride) where it is not null
   static Cache of(const at::Tensor& kv, const int64_t* table, int64_t table_stride) {
     const bool paged = table != nullptr;
@@ -152,17 +179,20 @@ void attend_head(const Cache<T>& cache, int64_t row, int64_t h, int64_t lo, int6
   const int64_t n = pos - lo + 1;
   const int64_t whole = (n + LANES - 1) / LANES * LANES;
   const int64_t padded = whole + KEYS;  // whole vectors, and room for the last KEYS scores
-  thread_local std::vector<float> scores, acc, total;
+  thread_local std::vector<float> scores;
+  thread_local std::vector<const T*> keys, values;
   scores.resize(G * padded);  // [G, n], each head's padded to whole vectors
-  acc.assign(G * D, 0.f);     // [G, D]
-  total.resize(G);
+  keys.resize(n);
+  values.resize(n);
+  cache.positions(row, h, lo, n, keys.data());
+  for (int64_t p = 0; p < n; ++p) values[p] = keys[p] + cache.half_stride;
   for (int64_t p0 = 0; p0 < n; p0 += KEYS) {
     const int64_t m = std::min(KEYS, n - p0);
-    const T* keys[KEYS];
-    for (int64_t j = 0; j < KEYS; ++j) keys[j] = cache.at(row, h, lo + p0 + std::min(j, m - 1));
+    const T* some[KEYS];
+    for (int64_t j = 0; j < KEYS; ++j) some[j] = keys[p0 + std::min(j, m - 1)];
     for (int64_t g = 0; g < G; ++g) {
       float* out = scores.data() + g * padded + p0;
-      dots(q + g * D, keys, D, out);
+      dots(q + g * D, some, D, out);
       for (int64_t j = 0; j < m; ++j) {
         out[j] *= scale;
         if (softcap) out[j] = std::tanh(out[j] / static_cast<float>(*softcap)) * static_cast<float>(*softcap);
@@ -179,14 +209,8 @@ void attend_head(const Cache<T>& cache, int64_t row, int64_t h, int64_t lo, int6
       _mm256_storeu_ps(s + p, e);
       sum = _mm256_add_ps(sum, e);
     }
-    total[g] = sum_lanes(sum);
+    weighted_sum(s, values.data(), n, D, sum_lanes(sum), out + g * out_head_stride);
   }
-  for (int64_t p = 0; p < n; ++p) {
-    const T* value = cache.at(row, h, lo + p) + cache.half_stride;
-    for (int64_t g = 0; g < G; ++g) add_scaled(acc.data() + g * D, scores[g * padded + p], value, D);
-  }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t d = 0; d < D; ++d) out[g * out_head_stride + d] = static_cast<T>(acc[g * D + d] / total[g]);
 }
 
 // One row's kv head `h` of a step at `pos` (attending from `lo`): its G query heads `q` [G, D] (head stride
