@@ -1,16 +1,16 @@
-"""The ``cpp-q8`` kernels (:func:`gpt_fast.kernels.cpu_gemv.int8_q8_gemv`, and ``int4_q8_gemv`` on the weights
-packed by ``pack_int4_q8``), whose activations are rounded to int8 per block of 32 columns: against a float64
-product of a PyTorch reference of that rounding, to float32's precision; against the product of the activations
-themselves, within the rounding's error; exactly, where the rounding is exact; the layers' and ``auto``'s choice
-(greedy decoding: tests/test_quant_cpu_kernels.py)."""
+"""The ``cpp-q8`` kernels (:func:`gpt_fast.kernels.cpu_gemv.int8_q8_gemv` and ``int4_q8_gemv``, on the weights
+packed by ``pack_int8_q8`` and ``pack_int4_q8``), whose activations are rounded to int8 per block of 32 columns:
+against a float64 product of a PyTorch reference of that rounding, to float32's precision; against the product of
+the activations themselves, within the rounding's error; exactly, where the rounding is exact; the layers' and
+``auto``'s choice (greedy decoding: tests/test_quant_cpu_kernels.py)."""
 
 import pytest
 import torch
 
 from gpt_fast.kernels import cpu_gemv
 from gpt_fast.model.config import EmbeddingQuant, QuantConfig
-from gpt_fast.quant.layers import Int4Linear, Int8Linear
-from gpt_fast.quant.products import Q8_INT8_ROWS, register_cpu_ops, resolve_kernel
+from gpt_fast.quant.layers import Int4Linear, Int8Embedding, Int8Linear
+from gpt_fast.quant.products import register_cpu_ops, resolve_kernel
 from gpt_fast.quant.schemes import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8, unpack_int4
 
 # Relative error ||ours - reference|| / ||reference|| against the float64 product of the rounded activations: the
@@ -50,28 +50,33 @@ def int4_reference(x, q, scales, zeros, group_size):
     return rounded(x) @ ((unpack_int4(q).double() - 8) * s).T + x.double() @ z.T
 
 
-@pytest.mark.parametrize("rows", [1, 5, Q8_INT8_ROWS, 35])
-@pytest.mark.parametrize("out_features, cols", [(96, 160), (40, 576), (17, 1536), (8, 96)])
+def int8_q8(x, q, scales, group_size):
+    """The int8 kernel's product of ``x`` with ``q`` and ``scales``, packed first."""
+    return cpu_gemv.int8_q8_gemv(x, *cpu_gemv.pack_int8_q8(q, scales), group_size)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 35])
+@pytest.mark.parametrize("out_features, cols", [(96, 160), (48, 576), (16, 1536), (32, 96)])
 def test_int8_kernel_matches_the_rounded_product(q8, rows, out_features, cols):
     """Scales per row; 160 and 96 columns are an odd number of blocks (the last on its own)."""
     torch.manual_seed(rows)
     q, scales = quantize_int8(torch.randn(out_features, cols), torch.float32)
     x = torch.randn(rows, cols)
     weights = dequantize_int8(q, scales).double()
-    got = cpu_gemv.int8_q8_gemv(x, q, scales, None)
+    got = int8_q8(x, q, scales, None)
     assert got.shape == (rows, out_features) and got.dtype == torch.float32
     assert relative_error(got, rounded(x) @ weights.T) < TOLERANCE
     assert relative_error(got, x.double() @ weights.T) < ROUNDING_TOLERANCE
 
 
 @pytest.mark.parametrize("rows", [1, 4, 35])
-@pytest.mark.parametrize("out_features, cols, group_size", [(96, 576, 32), (40, 256, 64), (17, 512, 128)])
+@pytest.mark.parametrize("out_features, cols, group_size", [(96, 576, 32), (48, 256, 64), (16, 512, 128)])
 def test_grouped_int8_kernel_matches_the_rounded_product(q8, rows, out_features, cols, group_size):
     torch.manual_seed(rows)
     q, scales = quantize_int8(torch.randn(out_features, cols), torch.float32, group_size)
     x = torch.randn(rows, cols)
     weights = dequantize_int8(q, scales, group_size).double()
-    got = cpu_gemv.int8_q8_gemv(x, q, scales, group_size)
+    got = int8_q8(x, q, scales, group_size)
     assert relative_error(got, rounded(x) @ weights.T) < TOLERANCE
     assert relative_error(got, x.double() @ weights.T) < ROUNDING_TOLERANCE
 
@@ -109,10 +114,10 @@ def test_int8_kernel_reads_every_value_and_each_groups_scale(q8):
     scales = torch.arange(1, 1 + out_features * 4, dtype=torch.float32).reshape(out_features, 4) / 4
     x = exact_rows(3, cols)
     expected = x.double() @ dequantize_int8(q, scales, group_size).double().T
-    assert torch.equal(cpu_gemv.int8_q8_gemv(x, q, scales, group_size).double(), expected)
+    assert torch.equal(int8_q8(x, q, scales, group_size).double(), expected)
     row_scales = scales[:, 0].contiguous()
     expected = x.double() @ dequantize_int8(q, row_scales).double().T
-    assert torch.equal(cpu_gemv.int8_q8_gemv(x, q, row_scales, None).double(), expected)
+    assert torch.equal(int8_q8(x, q, row_scales, None).double(), expected)
 
 
 def test_int4_kernel_reads_every_level_and_a_zero_of_its_own_per_group(q8):
@@ -134,28 +139,28 @@ def test_blocks_of_zeros_and_a_lone_large_value(q8):
     """A block of zeros has no scale to divide by (its levels are 0); one large value in a block takes its whole
     range, and the block's small values round to 0 there, as the reference rounds them."""
     torch.manual_seed(0)
-    q, scales = quantize_int8(torch.randn(24, 128), torch.float32)
+    q, scales = quantize_int8(torch.randn(32, 128), torch.float32)
     x = torch.randn(2, 128)
     x[0, 32:64] = 0.0
     x[1, 64] = 1e4
-    got = cpu_gemv.int8_q8_gemv(x, q, scales, None)
+    got = int8_q8(x, q, scales, None)
     assert relative_error(got, rounded(x) @ dequantize_int8(q, scales).double().T) < TOLERANCE
 
 
-def layer_int8(cols, group_size=None):
+def layer_int8(cols, group_size=None, out_features=32):
     torch.manual_seed(0)
-    q, scales = quantize_int8(torch.randn(24, cols), torch.float32, group_size)
+    q, scales = quantize_int8(torch.randn(out_features, cols), torch.float32, group_size)
     quant = QuantConfig("int8") if group_size is None else EmbeddingQuant("int8", group_size)
-    layer = Int8Linear(cols, 24, quant, bias=False)
+    layer = Int8Linear(cols, out_features, quant, bias=False)
     layer.load_state_dict({"weight": q, "scales": scales}, assign=True)
     return layer, dequantize_int8(q, scales, group_size).double()
 
 
-def test_layers_take_the_kernels_where_their_blocks_fit(q8, monkeypatch):
+def test_layers_take_the_kernels_where_their_blocks_fit(q8):
     """int8 inputs a multiple of 32 and groups a power of two from 32 take ``cpp-q8``; 80 inputs (a multiple of
-    16 only) take ``cpp``, groups that do not divide the inputs ``dequant``. More int8 rows than
-    :data:`Q8_INT8_ROWS` take ``cpp``'s path, on the same weights. int4 layers of a multiple of 16 outputs take
-    ``cpp-q8`` on their packed weights for any number of rows; others ``cpp``."""
+    16 only) take ``cpp``, groups that do not divide the inputs ``dequant``. Layers of a multiple of 16 outputs
+    take ``cpp-q8`` on their packed weights, which replace theirs, for any number of rows (a prompt's too);
+    others ``cpp``."""
     for cols, group_size, kernel in [
         (96, None, "cpp-q8"),
         (256, 64, "cpp-q8"),
@@ -172,15 +177,26 @@ def test_layers_take_the_kernels_where_their_blocks_fit(q8, monkeypatch):
         int4 = Int4Linear(192, out_features, QuantConfig("int4", 64), bias=False)
         int4.load_state_dict({"weight": q, "scales": scales, "zeros": zeros}, assign=True)
         int4.prepare("cpp-q8")
-        assert int4.kernel == kernel
-        assert (int4.weight is None) == (kernel == "cpp-q8")  # packed into words, which replace it
-        exact = x.double() @ dequantize_int4(q, scales, zeros, 64).double().T
-        assert relative_error(int4(x), exact) < (ROUNDING_TOLERANCE if kernel == "cpp-q8" else 1e-5)
-    layer, dequantized = layer_int8(96)
-    layer.prepare("cpp-q8")
-    monkeypatch.setattr(cpu_gemv, "int8_q8_gemv", lambda *args: pytest.fail("the kernel took too many rows"))
-    x = torch.randn(Q8_INT8_ROWS + 1, 96)
-    assert relative_error(layer(x), x.double() @ dequantized.T) < 1e-5
+        layer, dequantized = layer_int8(192, out_features=out_features)
+        layer.prepare("cpp-q8")
+        for prepared, reference in [(int4, dequantize_int4(q, scales, zeros, 64).double()), (layer, dequantized)]:
+            assert prepared.kernel == kernel
+            assert (prepared.weight is None) == (kernel == "cpp-q8")  # packed into words, which replace it
+            tolerance = ROUNDING_TOLERANCE if kernel == "cpp-q8" else 1e-5
+            assert relative_error(prepared(x), x.double() @ reference.T) < tolerance
+
+
+def test_a_packed_table_looks_up_its_rows(q8):
+    """A table packed for ``cpp-q8`` (scales per row or per group) gives the rows of its checkpoint's weights."""
+    for group_size in (None, 32):
+        torch.manual_seed(0)
+        q, scales = quantize_int8(torch.randn(48, 64), torch.float32, group_size)
+        table = Int8Embedding(48, 64, EmbeddingQuant("int8", group_size))
+        table.load_state_dict({"weight": q, "scales": scales}, assign=True)
+        table.prepare("cpp-q8")
+        assert table.kernel == "cpp-q8" and table.weight is None
+        idx = torch.tensor([[0, 17], [47, 31]])
+        torch.testing.assert_close(table(idx), dequantize_int8(q, scales, group_size)[idx])
 
 
 def test_kernel_choice(monkeypatch):

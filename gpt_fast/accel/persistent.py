@@ -35,15 +35,14 @@ from gpt_fast.quant.products import (
     CPP_INT4_GEMV_ROWS,
     CPP_INT8_GEMV_ROWS,
     CPP_KERNELS,
-    Q8_INT8_ROWS,
     cpp_shape_takes,
     cpp_usable,
 )
 
 # by kind (gpt_fast.kernels.cpu_layers.KINDS), the rows a product of the C++ layers takes one weight row at a time,
-# as the layers' own calls choose (gpt_fast.quant.products: int8_linear, int4_cpp_linear); float32 and int4-q8
-# products have no matrix product of their own (0: not read)
-GEMV_ROWS = [0, CPP_INT8_GEMV_ROWS, Q8_INT8_ROWS, CPP_INT4_GEMV_ROWS, 0]
+# as the layers' own calls choose (gpt_fast.quant.products: int8_linear, int4_cpp_linear); float32 and the q8
+# kinds' products have no matrix product of their own (0: not read)
+GEMV_ROWS = [0, CPP_INT8_GEMV_ROWS, 0, CPP_INT4_GEMV_ROWS, 0]
 
 
 def check_layers_kernel(config: ModelConfig, quantization: QuantConfig | None, programs: int) -> None:
@@ -235,9 +234,10 @@ def _product_kind(linear: nn.Module) -> tuple[str, list[torch.Tensor], int] | No
     quantized kernels' (a quantized table's too, :class:`gpt_fast.quant.layers.Int8Embedding`); None otherwise."""
     if isinstance(linear, (nn.Linear, nn.Embedding)) and linear.weight.dtype == torch.float32:
         return "float32", [linear.weight], 0
-    q8 = "-q8" if getattr(linear, "kernel", None) == "cpp-q8" else ""
-    if isinstance(linear, Int8Linear) and linear.kernel in CPP_KERNELS:
-        return "int8" + q8, [linear.weight, linear.scales], linear.group_size or 0
+    if isinstance(linear, Int8Linear) and linear.kernel == "cpp-q8":
+        return "int8-q8", [linear.words, linear.scales], linear.group_size or 0
+    if isinstance(linear, Int8Linear) and linear.kernel == "cpp":
+        return "int8", [linear.weight, linear.scales], linear.group_size or 0
     if isinstance(linear, Int4Linear) and linear.kernel == "cpp-q8":
         return "int4-q8", [linear.words, linear.scales, linear.zeros], linear.group_size
     if isinstance(linear, Int4Linear) and linear.kernel == "cpp":
@@ -305,9 +305,7 @@ def use_layers_kernel(model: nn.Module, kernel: str) -> None:
         model.layers_kernel = persistent_layers if kernel == "triton" else None
         model.caches_ready = fill_pointer_table if kernel == "triton" else None
         if kernel == "triton":  # allocated here, outside any CUDA graph's memory pool
-            table = torch.zeros(
-                len(model.layers), TABLE_COLUMNS, dtype=torch.int64, device=model.tok_embeddings.weight.device
-            )
+            table = torch.zeros(len(model.layers), TABLE_COLUMNS, dtype=torch.int64, device=model.norm.weight.device)
             model.register_buffer("layers_table", table, persistent=False)
             if model.max_seq_length:
                 fill_pointer_table(model)

@@ -273,7 +273,7 @@ class Batcher:
         self.compile_constraint = compile_constraint  # a constraint's matcher (None: no constraint can be served)
         self.host_masks: torch.Tensor | None = None  # [N, W]: the constrained slots' next masks, made on first use
         self.max_seq_length = options.max_seq_length or block_size
-        self.device = model.tok_embeddings.weight.device
+        self.device = model.norm.weight.device
         self.allocator: BlockAllocator | None = None  # None: a static cache, a row per slot
         rows = options.max_batch  # the slots, then (paged) the rows that prompts are prefilled in together
         if options.kv_cache == "static":

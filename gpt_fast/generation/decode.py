@@ -355,7 +355,7 @@ class PlainSteps:
         matchers: Sequence[Matcher] | None = None,
     ) -> None:
         self.model, self.sampling, self.steps, self.batch_size = model, sampling, steps, batch_size
-        device = model.tok_embeddings.weight.device
+        device = model.norm.weight.device
         self.length = len(prompt_ids)
         self.prompt = prompt_rows(prompt_ids, batch_size, device)  # [B, T]
         self.produced = 0
@@ -468,7 +468,7 @@ def generate_stream(
     check_request(prompt_ids, max_new_tokens)
     model.setup_caches(batch_size, cache_length(len(prompt_ids), max_new_tokens, model.config.block_size))
     plain = PlainSteps(model, prompt_ids, sampling, steps, batch_size, profile_mark(profile_marks), matchers)
-    device = model.tok_embeddings.weight.device
+    device = model.norm.weight.device
     return (
         yield from decode_rows(
             plain, device, max_new_tokens=max_new_tokens, stop_ids=stop_ids, emit=emit, profile_marks=profile_marks

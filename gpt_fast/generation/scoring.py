@@ -23,7 +23,7 @@ def token_scores(model: Transformer, ids: Sequence[int]) -> tuple[torch.Tensor, 
     each ``ids[i]`` is the model's most likely token there (bool, the same shape): an evaluation asks whether
     greedy decoding would write a continuation."""
     assert len(ids) >= 2, "a window of at least two tokens"
-    device = model.tok_embeddings.weight.device
+    device = model.norm.weight.device
     model.setup_caches(1, cache_length(len(ids), 0, model.config.block_size))
     window = torch.tensor([ids], dtype=torch.long, device=device)  # [1, T]
     logits = model(window, torch.arange(len(ids), device=device))[0, :-1]  # [T - 1, V]: predictions of ids[1:]

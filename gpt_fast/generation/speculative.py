@@ -233,7 +233,7 @@ class SpeculativeRounds:
         self.sampling, self.mark = sampling, mark
         self.spec = drafter.spec
         self.batch_size = self.spec.drafts.shape[0]
-        device = model.tok_embeddings.weight.device
+        device = model.norm.weight.device
         self.prompt = prompt_rows(prompt_ids, self.batch_size, device)  # [B, T]
         self.timer = RoundTimer(device)
         self.counts: list[int] = []  # new tokens of each round read back, the prefill's first
@@ -305,7 +305,7 @@ def speculative_stream(
     tokens (one per batch row) as the rounds that made them are read back (with ``emit``), and returns a
     :class:`SpeculativeResult`. ``steps`` gives the prefill, ``spec_steps`` the round's steps."""
     check_request(prompt_ids, max_new_tokens)
-    device = model.tok_embeddings.weight.device
+    device = model.norm.weight.device
     cache = speculative_cache_length(len(prompt_ids), max_new_tokens, drafter.k, model.config.block_size)
     model.setup_caches(batch_size, cache)
     drafter.setup(batch_size, cache, model.config.vocab_size, sampling, device)

@@ -837,157 +837,146 @@ Q8_TARGET Q8Rows round_rows(const float* x, int64_t M, int64_t K, int64_t lane, 
   return {levels.data(), scales.data(), offsets.data(), sums.data()};
 }
 
-// out[r * N] for the R activation rows from m (rounded: a) and the int8 weight row w [K] with scales sw: one
-// (!GROUPED) or one per group of 2^shift blocks
-template <int R, bool GROUPED>
-Q8_TARGET inline void int8_q8_rows(const Q8Rows& a, int64_t m, int64_t K, const int8_t* w, const float* sw, int shift,
-                                   float* out, int64_t N) {
-  const int64_t B = K / QBLOCK;
-  const auto [q, d, offsets, sums] = a.from(m, K, 4);  // row r's from q + r K, d + r B, offsets + r K / 4
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  for (int64_t b = 0; b < B; ++b) {
-    if (b % 2 == 0) prefetch(w + b * QBLOCK);
-    const __m256i wu = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * QBLOCK)), flip);
-    const float ws = GROUPED ? sw[b >> shift] : 1.f;
-    for (int r = 0; r < R; ++r) {
-      const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * K + b * QBLOCK));
-      const __m256i start = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(offsets + r * (K / 4) + b * 8));
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(start, wu, qv));
-      acc[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(d[r * B + b] * ws), acc[r]);
+// The weights of the q8 products, packed by gpt_fast/kernels/cpu_gemv.py (pack_int8_q8, pack_int4_q8) for vpdpbusd:
+// blocks of PACK_ROWS output rows by QBLOCK columns, the column blocks of a row block one after another. In a block's
+// 64-byte vector i, lane n (a 32-bit word) holds row n's weights of 4 columns: int8 ones (8 vectors) as unsigned
+// bytes w + 128, of columns 4 i .. 4 i + 3; int4 levels (4 vectors) in the bytes' low nibbles for columns 4 i .. 4 i
+// + 3 and in their high ones for 16 + 4 i .. (a mask, or a shift and a mask, unpacks them). One vpdpbusd multiplies
+// 16 rows' 4 columns by those 4 columns of an activation row, broadcast to every lane, and sums them per row: a
+// block's product with one activation row is 8 instructions for 512 weights, and the weights are loaded (and
+// unpacked) once for every 4 activation rows. Scales (and int4 zeros) are [row blocks, groups, PACK_ROWS].
+constexpr int64_t PACK_ROWS = 16;
+constexpr int64_t VECTOR = 64;  // bytes of a 512-bit vector
+constexpr int64_t PACK_VECTORS = QBLOCK / 4;  // a block's vectors of unsigned bytes, 4 columns each
+
+// The PACK_VECTORS vectors of bytes v[i] of column block b of the packed row block w (int8: PACK_VECTORS vectors;
+// int4: half as many, each unpacked into two)
+template <bool INT4>
+Q8_TARGET inline void block_vectors(const uint8_t* w, int64_t b, __m512i* v) {
+  constexpr int64_t stored = INT4 ? PACK_VECTORS / 2 : PACK_VECTORS;
+  const uint8_t* wb = w + b * stored * VECTOR;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int i = 0; i < stored; ++i) {
+    prefetch(wb + VECTOR * i);
+    const __m512i bytes = _mm512_loadu_si512(wb + VECTOR * i);
+    if (INT4) {
+      v[i] = _mm512_and_si512(bytes, nibble);
+      v[stored + i] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+    } else {
+      v[i] = bytes;
     }
   }
-  for (int r = 0; r < R; ++r) out[r * N] = sum_lanes(acc[r]) * (GROUPED ? 1.f : sw[0]);
 }
 
-// The int4 weights of int4_q8_gemv_cpu, packed by gpt_fast/kernels/cpu_gemv.py (pack_int4_q8) for vpdpbusd: blocks
-// of PACK_ROWS output rows by QBLOCK columns, each PACK_BYTES bytes, the column blocks of a row block one after
-// another; in a block's 64-byte vector i (of 4), lane n (a 32-bit word) holds row n's 4 levels of columns 4 i .. 4 i +
-// 3 in its bytes' low nibbles and of columns 16 + 4 i .. in their high ones. A vector masked or shifted and masked is
-// then 16 rows' levels of 4 columns that one vpdpbusd multiplies by those 4 columns of an activation row, broadcast
-// to every lane, and sums per row: a block's product with one row is 8 instructions for 512 weights, where the
-// weights are unpacked once for all the rows. The scales and zeros are [row blocks, groups, PACK_ROWS].
-constexpr int64_t PACK_ROWS = 16;
-constexpr int64_t PACK_BYTES = PACK_ROWS * QBLOCK / 2;
-constexpr int64_t VECTOR = 64;  // bytes of a 512-bit vector
-
-// out[r * N + n] for the R activation rows from m (rounded: a) and the PACK_ROWS output rows n of the packed row
-// block w (scales and zeros [G, PACK_ROWS], a group 2^shift column blocks): the sum over column blocks of
-// scale * d * (centered levels . rounded levels), plus the sum over groups of zero * (the sum of x over the group)
-template <int R>
-Q8_TARGET inline void int4_q8_block(const Q8Rows& a, int64_t m, int64_t K, int64_t G, const uint8_t* w,
-                                    const float* scales, const float* zeros, int shift, float* out, int64_t N) {
+// out[r * N + n] for the R activation rows from m (rounded: a, each block's sum started at -128 or -8 times its
+// levels' sum, so that it is the signed weights' or the centered levels') and the PACK_ROWS output rows n of the
+// packed row block w, with scales (and, int4, zeros) [G, PACK_ROWS], a group `per` column blocks: the sum over
+// column blocks of scale * d * (weights . rounded levels), plus for int4 the sum over groups of zero * (the sum of x
+// over the group)
+template <int R, bool INT4>
+Q8_TARGET inline void q8_block(const Q8Rows& a, int64_t m, int64_t K, int64_t G, int64_t per, const uint8_t* w,
+                               const float* scales, const float* zeros, float* out, int64_t N) {
   const int64_t B = K / QBLOCK;
   const auto [q, d, offsets, sums] = a.from(m, K, QBLOCK);  // row r's from q + r K, and d, offsets, sums + r B
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     __m512 part[R], xsum[R];  // the group's scaled integer sums, and the sums of x over it
     for (int r = 0; r < R; ++r) part[r] = xsum[r] = _mm512_setzero_ps();
-    for (int64_t b = g << shift; b < std::min(B, (g + 1) << shift); ++b) {
-      const uint8_t* wb = w + b * PACK_BYTES;
-      __m512i low[4], high[4];
-      for (int i = 0; i < 4; ++i) {
-        prefetch(wb + VECTOR * i);
-        const __m512i v = _mm512_loadu_si512(wb + VECTOR * i);
-        low[i] = _mm512_and_si512(v, nibble);
-        high[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-      }
+    for (int64_t b = g * per; b < std::min(B, (g + 1) * per); ++b) {
+      __m512i v[PACK_VECTORS];
+      block_vectors<INT4>(w, b, v);
       for (int r = 0; r < R; ++r) {
-        int32_t words[8];  // the row's 32 levels of the block, 4 to a word
+        int32_t words[PACK_VECTORS];  // the row's 32 levels of the block, 4 to a word
         std::memcpy(words, q + r * K + b * QBLOCK, QBLOCK);
         __m512i s0 = _mm512_set1_epi32(offsets[r * B + b]), s1 = _mm512_setzero_si512();
-        for (int i = 0; i < 4; ++i) {
-          s0 = _mm512_dpbusd_epi32(s0, low[i], _mm512_set1_epi32(words[i]));
-          s1 = _mm512_dpbusd_epi32(s1, high[i], _mm512_set1_epi32(words[4 + i]));
+        for (int i = 0; i < PACK_VECTORS; i += 2) {
+          s0 = _mm512_dpbusd_epi32(s0, v[i], _mm512_set1_epi32(words[i]));
+          s1 = _mm512_dpbusd_epi32(s1, v[i + 1], _mm512_set1_epi32(words[i + 1]));
         }
         part[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_set1_ps(d[r * B + b]), part[r]);
-        xsum[r] = _mm512_add_ps(xsum[r], _mm512_set1_ps(sums[r * B + b]));
+        if (INT4) xsum[r] = _mm512_add_ps(xsum[r], _mm512_set1_ps(sums[r * B + b]));
       }
     }
-    const __m512 s = _mm512_loadu_ps(scales + g * PACK_ROWS), z = _mm512_loadu_ps(zeros + g * PACK_ROWS);
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(z, xsum[r], _mm512_fmadd_ps(part[r], s, acc[r]));
+    const __m512 s = _mm512_loadu_ps(scales + g * PACK_ROWS);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(part[r], s, acc[r]);
+    if (INT4) {
+      const __m512 z = _mm512_loadu_ps(zeros + g * PACK_ROWS);
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(z, xsum[r], acc[r]);
+    }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * N, acc[r]);
 }
 #endif
 
-// x [M, K] float32 times the int8 weight [N, K] with scales [N] or [N, K / group] float32, the activations rounded
-// to int8 per QBLOCK columns: [M, N]; K a multiple of 32, a group a power of two from 32 dividing K
-at::Tensor int8_q8_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
-                            int64_t group) {
-  check_rows(x, weight, 1);
-  const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
-  TORCH_CHECK(q8_usable(), "int8_q8_gemv_cpu needs a CPU with AVX512-VNNI");
-  TORCH_CHECK(weight.scalar_type() == at::kChar && K % QBLOCK == 0, "int8 weight with K % 32 == 0");
-  const bool grouped = scales.dim() == 2;
-  TORCH_CHECK(!grouped || (group >= QBLOCK && (group & (group - 1)) == 0 && K % group == 0),
-              "group_size a power of two from 32 dividing K");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.size(0) == N && (!grouped || scales.size(1) == K / group),
-              "scales must be [N] or [N, K / group_size] float32");
-  auto xc = x.contiguous(), wc = weight.contiguous(), sc = scales.contiguous();
-  auto out = at::empty({M, N}, x.options());
-#if defined(__AVX2__) && defined(__FMA__)
-  const Q8Rows rounded = round_rows(xc.data_ptr<float>(), M, K, 4, -128);
-  const int8_t* wp = wc.data_ptr<int8_t>();
-  const float* sp = sc.data_ptr<float>();
-  float* yp = out.data_ptr<float>();
-  const int64_t G = grouped ? K / group : 1;
-  const int shift = grouped ? __builtin_ctzll(group / QBLOCK) : 0;  // group / QBLOCK = 2^shift
-  over_rows(N, N * K * passes(M), [&](int64_t n) {
-    by_rows(M, [&](auto rows, int64_t m) {
-      constexpr int R = decltype(rows)::value;
-      if (grouped)
-        int8_q8_rows<R, true>(rounded, m, K, wp + n * K, sp + n * G, shift, yp + m * N + n, N);
-      else
-        int8_q8_rows<R, false>(rounded, m, K, wp + n * K, sp + n, shift, yp + m * N + n, N);
-    });
-  });
-#endif
-  return out;
+// The checks of a packed q8 product's operands (pack_int8_q8, pack_int4_q8): x [M, K] float32, words [N / PACK_ROWS,
+// K * PACK_ROWS * half_bytes / 2] uint8 (half_bytes: a weight's bytes times 2), scales (and zeros) [N / PACK_ROWS,
+// groups, PACK_ROWS] float32; its groups
+int64_t check_packed(const at::Tensor& x, const at::Tensor& words, std::initializer_list<at::Tensor> scales,
+                     int64_t group, int64_t half_bytes) {
+  TORCH_CHECK(q8_usable(), "the q8 products need a CPU with AVX512-VNNI");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [M, K] float32");
+  const int64_t K = x.size(1), G = (K + group - 1) / group;
+  TORCH_CHECK(K % QBLOCK == 0 && group >= QBLOCK && group % QBLOCK == 0, "K and the group a multiple of 32");
+  TORCH_CHECK(words.scalar_type() == at::kByte && words.dim() == 2 &&
+                  words.size(1) * 2 == K * PACK_ROWS * half_bytes,
+              "words must be [N / 16, K * 16] (int8) or [N / 16, K * 8] (int4) uint8, as packed");
+  for (const auto& t : scales)
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 3 && t.size(0) == words.size(0) && t.size(1) == G &&
+                    t.size(2) == PACK_ROWS,
+                "scales and zeros must be [N / 16, groups, 16] float32, as packed");
+  return G;
 }
 
-// x [M, K] float32 times the int4 weights [N, K / 2] packed by pack_int4_q8 (gpt_fast/kernels/cpu_gemv.py): words
-// [N / PACK_ROWS, K / QBLOCK * PACK_BYTES] uint8, scales and zeros [N / PACK_ROWS, groups, PACK_ROWS] float32 (a
-// level q stands for (q - 8) * scale + zero, as int4_gemv_cpu's), the activations rounded to int8 per QBLOCK
-// columns: [M, N]; K a multiple of 32, group_size a power of two from 32. Any number of rows: a row block's weights
-// are unpacked once for every 4 rows, and stay in the core's cache for all of them.
-at::Tensor int4_q8_gemv_cpu(const at::Tensor& x, const at::Tensor& words, const at::Tensor& scales,
-                            const at::Tensor& zeros, int64_t group) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [M, K] float32");
-  const int64_t M = x.size(0), K = x.size(1), G = (K + group - 1) / group, blocks = words.size(0);
-  TORCH_CHECK(q8_usable(), "int4_q8_gemv_cpu needs a CPU with AVX512-VNNI");
-  TORCH_CHECK(K % QBLOCK == 0 && group >= QBLOCK && (group & (group - 1)) == 0,
-              "K % 32 == 0 and group_size a power of two from 32");
-  TORCH_CHECK(words.scalar_type() == at::kByte && words.dim() == 2 && words.size(1) == K / QBLOCK * PACK_BYTES,
-              "words must be [N / 16, K * 8] uint8 (pack_int4_q8)");
-  for (const auto& t : {scales, zeros})
-    TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 3 && t.size(0) == blocks && t.size(1) == G &&
-                    t.size(2) == PACK_ROWS,
-                "scales and zeros must be [N / 16, groups, 16] float32 (pack_int4_q8)");
-  auto xc = x.contiguous(), wc = words.contiguous(), sc = scales.contiguous(), zc = zeros.contiguous();
-  const int64_t N = blocks * PACK_ROWS;
+// x [M, K] float32 times packed int8 or int4 weights (INT4), the activations rounded to int8 per QBLOCK columns (each
+// block's sums started from `factor` times its levels' sum): [M, N]. Any number of rows: a row block's weights are
+// loaded once for every 4 rows, and stay in the core's cache for all of them.
+template <bool INT4>
+at::Tensor packed_gemv(const at::Tensor& x, const at::Tensor& words, const at::Tensor& scales, const float* zeros,
+                       int64_t group, int64_t G) {
+  const int64_t M = x.size(0), K = x.size(1), N = words.size(0) * PACK_ROWS;
+  auto xc = x.contiguous(), wc = words.contiguous(), sc = scales.contiguous();
   auto out = at::empty({M, N}, x.options());
 #if defined(__AVX2__) && defined(__FMA__)
-  const Q8Rows rounded = round_rows(xc.data_ptr<float>(), M, K, QBLOCK, -static_cast<int32_t>(MID));
+  const Q8Rows rounded = round_rows(xc.data_ptr<float>(), M, K, QBLOCK, INT4 ? -static_cast<int32_t>(MID) : -128);
   const uint8_t* wp = wc.data_ptr<uint8_t>();
-  const float *sp = sc.data_ptr<float>(), *zp = zc.data_ptr<float>();
+  const float* sp = sc.data_ptr<float>();
   float* yp = out.data_ptr<float>();
-  const int shift = __builtin_ctzll(group / QBLOCK);  // group / QBLOCK = 2^shift
-  over_tasks(N, N * K / 2 * M, [&](int64_t n0, int64_t n1) {
+  const int64_t block_bytes = words.size(1), per = group / QBLOCK;
+  over_tasks(N, N * K / (INT4 ? 2 : 1) * M, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; n += PACK_ROWS) {
       const int64_t block = n / PACK_ROWS;
       by_rows(M, [&](auto rows, int64_t m) {
-        int4_q8_block<decltype(rows)::value>(rounded, m, K, G, wp + block * (K / QBLOCK) * PACK_BYTES,
-                                             sp + block * G * PACK_ROWS, zp + block * G * PACK_ROWS, shift,
-                                             yp + m * N + n, N);
+        q8_block<decltype(rows)::value, INT4>(rounded, m, K, G, per, wp + block * block_bytes,
+                                              sp + block * G * PACK_ROWS, INT4 ? zeros + block * G * PACK_ROWS : nullptr,
+                                              yp + m * N + n, N);
       });
     }
   });
 #endif
   return out;
+}
+
+// x [M, K] float32 times the int8 weights [N, K] packed by pack_int8_q8 (gpt_fast/kernels/cpu_gemv.py): words
+// [N / PACK_ROWS, K * PACK_ROWS] uint8, scales [N / PACK_ROWS, groups, PACK_ROWS] float32, a group of `group` columns
+// (0: one scale per row, for all K columns); the activations rounded to int8 per QBLOCK columns: [M, N]; K and the
+// group a multiple of 32
+at::Tensor int8_q8_gemv_cpu(const at::Tensor& x, const at::Tensor& words, const at::Tensor& scales, int64_t group) {
+  TORCH_CHECK(x.dim() == 2, "x must be [M, K] float32");
+  const int64_t columns = group ? group : x.size(1);
+  const int64_t G = check_packed(x, words, {scales}, columns, 2);
+  return packed_gemv<false>(x, words, scales, nullptr, columns, G);
+}
+
+// x [M, K] float32 times the int4 weights [N, K / 2] packed by pack_int4_q8: words [N / PACK_ROWS, K * PACK_ROWS / 2]
+// uint8, scales and zeros [N / PACK_ROWS, groups, PACK_ROWS] float32 (a level q stands for (q - 8) * scale + zero,
+// as int4_gemv_cpu's); the activations rounded to int8 per QBLOCK columns: [M, N]; K a multiple of 32, group_size a
+// multiple of 32
+at::Tensor int4_q8_gemv_cpu(const at::Tensor& x, const at::Tensor& words, const at::Tensor& scales,
+                            const at::Tensor& zeros, int64_t group) {
+  const int64_t G = check_packed(x, words, {scales, zeros}, group, 1);
+  const at::Tensor zc = zeros.contiguous();
+  return packed_gemv<true>(x, words, scales, zc.data_ptr<float>(), group, G);
 }
 
 // x . w for the float32 rows x [K] and w [K]: 4 chains of fused multiply-adds side by side, the weights asked for
@@ -1036,10 +1025,10 @@ namespace gpt_fast_cpu {
 
 // One product of decode_layers_cpu (cpu_layers.cpp): the rows x [R, K] float32 times a layer's weight of `kind`
 // (gpt_fast/kernels/cpu_layers.py names them), whose tensors are w[0] .. : 0 float32 [N, K]; 1 int8 [N, K] and
-// scales ([N], or [N, K / group]); 2 the same, the rows rounded to int8 (int8_q8_gemv_cpu); 3 int4 [N, K / 2], scales
-// and zeros [N, K / group]; 4 the same, the rows rounded (int4_q8_gemv_cpu). A quantized product of more rows than
-// `gemv_rows` (by kind; empty: any) is a matrix product (int8_matmul_cpu, int4_matmul_cpu), as the layers' own calls
-// choose (gpt_fast/quant/products.py)
+// scales ([N], or [N, K / group]); 2 the same packed, the rows rounded to int8 (int8_q8_gemv_cpu); 3 int4 [N, K / 2],
+// scales and zeros [N, K / group]; 4 the same packed, the rows rounded (int4_q8_gemv_cpu). A product of kind 1 or 3 of
+// more rows than `gemv_rows` (by kind; empty: any) is a matrix product (int8_matmul_cpu, int4_matmul_cpu), as the
+// layers' own calls choose (gpt_fast/quant/products.py); kinds 2 and 4 take any rows
 at::Tensor layer_product(int64_t kind, const at::Tensor& x, const at::Tensor* w, int64_t group,
                          c10::IntArrayRef gemv_rows) {
   const bool matmul = static_cast<int64_t>(gemv_rows.size()) > kind && x.size(0) > gemv_rows[kind];  // 0: not read
@@ -1050,7 +1039,7 @@ at::Tensor layer_product(int64_t kind, const at::Tensor& x, const at::Tensor* w,
       if (matmul) return int8_matmul_cpu(x, w[0], w[1], group);
       return group ? int8_group_gemv_cpu(x, w[0], w[1], group) : int8_gemv_cpu(x, w[0], w[1]);
     case 2:
-      return matmul ? int8_matmul_cpu(x, w[0], w[1], group) : int8_q8_gemv_cpu(x, w[0], w[1], group);
+      return int8_q8_gemv_cpu(x, w[0], w[1], group);
     case 3:
       return matmul ? int4_matmul_cpu(x, w[0], w[1], w[2], group) : int4_gemv_cpu(x, w[0], w[1], w[2], group);
     case 4:
@@ -1069,7 +1058,7 @@ TORCH_LIBRARY_FRAGMENT(gpt_fast, m) {
   m.def("int4_dequantize_cpu(Tensor weight, Tensor scales, Tensor zeros, int group_size) -> Tensor");
   m.def("int4_matmul_cpu(Tensor x, Tensor weight, Tensor scales, Tensor zeros, int group_size) -> Tensor");
   m.def("int8_matmul_cpu(Tensor x, Tensor weight, Tensor scales, int group_size) -> Tensor");
-  m.def("int8_q8_gemv_cpu(Tensor x, Tensor weight, Tensor scales, int group_size) -> Tensor");
+  m.def("int8_q8_gemv_cpu(Tensor x, Tensor words, Tensor scales, int group_size) -> Tensor");
   m.def("int4_q8_gemv_cpu(Tensor x, Tensor words, Tensor scales, Tensor zeros, int group_size) -> Tensor");
   m.def("q8_usable() -> bool", &q8_usable);
   m.def("set_avx512(bool enabled) -> bool", &set_avx512);

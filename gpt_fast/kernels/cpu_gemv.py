@@ -38,7 +38,7 @@ INT8_GROUPS = 16  # the grouped int8 kernel's group sizes: a multiple of this, d
 INT4_COLUMNS = 64  # the int4 kernel's inputs: a multiple of this
 INT4_GROUPS = 32  # the int4 kernel's group sizes: a multiple of this
 Q8_BLOCK = 32  # columns of activations that share one scale in the q8 kernels: their inputs are a multiple of it
-Q8_ROWS = 16  # the int4 q8 kernel's weight rows per packed block (pack_int4_q8): its outputs are a multiple of it
+Q8_ROWS = 16  # the q8 kernels' weight rows per packed block (pack_int8_q8, pack_int4_q8): their outputs a multiple
 BUILD_NOTE_SECONDS = 2.0  # a load slower than this compiled the library
 
 
@@ -88,18 +88,46 @@ def q8_usable() -> bool:
     return bool(torch.ops.gpt_fast.q8_usable())
 
 
-def int8_q8_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group_size: int | None) -> torch.Tensor:
-    """``x`` [M, K] float32 (K a multiple of :data:`Q8_BLOCK`) rounded to int8 per block of 32 columns, times the
-    int8 ``weight`` [N, K] with ``scales`` [N] float32, or [N, K / group_size] (``group_size`` a power of two from 32
-    dividing K): [M, N]. Each output differs from the product with ``x`` by the rounding of ``x``: at most half a
-    level of each block (``max |x| / 254``) per column, times the weight."""
-    return torch.ops.gpt_fast.int8_q8_gemv_cpu(x, weight, scales, group_size or 0)
+def int8_q8_gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    """``x`` [M, K] float32 (K a multiple of :data:`Q8_BLOCK`, any M) rounded to int8 per block of 32 columns, times
+    the int8 weights packed by :func:`pack_int8_q8` with scales per row (``group_size`` None) or per group of
+    ``group_size`` columns (a multiple of 32): [M, N]. Each output differs from the product with ``x`` by the rounding
+    of ``x``: at most half a level of each block (``max |x| / 254``) per column, times the weight."""
+    return torch.ops.gpt_fast.int8_q8_gemv_cpu(x, words, scales, group_size or 0)
+
+
+def pack_int8_q8(weight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 ``weight`` [N, K] (N a multiple of :data:`Q8_ROWS`, K of :data:`Q8_BLOCK`) with its ``scales`` [N] or
+    [N, groups] as :func:`int8_q8_gemv` reads them: words [N / 16, K * 16] uint8, blocks of 16 rows by 32 columns
+    whose 64-byte vector i holds, in the 4 bytes of row n, its columns 4 i .. 4 i + 3 as ``q + 128``; scales
+    [N / 16, groups, 16] (one group for scales per row)."""
+    rows, cols = weight.shape
+    offset = weight.view(torch.uint8) ^ 0x80  # [N, K]: q + 128
+    # [row block, row, column block, vector, byte] -> [row block, column block, vector, row, byte]
+    words = offset.reshape(rows // Q8_ROWS, Q8_ROWS, cols // Q8_BLOCK, Q8_BLOCK // 4, 4).permute(0, 2, 3, 1, 4)
+    return words.reshape(rows // Q8_ROWS, -1).contiguous(), _by_block(scales.reshape(rows, -1))
+
+
+def unpack_int8_q8(words: torch.Tensor, scales: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``index`` [...] of weights packed by :func:`pack_int8_q8` (a table's lookup): the int8 weights
+    [..., K] and their scales [..., groups]."""
+    blocks, cols = words.shape[0], words.shape[1] // Q8_ROWS
+    view = words.view(blocks, cols // Q8_BLOCK, Q8_BLOCK // 4, Q8_ROWS, 4)  # see pack_int8_q8
+    block, row = index // Q8_ROWS, index % Q8_ROWS
+    picked = view[block, :, :, row]  # [..., column blocks, vector, byte]: the columns in order
+    weight = (picked.reshape(*index.shape, cols) ^ 0x80).view(torch.int8)
+    return weight, scales[block, :, row]
+
+
+def _by_block(t: torch.Tensor) -> torch.Tensor:
+    """Per-row values [N, G] as the packed kernels read them: [N / 16, G, 16]."""
+    return t.reshape(t.shape[0] // Q8_ROWS, Q8_ROWS, -1).transpose(1, 2).contiguous()
 
 
 def int4_q8_gemv(
     x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
 ) -> torch.Tensor:
-    """As :func:`int4_gemv` (``group_size`` a power of two from 32) on the weights packed by :func:`pack_int4_q8`,
+    """As :func:`int4_gemv` (``group_size`` a multiple of 32) on the weights packed by :func:`pack_int4_q8`,
     with ``x`` [M, K] (any M) rounded to int8 per block of 32 columns in the products with the levels; the zero
     points multiply the sums of ``x`` itself: [M, N]."""
     return torch.ops.gpt_fast.int4_q8_gemv_cpu(x, words, scales, zeros, group_size)
@@ -118,11 +146,7 @@ def pack_int4_q8(
     # [row block, row, column block, half, vector, byte] -> [row block, column block, vector, row, byte, half]
     levels = levels.reshape(rows // Q8_ROWS, Q8_ROWS, cols // Q8_BLOCK, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
     words = (levels[..., 0] | (levels[..., 1] << 4)).reshape(rows // Q8_ROWS, -1).contiguous()
-
-    def by_block(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N / 16, G, 16]
-        return t.reshape(rows // Q8_ROWS, Q8_ROWS, -1).transpose(1, 2).contiguous()
-
-    return words, by_block(scales), by_block(zeros)
+    return words, _by_block(scales), _by_block(zeros)
 
 
 def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

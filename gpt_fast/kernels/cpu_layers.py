@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import torch
 
+from gpt_fast.kernels import cpu_gemv
+
 # a weight's kind and the tensors it is given as, in order (cpu_gemv.cpp, layer_product)
 KINDS = {
     "float32": 0,  # weight [N, K]
     "int8": 1,  # weight [N, K] int8, scales [N] or [N, K / group] (int8_gemv_cpu, int8_group_gemv_cpu)
-    "int8-q8": 2,  # the same, the row rounded to int8 per 32 columns (int8_q8_gemv_cpu)
+    "int8-q8": 2,  # words [N / 16, K * 16], scales [N / 16, groups, 16] (pack_int8_q8), rows rounded (int8_q8_gemv_cpu)
     "int4": 3,  # weight [N, K / 2] uint8, scales and zeros [N, K / group] (int4_gemv_cpu)
     "int4-q8": 4,  # words [N / 16, K * 8], scales and zeros [N / 16, K / group, 16] (pack_int4_q8, int4_q8_gemv_cpu)
 }
 TENSORS = (1, 2, 2, 3, 3)  # a weight's tensors by kind, as KINDS numbers them
+PACKED = (2, 4)  # the kinds whose first tensor has a row per 16 outputs (cpu_gemv.Q8_ROWS)
 PLAN_FIELDS = 3  # a product's plan: its kind, group size, bias (1) or not (0)
 LAYER_PRODUCTS = 4  # wqkv, wo, w13, w2
 
@@ -37,8 +40,8 @@ def output_shape(x: torch.Tensor, weights: list[torch.Tensor], plan: list[int], 
     if not holds_head(plan, layers):
         return list(x.shape)
     kind, _, bias = plan[-PLAN_FIELDS:]
-    head = weights[len(weights) - TENSORS[kind] - bias]  # [V, ...]: every kind's first tensor has a row per output
-    return [*x.shape[:-1], head.shape[0]]
+    head = weights[len(weights) - TENSORS[kind] - bias]  # [V, ...], or [V / 16, ...] for the packed kinds
+    return [*x.shape[:-1], head.shape[0] * (cpu_gemv.Q8_ROWS if kind in PACKED else 1)]
 
 
 def decode_layers(

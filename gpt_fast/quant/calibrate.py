@@ -181,7 +181,7 @@ def gptq_parts(
         hooks += [layer.register_forward_pre_hook(reference.advance) for layer in model.layers]
     try:
         batch, length = rows.shape
-        device = model.tok_embeddings.weight.device
+        device = model.norm.weight.device
         model.setup_caches(batch, length)
         with torch.no_grad():
             model(rows.to(device), torch.arange(length, device=device), last_only=True)

@@ -119,12 +119,18 @@ class Int8Linear(QuantizedLinear):
         ``weight`` stays, read as it is; ``cpp`` where our C++ kernel does not take the layer
         (:func:`gpt_fast.quant.products.cpp_takes`) means ``dequant``. Scales per group take ``cpp`` (groups of
         a multiple of 16 that divide the inputs) or ``dequant``. ``cpp-q8`` where its kernel does not take the
-        layer (:func:`gpt_fast.quant.products.q8_takes`) means ``cpp``. ``gemlite`` is ``triton`` with gemlite's
+        layer (:func:`gpt_fast.quant.products.q8_takes`, and outputs a multiple of 16) means ``cpp``; where it takes
+        it, the weights and scales are packed for its kernel (:func:`gpt_fast.kernels.cpu_gemv.pack_int8_q8`) into
+        ``words`` and ``scales`` [N / 16, groups, 16], which replace them. ``gemlite`` is ``triton`` with gemlite's
         copy of the weights beside the words, in a 16-bit model, for products of
         :data:`gpt_fast.quant.products.GEMLITE_ROWS` rows."""
         takes = cpp_takes(self.weight, self.scales, self.in_features, "int8", self.group_size)
-        if kernel == "cpp-q8" and takes and q8_takes(self.in_features, self.group_size):
+        packs = q8_takes(self.in_features, self.group_size) and self.weight.shape[0] % cpu_gemv.Q8_ROWS == 0
+        if kernel == "cpp-q8" and takes and packs:
             self.kernel = kernel
+            packed = cpu_gemv.pack_int8_q8(self.weight, self.scales)
+            self.words, self.scales = (nn.Parameter(t, requires_grad=False) for t in packed)
+            self.weight = None
             return
         kernel = "cpp" if kernel == "cpp-q8" else kernel
         if self.group_size is not None:
@@ -163,12 +169,15 @@ class Int8Embedding(Int8Linear):
         super().__init__(dim, vocab_size, quant, bias=False)
 
     def prepare(self, kernel: str) -> None:
-        """As :meth:`Int8Linear.prepare`, but ``weight`` stays as it is, for the lookup: ``triton``, whose words
-        would replace it, means ``dequant``, and so does ``gemlite``."""
+        """As :meth:`Int8Linear.prepare`, but ``triton``, whose words would replace ``weight``, means ``dequant``,
+        and so does ``gemlite``; ``cpp-q8``'s packed words replace it, and the lookup reads them."""
         super().prepare("dequant" if kernel in ("triton", "gemlite") else kernel)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """The rows of tokens ``idx`` [...]: [..., dim] in the scales' dtype."""
+        if self.weight is None:  # cpp-q8's packed words
+            weight, scales = cpu_gemv.unpack_int8_q8(self.words, self.scales, idx)
+            return int8_dequantize(weight, scales if self.group_size else scales[..., 0], self.group_size)
         return int8_dequantize(self.weight[idx], self.scales[idx], self.group_size)  # rows [..., dim] int8
 
     def project(self, x: torch.Tensor) -> torch.Tensor:

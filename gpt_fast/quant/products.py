@@ -32,14 +32,12 @@ for 1024 rows.
   The CPU's choice where they build: PyTorch's own kernels were 10 to 19 times slower on the CPUs measured
   (docs/cpu.md, "Quantized products").
 - ``cpp-q8``: ``cpp`` with the activations rounded to int8 per block of 32 columns, as llama.cpp rounds them for
-  its Q8_0 and Q4_1 weights, so that a block's products are summed by one AVX512-VNNI instruction (vpdpbusd):
-  :func:`gpt_fast.kernels.cpu_gemv.int8_q8_gemv`, on a CPU with AVX512-VNNI, up to :data:`Q8_INT8_ROWS` rows (more
-  take ``cpp``'s path); the default model's output projection took 1.26–1.28 ms against ``cpp``'s 1.86–2.00 on a
-  Zen 4 core, one thread (docs/bench/HISTORY.md, 2026-11-30c). An int4 layer's products of any number of rows are
-  ``int4_q8_gemv``'s, on a copy of its weights packed at load for that instruction that replaces them
-  (:func:`gpt_fast.kernels.cpu_gemv.pack_int4_q8`), in blocks of 16 rows that each instruction multiplies at once:
-  a decode step's products read the weights at the memory's speed and 4 rows cost 1.5 times one (BENCHMARKS.md,
-  2026-11-30k). Its products differ from the
+  its Q8_0 and Q4_1 weights, so that a block's products are summed by an AVX512-VNNI instruction (vpdpbusd):
+  :func:`gpt_fast.kernels.cpu_gemv.int8_q8_gemv` and ``int4_q8_gemv``, on a CPU with AVX512-VNNI, for any number of
+  rows, on the layer's weights packed at load for that instruction (``pack_int8_q8``, ``pack_int4_q8``; the packed
+  copy replaces them), in blocks of 16 rows that each instruction multiplies at once: on a Zen 4 core, one thread, a
+  decode step's int4 products took 5.4 ms against 8.2 on the checkpoint's layout, and 4 rows 7.3 against 16.2
+  (BENCHMARKS.md, 2026-11-30k). Its products differ from the
   dequantized reference by the activations' rounding (relative error about 5e-3 on random rows), where ``cpp``'s
   differ by the order of float32 sums only. Not ``auto``'s choice: its greedy tokens are not the float model's
   (docs/cpu.md).
@@ -82,7 +80,6 @@ FEW_ROWS = 16  # activation rows the specialized kernels take; more are a matrix
 # 862.8), where on the Zen 4 the tile kernels still led at 256 (docs/bench/2026-11-30f_cpu_tile_kernels.txt).
 CPP_INT8_GEMV_ROWS = 12
 CPP_INT4_GEMV_ROWS = 5
-Q8_INT8_ROWS = 16
 CPP_MATMUL_ROWS = 64
 
 
@@ -135,13 +132,15 @@ def register_cpu_ops() -> None:
     def product(x: torch.Tensor, weight: torch.Tensor, *operands: torch.Tensor | int) -> torch.Tensor:
         return x.new_empty((x.shape[0], weight.shape[0]))  # [M, N] for x [M, K] and weight [N, ...]
 
-    products = ("int8_gemv_cpu", "int8_group_gemv_cpu", "int4_gemv_cpu", "int8_q8_gemv_cpu")
+    products = ("int8_gemv_cpu", "int8_group_gemv_cpu", "int4_gemv_cpu")
     for name in (*products, "int8_matmul_cpu", "int4_matmul_cpu"):
         torch.library.register_fake(f"gpt_fast::{name}", product)
 
-    @torch.library.register_fake("gpt_fast::int4_q8_gemv_cpu")
-    def _(x: torch.Tensor, words: torch.Tensor, *operands: torch.Tensor | int) -> torch.Tensor:
-        return x.new_empty((x.shape[0], words.shape[0] * cpu_gemv.Q8_ROWS))  # words [N / 16, K * 8]
+    def packed(x: torch.Tensor, words: torch.Tensor, *operands: torch.Tensor | int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], words.shape[0] * cpu_gemv.Q8_ROWS))  # words [N / 16, ...]
+
+    for name in ("int8_q8_gemv_cpu", "int4_q8_gemv_cpu"):
+        torch.library.register_fake(f"gpt_fast::{name}", packed)
 
     @torch.library.register_fake("gpt_fast::int4_dequantize_cpu")
     def _(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> torch.Tensor:
@@ -322,13 +321,15 @@ def int8_linear(
     group_size: int | None = None,
 ) -> torch.Tensor:
     """``x`` [..., K] times the int8 ``weight`` [N, K] (or, for the ``triton`` kernel, its words [N, K / 4] from
-    :func:`int8_interleave`) with per-channel ``scales`` [N] (in ``x``'s dtype); ``pdl``: the ``triton`` kernel's
+    :func:`int8_interleave`; for ``cpp-q8``, the words and scales of ``pack_int8_q8``) with per-channel ``scales``
+    [N] (in ``x``'s dtype); ``pdl``: the ``triton`` kernel's
     operator launched with PDL (see :func:`register_triton_ops`). With a ``group_size``, ``scales`` [N, groups]
     hold one scale per group of columns: ``cpp`` (:func:`gpt_fast.kernels.cpu_gemv.int8_group_gemv`) or
     ``dequant``."""
     rows = x.reshape(-1, x.shape[-1])
     if group_size is not None:
-        return _int8_group_linear(rows, weight, scales, kernel, group_size).reshape(*x.shape[:-1], weight.shape[0])
+        out = _int8_group_linear(rows, weight, scales, kernel, group_size)  # [M, N]
+        return out.reshape(*x.shape[:-1], out.shape[-1])
     few = rows.shape[0] <= FEW_ROWS
     words = weight.dtype == torch.int32
     if kernel == "triton" and words and takes_matmul(rows, INT8_GEMV_ROWS):
@@ -336,7 +337,7 @@ def int8_linear(
     elif kernel == "triton" and few:
         gemv = torch.ops.gpt_fast.int8_gemv_pdl if pdl else torch.ops.gpt_fast.int8_gemv
         out = gemv(rows.contiguous(), weight, scales)
-    elif kernel == "cpp-q8" and rows.shape[0] <= Q8_INT8_ROWS:
+    elif kernel == "cpp-q8":
         out = cpu_gemv.int8_q8_gemv(rows, weight, scales, None)
     elif kernel == "cpp" and rows.shape[0] <= CPP_INT8_GEMV_ROWS:
         out = cpu_gemv.int8_gemv(rows, weight, scales)
@@ -348,14 +349,14 @@ def int8_linear(
         out = F.linear(interleave_columns(rows), weight.view(torch.uint8).to(x.dtype) - 128) * scales
     else:
         out = F.linear(rows, weight.to(x.dtype)) * scales
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def _int8_group_linear(
     rows: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, kernel: str, group_size: int
 ) -> torch.Tensor:
     """``rows`` [M, K] times the int8 ``weight`` [N, K] with ``scales`` [N, groups]: [M, N]."""
-    if kernel == "cpp-q8" and rows.shape[0] <= Q8_INT8_ROWS:
+    if kernel == "cpp-q8":
         return cpu_gemv.int8_q8_gemv(rows, weight, scales, group_size)
     if kernel == "cpp" and rows.shape[0] <= CPP_INT8_GEMV_ROWS:
         return cpu_gemv.int8_group_gemv(rows, weight, scales, group_size)
