@@ -115,7 +115,7 @@ def decode_launch(group: int, head_dim: int, n_kv: int, rows: int = 1, dtype: to
       128, or from :data:`ROW_PROGRAMS` pairs on splits of :data:`ROWS_SPLIT` in loop steps of 64. The reductions
       over a [group, positions, head_dim / 2] tile that the other tiles use move every product between threads. On
       an H200, Llama-3-8B shape, rows around position 512 of a 1024-position paged cache, the kernel alone
-      (BENCHMARKS.md, 2026-11-30j): 8 rows 16.2 µs against 51.6 with the reductions, 32 rows 31.4 against 152.3,
+      (docs/bench/HISTORY.md, 2026-11-30j): 8 rows 16.2 µs against 51.6 with the reductions, 32 rows 31.4 against 152.3,
       64 rows 58.2 against 290.5. One row keeps the reductions: a tensor-core tile won at position 2040 (15.4
       against 26.4 µs) but lost at positions 100 to 250 (11.3 against 9.7; SmolLM2 8.5 against 6.2).
 
