@@ -6,8 +6,8 @@
 //
 // Each weight is widened to float32 and multiplied by the activation in float32, as the dequantized reference does:
 // the results differ from it by the order of the float32 sums only. The operators int8_q8_gemv_cpu and
-// int4_q8_gemv_cpu (a CPU with AVX512-VNNI) round the activations to int8 instead, as llama.cpp does (see "activations
-// rounded to int8" below).
+// int4_q8_gemv_cpu (a CPU with AVX512-VNNI) round the activations to int8 instead, as llama.cpp does, on weights
+// packed for them at load, for any number of rows (see "activations rounded to int8" below).
 // Output rows are shared among the calling thread and our helper threads (cpu_threads.cpp) in tasks of GRAIN rows
 // that each thread takes in turn (over_rows); each reads its rows of weights once for all the activation rows, and
 // widens each weight once for every ROWS of them.
@@ -764,12 +764,13 @@ at::Tensor int8_matmul_cpu(const at::Tensor& x, const at::Tensor& weight, const 
 //
 // As llama.cpp multiplies its Q8_0 and Q4_1 weights: each block of QBLOCK activation columns is rounded to int8
 // levels with one float scale (x ~ d q, d = max |x| / 127), and a weight row's product is a sum over blocks of
-// (weight scale) * d * (integer dot product of the block), 32 columns of which one AVX512-VNNI instruction (vpdpbusd)
-// multiplies and sums, where the float kernels above widen and multiply 8 at a time. The results differ from the
-// dequantized reference by the activations' rounding (half a level of their block at most per column). vpdpbusd
-// takes unsigned bytes times signed ones: the int8 weights go in as w + 128 and the int4 levels as they are (0..15),
-// and each lane's sum starts from the integer that makes it the weights' own values' (centered int4 levels, q - 8)
-// times the activations' levels: -128 or -8 times the sum of those levels.
+// (weight scale) * d * (integer dot product of the block), whose products AVX512-VNNI instructions (vpdpbusd) multiply
+// and sum, 4 columns of 16 weight rows at a time (the packed blocks below), where the float kernels above widen and
+// multiply 8 weights at a time. The results differ from the dequantized reference by the activations' rounding (half
+// a level of their block at most per column). vpdpbusd takes unsigned bytes times signed ones: the int8 weights go in
+// as w + 128 and the int4 levels as they are (0..15), and each block's sum starts from the integer that makes it the
+// weights' own values' (centered int4 levels, q - 8) times the activations' levels: -128 or -8 times the sum of those
+// levels.
 
 constexpr int64_t QBLOCK = 32;  // activation columns per scale
 constexpr float QMAX = 127.f;
@@ -802,36 +803,36 @@ Q8_TARGET inline float quantize_block(const float* x, int8_t* q, float* sum) {
   return amax / QMAX;
 }
 
-// Activation rows rounded block by block: levels [M, K], scales [M, K / QBLOCK], offsets [M, K / lane] (the first
-// value of the sum of each `lane` columns: -128 or -8 times their levels, see above) and the sums of x itself over
-// each block [M, K / QBLOCK]
+// Activation rows rounded block by block: levels [M, K]; per block [M, K / QBLOCK], the scales, the offsets (the first
+// value of the block's sum: -128 or -8 times its levels' sum, see above) and the sums of x itself
 struct Q8Rows {
   const int8_t* levels;
   const float* scales;
   const int32_t* offsets;
   const float* sums;
 
-  // the same from row m on (rows of K columns, an offset per `lane` columns)
-  Q8Rows from(int64_t m, int64_t K, int64_t lane) const {
-    return {levels + m * K, scales + m * (K / QBLOCK), offsets + m * (K / lane), sums + m * (K / QBLOCK)};
+  // the same from row m on (rows of K columns)
+  Q8Rows from(int64_t m, int64_t K) const {
+    const int64_t B = K / QBLOCK;
+    return {levels + m * K, scales + m * B, offsets + m * B, sums + m * B};
   }
 };
 
-// x [M, K] rounded, with an offset of `factor` times the levels' sum per `lane` columns (int8 weights: -128 per 4,
-// a vpdpbusd lane; int4: -8 per block), in buffers of the calling thread kept from call to call
-Q8_TARGET Q8Rows round_rows(const float* x, int64_t M, int64_t K, int64_t lane, int32_t factor) {
+// x [M, K] rounded, each block's offset `factor` times its levels' sum (int8 weights: -128; int4: -8), in buffers of
+// the calling thread kept from call to call
+Q8_TARGET Q8Rows round_rows(const float* x, int64_t M, int64_t K, int32_t factor) {
   thread_local std::vector<int8_t> levels;
   thread_local std::vector<float> scales, sums;
   thread_local std::vector<int32_t> offsets;
   levels.resize(M * K);
   scales.resize(M * K / QBLOCK);
   sums.resize(M * K / QBLOCK);
-  offsets.resize(M * K / lane);
+  offsets.resize(M * K / QBLOCK);
   for (int64_t b = 0; b < M * K / QBLOCK; ++b)  // blocks of all rows in turn: K is a multiple of QBLOCK
     scales[b] = quantize_block(x + b * QBLOCK, levels.data() + b * QBLOCK, &sums[b]);
-  for (int64_t i = 0; i < M * K / lane; ++i) {
+  for (int64_t i = 0; i < M * K / QBLOCK; ++i) {
     int32_t sum = 0;
-    for (int64_t t = 0; t < lane; ++t) sum += levels[i * lane + t];
+    for (int64_t t = 0; t < QBLOCK; ++t) sum += levels[i * QBLOCK + t];
     offsets[i] = factor * sum;
   }
   return {levels.data(), scales.data(), offsets.data(), sums.data()};
@@ -877,7 +878,7 @@ template <int R, bool INT4>
 Q8_TARGET inline void q8_block(const Q8Rows& a, int64_t m, int64_t K, int64_t G, int64_t per, const uint8_t* w,
                                const float* scales, const float* zeros, float* out, int64_t N) {
   const int64_t B = K / QBLOCK;
-  const auto [q, d, offsets, sums] = a.from(m, K, QBLOCK);  // row r's from q + r K, and d, offsets, sums + r B
+  const auto [q, d, offsets, sums] = a.from(m, K);  // row r's from q + r K, and d, offsets, sums + r B
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
@@ -938,7 +939,7 @@ at::Tensor packed_gemv(const at::Tensor& x, const at::Tensor& words, const at::T
   auto xc = x.contiguous(), wc = words.contiguous(), sc = scales.contiguous();
   auto out = at::empty({M, N}, x.options());
 #if defined(__AVX2__) && defined(__FMA__)
-  const Q8Rows rounded = round_rows(xc.data_ptr<float>(), M, K, QBLOCK, INT4 ? -static_cast<int32_t>(MID) : -128);
+  const Q8Rows rounded = round_rows(xc.data_ptr<float>(), M, K, INT4 ? -static_cast<int32_t>(MID) : -128);
   const uint8_t* wp = wc.data_ptr<uint8_t>();
   const float* sp = sc.data_ptr<float>();
   float* yp = out.data_ptr<float>();
