@@ -139,6 +139,36 @@ def test_a_prompt_from_the_start_attends_as_through_the_mask(fields):
         torch.testing.assert_close(got, expected)
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["static", "paged"])
+@pytest.mark.parametrize(
+    "fields",
+    [{}, {"sliding_window": 4, "layer_types": ("sliding_attention", "full_attention")}],
+    ids=["full", "sliding"],
+)
+@torch.no_grad()
+def test_eager_cpu_masks_stop_at_the_last_position_written(paged, fields, monkeypatch):
+    """An eager CPU step's masks and gathers cover the cache's positions up to the last one written; its logits are
+    those of masks over the whole cache (a compiled step's), for a prompt continued at its own positions and for
+    rows decoded together at different positions, in a static cache and in a paged one of shuffled blocks."""
+
+    def run(whole: bool) -> torch.Tensor:
+        model = tiny_model(2, **fields)
+        if whole:
+            monkeypatch.setattr(model, "_keys_seen", lambda input_pos: model.max_seq_length)
+        model.setup_caches(2, 64, blocks=12 if paged else None, block_size=8)
+        if paged:
+            model.block_table.blocks.copy_(torch.tensor([[5, 2, 9, 1, 0, 0, 0, 0], [3, 11, 7, 4, 0, 0, 0, 0]]))
+        tokens = torch.randint(0, 97, (2, 30), generator=torch.Generator().manual_seed(3))
+        steps = [model(tokens[:, :13], torch.arange(13)), model(tokens[:, 13:20], torch.arange(13, 20))]
+        for pos in range(20, 29):
+            positions = torch.tensor([[pos], [pos - 9]])  # each row at its own position
+            steps.append(model(tokens[:, pos : pos + 1], positions))
+        return torch.cat(steps, dim=1)
+
+    assert run(False).shape == (2, 29, 97)
+    torch.testing.assert_close(run(False), run(True), rtol=1e-5, atol=1e-5)
+
+
 def test_last_only_returns_last_position():
     model = tiny_model(2)
     tokens = torch.randint(0, 97, (1, 10))

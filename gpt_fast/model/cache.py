@@ -34,11 +34,11 @@ class KVCache(nn.Module):
         self.register_buffer("kv", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
     def update(
-        self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_row: int = 0
+        self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_row: int = 0, length: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``k``, ``v`` [B, H_kv, T, D] into the cache rows ``first_row`` to ``first_row + B - 1`` at positions
         ``input_pos``: [T], the same for every row, or [B, T], each row's own. Return those rows' keys and values,
-        each [B, H_kv, S, D]."""
+        each [B, H_kv, S, D], or their first ``length`` positions [B, H_kv, length, D]."""
         batch = k.shape[0]
         new = torch.stack((k, v))  # [2, B, H_kv, T, D]
         if input_pos.dim() == 1 and batch == self.kv.shape[1]:  # every row of the cache at the same positions
@@ -49,7 +49,8 @@ class KVCache(nn.Module):
             rows = torch.arange(first_row, first_row + batch, device=k.device)[:, None]  # [B, 1]
             positions = input_pos if input_pos.dim() == 2 else input_pos[None]  # [B, T] or [1, T]
             self.kv[:, rows, :, positions] = new.permute(1, 3, 0, 2, 4)  # [B, T, 2, H_kv, D]: indexed dims first
-        return self.kv[0, first_row : first_row + batch], self.kv[1, first_row : first_row + batch]
+        rows = slice(first_row, first_row + batch)
+        return self.kv[0, rows, :, :length], self.kv[1, rows, :, :length]
 
 
 class BlockTable(nn.Module):
@@ -97,17 +98,20 @@ class PagedKVCache(nn.Module):
         return self.table[0].blocks
 
     def update(
-        self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_row: int = 0
+        self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_row: int = 0, length: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``k``, ``v`` [B, H_kv, T, D] at positions ``input_pos`` ([T] or [B, T]) of the rows ``first_row``
-        onwards, into the blocks their table rows name; return those rows' keys and values [B, H_kv, S, D]."""
+        onwards, into the blocks their table rows name; return those rows' keys and values [B, H_kv, S, D], or
+        their first ``length`` positions [B, H_kv, length, D] (gathered from the blocks that hold them alone)."""
         table = self.table[0]
         batch, size = k.shape[0], table.block_size
         rows = table.blocks[first_row : first_row + batch]  # [B, W]
         positions = input_pos if input_pos.dim() == 2 else input_pos[None].expand(batch, -1)  # [B, T]
         block = rows.gather(1, positions // size)  # [B, T]
         self.kv[:, block, positions % size] = torch.stack((k, v)).transpose(2, 3)  # [2, B, T, H_kv, D]
-        kv = self.kv[:, rows].flatten(2, 3)[:, :, : table.max_seq_length].transpose(2, 3)  # [2, B, H_kv, S, D]
+        length = table.max_seq_length if length is None else length
+        held = rows[:, : -(-length // size)]  # [B, blocks holding the first `length` positions]
+        kv = self.kv[:, held].flatten(2, 3)[:, :, :length].transpose(2, 3)  # [2, B, H_kv, length, D]
         return kv[0], kv[1]
 
 

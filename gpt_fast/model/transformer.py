@@ -202,7 +202,8 @@ class Attention(nn.Module):
             return self.rows_kernel(*args).view(bsz, seqlen, cfg.q_size)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
-        keys, values = self.kv_cache.update(input_pos, k, v, first_row)  # [B, H_kv, S, D]
+        seen = 0 if mask is None else mask.shape[-1]  # the keys the mask covers (none: the prompt's own alone)
+        keys, values = self.kv_cache.update(input_pos, k, v, first_row, seen)  # [B, H_kv, seen, D]
         gqa = cfg.n_head != cfg.n_local_heads
         if mask is None:  # a prompt from position 0: its own keys, causally (flash skips the masked blocks)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=self.scale)
@@ -493,7 +494,7 @@ class Transformer(nn.Module):
     def _layers(self, x: torch.Tensor, input_pos: torch.Tensor, first_row: int, from_start: bool) -> torch.Tensor:
         """The residual stream ``x`` [B, T, D] through the layers' own code (:meth:`forward`'s arguments)."""
         cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [T, D/2] or [B, T, D/2]
-        key_pos = torch.arange(self.max_seq_length, device=x.device)
+        key_pos = torch.arange(self._keys_seen(input_pos), device=x.device)
         # [T, S] or [B, T, S], causal over the whole cache; additive and in the model's dtype once here rather
         # than per layer
         mask = torch.where(key_pos <= input_pos[..., None], 0.0, float("-inf")).to(x.dtype)
@@ -507,6 +508,16 @@ class Transformer(nn.Module):
             args = (x, *inputs[layer.layer_type], input_pos, first_row)
             x = layer_region(layer, *args) if self.regional_compile else layer(*args)
         return x
+
+    def _keys_seen(self, input_pos: torch.Tensor) -> int:
+        """The cache positions a step's masks cover: every one, so that a compiled step's shapes stay fixed; in an
+        eager step on the CPU, where reading the positions costs the host nothing, only those up to the last one
+        written, so that attention neither gathers nor scores the rest of a long cache (a paged cache's every
+        block, in every layer: a 10-token prompt's first token through `gpt-fast serve` took 135 ms with them, 70
+        without, BENCHMARKS.md, 2026-11-30k)."""
+        if input_pos.device.type != "cpu" or torch.compiler.is_compiling():
+            return self.max_seq_length
+        return int(input_pos.max()) + 1
 
     def tied_output(self, x: torch.Tensor) -> torch.Tensor:
         """The output projection of tied embeddings, ``x`` [..., D] -> [..., V]: the product with the embedding
