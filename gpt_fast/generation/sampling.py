@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from gpt_fast.generation.options import MIN_TEMPERATURE, SamplingConfig
+from gpt_fast.model.transformer import host_reads_free
 
 SCAN_BLOCK = 256  # values per block of cumulative_sum's first scan
 
@@ -140,7 +141,7 @@ def sample_rows(
     shorter way: rows all greedy need the argmax alone, and rows without top-p only their top-k candidates, where
     sorting SmolLM2's 49152 logits takes 3.5 ms a row on two cores (docs/cpu.md, "Serving")."""
     if fixed_shapes is None:
-        fixed_shapes = logits.device.type != "cpu" or torch.compiler.is_compiling()
+        fixed_shapes = not host_reads_free(logits)
     greedy = temperature < MIN_TEMPERATURE  # [B]
     if not fixed_shapes and bool(greedy.all()):
         return logits.argmax(dim=-1)

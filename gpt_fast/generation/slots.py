@@ -26,7 +26,7 @@ from torch import nn
 from gpt_fast.generation.decode import COORDINATE_DESCENT, capture_graph, compile_options, tuning_options
 from gpt_fast.generation.options import MIN_TEMPERATURE, LogitAdjustments, SamplingConfig
 from gpt_fast.generation.sampling import mask_logits, sample_rows
-from gpt_fast.model.transformer import Transformer
+from gpt_fast.model.transformer import Transformer, host_reads_free
 
 TOP_LOGPROBS = 20  # the most alternatives a step reports per token (OpenAI's limit for top_logprobs)
 PREFILL_ROWS = 8  # the most prompts one prefill takes (RowPrefills)
@@ -132,7 +132,7 @@ def sample_into(
     Eager steps on the CPU, where reading the state costs the host nothing, skip the adjustments where no slot of
     ``rows`` has any and the log-probabilities where none reports them: passes over every row's whole vocabulary,
     which otherwise took 10 % of a step of the default model in `gpt-fast serve` (BENCHMARKS.md, 2026-11-30k)."""
-    eager = logits.device.type == "cpu" and not torch.compiler.is_compiling()
+    eager = host_reads_free(logits)
     adjusts = masked or not eager or bool(state.adjusted[rows].any())
     scores = adjusted_logits(state, rows, logits) if adjusts else logits
     if masked:
@@ -140,7 +140,7 @@ def sample_into(
     if adjusts:
         scores = min_p_filter(state, rows, scores)  # [n, V]
     tokens = sample_rows(
-        scores, state.temperature[rows], state.top_k[rows], state.top_p[rows], state.keys[rows], positions
+        scores, state.temperature[rows], state.top_k[rows], state.top_p[rows], state.keys[rows], positions, not eager
     )  # [n]
     took = torch.ones_like(tokens[:, None], dtype=torch.int32)  # [n, 1]
     if masked:

@@ -112,7 +112,7 @@ inline void weighted_sum(const float* w, const T* const* values, int64_t n, int6
     for (int64_t p = 0; p < n; ++p) {
       const __m256 weight = _mm256_set1_ps(w[p]);
       const T* v = values[p] + d0;
-      if (vectors == VECTORS) {
+      if (vectors == VECTORS) {  // a fixed count, so that the accumulators stay in registers
         for (int64_t c = 0; c < VECTORS; ++c) acc[c] = _mm256_fmadd_ps(weight, load8(v + c * LANES), acc[c]);
       } else {
         for (int64_t c = 0; c < vectors; ++c) acc[c] = _mm256_fmadd_ps(weight, load8(v + c * LANES), acc[c]);

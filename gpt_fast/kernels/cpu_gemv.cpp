@@ -911,16 +911,15 @@ Q8_TARGET inline void q8_block(const Q8Rows& a, int64_t m, int64_t K, int64_t G,
 #endif
 
 // The checks of a packed q8 product's operands (pack_int8_q8, pack_int4_q8): x [M, K] float32, words [N / PACK_ROWS,
-// K * PACK_ROWS * half_bytes / 2] uint8 (half_bytes: a weight's bytes times 2), scales (and zeros) [N / PACK_ROWS,
-// groups, PACK_ROWS] float32; its groups
+// K * PACK_ROWS] uint8 (int4: half as many), scales (and zeros) [N / PACK_ROWS, groups, PACK_ROWS] float32; its groups
 int64_t check_packed(const at::Tensor& x, const at::Tensor& words, std::initializer_list<at::Tensor> scales,
-                     int64_t group, int64_t half_bytes) {
+                     int64_t group, bool int4) {
   TORCH_CHECK(q8_usable(), "the q8 products need a CPU with AVX512-VNNI");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [M, K] float32");
   const int64_t K = x.size(1), G = (K + group - 1) / group;
   TORCH_CHECK(K % QBLOCK == 0 && group >= QBLOCK && group % QBLOCK == 0, "K and the group a multiple of 32");
   TORCH_CHECK(words.scalar_type() == at::kByte && words.dim() == 2 &&
-                  words.size(1) * 2 == K * PACK_ROWS * half_bytes,
+                  words.size(1) == K * PACK_ROWS / (int4 ? 2 : 1),
               "words must be [N / 16, K * 16] (int8) or [N / 16, K * 8] (int4) uint8, as packed");
   for (const auto& t : scales)
     TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 3 && t.size(0) == words.size(0) && t.size(1) == G &&
@@ -930,8 +929,8 @@ int64_t check_packed(const at::Tensor& x, const at::Tensor& words, std::initiali
 }
 
 // x [M, K] float32 times packed int8 or int4 weights (INT4), the activations rounded to int8 per QBLOCK columns (each
-// block's sums started from `factor` times its levels' sum): [M, N]. Any number of rows: a row block's weights are
-// loaded once for every 4 rows, and stay in the core's cache for all of them.
+// block's sum started from -128 or -8 times its levels' sum, see above): [M, N]. Any number of rows: a row block's
+// weights are loaded once for every 4 rows, and stay in the core's cache for all of them.
 template <bool INT4>
 at::Tensor packed_gemv(const at::Tensor& x, const at::Tensor& words, const at::Tensor& scales, const float* zeros,
                        int64_t group, int64_t G) {
@@ -965,7 +964,7 @@ at::Tensor packed_gemv(const at::Tensor& x, const at::Tensor& words, const at::T
 at::Tensor int8_q8_gemv_cpu(const at::Tensor& x, const at::Tensor& words, const at::Tensor& scales, int64_t group) {
   TORCH_CHECK(x.dim() == 2, "x must be [M, K] float32");
   const int64_t columns = group ? group : x.size(1);
-  const int64_t G = check_packed(x, words, {scales}, columns, 2);
+  const int64_t G = check_packed(x, words, {scales}, columns, false);
   return packed_gemv<false>(x, words, scales, nullptr, columns, G);
 }
 
@@ -975,7 +974,7 @@ at::Tensor int8_q8_gemv_cpu(const at::Tensor& x, const at::Tensor& words, const 
 // multiple of 32
 at::Tensor int4_q8_gemv_cpu(const at::Tensor& x, const at::Tensor& words, const at::Tensor& scales,
                             const at::Tensor& zeros, int64_t group) {
-  const int64_t G = check_packed(x, words, {scales, zeros}, group, 1);
+  const int64_t G = check_packed(x, words, {scales, zeros}, group, true);
   const at::Tensor zc = zeros.contiguous();
   return packed_gemv<true>(x, words, scales, zc.data_ptr<float>(), group, G);
 }

@@ -49,8 +49,8 @@ class KVCache(nn.Module):
             rows = torch.arange(first_row, first_row + batch, device=k.device)[:, None]  # [B, 1]
             positions = input_pos if input_pos.dim() == 2 else input_pos[None]  # [B, T] or [1, T]
             self.kv[:, rows, :, positions] = new.permute(1, 3, 0, 2, 4)  # [B, T, 2, H_kv, D]: indexed dims first
-        rows = slice(first_row, first_row + batch)
-        return self.kv[0, rows, :, :length], self.kv[1, rows, :, :length]
+        kept = self.kv[:, first_row : first_row + batch, :, :length]  # [2, B, H_kv, length or S, D]
+        return kept[0], kept[1]
 
 
 class BlockTable(nn.Module):

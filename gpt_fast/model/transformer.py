@@ -216,6 +216,12 @@ class Attention(nn.Module):
         return y.transpose(1, 2).reshape(bsz, seqlen, cfg.q_size)
 
 
+def host_reads_free(t: torch.Tensor) -> bool:
+    """Whether code may read ``t``'s values on the host to choose what to compute: an eager step on the CPU, where
+    the read costs nothing and no compiled graph needs fixed shapes (on a GPU it would wait for the device)."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
     """The gated MLP's hidden state: SwiGLU (``silu``) or GeGLU with tanh-approximated GeLU (``gelu_tanh``)."""
     return (F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")) * up
@@ -515,9 +521,7 @@ class Transformer(nn.Module):
         written, so that attention neither gathers nor scores the rest of a long cache (a paged cache's every
         block, in every layer: a 10-token prompt's first token through `gpt-fast serve` took 135 ms with them, 70
         without, BENCHMARKS.md, 2026-11-30k)."""
-        if input_pos.device.type != "cpu" or torch.compiler.is_compiling():
-            return self.max_seq_length
-        return int(input_pos.max()) + 1
+        return int(input_pos.max()) + 1 if host_reads_free(input_pos) else self.max_seq_length
 
     def tied_output(self, x: torch.Tensor) -> torch.Tensor:
         """The output projection of tied embeddings, ``x`` [..., D] -> [..., V]: the product with the embedding

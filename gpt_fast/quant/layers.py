@@ -119,14 +119,13 @@ class Int8Linear(QuantizedLinear):
         ``weight`` stays, read as it is; ``cpp`` where our C++ kernel does not take the layer
         (:func:`gpt_fast.quant.products.cpp_takes`) means ``dequant``. Scales per group take ``cpp`` (groups of
         a multiple of 16 that divide the inputs) or ``dequant``. ``cpp-q8`` where its kernel does not take the
-        layer (:func:`gpt_fast.quant.products.q8_takes`, and outputs a multiple of 16) means ``cpp``; where it takes
+        layer (:func:`gpt_fast.quant.products.q8_takes`: outputs a multiple of 16 too) means ``cpp``; where it takes
         it, the weights and scales are packed for its kernel (:func:`gpt_fast.kernels.cpu_gemv.pack_int8_q8`) into
         ``words`` and ``scales`` [N / 16, groups, 16], which replace them. ``gemlite`` is ``triton`` with gemlite's
         copy of the weights beside the words, in a 16-bit model, for products of
         :data:`gpt_fast.quant.products.GEMLITE_ROWS` rows."""
         takes = cpp_takes(self.weight, self.scales, self.in_features, "int8", self.group_size)
-        packs = q8_takes(self.in_features, self.group_size) and self.weight.shape[0] % cpu_gemv.Q8_ROWS == 0
-        if kernel == "cpp-q8" and takes and packs:
+        if kernel == "cpp-q8" and takes and q8_takes(self.weight.shape[0], self.in_features, self.group_size):
             self.kernel = kernel
             packed = cpu_gemv.pack_int8_q8(self.weight, self.scales)
             self.words, self.scales = (nn.Parameter(t, requires_grad=False) for t in packed)
@@ -210,7 +209,7 @@ class Int4Linear(QuantizedLinear):
             self.kernel = "aten"
         elif kernel in CPP_KERNELS:
             takes = cpp_takes(self.weight, self.scales, self.in_features, "int4", self.group_size)
-            packs = q8_takes(self.in_features, self.group_size) and self.weight.shape[0] % cpu_gemv.Q8_ROWS == 0
+            packs = q8_takes(self.weight.shape[0], self.in_features, self.group_size)
             self.kernel = ("cpp-q8" if kernel == "cpp-q8" and packs else "cpp") if takes else "dequant"
         else:
             self.kernel = "dequant" if kernel == "aten" else kernel

@@ -147,13 +147,15 @@ def register_cpu_ops() -> None:
         return scales.new_empty((weight.shape[0], 2 * weight.shape[1]))
 
 
-def q8_takes(columns: int, group_size: int | None) -> bool:
-    """Whether the ``cpp-q8`` kernels take a layer (one :func:`cpp_takes` takes) of ``columns`` inputs with a scale
-    per row (``group_size`` None) or per group: whole blocks of activations, groups a power of two from a block
+def q8_takes(rows: int, columns: int, group_size: int | None) -> bool:
+    """Whether the ``cpp-q8`` kernels take a layer (one :func:`cpp_takes` takes) of ``rows`` outputs and ``columns``
+    inputs with a scale per row (``group_size`` None) or per group: whole packed blocks of weight rows
+    (:func:`gpt_fast.kernels.cpu_gemv.pack_int8_q8`), whole blocks of activations, groups a power of two from a block
     dividing the inputs."""
     block = cpu_gemv.Q8_BLOCK
     grouped = group_size is None or (group_size >= block and group_size & (group_size - 1) == 0)
-    return columns % block == 0 and grouped and columns % (group_size or block) == 0
+    whole = rows % cpu_gemv.Q8_ROWS == 0 and columns % block == 0
+    return whole and grouped and columns % (group_size or block) == 0
 
 
 def cpp_shape_takes(mode: str, columns: int, group_size: int | None) -> bool:
