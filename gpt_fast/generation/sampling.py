@@ -139,12 +139,14 @@ def sample_rows(
     fixed graph: every row's logits are sorted, and top-k and top-p become masks by rank. Eager steps on the CPU
     (``fixed_shapes`` None there), where reading the settings costs the host nothing, take the same tokens by a
     shorter way: rows all greedy need the argmax alone, and rows without top-p only their top-k candidates, where
-    sorting SmolLM2's 49152 logits takes 3.5 ms a row on two cores (docs/cpu.md, "Serving")."""
+    sorting SmolLM2's 49152 logits takes 3.5 ms a row on two cores (docs/cpu.md, "Serving"). The argmax goes a row
+    at a time there: over several rows torch shares it among OpenMP's threads, whose spinning or waking then takes
+    the core from our kernels' helper threads for milliseconds (docs/cpu.md, "Threads")."""
     if fixed_shapes is None:
         fixed_shapes = not host_reads_free(logits)
     greedy = temperature < MIN_TEMPERATURE  # [B]
     if not fixed_shapes and bool(greedy.all()):
-        return logits.argmax(dim=-1)
+        return torch.cat([row.argmax(dim=-1) for row in logits.split(1)])  # [B]
     scaled = logits.float() / temperature.clamp_min(MIN_TEMPERATURE)[:, None]
     if not fixed_shapes and bool((top_p >= 1).all()):
         ranked, index = scaled.topk(int(top_k.max()), dim=-1)  # [B, k], descending

@@ -131,7 +131,8 @@ def sample_into(
 
     Eager steps on the CPU, where reading the state costs the host nothing, skip the adjustments where no slot of
     ``rows`` has any and the log-probabilities where none reports them: passes over every row's whole vocabulary,
-    which otherwise took 10 % of a step of the default model in `gpt-fast serve` (BENCHMARKS.md, 2026-11-30k)."""
+    which otherwise took 10 % of a step of the default model in `gpt-fast serve` (docs/bench/HISTORY.md,
+    2026-11-30k)."""
     eager = host_reads_free(logits)
     adjusts = masked or not eager or bool(state.adjusted[rows].any())
     scores = adjusted_logits(state, rows, logits) if adjusts else logits

@@ -8,10 +8,11 @@
 // the results differ from it by the order of the float32 sums only. The operators int8_q8_gemv_cpu and
 // int4_q8_gemv_cpu (a CPU with AVX512-VNNI) round the activations to int8 instead, as llama.cpp does, on weights
 // packed for them at load, for any number of rows (see "activations rounded to int8" below).
-// Output rows are shared among the calling thread and our helper threads (cpu_threads.cpp) in tasks of GRAIN rows
-// that each thread takes in turn (over_rows); each reads its rows of weights once for all the activation rows, and
+// Output rows are shared among the calling thread and our helper threads (cpu_threads.cpp) in tasks of whole GRAINs
+// of rows that each thread takes in turn (over_tasks); each reads its rows of weights once for all the activation rows, and
 // widens each weight once for every ROWS of them.
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
@@ -38,23 +39,31 @@ constexpr int64_t INT8_STEP = 16;   // int8 columns per step: two vectors of 8
 constexpr int64_t INT4_BLOCK = 64;  // int4 columns per step: 32 bytes read as 8 words of 8 nibbles
 constexpr int64_t MIN_GROUP = 32;   // the smallest int4 group: a block holds one or two groups
 constexpr float MID = 8.f;          // the int4 level whose value is the group's zero
-constexpr int64_t GRAIN = 16;       // output rows per task (over_rows)
+constexpr int64_t GRAIN = 16;       // output rows that a kernel computes together (over_tasks)
+constexpr int64_t TASKS_PER_THREAD = 4;  // tasks of a product per thread taking part (over_tasks)
 constexpr int ROWS = 4;             // activation rows that share each widened weight
 // Weight bytes (times passes) per thread, at least: the default model's eager decode with two threads and waits
 // that sleep made 34.4 tok/s when every product took both, 40.2 with this (docs/bench/HISTORY.md, 2026-11-30b); with
 // our own helpers, 64 KB made it faster idle and slower beside a busy process (BENCHMARKS.md, 2026-11-30h)
 constexpr int64_t THREAD_WORK = 1 << 20;
 
-// f(n0, n1) for the output rows n0 .. n1 - 1 of N, tasks of GRAIN rows that the calling thread and our helper
-// threads take one after another until none is left (gpt_fast_cpu::share_tasks): a thread that another process keeps
-// off its core takes fewer of them, where an even split would make the whole product wait for its share. `work` is
-// the weight bytes times the passes over them (one per ROWS activation rows); a product takes one thread per
-// THREAD_WORK of it at most, since waking a thread costs more than a small product saves.
+// f(n0, n1) for the output rows n0 .. n1 - 1 of N in GRAINs of rows (n1 - n0 <= GRAIN), TASKS_PER_THREAD tasks of
+// whole GRAINs for each thread taking part, which the calling thread and our helper threads take one after another
+// until none is left (gpt_fast_cpu::share_tasks): a thread that another process keeps off its core takes fewer of
+// them, where an even split would make the whole product wait for its share. A task is claimed by an atomic operation
+// on a cache line that both cores write: tasks of one GRAIN each cost as much to claim as to compute in a 4-row
+// product, and a second thread gave nothing (a 4-row `cpp-q8` w13 product of the default model, 118 against 109 µs;
+// 78 µs with these tasks: docs/cpu.md, "Threads"). `work` is the weight bytes times the passes over them (one per ROWS
+// activation rows); a product takes one thread per THREAD_WORK of it at most, since waking a thread costs more than a
+// small product saves.
 template <typename F>
 inline void over_tasks(int64_t N, int64_t work, F&& f) {
-  const int64_t tasks = (N + GRAIN - 1) / GRAIN;
-  gpt_fast_cpu::share_tasks(tasks, std::max<int64_t>(1, work / THREAD_WORK),
-                            [&](int64_t t) { f(t * GRAIN, std::min(N, (t + 1) * GRAIN)); });
+  const int64_t threads = std::min<int64_t>(std::max<int64_t>(1, work / THREAD_WORK), at::get_num_threads());
+  const int64_t grains = (N + GRAIN - 1) / GRAIN;
+  const int64_t per = std::max<int64_t>(1, grains / (threads * TASKS_PER_THREAD));  // grains per task
+  gpt_fast_cpu::share_tasks((grains + per - 1) / per, threads, [&](int64_t t) {
+    for (int64_t g = t * per; g < std::min(grains, (t + 1) * per); ++g) f(g * GRAIN, std::min(N, (g + 1) * GRAIN));
+  });
 }
 
 // f(n) for the output rows n of N, shared among threads as over_tasks shares them

@@ -520,7 +520,7 @@ class Transformer(nn.Module):
         eager step on the CPU, where reading the positions costs the host nothing, only those up to the last one
         written, so that attention neither gathers nor scores the rest of a long cache (a paged cache's every
         block, in every layer: a 10-token prompt's first token through `gpt-fast serve` took 135 ms with them, 70
-        without, BENCHMARKS.md, 2026-11-30k)."""
+        without, docs/bench/HISTORY.md, 2026-11-30k)."""
         return int(input_pos.max()) + 1 if host_reads_free(input_pos) else self.max_seq_length
 
     def tied_output(self, x: torch.Tensor) -> torch.Tensor:

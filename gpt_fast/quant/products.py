@@ -37,7 +37,7 @@ for 1024 rows.
   rows, on the layer's weights packed at load for that instruction (``pack_int8_q8``, ``pack_int4_q8``; the packed
   copy replaces them), in blocks of 16 rows that each instruction multiplies at once: on a Zen 4 core, one thread, a
   decode step's int4 products took 5.4 ms against 8.2 on the checkpoint's layout, and 4 rows 7.3 against 16.2
-  (BENCHMARKS.md, 2026-11-30k). Its products differ from the
+  (docs/bench/HISTORY.md, 2026-11-30k). Its products differ from the
   dequantized reference by the activations' rounding (relative error about 5e-3 on random rows), where ``cpp``'s
   differ by the order of float32 sums only. Not ``auto``'s choice: its greedy tokens are not the float model's
   (docs/cpu.md).
