@@ -27,14 +27,14 @@ OUT_FEATURES, COLUMNS = 4096, 1024
 TOLERANCE = 1e-5  # float32 sums against the float64 product, as in test_quant_cpu_kernels.py
 
 
-def int8_product() -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]:
+def int8_product(out_features: int = OUT_FEATURES) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]:
     torch.manual_seed(0)
-    q, scales = quantize_int8(torch.randn(OUT_FEATURES, COLUMNS), torch.float32)
+    q, scales = quantize_int8(torch.randn(out_features, COLUMNS), torch.float32)
     return lambda x: int8_linear(x, q, scales, "cpp"), dequantize_int8(q, scales).double()
 
 
-def int4_product() -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]:
-    layer, weights = int4_layer(OUT_FEATURES, COLUMNS, 32)
+def int4_product(out_features: int = OUT_FEATURES) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]:
+    layer, weights = int4_layer(out_features, COLUMNS, 32)
     layer.prepare("cpp")
     return lambda x: layer(x), weights
 
@@ -50,9 +50,11 @@ def inputs(count: int, rows: int = 1) -> list[torch.Tensor]:
 @needs_cpp
 @pytest.mark.parametrize("kind", PRODUCTS)
 @pytest.mark.parametrize("rows", [1, 4])
-def test_two_threads_give_one_threads_numbers_call_after_call(kind, rows):
+@pytest.mark.parametrize("out_features", [OUT_FEATURES, OUT_FEATURES + 53])  # the last task's last rows: a part
+def test_two_threads_give_one_threads_numbers_call_after_call(kind, rows, out_features):
+    """Each thread takes whole tasks of 16-row grains, and the last task ends where the rows do."""
     register_cpu_ops()
-    product, weights = PRODUCTS[kind]()
+    product, weights = PRODUCTS[kind](out_features)
     xs = inputs(8, rows)
     torch.set_num_threads(1)
     alone = [product(x) for x in xs]
