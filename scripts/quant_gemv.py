@@ -5,7 +5,8 @@ matrix quantized int8 (a scale per row) and int4 (group 128), with
 - ``bf16``: cuBLAS on the bf16 weights (what decode does unquantized; the speed to beat);
 - ``ours``: the quantized layer as a model runs it (:mod:`gpt_fast.quant.layers`, kernel ``triton``: our GEMV
   for few rows, our Triton matrix product for more);
-- ``triton ...``: our GEMV kernels (:mod:`gpt_fast.kernels.triton_gemv`) over a grid of tiles (``--sweep``, one row);
+- ``triton ...``: our GEMV kernels (:mod:`gpt_fast.kernels.triton_gemv`) over a grid of tiles (``--sweep``, one row),
+  or with the chosen tile's loop over K pipelined by Triton in each of ``--stages`` (its ``num_stages``; one row);
 - ``aten``: PyTorch's ``_weight_int8pack_mm`` / ``_weight_int4pack_mm`` (tinygemm), where this build has them;
 - ``inductor``: the plain-PyTorch dequantize-then-linear (:mod:`gpt_fast.quant.products`' ``dequant``) compiled by
   inductor with gpt-fast's settings (upstream gpt-fast's int8 formula);
@@ -17,12 +18,13 @@ enough weight copies (>= 400 MB) that none stays in L2 between uses. Prints one 
 table of the best of each kind per matrix and row count.
 
     python scripts/quant_gemv.py [--sweep] [--rows 1,8,32,64] [--matrices w13,w2,...] [--kinds ours,gemlite]
-        [--json_out FILE]
+        [--stages 1,2,3,4] [--json_out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import json
@@ -66,6 +68,28 @@ def launches(scheme: str, sweep: bool) -> list[triton_gemv.Launch | None]:
     return [triton_gemv.Launch(*config) for config in grid]
 
 
+def staged_variants(scheme: str, stages: list[int]) -> dict[str, Fn]:
+    """Our GEMV with the tile the code chooses, its loop over K pipelined by Triton in each number of ``stages``."""
+    out: dict[str, Fn] = {}
+    for count in stages:
+        if scheme == "int8":
+            out[f"triton-interleaved chosen s{count}"] = functools.partial(_staged_int8, stages=count)
+        else:
+            out[f"triton-half2 chosen s{count}"] = functools.partial(_staged_int4, stages=count)
+    return out
+
+
+def _staged_int8(x: torch.Tensor, w: Copy, stages: int) -> torch.Tensor:
+    words = w["ours"].words
+    launch = dataclasses.replace(triton_gemv.int8_launch(words.shape[0], x.shape[1], True), stages=stages)
+    return triton_gemv.int8_gemv(x, words, w["scales"], launch)
+
+
+def _staged_int4(x: torch.Tensor, w: Copy, stages: int) -> torch.Tensor:
+    launch = dataclasses.replace(triton_gemv.int4_launch(w["scales"].shape[0], GROUP), stages=stages)
+    return triton_gemv.int4_gemv(x, w["ours"].words, w["scales"], w["zeros"], GROUP, launch)
+
+
 def gemv_variants(scheme: str, sweep: bool) -> dict[str, Fn]:
     """Our GEMV kernels called directly, with the tiles the code chooses or (``sweep``) each of a grid."""
     out: dict[str, Fn] = {}
@@ -83,12 +107,12 @@ def gemv_variants(scheme: str, sweep: bool) -> dict[str, Fn]:
     return out
 
 
-def variants(scheme: str, sweep: bool, rows: int) -> dict[str, Fn]:
+def variants(scheme: str, sweep: bool, rows: int, stages: list[int]) -> dict[str, Fn]:
     if scheme == "bf16":
         return {"bf16 cublas": lambda x, w: F.linear(x, w["weight"])}
     out: dict[str, Fn] = {"ours layer": lambda x, w: w["ours"](x)}
     if rows == 1:
-        out |= gemv_variants(scheme, sweep)
+        out |= gemv_variants(scheme, sweep) | staged_variants(scheme, stages)
     torch._dynamo.reset()
     if scheme == "int8":
         out["aten _weight_int8pack_mm"] = lambda x, w: torch.ops.aten._weight_int8pack_mm(x, w["weight"], w["scales"])
@@ -164,10 +188,11 @@ def measure(name: str, scheme: str, args: argparse.Namespace) -> list[dict]:
         quantized(scheme, torch.randn(n, k, device="cuda", dtype=torch.bfloat16))[0] for _ in range(count - 1)
     ]
     out = []
+    stages = [int(count) for count in args.stages.split(",")] if args.stages else []
     for rows in (int(r) for r in args.rows.split(",")):
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         expected = x.double() @ reference.T
-        for variant, fn in variants(scheme, args.sweep, rows).items():
+        for variant, fn in variants(scheme, args.sweep, rows, stages).items():
             if args.kinds and variant.split()[0] not in args.kinds.split(","):
                 continue
             try:
@@ -193,6 +218,7 @@ def main() -> None:
     parser.add_argument("--matrices", default=",".join(MATRICES))
     parser.add_argument("--schemes", default="bf16,int8,int4")
     parser.add_argument("--kinds", default="", help="only these kinds (ours,triton,aten,inductor,gemlite,bf16)")
+    parser.add_argument("--stages", default="", help="one row: the chosen tile also at these num_stages (e.g. 1,2,3,4)")
     parser.add_argument("--json_out", default=None)
     args = parser.parse_args()
     apply_torch_settings()

@@ -9,8 +9,8 @@
 // int4_q8_gemv_cpu (a CPU with AVX512-VNNI) round the activations to int8 instead, as llama.cpp does, on weights
 // packed for them at load, for any number of rows (see "activations rounded to int8" below).
 // Output rows are shared among the calling thread and our helper threads (cpu_threads.cpp) in tasks of whole GRAINs
-// of rows that each thread takes in turn (over_tasks); each reads its rows of weights once for all the activation rows, and
-// widens each weight once for every ROWS of them.
+// of rows that each thread takes in turn (over_tasks); each reads its rows of weights once for all the activation
+// rows, and widens each weight once for every ROWS of them.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -1013,7 +1013,8 @@ inline float float_dot(const float* x, const float* w, int64_t K) {
 }
 
 // The rows x [M, K] float32 (a decode step's few) times the float32 weight [N, K]: [M, N]; on one thread it reads the
-// weights 1.5x as fast as torch's product of one row (the default model's float32 decode: BENCHMARKS.md, 2026-11-30i)
+// weights 1.5x as fast as torch's product of one row (the default model's float32 decode: docs/bench/HISTORY.md,
+// 2026-11-30i)
 at::Tensor float_gemv(const at::Tensor& x, const at::Tensor& weight) {
   check_rows(x, weight, 1);
   TORCH_CHECK(weight.scalar_type() == at::kFloat, "float_gemv: float32 weights");

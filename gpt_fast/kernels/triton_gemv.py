@@ -51,6 +51,11 @@ class Launch:
     warps: int
     words: bool = False  # int8 as it is: the matrix read as 32-bit words (where K is a multiple of 8)
     half2: bool = False  # int4: products summed in float16 pairs (where x is 16-bit)
+    stages: int | None = None  # Triton's software pipelining of the loop over K (num_stages); None: its default
+
+    def compile_options(self) -> dict[str, int]:
+        """The launch's ``num_warps``, and ``num_stages`` where the tile sets it."""
+        return {"num_warps": self.warps} | ({} if self.stages is None else {"num_stages": self.stages})
 
 
 @dataclass(frozen=True, eq=False)
@@ -855,7 +860,7 @@ def int8_gemv(
     assert interleaved or inside.empty(), "only the interleaved words' kernel computes more inside"
     launch = launch or int8_launch(n, k, interleaved, inside)
     y, grid, even, words = _prelude(x, n, launch, inside.activation)
-    common = {"BLOCK_N": launch.block_n, "EVEN": even, "num_warps": launch.warps, **pdl_launch(x.device, pdl)}
+    common = {"BLOCK_N": launch.block_n, "EVEN": even, **launch.compile_options(), **pdl_launch(x.device, pdl)}
     if interleaved:
         wrap(_int8_interleaved_gemv)[grid](
             x,
@@ -950,7 +955,7 @@ def int4_gemv(
         BF16=x.dtype == torch.bfloat16,
         ASM=x.is_cuda,
         **inside.arguments(x, y),
-        num_warps=launch.warps,
+        **launch.compile_options(),
         **pdl_launch(x.device, pdl),
     )
     return y
