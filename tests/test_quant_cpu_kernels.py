@@ -3,6 +3,8 @@ product with the dequantized weights, the layers' fallbacks where the kernels do
 choice of ``auto``, and greedy decoding unchanged against the dequantizing kernel, eager and compiled."""
 
 import dataclasses
+import os
+import time
 
 import pytest
 import torch
@@ -306,3 +308,17 @@ def test_greedy_tokens_match_the_dequantizing_kernel(quant, kernel, monkeypatch)
     assert tokens(kernel, "none") == reference
     assert tiles, "the prompt did not take the tile kernels"
     assert tokens(kernel, "default") == reference
+
+
+def test_a_lock_left_by_an_interrupted_build_is_removed_and_a_live_ones_kept(tmp_path, capsys):
+    """torch's extension builder waits without end for a build's lock: one left by a build that was killed would
+    hang every later load."""
+    lock = tmp_path / "lock"
+    lock.touch()
+    cpu_gemv.clear_stale_lock(tmp_path)  # a build holding it now
+    assert lock.exists() and capsys.readouterr().err == ""
+    then = time.time() - cpu_gemv.STALE_LOCK_SECONDS - 1
+    os.utime(lock, (then, then))
+    cpu_gemv.clear_stale_lock(tmp_path)
+    assert not lock.exists() and "did not finish" in capsys.readouterr().err
+    cpu_gemv.clear_stale_lock(tmp_path)  # no lock: nothing to do

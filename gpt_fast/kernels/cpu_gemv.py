@@ -40,6 +40,7 @@ INT4_GROUPS = 32  # the int4 kernel's group sizes: a multiple of this
 Q8_BLOCK = 32  # columns of activations that share one scale in the q8 kernels: their inputs are a multiple of it
 Q8_ROWS = 16  # the q8 kernels' weight rows per packed block (pack_int8_q8, pack_int4_q8): their outputs a multiple
 BUILD_NOTE_SECONDS = 2.0  # a load slower than this compiled the library
+STALE_LOCK_SECONDS = 600  # a build lock older than this was left by a build that did not finish (builds take ~20 s)
 
 
 def cpu_kernels_usable() -> bool:
@@ -67,8 +68,9 @@ def _put_ninja_on_path() -> None:
 def load_cpu_kernels() -> None:
     """Build (the first time on this machine, some 20 s, said on standard error) and load the library that
     registers the operators (the products' and the decode attention's)."""
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import _get_build_directory, load
 
+    clear_stale_lock(Path(_get_build_directory(LIBRARY, verbose=False)))
     start = time.perf_counter()
     load(
         LIBRARY,
@@ -79,6 +81,18 @@ def load_cpu_kernels() -> None:
     seconds = time.perf_counter() - start
     if seconds > BUILD_NOTE_SECONDS:
         print(f"Built gpt-fast's CPU kernels in {seconds:.1f} s (once on this machine)", file=sys.stderr)
+
+
+def clear_stale_lock(build_dir: Path) -> None:
+    """Remove the lock file that a build of the library into ``build_dir`` left behind when it was interrupted
+    (Ctrl-C, a killed process): torch's extension builder waits, without end, for the lock a build holds, so every
+    later load would hang. A lock older than :data:`STALE_LOCK_SECONDS` is such a one; saying so on standard error."""
+    lock = build_dir / "lock"
+    with contextlib.suppress(FileNotFoundError):
+        age = time.time() - lock.stat().st_mtime
+        if age > STALE_LOCK_SECONDS:
+            lock.unlink()
+            print(f"note: removed {lock}, left {age:.0f} s ago by a build that did not finish", file=sys.stderr)
 
 
 def q8_usable() -> bool:
