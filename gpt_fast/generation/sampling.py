@@ -139,14 +139,12 @@ def sample_rows(
     fixed graph: every row's logits are sorted, and top-k and top-p become masks by rank. Eager steps on the CPU
     (``fixed_shapes`` None there), where reading the settings costs the host nothing, take the same tokens by a
     shorter way: rows all greedy need the argmax alone, and rows without top-p only their top-k candidates, where
-    sorting SmolLM2's 49152 logits takes 3.5 ms a row on two cores (docs/cpu.md, "Serving"). The argmax goes a row
-    at a time there: over several rows torch shares it among OpenMP's threads, whose spinning or waking then takes
-    the core from our kernels' helper threads for milliseconds (docs/cpu.md, "Threads")."""
+    sorting SmolLM2's 49152 logits takes 3.5 ms a row on two cores (docs/cpu.md, "Serving")."""
     if fixed_shapes is None:
         fixed_shapes = not host_reads_free(logits)
     greedy = temperature < MIN_TEMPERATURE  # [B]
     if not fixed_shapes and bool(greedy.all()):
-        return torch.cat([row.argmax(dim=-1) for row in logits.split(1)])  # [B]
+        return best_tokens(logits, fixed_shapes)
     scaled = logits.float() / temperature.clamp_min(MIN_TEMPERATURE)[:, None]
     if not fixed_shapes and bool((top_p >= 1).all()):
         ranked, index = scaled.topk(int(top_k.max()), dim=-1)  # [B, k], descending
@@ -156,7 +154,16 @@ def sample_rows(
     ranked = torch.where(top_p[:, None] < 1, top_p_filter(ranked, top_p[:, None]), ranked)
     noise = token_noise(keys, positions, index)  # each token's own draw, in rank order
     choice = torch.argmax(torch.softmax(ranked, dim=-1) / noise, dim=-1, keepdim=True)  # [B, 1]
-    return torch.where(greedy, logits.argmax(dim=-1), index.gather(1, choice).squeeze(1))
+    return torch.where(greedy, best_tokens(logits, fixed_shapes), index.gather(1, choice).squeeze(1))
+
+
+def best_tokens(logits: torch.Tensor, fixed_shapes: bool) -> torch.Tensor:
+    """Each row's argmax [B] of ``logits`` [B, V]; without ``fixed_shapes`` (an eager step on the CPU) a row at a
+    time: over several rows torch shares the argmax among OpenMP's threads, whose spinning or waking then takes the
+    core from our kernels' helper threads for milliseconds (docs/cpu.md, "Threads")."""
+    if fixed_shapes:
+        return logits.argmax(dim=-1)
+    return torch.cat([row.argmax(dim=-1) for row in logits.split(1)])
 
 
 def mask_logits(logits: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
