@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A/B of two source trees on one machine: the same benchmark command run by each tree's gpt_fast in turn, in fresh
 # processes, alternating A B A B ... so that drift of the machine falls on both sides alike. Every `measured:` line
-# the benchmarks print is kept, prefixed with the side and round, in OUT_DIR/ab.txt.
+# the benchmarks print is kept, prefixed with the side and round, in OUT_DIR/ab.txt. Each side builds the C++ kernels
+# of its tree once, into its own TORCH_EXTENSIONS_DIR (OUT_DIR/ext_A, OUT_DIR/ext_B).
 #
 # usage: scripts/ab_trees.sh A_ROOT B_ROOT ROUNDS OUT_DIR -- COMMAND...
 #   A_ROOT, B_ROOT: folders holding a gpt_fast package (e.g. an old commit's `git archive HEAD~1 gpt_fast` and this
@@ -17,7 +18,8 @@ for round in $(seq 1 "$rounds"); do
     root=$a_root; [ "$side" = B ] && root=$b_root
     log="$out/${side}_${round}.log"
     echo "=== $side round $round $(date -u +%T): PYTHONPATH=$root $*" | tee -a "$out/ab.txt"
-    PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 "$@" > "$log" 2>&1
+    PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" TORCH_EXTENSIONS_DIR="$out/ext_$side" PYTHONUNBUFFERED=1 \
+      "$@" > "$log" 2>&1
     echo "rc $? $(date -u +%T)" | tee -a "$out/ab.txt"
     grep -E "^measured:|^\|" "$log" | sed "s/^/$side$round /" >> "$out/ab.txt"
   done

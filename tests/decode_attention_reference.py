@@ -133,14 +133,19 @@ def compared(
 
 
 def kernel_errors(
-    kernel: Callable[..., torch.Tensor], dtype: torch.dtype, device: str, cases: list[tuple] = CASES
+    kernel: Callable[..., torch.Tensor],
+    dtype: torch.dtype,
+    device: str,
+    cases: list[tuple] = CASES,
+    cache_dtype: torch.dtype | None = None,
 ) -> tuple[float, float]:
-    """The worst relative error of the output and of an element of the cache, over ``cases``."""
+    """The worst relative error of the output and of an element of the cache, over ``cases``; the cache in
+    ``cache_dtype`` (None: ``dtype``)."""
     worst = (0.0, 0.0)
     for case in cases:
         bsz, rows, n_head, n_kv, head_dim, length, positions, first_row, window, softcap, launch = case
         inputs = step_inputs(bsz, n_head, n_kv, head_dim, length, positions, dtype, device)
-        cache = KVCache(rows, n_kv, length, head_dim, dtype=dtype, device=device)
+        cache = KVCache(rows, n_kv, length, head_dim, dtype=cache_dtype or dtype, device=device)
         errors = compared(kernel, cache, inputs, first_row, window, softcap, launch)
         worst = tuple(max(pair) for pair in zip(worst, errors, strict=True))
     return worst
@@ -159,16 +164,24 @@ def shuffled_table(table: BlockTable, positions: list, first_row: int, sink: lis
 
 
 def paged_kernel_errors(
-    kernel: Callable[..., torch.Tensor], dtype: torch.dtype, device: str, cases: list[tuple] = PAGED_CASES
+    kernel: Callable[..., torch.Tensor],
+    dtype: torch.dtype,
+    device: str,
+    cases: list[tuple] = PAGED_CASES,
+    cache_dtype: torch.dtype | None = None,
+    heads_major: bool = False,
 ) -> tuple[float, float]:
-    """:func:`kernel_errors` over a paged cache (``cases`` as :data:`PAGED_CASES`), two spare blocks in it."""
+    """:func:`kernel_errors` over a paged cache (``cases`` as :data:`PAGED_CASES`, the layout ``heads_major`` says),
+    two spare blocks in it."""
     worst = (0.0, 0.0)
     for case in cases:
         bsz, rows, n_head, n_kv, head_dim, length, size, positions, first_row, window, softcap, launch, sink = case
         inputs = step_inputs(bsz, n_head, n_kv, head_dim, length, positions, dtype, device)
         table = BlockTable(rows, length, size, device=device)
         blocks = shuffled_table(table, positions, first_row, sink) + 2
-        cache = PagedKVCache(blocks, table, n_kv, head_dim, dtype=dtype, device=device)
+        cache = PagedKVCache(
+            blocks, table, n_kv, head_dim, dtype=cache_dtype or dtype, device=device, heads_major=heads_major
+        )
         errors = compared(kernel, cache, inputs, first_row, window, softcap, launch)
         worst = tuple(max(pair) for pair in zip(worst, errors, strict=True))
     return worst

@@ -77,14 +77,15 @@ def test_it_needs_our_cpu_kernels():
         EngineOptions(kernels=KernelOptions(layers="mega"))
 
 
-def engines(config, quant=None, quant_kernel="auto"):
+def engines(config, quant=None, quant_kernel="auto", kv_cache_dtype="auto"):
     """The same weights with the C++ layers and with the model's own."""
     state = random_weights(config, torch.float32, seed=0)
     if quant is not None:
         state = quantize_state(state, config, quant, torch.float32)
     made = {}
     for layers in ("cpp", "torch"):
-        options = EngineOptions(device="cpu", kernels=KernelOptions(quant=quant_kernel, layers=layers))
+        kernels = KernelOptions(quant=quant_kernel, layers=layers)
+        options = EngineOptions(device="cpu", kernels=kernels, kv_cache_dtype=kv_cache_dtype)
         made[layers] = Engine.from_state(config, state, options, quant)
     return made["cpp"], made["torch"]
 
@@ -210,6 +211,22 @@ def test_steps_of_many_rows_give_the_model_codes_logits(quant, kernel, rows, pag
     cpp, plain = engines(config, quant, kernel)
     prompts = [[3, 4, 5], [6, 7, 8, 9, 10, 11, 12], [13, 14], [15], [16, 17, 18, 19], [20, 21], [22, 23, 24]][:rows]
     ours, reference = rows_logits(cpp, prompts, 6, paged), rows_logits(plain, prompts, 6, paged)
+    assert torch.allclose(ours, reference, rtol=1e-4, atol=1e-4), (ours - reference).abs().max()
+
+
+@needs_cpp
+@pytest.mark.parametrize("paged", [False, True], ids=["static", "paged"])
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_a_narrower_cache_gives_the_model_codes_logits(cache_dtype, paged):
+    """``--kv_cache_dtype``: a server's steps over a float16 or bfloat16 cache, against the model's code over the
+    same cache (keys and values rounded as they are written, read back as float32)."""
+    config = dataclasses.replace(SHAPE, qkv_bias=True)
+    cpp, plain = engines(config, kv_cache_dtype=str(cache_dtype).removeprefix("torch."))
+    prompts = [[3, 4, 5], [6, 7, 8, 9, 10, 11, 12], [13, 14]]
+    ours, reference = rows_logits(cpp, prompts, 6, paged), rows_logits(plain, prompts, 6, paged)
+    assert cpp.kernels.layers == "cpp" and cpp.model.layers[0].attention.kv_cache.kv.dtype == cache_dtype
+    assert plain.model.layers[0].attention.kv_cache.kv.dtype == cache_dtype
+    assert cpp.model.paged_heads_major and not plain.model.paged_heads_major
     assert torch.allclose(ours, reference, rtol=1e-4, atol=1e-4), (ours - reference).abs().max()
 
 

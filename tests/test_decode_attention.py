@@ -16,6 +16,7 @@ from decode_attention_reference import (
     paged_kernel_errors,
     random_model,
     reference_attention,
+    step_inputs,
 )
 
 from gpt_fast.accel.decode_attention import (
@@ -57,6 +58,20 @@ def test_kernel_choice_on_the_cpu():
         resolve_attention_kernel("cpp", torch.device("cuda"), "default")
 
 
+def test_a_cache_in_a_dtype_of_its_own_takes_a_kernel_that_reads_it():
+    """The C++ kernel reads a float32 model's float16 or bfloat16 cache; no fused kernel reads another mix
+    (``auto`` takes the model's code, a kernel asked for is refused), nor does the Triton kernel read any."""
+    cpu, f32, f16, bf16 = torch.device("cpu"), torch.float32, torch.float16, torch.bfloat16
+    cpp = "cpp" if cpu_gemv.cpu_kernels_usable() else "torch"
+    assert resolve_attention_kernel("auto", cpu, "default", cache_dtype=f16, dtype=f32) == cpp
+    assert resolve_attention_kernel("auto", cpu, "default", cache_dtype=f32, dtype=bf16) == "torch"
+    assert resolve_attention_kernel("auto", torch.device("cuda"), "default", cache_dtype=f16, dtype=bf16) == "torch"
+    with pytest.raises(ValueError, match="the cpp attention kernel does not read a torch.float32 KV cache of a "):
+        resolve_attention_kernel("cpp", cpu, "default", cache_dtype=f32, dtype=bf16)
+    with pytest.raises(ValueError, match="the triton attention kernel does not read a torch.float16 KV cache"):
+        resolve_attention_kernel("triton", torch.device("cuda"), "default", cache_dtype=f16, dtype=bf16)
+
+
 needs_cpp = pytest.mark.skipif(not cpu_gemv.cpu_kernels_usable(), reason="our C++ kernels do not build here")
 
 
@@ -74,9 +89,30 @@ def test_the_cpp_kernel_matches_the_pytorch_code(dtype, tolerance):
     against rotary embedding + the cache's update + ``attend_one_query``, and the cache after the write. The
     rotated key is rounded to the cache's dtype as the model's code rounds it, so the cache is equal; the output
     differs by the order of float32 sums, in bfloat16 by an output rounded the other way now and then (the
-    tolerance is half its precision)."""
-    for errors in (kernel_errors(cpp_kernel, dtype, "cpu"), paged_kernel_errors(cpp_kernel, dtype, "cpu")):
+    tolerance is half its precision). The paged cache in both layouts (``PagedKVCache.heads_major``)."""
+    for errors in (
+        kernel_errors(cpp_kernel, dtype, "cpu"),
+        paged_kernel_errors(cpp_kernel, dtype, "cpu"),
+        paged_kernel_errors(cpp_kernel, dtype, "cpu", heads_major=True),
+    ):
         assert errors[0] < tolerance and errors[1] == 0.0
+
+
+@needs_cpp
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+def test_the_cpp_kernel_reads_a_narrower_cache_as_the_pytorch_code_does(cache_dtype):
+    """float32 queries over a float16 or bfloat16 cache (``--kv_cache_dtype``): the key and value rounded to the
+    cache as ``KVCache.update`` rounds them (the cache equal after the write), the output within float32 sums'
+    order of the model's code, which reads the narrower cache back as float32. Other mixes are refused."""
+    for errors in (
+        kernel_errors(cpp_kernel, torch.float32, "cpu", cache_dtype=cache_dtype),
+        paged_kernel_errors(cpp_kernel, torch.float32, "cpu", cache_dtype=cache_dtype, heads_major=True),
+    ):
+        assert errors[0] < 1e-6 and errors[1] == 0.0
+    (q, k, v, cos, sin, input_pos), _ = step_inputs(1, 4, 2, 16, 8, [3], torch.bfloat16, "cpu")
+    kv = torch.zeros(2, 1, 2, 8, 16, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="decode_attention_cpu: kv"):
+        cpp_kernel(q, k, v, cos, sin, kv, input_pos, 0, 0.25, None, None, None)
 
 
 @needs_cpp

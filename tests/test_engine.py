@@ -60,6 +60,8 @@ def test_weights_come_from_the_folder_whose_config_was_read(tiny, tmp_path):
         ({"regional_compile": True, "tp": 2}, "--regional_compile does not run with tensor parallelism"),
         ({"kernel_tuning": "exhaustive"}, "--kernel_tuning 'exhaustive' is not one of coordinate-descent, heuristic"),
         ({"threads": 0}, "--threads must be at least 1, not 0"),
+        ({"kv_cache_dtype": "int8"}, "--kv_cache_dtype 'int8' is not one of auto, float32, bfloat16, float16"),
+        ({"batch_invariant": True, "kv_cache_dtype": "float16"}, "--batch_invariant does not combine with --kv_cache"),
         ({"aot_precompile": True}, "--aot_precompile keeps a compiled decode step: give it a --compile mode"),
         ({"aot_precompile": True, "compile": "default", "tp": 2}, "--aot_precompile does not combine with --tp"),
         (

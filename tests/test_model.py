@@ -204,6 +204,30 @@ def test_setup_caches_grows_for_a_longer_request():
     assert torch.isfinite(logits).all()
 
 
+@torch.no_grad()
+def test_a_cache_of_its_own_dtype_holds_rounded_keys_and_gives_float32_attention():
+    """``kv_dtype_name`` float16 (``--kv_cache_dtype``): the cache is allocated anew in it, holds the keys and values
+    rounded to it, and the logits are those of the float32 cache within that rounding; static and paged alike."""
+    tokens = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(3))
+
+    def logits(model: Transformer, blocks: int | None) -> torch.Tensor:
+        model.setup_caches(2, 24, blocks=blocks, block_size=4)
+        if blocks is not None:  # each row's own 6 blocks
+            model.block_table.blocks.copy_(torch.arange(1, 13).view(2, 6))
+        return model(tokens, torch.arange(12))
+
+    for blocks in (None, 13):
+        model = tiny_model(2)
+        wide, cache = logits(model, blocks), model.layers[0].attention.kv_cache
+        model.kv_dtype_name = "float16"
+        narrow, narrow_cache = logits(model, blocks), model.layers[0].attention.kv_cache
+        assert narrow_cache is not cache and narrow_cache.kv.dtype == torch.float16 and narrow.dtype == torch.float32
+        keys, _ = narrow_cache.update(torch.tensor([12]), *[torch.zeros(2, 2, 1, 8)] * 2, length=12)
+        assert keys.dtype == torch.float32
+        torch.testing.assert_close(keys, keys.half().float(), rtol=0, atol=0)
+        torch.testing.assert_close(narrow, wide, rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize(
     "scaling",
     [

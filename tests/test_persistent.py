@@ -35,6 +35,13 @@ def test_kernel_choice_on_the_cpu():
         resolve_layers_kernel("triton", cpu)
     with pytest.raises(ValueError, match="kernels.layers 'mega' is not one of auto, triton, cpp, torch"):
         EngineOptions(kernels=KernelOptions(layers="mega"))
+    own_cache = Context(
+        torch.device("cuda"), "default", get_shape("tiny"), dtype=torch.bfloat16, kv_dtype=torch.float16
+    )
+    with pytest.raises(
+        ValueError, match="--layers_kernel triton reads a KV cache in the model's dtype, not torch.float16"
+    ):
+        resolve_layers_kernel("triton", own_cache)
     with pytest.raises(ValueError, match="the triton layers kernel needs a CUDA GPU"):
         Engine.from_state(get_shape("tiny"), {}, EngineOptions(device="cpu", kernels=KernelOptions(layers="triton")))
 

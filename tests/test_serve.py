@@ -651,7 +651,7 @@ def test_many_clients_at_once_each_get_their_own_answer(server_name, request, ti
     assert sum(len(s) for s in sessions) == 320 and set(health_codes) == {200} and len(health_codes) > 1
     after = tiny_server.wait_for(lambda health: health["busy"] == 0 and health["cache"]["blocks_used"] == 0)["cache"]
     if server_name == "scarce_server":
-        said = "KV cache: paged, 28 blocks of 4 tokens (112 tokens, 0.00 GiB), prefix caching on\n"
+        said = "KV cache: paged, 28 blocks of 4 tokens (112 tokens, 0.00 GiB of float32), prefix caching on\n"
         assert said in tiny_server.output
         assert any(line.startswith("Warm-up (the steps for 2, 4 slots") for line in tiny_server.output)
         assert after["preemptions"] > before["preemptions"]

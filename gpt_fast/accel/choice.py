@@ -15,8 +15,8 @@ from gpt_fast.model.config import ModelConfig, QuantConfig
 class Context:
     """Where the kernels run: the device, the compile mode of the decode steps, the model's config and quantization,
     the engine options that rule kernels out (regional compilation, batch-invariant steps, tensor parallelism), the
-    model's dtype (None: not known) and the quantized products' kernel as resolved
-    (:func:`gpt_fast.accel.registry.resolve_kernels` fills it in)."""
+    model's dtype (None: not known), the KV cache's (None: the model's) and the quantized products' kernel as
+    resolved (:func:`gpt_fast.accel.registry.resolve_kernels` fills it in)."""
 
     device: torch.device
     compile_mode: str
@@ -27,6 +27,13 @@ class Context:
     tensor_parallel: bool = False
     dtype: torch.dtype | None = None
     quant_kernel: str | None = None
+    kv_dtype: torch.dtype | None = None
+
+    @property
+    def cache_of_its_own(self) -> torch.dtype | None:
+        """The KV cache's dtype where it is not the model's (a kernel reading the cache must read that dtype),
+        else None."""
+        return self.kv_dtype if self.kv_dtype not in (None, self.dtype) else None
 
 
 def choose(

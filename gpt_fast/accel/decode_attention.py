@@ -38,6 +38,8 @@ def resolve_attention_kernel(
     compile_mode: str,
     *,
     regional_compile: bool = False,
+    cache_dtype: torch.dtype | None = None,
+    dtype: torch.dtype | None = None,
 ) -> str:
     """``auto``: the fused kernel where our GEMV is taken (:func:`gpt_fast.accel.linear.pdl_kernels_measured`),
     and so launched with PDL (:func:`attention_pdl`), but not with ``regional_compile`` (see
@@ -47,13 +49,28 @@ def resolve_attention_kernel(
     (docs/bench/HISTORY.md, 2026-11-24c). GQA models of few kv heads gain through the kernel's short splits
     (:func:`gpt_fast.kernels.triton_decode_attention.decode_launch`), without which it is slower for them. Choosing
     Triton (a CUDA GPU with Triton installed, not ROCm) registers its operators (:func:`register_triton_ops`), before
-    anything is compiled."""
+    anything is compiled. ``cache_dtype``: the KV cache's where it is not the model's ``dtype``, which the Triton
+    kernel does not read (``auto`` takes the PyTorch code) and the C++ one reads below a float32 model only."""
     check_regional_compile(kernel, regional_compile)
     if kernel == "cpp" or (kernel == "auto" and device.type == "cpu"):
+        if cache_dtype is not None and dtype != torch.float32:
+            return _refuse_cache_dtype(kernel, cache_dtype, dtype)
         return _resolve_cpp(kernel, device, compile_mode, regional_compile)
+    if cache_dtype is not None:
+        return _refuse_cache_dtype(kernel, cache_dtype, dtype)
     measured = pdl_kernels_measured(device, compile_mode)
     auto = "triton" if measured and not regional_compile else "torch"
     return choose(kernel, ATTENTION_KERNELS, "attention kernel", device, auto, register_triton_ops)
+
+
+def _refuse_cache_dtype(kernel: str, cache_dtype: torch.dtype, dtype: torch.dtype | None) -> str:
+    """``torch`` for ``auto`` or ``torch``, where a fused kernel does not read a ``cache_dtype`` cache of a
+    ``dtype`` model; a fused kernel asked for is refused."""
+    if kernel in ("auto", "torch"):
+        return "torch"
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"attention kernel {kernel!r} is not one of {', '.join(ATTENTION_KERNELS)}")
+    raise ValueError(f"the {kernel} attention kernel does not read a {cache_dtype} KV cache of a {dtype} model")
 
 
 def _resolve_cpp(kernel: str, device: torch.device, compile_mode: str, regional_compile: bool) -> str:

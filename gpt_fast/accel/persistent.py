@@ -131,6 +131,8 @@ def resolve_layers_kernel(kernel: str, context: Context) -> str:
     """``auto``: ``cpp`` where it computes the model (:func:`cpp_layers_refusal`, the dtype known), else the model's
     code. Choosing Triton (a CUDA GPU with Triton, not ROCm) registers its operator (:func:`register_layers_op`),
     choosing C++ loads our library (:func:`register_cpp_layers_op`), before anything is compiled."""
+    if kernel == "triton" and context.cache_of_its_own is not None:
+        raise ValueError(f"--layers_kernel triton reads a KV cache in the model's dtype, not {context.kv_dtype}")
     if kernel == "cpp":
         check_cpp_layers(context)
     elif not (kernel == "auto" and context.dtype is not None and _cpp_computes(context)):

@@ -58,7 +58,12 @@ def _resolve_attention(kernel: str, context: Context) -> str:
     if context.batch_invariant:  # batch-invariant steps attend with their own operator (Attention.rows_kernel)
         return "torch"
     return decode_attention.resolve_attention_kernel(
-        kernel, context.device, context.compile_mode, regional_compile=context.regional_compile
+        kernel,
+        context.device,
+        context.compile_mode,
+        regional_compile=context.regional_compile,
+        cache_dtype=context.cache_of_its_own,
+        dtype=context.dtype,
     )
 
 
@@ -125,6 +130,8 @@ def resolve_kernels(options: KernelOptions, context: Context) -> ChosenKernels:
 
 
 def install_kernels(model: Transformer, chosen: ChosenKernels, context: Context) -> None:
-    """Give ``model`` every chosen kernel, in the registry's order."""
+    """Give ``model`` every chosen kernel, in the registry's order, and a paged cache the layout they read: heads
+    first in each block where our C++ attention reads it (:class:`gpt_fast.model.cache.PagedKVCache`)."""
     for path in REGISTRY:
         path.install(model, getattr(chosen, path.name), context)
+    model.paged_heads_major = "cpp" in (chosen.attention, chosen.layers)

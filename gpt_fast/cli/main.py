@@ -39,6 +39,7 @@ from gpt_fast.util.choices import (
     EVAL_WINDOW,
     KERNEL_TUNINGS,
     KV_CACHES,
+    KV_DTYPE_CHOICES,
 )
 from gpt_fast.util.fileio import STDOUT, regular_file
 from gpt_fast.util.openmp import prefer_passive_waits
@@ -160,7 +161,8 @@ def kernel_option(name: str, choices: tuple[str, ...], help: str) -> Decorator:
 
 def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """--compile, --compile_prefill, --regional_compile, --kernel_tuning, --layers_kernel, --linear_kernel,
-    --sampling_kernel, --quant_kernel, --device, --dtype, handed to the command as ``engine_options``."""
+    --sampling_kernel, --quant_kernel, --device, --dtype, --kv_cache_dtype, handed to the command as
+    ``engine_options``."""
 
     @functools.wraps(func)
     def command(
@@ -175,6 +177,7 @@ def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
         quant_kernel: str,
         device: str | None,
         dtype: str,
+        kv_cache_dtype: str,
         threads: int | None,
         **kwargs: Any,
     ) -> Any:
@@ -191,10 +194,19 @@ def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
                 quant=quant_kernel, layers=layers_kernel, linear=linear_kernel, sampling=sampling_kernel
             ),
             threads=threads,
+            kv_cache_dtype=kv_cache_dtype,
         )
         return func(*args, engine_options=options, **kwargs)
 
-    decorated = add_device_options(command)
+    decorated = option(
+        "--kv_cache_dtype",
+        type=Choice(KV_DTYPE_CHOICES),
+        default="auto",
+        show_default=True,
+        help="The KV cache's dtype; auto: the model's. float16 on the CPU reads half the bytes a step's attention "
+        "reads in float32 (keys and values rounded to float16, as llama.cpp keeps them; docs/cpu.md).",
+    )(command)
+    decorated = add_device_options(decorated)
     decorated = kernel_option(
         "quant",
         QUANT_KERNELS,

@@ -858,8 +858,8 @@ def cache_blocks(model: Transformer, options: BatchOptions, max_seq_length: int)
         return -(-tokens // size) + 1
     if memory is None:
         return options.max_batch * per_sequence + 1
-    cfg, weight = model.config, model.norm.weight  # in the model's dtype (the embedding table may be quantized)
-    block_bytes = 2 * cfg.n_layer * cfg.n_local_heads * size * cfg.head_dim * weight.element_size()
+    cfg, weight = model.config, model.norm.weight
+    block_bytes = 2 * cfg.n_layer * cfg.n_local_heads * size * cfg.head_dim * model.kv_dtype.itemsize
     budget = memory * 2**30 if memory > 1 else memory * device_free_bytes(weight.device)
     blocks = int(budget // block_bytes)
     if blocks < per_sequence + 1:

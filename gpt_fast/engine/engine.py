@@ -76,6 +76,7 @@ from gpt_fast.util.device import (
     dtype_name,
     resolve_device,
     resolve_dtype,
+    resolve_kv_dtype,
 )
 from gpt_fast.util.fileio import check_output_file
 from gpt_fast.util.options import OptionError
@@ -160,6 +161,7 @@ class Engine:
         if options.tp > 1:
             self.device = device_of(self.device, self.ranks)
         self.dtype = resolve_dtype(options.dtype, self.device)
+        self.kv_dtype = resolve_kv_dtype(options.kv_cache_dtype, self.dtype)
         self.kernel_context = Context(
             self.device,
             options.compile,
@@ -169,6 +171,7 @@ class Engine:
             batch_invariant=options.batch_invariant,
             tensor_parallel=options.tp > 1,
             dtype=self.dtype,
+            kv_dtype=self.kv_dtype,
         )
         self.kernels = resolve_kernels(options.kernels, self.kernel_context)  # before anything is compiled
         self._tokenizer = checkpoint_tokenizer(checkpoint_dir, config) if config is not None else None
@@ -281,6 +284,7 @@ class Engine:
                 self.kernels.quant,
                 shard,
             )
+        self._model.kv_dtype_name = dtype_name(self.kv_dtype)
         install_kernels(self._model, self.kernels, self.kernel_context)
         if self._parallel is not None:
             self._parallel.connect(self._model, self.model_config)
@@ -455,7 +459,7 @@ class Engine:
         config = self.model_config
         length = cache_length(prompt_length, max_new_tokens, config.block_size)
         kv_size = config.kv_size // self.world_size  # each rank holds whole key/value heads
-        row_bytes = 2 * config.n_layer * kv_size * length * self.dtype.itemsize  # keys and values of one row
+        row_bytes = 2 * config.n_layer * kv_size * length * self.kv_dtype.itemsize  # keys and values of one row
         needed, memory = batch_size * row_bytes, device_memory_bytes(self.device)
         if needed > memory:
             raise ValueError(

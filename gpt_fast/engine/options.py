@@ -8,7 +8,14 @@ from typing import TYPE_CHECKING
 
 from gpt_fast.accel.options import KernelOptions, check_regional_compile
 from gpt_fast.generation.options import SpeculativeOptions
-from gpt_fast.util.choices import COMPILE_MODES, COORDINATE_DESCENT, DTYPE_CHOICES, KERNEL_TUNINGS, KV_CACHES
+from gpt_fast.util.choices import (
+    COMPILE_MODES,
+    COORDINATE_DESCENT,
+    DTYPE_CHOICES,
+    KERNEL_TUNINGS,
+    KV_CACHES,
+    KV_DTYPE_CHOICES,
+)
 from gpt_fast.util.options import OptionError, check_at_least, check_one_of
 
 MAX_BATCH = 64  # slots at most
@@ -26,6 +33,8 @@ class EngineOptions:
     - ``compile``: the compile mode (``none``: eager); ``compile_prefill``: the prefill compiled too;
       ``kernel_tuning``: how inductor picks its kernels' configurations (:data:`KERNEL_TUNINGS`);
     - ``device`` (None: the GPU if there is one) and ``dtype`` (``auto``: bfloat16 on a GPU, float32 on the CPU);
+    - ``kv_cache_dtype``: the KV cache's dtype (``auto``: the model's), keys and values rounded to it as they are
+      written (docs/cpu.md, "A narrower KV cache");
     - ``speculative``: speculative decoding (None: plain decoding), :mod:`gpt_fast.generation.speculative`;
     - ``kernels``: the kernel of each operation (:class:`gpt_fast.accel.options.KernelOptions`, resolved by
       :mod:`gpt_fast.accel.registry`);
@@ -51,10 +60,12 @@ class EngineOptions:
     aot_precompile: bool = False
     batch_invariant: bool = False
     threads: int | None = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         check_one_of("compile", self.compile, COMPILE_MODES)
         check_one_of("dtype", self.dtype, DTYPE_CHOICES)
+        check_one_of("kv_cache_dtype", self.kv_cache_dtype, KV_DTYPE_CHOICES)
         check_one_of("kernel_tuning", self.kernel_tuning, KERNEL_TUNINGS)
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeOptions):
             raise OptionError(f"speculative must be a SpeculativeOptions or None, got {self.speculative!r}")
@@ -83,6 +94,7 @@ class EngineOptions:
         others = {
             "tp": self.tp > 1,
             "aot_precompile": self.aot_precompile,
+            "kv_cache_dtype": self.kv_cache_dtype != "auto",  # the invariant kernels read the model's dtype
         }
         for name in self.kernels.asked_for("triton"):
             others[f"kernels.{name} triton"] = name not in ("quant", "sampling")

@@ -75,7 +75,8 @@ def package_key(
 ) -> str:
     """The digest that names the package of ``step`` compiled with ``options`` for ``model`` and ``sampling``."""
     device = next(model.parameters()).device
-    tensors = [*model.named_parameters(), *model.named_buffers()]  # the caches and the decode state are buffers
+    # the caches (a layout and dtype of their own: strides, dtype) and the decode state are buffers
+    tensors = [*model.named_parameters(), *model.named_buffers()]
     facts = {
         "step": f"{step.__module__}.{step.__qualname__}",
         "torch": torch.__version__,
@@ -85,7 +86,7 @@ def package_key(
         "source": source_digest(),
         "options": sorted((name, repr(value)) for name, value in options.items()),
         "config": dataclasses.asdict(model.config),
-        "tensors": [(name, list(t.shape), str(t.dtype)) for name, t in tensors],
+        "tensors": [(name, list(t.shape), list(t.stride()), str(t.dtype)) for name, t in tensors],
         "sampling": dataclasses.asdict(sampling),
         "kernels": kernel_facts(model),
     }

@@ -6,7 +6,9 @@
 // The model's compiled code reads the whole cache under an additive mask, every position up to the cache's length;
 // this reads the positions up to the query's own (and not older than a sliding window). Each kv head's keys and values
 // are read once for the query heads that share them. Sums are float32, as the model's code (attend_one_query) sums
-// them; the rotated query and key are rounded to the cache's dtype first, as that code rounds them.
+// them; the rotated query and key are rounded to the query's dtype first, as that code rounds them. The cache may
+// hold keys and values in a narrower dtype than the query's (a float32 model's float16 or bfloat16 cache): the key
+// and value are rounded to it as they are written, as KVCache.update rounds them, and widened as they are read.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -51,6 +53,10 @@ using gpt_fast_cpu::exp8;
 
 constexpr int64_t LANES = 8;  // float32 lanes of an AVX2 vector
 constexpr int64_t KEYS = 4;   // keys whose scores are summed side by side (dots)
+// positions ahead whose keys and values are prefetched while scores are summed, in a paged cache: its blocks are
+// short runs at scattered places, which the hardware's prefetchers do not follow (docs/cpu.md, "A narrower KV
+// cache"); a static cache's one run per head they follow themselves
+constexpr int64_t AHEAD = 16;
 // keys and values a thread reads at least (attend_rows): 128 KB, so that a server's 4 rows share both threads from
 // position 8 on (the default model's 30 layers, 4 rows at position 135: 1.20 ms a step against one thread's 2.76)
 constexpr int64_t THREAD_BYTES = 1 << 17;
@@ -76,10 +82,8 @@ inline __m256 load8(const c10::BFloat16* p) {  // a bfloat16 is a float32's high
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 
-inline __m256 load8(const c10::Half* p) {
-  float wide[LANES];
-  for (int64_t j = 0; j < LANES; ++j) wide[j] = static_cast<float>(p[j]);
-  return _mm256_loadu_ps(wide);
+inline __m256 load8(const c10::Half* p) {  // F16C, which every AVX2 CPU has
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
 inline float sum_lanes(__m256 v) {
@@ -90,8 +94,8 @@ inline float sum_lanes(__m256 v) {
 
 // out[j] = the sum over d < D of a[d] * keys[j][d] for j < KEYS (D a multiple of LANES): KEYS chains of fused
 // multiply-adds side by side, where one dot product at a time waits on each addition's latency
-template <typename T>
-inline void dots(const float* a, const T* const* keys, int64_t D, float* out) {
+template <typename C>
+inline void dots(const float* a, const C* const* keys, int64_t D, float* out) {
   __m256 sums[KEYS];
   for (int64_t j = 0; j < KEYS; ++j) sums[j] = _mm256_setzero_ps();
   for (int64_t d = 0; d < D; d += LANES) {
@@ -104,8 +108,8 @@ inline void dots(const float* a, const T* const* keys, int64_t D, float* out) {
 // out[d] = (the sum over p < n of w[p] * values[p][d]) / total for d < D (a multiple of LANES), rounded to T: the
 // sums of CHUNK columns at a time in registers, p after p (the model's order), where a sum kept in memory is a load
 // and a store for every position
-template <typename T>
-inline void weighted_sum(const float* w, const T* const* values, int64_t n, int64_t D, float total, T* out) {
+template <typename C, typename T>
+inline void weighted_sum(const float* w, const C* const* values, int64_t n, int64_t D, float total, T* out) {
   constexpr int64_t VECTORS = 8, CHUNK = VECTORS * LANES;
   for (int64_t d0 = 0; d0 < D; d0 += CHUNK) {
     const int64_t vectors = std::min(CHUNK, D - d0) / LANES;
@@ -113,7 +117,7 @@ inline void weighted_sum(const float* w, const T* const* values, int64_t n, int6
     for (auto& a : acc) a = _mm256_setzero_ps();
     for (int64_t p = 0; p < n; ++p) {
       const __m256 weight = _mm256_set1_ps(w[p]);
-      const T* v = values[p] + d0;
+      const C* v = values[p] + d0;
       if (vectors == VECTORS) {  // a fixed count, so that the accumulators stay in registers
         for (int64_t c = 0; c < VECTORS; ++c) acc[c] = _mm256_fmadd_ps(weight, load8(v + c * LANES), acc[c]);
       } else {
@@ -139,7 +143,8 @@ inline void rotate(const T* x, const float* cos, const float* sin, int64_t D, fl
 }
 
 // Where a row's keys and values are: static cache [2, R, H_kv, S, D], or paged [2, N, block_size, H_kv, D] with the
-// block table [R, W].
+// block table [R, W]; read through the tensor's strides (a paged cache's heads may come first in memory: a view
+// [2, N, block_size, H_kv, D] of [2, N, H_kv, block_size, D]), each head's D values contiguous.
 template <typename T>
 struct Cache {
   T* base;
@@ -172,25 +177,38 @@ struct Cache {
   }
 };
 
+// the cache lines of one position's key and value (D values of C each) into the first-level cache
+template <typename C>
+inline void prefetch_head(const C* key, const C* value, int64_t D) {
+  constexpr int64_t LINE = 64;
+  for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(C)); b += LINE) {
+    _mm_prefetch(reinterpret_cast<const char*>(key) + b, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(value) + b, _MM_HINT_T0);
+  }
+}
+
 // One row's kv head `h`, its key and value at `pos` stored already: its G query heads `q` [G, D] (rotated) over
 // positions lo .. pos, writing `out` [G, D]; the scores and sums in buffers of the calling thread kept from call to
-// call (a decode step makes one call per row, kv head and layer)
-template <typename T>
-void attend_head(const Cache<T>& cache, int64_t row, int64_t h, int64_t lo, int64_t pos, const float* q, int64_t G,
+// call (a decode step makes one call per row, kv head and layer); the cache's dtype C, the output's T
+template <typename C, typename T>
+void attend_head(const Cache<C>& cache, int64_t row, int64_t h, int64_t lo, int64_t pos, const float* q, int64_t G,
                  int64_t D, float scale, std::optional<double> softcap, T* out, int64_t out_head_stride) {
   const int64_t n = pos - lo + 1;
   const int64_t whole = (n + LANES - 1) / LANES * LANES;
   const int64_t padded = whole + KEYS;  // whole vectors, and room for the last KEYS scores
   thread_local std::vector<float> scores;
-  thread_local std::vector<const T*> keys, values;
+  thread_local std::vector<const C*> keys, values;
   scores.resize(G * padded);  // [G, n], each head's padded to whole vectors
   keys.resize(n);
   values.resize(n);
   cache.positions(row, h, lo, n, keys.data());
   for (int64_t p = 0; p < n; ++p) values[p] = keys[p] + cache.half_stride;
+  const bool paged = cache.table != nullptr;  // a static cache's one run per head the hardware prefetches itself
   for (int64_t p0 = 0; p0 < n; p0 += KEYS) {
     const int64_t m = std::min(KEYS, n - p0);
-    const T* some[KEYS];
+    const int64_t ahead = paged ? std::min(p0 + AHEAD + KEYS, n) : 0;
+    for (int64_t j = p0 + AHEAD; j < ahead; ++j) prefetch_head(keys[j], values[j], D);
+    const C* some[KEYS];
     for (int64_t j = 0; j < KEYS; ++j) some[j] = keys[p0 + std::min(j, m - 1)];
     for (int64_t g = 0; g < G; ++g) {
       float* out = scores.data() + g * padded + p0;
@@ -218,9 +236,9 @@ void attend_head(const Cache<T>& cache, int64_t row, int64_t h, int64_t lo, int6
 // One row's kv head `h` of a step at `pos` (attending from `lo`): its G query heads `q` [G, D] (head stride
 // q_stride) and its key `k` and value `v` [D] rotated by the position's tables cos, sin [D/2], the key and value
 // written into the cache, then the attention, into `out` [G, D] (head stride out_stride); the rotated query and key
-// in buffers of the calling thread
-template <typename T>
-void attend_kv_head(const Cache<T>& cache, int64_t row, int64_t h, int64_t lo, int64_t pos, const T* q,
+// in buffers of the calling thread; the cache's dtype C, the query's T
+template <typename C, typename T>
+void attend_kv_head(const Cache<C>& cache, int64_t row, int64_t h, int64_t lo, int64_t pos, const T* q,
                     int64_t q_stride, const T* k, const T* v, const float* c, const float* s, int64_t G, int64_t D,
                     float scale, std::optional<double> softcap, T* out, int64_t out_stride) {
   thread_local std::vector<float> rotated, key;
@@ -228,22 +246,22 @@ void attend_kv_head(const Cache<T>& cache, int64_t row, int64_t h, int64_t lo, i
   key.resize(D);
   for (int64_t g = 0; g < G; ++g) rotate(q + g * q_stride, c, s, D, rotated.data() + g * D);
   rotate(k, c, s, D, key.data());
-  T* key_slot = cache.at(row, h, pos);
+  C* key_slot = cache.at(row, h, pos);
   for (int64_t d = 0; d < D; ++d) {
-    key_slot[d] = static_cast<T>(key[d]);
-    key_slot[cache.half_stride + d] = v[d];
+    key_slot[d] = static_cast<C>(key[d]);
+    key_slot[cache.half_stride + d] = static_cast<C>(widen(v[d]));
   }
   attend_head(cache, row, h, lo, pos, rotated.data(), G, D, scale, softcap, out, out_stride);
 }
 
-template <typename T>
+template <typename T, typename C>
 void decode_attention_typed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                             const at::Tensor& sin, at::Tensor& kv, const at::Tensor& input_pos, int64_t first_row,
                             double scale, std::optional<double> softcap, std::optional<int64_t> window,
                             const std::optional<at::Tensor>& table, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(2), D = q.size(3), H_kv = k.size(2), G = H / H_kv;
-  const Cache<T> cache = table.has_value() ? Cache<T>::of(kv, table->data_ptr<int64_t>(), table->stride(0))
-                                           : Cache<T>::of(kv, nullptr, 0);
+  const Cache<C> cache = table.has_value() ? Cache<C>::of(kv, table->data_ptr<int64_t>(), table->stride(0))
+                                           : Cache<C>::of(kv, nullptr, 0);
   const int64_t* positions = input_pos.data_ptr<int64_t>();
   const float* cos_rows = cos.data_ptr<float>();
   const float* sin_rows = sin.data_ptr<float>();
@@ -263,7 +281,8 @@ void decode_attention_typed(const at::Tensor& q, const at::Tensor& k, const at::
 }
 
 // q [B, 1, H, D], k and v [B, 1, H_kv, D] (the last dimension contiguous), cos and sin [1, D/2] or [B, 1, D/2]
-// float32, input_pos [1] or [B, 1] int64; kv and table (int64) as Cache says. Returns [B, 1, H, D] in q's dtype.
+// float32, input_pos [1] or [B, 1] int64; kv (q's dtype, or float16 or bfloat16 for a float32 q) and table (int64) as
+// Cache says. Returns [B, 1, H, D] in q's dtype.
 at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                                 const at::Tensor& sin, at::Tensor& kv, const at::Tensor& input_pos, int64_t first_row,
                                 double scale, std::optional<double> softcap, std::optional<int64_t> window,
@@ -271,7 +290,9 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k, const 
   TORCH_CHECK(q.dim() == 4 && q.size(1) == 1 && k.dim() == 4 && v.dim() == 4, "decode_attention_cpu: one position");
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "decode_attention_cpu: heads contiguous");
   TORCH_CHECK(q.size(3) % LANES == 0 && q.size(2) % k.size(2) == 0, "decode_attention_cpu: head shapes");
-  TORCH_CHECK(kv.dim() == 5 && kv.is_contiguous() && kv.scalar_type() == q.scalar_type(), "decode_attention_cpu: kv");
+  const at::ScalarType cached = kv.scalar_type();
+  const bool narrower = q.scalar_type() == at::kFloat && (cached == at::kHalf || cached == at::kBFloat16);
+  TORCH_CHECK(kv.dim() == 5 && kv.stride(4) == 1 && (cached == q.scalar_type() || narrower), "decode_attention_cpu: kv");
   TORCH_CHECK(input_pos.scalar_type() == at::kLong, "decode_attention_cpu: int64 positions");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "decode_attention_cpu: float32 rope");
   TORCH_CHECK(cos.numel() == sin.numel() && cos.numel() % (q.size(3) / 2) == 0, "decode_attention_cpu: rope shapes");
@@ -285,15 +306,26 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k, const 
     blocks = table->is_contiguous() ? *table : table->contiguous();
   }
   at::Tensor out = at::empty(q.sizes(), q.options());
+  const auto typed = [&](auto query, auto cache) {
+    using T = decltype(query);
+    using C = decltype(cache);
+    decode_attention_typed<T, C>(q, k, v, c, s, kv, pos, first_row, scale, softcap, window, blocks, out);
+  };
   switch (q.scalar_type()) {
     case at::kFloat:
-      decode_attention_typed<float>(q, k, v, c, s, kv, pos, first_row, scale, softcap, window, blocks, out);
+      if (cached == at::kHalf) {
+        typed(float{}, c10::Half{});
+      } else if (cached == at::kBFloat16) {
+        typed(float{}, c10::BFloat16{});
+      } else {
+        typed(float{}, float{});
+      }
       break;
     case at::kBFloat16:
-      decode_attention_typed<c10::BFloat16>(q, k, v, c, s, kv, pos, first_row, scale, softcap, window, blocks, out);
+      typed(c10::BFloat16{}, c10::BFloat16{});
       break;
     case at::kHalf:
-      decode_attention_typed<c10::Half>(q, k, v, c, s, kv, pos, first_row, scale, softcap, window, blocks, out);
+      typed(c10::Half{}, c10::Half{});
       break;
     default:
       TORCH_CHECK(false, "decode_attention_cpu: float32, bfloat16 or float16");
@@ -301,12 +333,31 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k, const 
   return out;
 }
 
+// attend_rows in a cache of the dtype C
+template <typename C>
+void attend_rows_in(const Cache<C>& cache, const float* qkv, int64_t R, int64_t H, int64_t H_kv, int64_t D,
+                    const float* cos, const float* sin, int64_t first_row, const int64_t* positions, bool shared,
+                    float scale, std::optional<double> softcap, float* out) {
+  const int64_t G = H / H_kv, width = (H + 2 * H_kv) * D;
+  int64_t seen = 0;  // positions the rows attend to
+  for (int64_t r = 0; r < R; ++r) seen += positions[shared ? 0 : r] + 1;
+  const int64_t bytes = 2 * seen * H_kv * D * static_cast<int64_t>(sizeof(C));
+  gpt_fast_cpu::share_tasks(R * H_kv, std::max<int64_t>(1, bytes / THREAD_BYTES), [&](int64_t task) {
+    const int64_t r = task / H_kv, h = task % H_kv, pos = positions[shared ? 0 : r];
+    const float* row = qkv + r * width;
+    const float *keys = row + H * D, *values = keys + H_kv * D;
+    attend_kv_head(cache, first_row + r, h, 0, pos, row + h * G * D, D, keys + h * D, values + h * D,
+                   cos + pos * (D / 2), sin + pos * (D / 2), G, D, scale, softcap, out + r * H * D + h * G * D, D);
+  });
+}
+
 }  // namespace
 
 namespace gpt_fast_cpu {
 
 // The attention of decode_layers_cpu (cpu_layers.cpp): one token in each of R rows, row r at positions[r] (or all at
-// positions[0], `shared`) of the cache row first_row + r of a float32 cache kv, static [2, rows, H_kv, S, D] or paged
+// positions[0], `shared`) of the cache row first_row + r of a cache kv (float32, float16 or bfloat16: keys and
+// values rounded to it as they are written), static [2, rows, H_kv, S, D] or paged
 // [2, N, block_size, H_kv, D] with the block table `table` [rows, W] (row stride table_stride; null: static). Row r's
 // query, key and value are the H + 2 H_kv heads of qkv [R, (H + 2 H_kv) D], rotated by the rows of the rotary tables
 // cos, sin [positions, D / 2] at its position; its output [H D] goes to out [R, H D]. A second thread takes (row, kv
@@ -315,18 +366,17 @@ namespace gpt_fast_cpu {
 void attend_rows(const float* qkv, int64_t R, int64_t H, int64_t H_kv, int64_t D, const float* cos, const float* sin,
                  const at::Tensor& kv, const int64_t* table, int64_t table_stride, int64_t first_row,
                  const int64_t* positions, bool shared, float scale, std::optional<double> softcap, float* out) {
-  const Cache<float> cache = Cache<float>::of(kv, table, table_stride);
-  const int64_t G = H / H_kv, width = (H + 2 * H_kv) * D;
-  int64_t seen = 0;  // positions the rows attend to
-  for (int64_t r = 0; r < R; ++r) seen += positions[shared ? 0 : r] + 1;
-  const int64_t bytes = 2 * seen * H_kv * D * static_cast<int64_t>(sizeof(float));
-  share_tasks(R * H_kv, std::max<int64_t>(1, bytes / THREAD_BYTES), [&](int64_t task) {
-    const int64_t r = task / H_kv, h = task % H_kv, pos = positions[shared ? 0 : r];
-    const float* row = qkv + r * width;
-    const float *keys = row + H * D, *values = keys + H_kv * D;
-    attend_kv_head(cache, first_row + r, h, 0, pos, row + h * G * D, D, keys + h * D, values + h * D,
-                   cos + pos * (D / 2), sin + pos * (D / 2), G, D, scale, softcap, out + r * H * D + h * G * D, D);
-  });
+  switch (kv.scalar_type()) {
+    case at::kHalf:
+      return attend_rows_in(Cache<c10::Half>::of(kv, table, table_stride), qkv, R, H, H_kv, D, cos, sin, first_row,
+                            positions, shared, scale, softcap, out);
+    case at::kBFloat16:
+      return attend_rows_in(Cache<c10::BFloat16>::of(kv, table, table_stride), qkv, R, H, H_kv, D, cos, sin,
+                            first_row, positions, shared, scale, softcap, out);
+    default:
+      return attend_rows_in(Cache<float>::of(kv, table, table_stride), qkv, R, H, H_kv, D, cos, sin, first_row,
+                            positions, shared, scale, softcap, out);
+  }
 }
 
 }  // namespace gpt_fast_cpu

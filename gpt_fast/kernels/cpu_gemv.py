@@ -30,8 +30,9 @@ SOURCE_NAMES = ("cpu_gemv.cpp", "cpu_attention.cpp", "cpu_layers.cpp", "cpu_thre
 SOURCES = tuple(Path(__file__).with_name(name) for name in SOURCE_NAMES)
 LIBRARY = "gpt_fast_cpu_gemv_avx2"
 # -ffp-contract=off: a product and a sum written apart stay two roundings, so that int4_dequantize_cpu gives
-# PyTorch's numbers (the kernels' fused multiply-adds are written as such)
-FLAGS = ["-O3", "-ffp-contract=off", "-mavx2", "-mfma"]
+# PyTorch's numbers (the kernels' fused multiply-adds are written as such); -mf16c: float16 caches' loads (every CPU
+# with AVX2 has F16C)
+FLAGS = ["-O3", "-ffp-contract=off", "-mavx2", "-mfma", "-mf16c"]
 CAPABILITIES = ("AVX2", "AVX512")  # torch.backends.cpu.get_cpu_capability() of a CPU with AVX2 and FMA
 INT8_COLUMNS = 16  # the int8 kernel's inputs: a multiple of this
 INT8_GROUPS = 16  # the grouped int8 kernel's group sizes: a multiple of this, dividing the inputs

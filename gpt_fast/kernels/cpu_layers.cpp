@@ -128,7 +128,8 @@ struct Weights {
   }
 };
 
-// Whether the caches are the ones a step of R rows at `positions` reads: float32, static [2, rows, H_kv, S, D] with
+// Whether the caches are the ones a step of R rows at `positions` reads: float32, float16 or bfloat16 (all one dtype),
+// static [2, rows, H_kv, S, D] with
 // rows first_row .. first_row + R - 1, or given the block table [rows, W], paged [2, N, block_size, H_kv, D]
 void check_caches(at::TensorList kv, const std::optional<at::Tensor>& table, int64_t first_row, int64_t R,
                   int64_t H_kv, int64_t D, int64_t last) {
@@ -137,15 +138,18 @@ void check_caches(at::TensorList kv, const std::optional<at::Tensor>& table, int
                     first_row + R <= table->size(0),
                 "decode_layers_cpu: a block table [rows, W] int64 holding the step's rows");
   }
+  const at::ScalarType dtype = kv.empty() ? at::kFloat : kv[0].scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
+              "decode_layers_cpu: float32, float16 or bfloat16 caches");
   for (const at::Tensor& cache : kv) {
-    const bool shaped = cache.dim() == 5 && cache.is_contiguous() && cache.scalar_type() == at::kFloat;
+    const bool shaped = cache.dim() == 5 && cache.stride(4) == 1 && cache.scalar_type() == dtype;
     if (table.has_value()) {
       TORCH_CHECK(shaped && cache.size(3) == H_kv && cache.size(4) == D && last < table->size(1) * cache.size(2),
-                  "decode_layers_cpu: a paged float32 cache [2, N, block_size, H_kv, D] holding the step's positions");
+                  "decode_layers_cpu: a paged cache [2, N, block_size, H_kv, D] holding the step's positions");
     } else {
       TORCH_CHECK(shaped && cache.size(2) == H_kv && cache.size(4) == D && first_row >= 0 &&
                       first_row + R <= cache.size(1) && last < cache.size(3),
-                  "decode_layers_cpu: a static float32 cache [2, rows, H_kv, S, D] holding the step's rows and positions");
+                  "decode_layers_cpu: a static cache [2, rows, H_kv, S, D] holding the step's rows and positions");
     }
   }
 }

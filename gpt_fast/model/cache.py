@@ -14,7 +14,8 @@ from torch import nn
 
 class KVCache(nn.Module):
     """Keys and values in one buffer [2, B, H_kv, S, D], so that a step writes both with one scatter
-    (``index_copy_``) instead of two."""
+    (``index_copy_``) instead of two. The buffer's dtype may be narrower than the model's (a float32 model's float16
+    cache): keys and values are rounded to it as they are written and read back in the model's dtype."""
 
     paged = False
     blocks = None  # a paged cache's block table (PagedKVCache.blocks)
@@ -40,7 +41,7 @@ class KVCache(nn.Module):
         ``input_pos``: [T], the same for every row, or [B, T], each row's own. Return those rows' keys and values,
         each [B, H_kv, S, D], or their first ``length`` positions [B, H_kv, length, D]."""
         batch = k.shape[0]
-        new = torch.stack((k, v))  # [2, B, H_kv, T, D]
+        new = torch.stack((k, v)).to(self.kv.dtype)  # [2, B, H_kv, T, D]
         if input_pos.dim() == 1 and batch == self.kv.shape[1]:  # every row of the cache at the same positions
             self.kv.index_copy_(3, input_pos, new)
         else:
@@ -49,7 +50,7 @@ class KVCache(nn.Module):
             rows = torch.arange(first_row, first_row + batch, device=k.device)[:, None]  # [B, 1]
             positions = input_pos if input_pos.dim() == 2 else input_pos[None]  # [B, T] or [1, T]
             self.kv[:, rows, :, positions] = new.permute(1, 3, 0, 2, 4)  # [B, T, 2, H_kv, D]: indexed dims first
-        kept = self.kv[:, first_row : first_row + batch, :, :length]  # [2, B, H_kv, length or S, D]
+        kept = self.kv[:, first_row : first_row + batch, :, :length].to(k.dtype)  # [2, B, H_kv, length or S, D]
         return kept[0], kept[1]
 
 
@@ -71,9 +72,13 @@ class BlockTable(nn.Module):
 class PagedKVCache(nn.Module):
     """Keys and values in blocks, one buffer [2, N, block_size, H_kv, D] for ``N`` blocks shared by every row; the
     :class:`BlockTable` (one for all layers) maps a row's positions to blocks. :meth:`update` reads and writes as
-    :meth:`KVCache.update` does, so that attention sees each row's keys in position order [B, H_kv, S, D]: a view
-    of the gathered blocks, positions before heads, so that a compiled step reads the blocks inside the attention's
-    reductions instead of copying them out first."""
+    :meth:`KVCache.update` does (in a dtype of its own too), so that attention sees each row's keys in position
+    order [B, H_kv, S, D]: a view of the gathered blocks, positions before heads, so that a compiled step reads the
+    blocks inside the attention's reductions instead of copying them out first.
+
+    ``heads_major``: in memory each block holds one kv head's positions after another ([2, N, H_kv, block_size, D]),
+    ``kv`` the same [2, N, block_size, H_kv, D] view of it. Our C++ attention reads a head's block as one run then,
+    where positions first interleave the heads (docs/cpu.md, "A narrower KV cache")."""
 
     paged = True
 
@@ -86,10 +91,15 @@ class PagedKVCache(nn.Module):
         *,
         dtype: torch.dtype,
         device: torch.device | str,
+        heads_major: bool = False,
     ) -> None:
         super().__init__()
-        shape = (2, blocks, table.block_size, n_kv_heads, head_dim)
-        self.register_buffer("kv", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        if heads_major:
+            stored = torch.zeros((2, blocks, n_kv_heads, table.block_size, head_dim), dtype=dtype, device=device)
+            kv = stored.transpose(2, 3)  # [2, N, block_size, H_kv, D]
+        else:
+            kv = torch.zeros((2, blocks, table.block_size, n_kv_heads, head_dim), dtype=dtype, device=device)
+        self.register_buffer("kv", kv, persistent=False)
         self.table = [table]  # in a list: the table is the model's module, not a child of every layer's cache
 
     @property
@@ -108,10 +118,11 @@ class PagedKVCache(nn.Module):
         rows = table.blocks[first_row : first_row + batch]  # [B, W]
         positions = input_pos if input_pos.dim() == 2 else input_pos[None].expand(batch, -1)  # [B, T]
         block = rows.gather(1, positions // size)  # [B, T]
-        self.kv[:, block, positions % size] = torch.stack((k, v)).transpose(2, 3)  # [2, B, T, H_kv, D]
+        new = torch.stack((k, v)).transpose(2, 3)  # [2, B, T, H_kv, D]
+        self.kv[:, block, positions % size] = new.to(self.kv.dtype)
         length = table.max_seq_length if length is None else length
         held = rows[:, : -(-length // size)]  # [B, blocks holding the first `length` positions]
-        kv = self.kv[:, held].flatten(2, 3)[:, :, :length].transpose(2, 3)  # [2, B, H_kv, length, D]
+        kv = self.kv[:, held].flatten(2, 3)[:, :, :length].transpose(2, 3).to(k.dtype)  # [2, B, H_kv, length, D]
         return kv[0], kv[1]
 
 

@@ -414,20 +414,32 @@ class Transformer(nn.Module):
         self.block_table: BlockTable | None = None  # a paged cache's (setup_caches)
         self.max_batch_size = 0
         self.max_seq_length = 0
-        self.cache_layout: tuple[int | None, ...] = ()
+        # The KV cache's dtype by name (None: the model's). A name, not a torch.dtype: a compiled step saved ahead
+        # of time (gpt_fast/generation/precompile.py) does not load again with a torch.dtype among the attributes.
+        self.kv_dtype_name: str | None = None
+        self.paged_heads_major = False  # a paged cache's layout (PagedKVCache.heads_major), as its kernels read it
+        self.cache_layout: tuple[object, ...] = ()
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's dtype: the one :attr:`kv_dtype_name` names, else the model's (the dtype of its final
+        norm: the embedding table may be quantized)."""
+        return getattr(torch, self.kv_dtype_name) if self.kv_dtype_name else self.norm.weight.dtype
 
     def setup_caches(
         self, batch_size: int, max_seq_length: int, *, blocks: int | None = None, block_size: int = 16
     ) -> None:
-        """Allocate the KV cache, the decode state and the rotary tables on the model's device and dtype, unless
-        they already have this shape. The cache is static (a row of ``max_seq_length`` positions for each of
-        ``batch_size`` sequences) or, given ``blocks``, paged: that many blocks of ``block_size`` positions, which
-        the rows of :attr:`block_table` hand out (block 0 is the sink, see :class:`BlockTable`)."""
-        layout = (batch_size, max_seq_length, blocks, block_size if blocks is not None else None)
+        """Allocate the KV cache, the decode state and the rotary tables on the model's device and dtype (the
+        cache in :attr:`kv_dtype`), unless they already have this shape. The cache is static (a row
+        of ``max_seq_length`` positions for each of ``batch_size`` sequences) or, given ``blocks``, paged: that many
+        blocks of ``block_size`` positions, which the rows of :attr:`block_table` hand out (block 0 is the sink, see
+        :class:`BlockTable`)."""
+        weight, kv_dtype = self.norm.weight, self.kv_dtype
+        paged = (block_size, self.paged_heads_major) if blocks is not None else None
+        layout = (batch_size, max_seq_length, blocks, paged, kv_dtype)
         if layout == self.cache_layout:
             return
-        weight = self.norm.weight  # in the model's dtype (the embedding table may be quantized)
-        cfg, where = self.config, {"dtype": weight.dtype, "device": weight.device}
+        cfg, where = self.config, {"dtype": kv_dtype, "device": weight.device}
         for layer in self.layers:
             layer.attention.kv_cache = None  # free the old buffers before allocating new ones
         self.layers_kernel_caches = None
@@ -438,7 +450,14 @@ class Transformer(nn.Module):
             if self.block_table is None:
                 cache = KVCache(batch_size, cfg.n_local_heads, max_seq_length, cfg.head_dim, **where)
             else:
-                cache = PagedKVCache(blocks, self.block_table, cfg.n_local_heads, cfg.head_dim, **where)
+                cache = PagedKVCache(
+                    blocks,
+                    self.block_table,
+                    cfg.n_local_heads,
+                    cfg.head_dim,
+                    heads_major=self.paged_heads_major,
+                    **where,
+                )
             layer.attention.kv_cache = cache
         self.decode_state = DecodeState(batch_size, max_seq_length, device=weight.device)
         cos, sin = rope_tables(self.config, max_seq_length, weight.device)

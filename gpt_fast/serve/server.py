@@ -101,10 +101,11 @@ def parsed_calls(engine: Engine, ids: Sequence[int], names: Collection[str]) -> 
 
 
 def describe_cache(batcher: Batcher) -> str:
-    """The cache's size, in blocks (or rows), tokens and memory."""
+    """The cache's size, in blocks (or rows), tokens and memory, and its dtype."""
     usage, caches = batcher.cache_usage(), [layer.attention.kv_cache.kv for layer in batcher.model.layers]
     gib = sum(kv.numel() * kv.element_size() for kv in caches) / 2**30
-    size = f"{usage.blocks * usage.block_size} tokens, {gib:.2f} GiB"
+    dtype = str(caches[0].dtype).removeprefix("torch.")
+    size = f"{usage.blocks * usage.block_size} tokens, {gib:.2f} GiB of {dtype}"
     if batcher.allocator is None:
         return f"static, {usage.blocks} rows of {usage.block_size} tokens ({size})"
     return f"paged, {usage.blocks} blocks of {usage.block_size} tokens ({size}), prefix caching on"

@@ -12,6 +12,7 @@ KERNEL_TUNINGS = (COORDINATE_DESCENT, HEURISTIC)  # the first is the default
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 KV_CACHES = ("paged", "static")  # the server's KV cache layouts, the default first
 DTYPE_CHOICES = ("auto", *DTYPE_NAMES)  # auto: bfloat16 on a GPU (float16 where it has no bfloat16), float32 on the CPU
+KV_DTYPE_CHOICES = ("auto", *DTYPE_NAMES)  # the KV cache's dtype; auto: the model's
 DEFAULT_MAX_NEW_TOKENS = 200
 DEFAULT_NUM_SAMPLES = 5
 DEFAULT_PROMPT = "Hello, my name is"
