@@ -57,24 +57,24 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def post(port: int, body: dict) -> urllib.request.Request:
-    data = json.dumps(body).encode()
+def greedy_request(port: int, model: str, prompt: str, tokens: int, stream: bool) -> urllib.request.Request:
+    """A completions request for ``tokens`` greedy tokens, run to their length."""
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
+    data = json.dumps({**body, "stream": stream}).encode()
     headers = {"content-type": "application/json"}
     return urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data, headers)
 
 
 def completion(port: int, model: str, prompt: str, tokens: int) -> int:
     """One greedy completion of ``tokens`` tokens; the count the server reports."""
-    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
-    with urllib.request.urlopen(post(port, body)) as response:
+    with urllib.request.urlopen(greedy_request(port, model, prompt, tokens, stream=False)) as response:
         return json.load(response)["usage"]["completion_tokens"]
 
 
 def stream(port: int, model: str, prompt: str, tokens: int) -> tuple[float, float]:
     """One streamed greedy completion: (ms to the first piece, pieces per second after it)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
     start, first, pieces = time.perf_counter(), None, 0
-    with urllib.request.urlopen(post(port, {**body, "stream": True})) as response:
+    with urllib.request.urlopen(greedy_request(port, model, prompt, tokens, stream=True)) as response:
         for line in response:
             if line.startswith(b"data: {"):
                 pieces += 1

@@ -128,9 +128,9 @@ struct Weights {
   }
 };
 
-// Whether the caches are the ones a step of R rows at `positions` reads: float32, float16 or bfloat16 (all one dtype),
-// static [2, rows, H_kv, S, D] with
-// rows first_row .. first_row + R - 1, or given the block table [rows, W], paged [2, N, block_size, H_kv, D]
+// Whether the caches are the ones a step of R rows at `positions` reads: float32, float16 or bfloat16 (all one
+// dtype), static [2, rows, H_kv, S, D] with rows first_row .. first_row + R - 1, or given the block table [rows, W],
+// paged [2, N, block_size, H_kv, D]
 void check_caches(at::TensorList kv, const std::optional<at::Tensor>& table, int64_t first_row, int64_t R,
                   int64_t H_kv, int64_t D, int64_t last) {
   if (table.has_value()) {

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from gpt_fast.util.choices import DTYPE_CHOICES, DTYPE_NAMES, KV_DTYPE_CHOICES
+from gpt_fast.util.choices import DTYPE_CHOICES, DTYPE_NAMES
 from gpt_fast.util.options import OptionError
 
 DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.bfloat16, torch.float16), strict=True))
@@ -54,12 +54,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     """The KV cache's dtype: ``auto``, the model's ``dtype``; else the one named (a float32 model's float16 cache
-    reads half the bytes a step, docs/cpu.md, "A narrower KV cache")."""
-    if name == "auto":
-        return dtype
-    if name not in DTYPES:
-        raise OptionError(f"kv_cache_dtype {name!r} is not one of {', '.join(KV_DTYPE_CHOICES)}", "kv_cache_dtype")
-    return DTYPES[name]
+    reads half the bytes a step, docs/cpu.md, "A narrower KV cache"). ``name`` is one of
+    :data:`gpt_fast.util.choices.KV_DTYPE_CHOICES`, as :class:`gpt_fast.engine.options.EngineOptions` checks it."""
+    return dtype if name == "auto" else DTYPES[name]
 
 
 def device_name(device: torch.device) -> str:
