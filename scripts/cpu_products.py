@@ -1,11 +1,11 @@
 """The default model's quantized products on the CPU, as its layers compute them: our C++ kernels (``cpp``, and
-``cpp-q8`` on a CPU with AVX512-VNNI) against PyTorch's own weight-only kernels (``aten``) for a decode step's rows;
-and, for ``cpp``, the same products by each of our paths: the tile kernels (``int8_matmul``, ``int4_matmul``: a
-prompt's rows), the few-rows kernels (``int8_gemv``, ``int4_gemv``: a decode step's) and torch's matrix product on
-the weights dequantized whole (int4: by our C++ code; the path past ``CPP_MATMUL_ROWS`` rows). Random weights of the
-SmolLM2-135M shape (30 layers of wqkv, wo, w13, w2, each its own weights, so that a step reads them from memory as a
-model does; ``table``: the output projection of the default model's int8 table, 49152 rows in groups of 32); each
-figure is the best of ``--repeats`` timings.
+``cpp-q8``: AVX512-VNNI's integer products where the CPU has them, else AVX2's) against PyTorch's own weight-only
+kernels (``aten``) for a decode step's rows; and, for ``cpp``, the same products by each of our paths: the tile
+kernels (``int8_matmul``, ``int4_matmul``: a prompt's rows), the few-rows kernels (``int8_gemv``, ``int4_gemv``: a
+decode step's) and torch's matrix product on the weights dequantized whole (int4: by our C++ code; the path past
+``CPP_MATMUL_ROWS`` rows). Random weights of the SmolLM2-135M shape (30 layers of wqkv, wo, w13, w2, each its own
+weights, so that a step reads them from memory as a model does; ``table``: the output projection of the default
+model's int8 table, 49152 rows in groups of 32); each figure is the best of ``--repeats`` timings.
 
 usage: python scripts/cpu_products.py [--threads 1] [--rows 1,4,8,16,35] [--kinds cpp,cpp-q8,aten] [--repeats 5]
        [--no_avx512]
@@ -108,6 +108,7 @@ def main() -> None:
     capability = torch.backends.cpu.get_cpu_capability()
     print(
         f"CPU capability {capability}, our kernels' AVX-512 code {'on' if avx512 else 'off'}, "
+        f"cpp-q8 through {'vpdpbusd' if cpu_gemv.q8_vnni() else 'vpmaddubsw'}, "
         f"{torch.get_num_threads()} threads, torch {torch.__version__}"
     )
     print(

@@ -20,11 +20,16 @@ from gpt_fast import __version__
 from gpt_fast.cli.main import main
 from gpt_fast.convert.hf_config import hf_config_dict
 from gpt_fast.convert.random_init import make_random_checkpoint
+from gpt_fast.kernels import cpu_gemv
 from gpt_fast.model.shapes import SHAPES, get_shape
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
+    """A tiny float32 checkpoint; our C++ kernels built first where they build, so that a first build's note on
+    standard error (or the wait for another test process's build) is not part of a command's output."""
+    if cpu_gemv.cpu_kernels_usable():
+        cpu_gemv.load_cpu_kernels()
     return make_random_checkpoint(get_shape("tiny"), tmp_path_factory.mktemp("tiny"), dtype=torch.float32, seed=1)
 
 

@@ -137,8 +137,6 @@ QUANTS = {
 def test_quantized_steps_give_the_model_codes_logits(quant, kernel):
     """The products are the same kernels on either side: what differs is the code around them. The q8 kernels
     round each row to int8, which turns the float32 sums' differences into a level at most now and then."""
-    if kernel == "cpp-q8" and not cpu_gemv.q8_usable():
-        pytest.skip("the cpp-q8 kernels need AVX512-VNNI")
     config = dataclasses.replace(SHAPE, qkv_bias=True)
     cpp, plain = engines(config, quant, kernel)
     assert cpp.model.layers[0].attention.wqkv.kernel == kernel
@@ -266,8 +264,6 @@ HEADS = {
 def test_the_operator_computes_the_final_norm_and_the_head(config, quant, kernel):
     """Where our products compute the output projection, the operator returns the logits (the final norm and the
     head inside it; a soft-cap after it), and they are the model's code's."""
-    if kernel == "cpp-q8" and not cpu_gemv.q8_usable():
-        pytest.skip("the cpp-q8 kernels need AVX512-VNNI")
     cpp, plain = engines(config, quant, kernel)
     assert cpp.model.layers_kernel_logits and not plain.model.layers_kernel_logits
     tokens = torch.randint(0, config.vocab_size, (24,), generator=torch.Generator().manual_seed(4)).tolist()

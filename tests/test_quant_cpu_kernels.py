@@ -281,12 +281,10 @@ def counted(product, calls: list[str]):
 )
 def test_greedy_tokens_match_the_dequantizing_kernel(quant, kernel, monkeypatch):
     """A model every product of which the kernels take (inputs multiples of 64) decodes the same greedy tokens with
-    ``cpp`` (and this tiny one with ``cpp-q8``, on a CPU with AVX512-VNNI) as with ``dequant``, eager and compiled
+    ``cpp`` (and this tiny one with ``cpp-q8``) as with ``dequant``, eager and compiled
     (the operators' output shapes registered for inductor); with a quantized table, a tied model whose lookup and
     output projection read it. The prompt's 20 rows take the tile kernels (``cpp-q8``: its kernels of any rows, on
     the packed weights), each step's one row the few-rows ones."""
-    if kernel == "cpp-q8" and not cpu_gemv.q8_usable():
-        pytest.skip("needs a CPU with AVX512-VNNI")
     tied = quant.embeddings is not None
     shape = dataclasses.replace(get_shape("tiny"), intermediate_size=192, tie_embeddings=tied)
     state = quantize_state(random_weights(shape, torch.float32, seed=1), shape, quant, torch.float32)

@@ -21,12 +21,19 @@ TOLERANCE = 1e-5
 ROUNDING_TOLERANCE = 2e-2
 
 
-@pytest.fixture
-def q8():
-    """Skip where the kernels cannot run; else load them."""
-    if not (cpu_gemv.cpu_kernels_usable() and cpu_gemv.q8_usable()):
-        pytest.skip("needs an x86 CPU with AVX512-VNNI, a C++ compiler, ninja")
+@pytest.fixture(params=[True, False], ids=["vnni", "avx2"])
+def q8(request):
+    """The kernels with AVX512-VNNI's instructions where this CPU has them (else skipped), and with AVX2's, as on a
+    CPU without AVX-512; skip where the kernels cannot run."""
+    if not cpu_gemv.cpu_kernels_usable():
+        pytest.skip("needs an x86 CPU with AVX2, a C++ compiler, ninja")
     register_cpu_ops()
+    torch.ops.gpt_fast.set_avx512(request.param)
+    if cpu_gemv.q8_vnni() != request.param:
+        torch.ops.gpt_fast.set_avx512(True)
+        pytest.skip("needs a CPU with AVX512-VNNI")
+    yield
+    torch.ops.gpt_fast.set_avx512(True)  # the default: the AVX-512 code wherever the CPU has it
 
 
 def relative_error(got, expected):
@@ -199,14 +206,30 @@ def test_a_packed_table_looks_up_its_rows(q8):
         torch.testing.assert_close(table(idx), dequantize_int8(q, scales, group_size)[idx])
 
 
-def test_kernel_choice(monkeypatch):
+def test_extreme_levels_do_not_saturate(q8):
+    """The largest sums each instruction set adds: int8 weights -128 and 127 against levels of 127 of either sign
+    (AVX2's 16-bit pairs reach 2 * 128 * 127), and int4 levels 15 against them (8 pairs of 2 * 15 * 127 in 16 bits):
+    float64 exact."""
+    cols = 64
+    x = torch.full((2, cols), 127.0)
+    x[1] = -127.0
+    for value in (-128, 127):
+        q = torch.full((16, cols), value, dtype=torch.int8)
+        scales = torch.ones(16)
+        expected = x.double() @ dequantize_int8(q, scales).double().T
+        assert torch.equal(int8_q8(x, q, scales, None).double(), expected), value
+    levels = torch.full((16, cols // 2), 0xFF, dtype=torch.uint8)  # every level 15
+    scales, zeros = torch.ones(16, cols // 32), torch.zeros(16, cols // 32)
+    expected = x.double() @ dequantize_int4(levels, scales, zeros, 32).double().T
+    got = cpu_gemv.int4_q8_gemv(x, *cpu_gemv.pack_int4_q8(levels, scales, zeros), 32)
+    assert torch.equal(got.double(), expected)
+
+
+def test_kernel_choice():
     """``auto`` keeps ``cpp``, whose greedy tokens are the float model's (the default model's int4 form picks
-    another token with ``cpp-q8`` within 24 of one of its test prompts); asking for ``cpp-q8`` on a CPU without
-    AVX512-VNNI is an error that says why."""
+    another token with ``cpp-q8`` within 24 of one of its test prompts); ``cpp-q8`` runs wherever ``cpp`` does."""
     if not cpu_gemv.cpu_kernels_usable():
         pytest.skip("needs an AVX2 CPU, a C++ compiler, ninja")
     cpu = torch.device("cpu")
     assert resolve_kernel("auto", cpu) == "cpp"
-    monkeypatch.setattr(cpu_gemv, "q8_usable", lambda: False)
-    with pytest.raises(ValueError, match="the cpp-q8 quantized kernels need a CPU with AVX512-VNNI"):
-        resolve_kernel("cpp-q8", cpu)
+    assert resolve_kernel("cpp-q8", cpu) == "cpp-q8"

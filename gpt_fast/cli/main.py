@@ -213,7 +213,7 @@ def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
         "A quantized checkpoint's products. triton: our Triton kernels (CUDA GPUs); gemlite: triton, with an "
         "int8 model's batched steps (4 to 64 rows) on gemlite's kernels (the gemlite extra; the weights twice in "
         "memory); cpp: our C++ kernels (x86 CPUs with AVX2); cpp-q8: cpp with activations rounded to int8 per 32 "
-        "columns as llama.cpp does (CPUs with AVX512-VNNI; faster, not the float model's numbers); aten: "
+        "columns as llama.cpp does (faster, most with AVX512-VNNI; not the float model's numbers); aten: "
         "PyTorch's weight-only kernels; dequant: "
         "dequantize then F.linear; auto: triton on CUDA GPUs, cpp where it builds, else aten or dequant.",
     )(decorated)

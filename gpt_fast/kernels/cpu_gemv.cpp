@@ -6,7 +6,7 @@
 //
 // Each weight is widened to float32 and multiplied by the activation in float32, as the dequantized reference does:
 // the results differ from it by the order of the float32 sums only. The operators int8_q8_gemv_cpu and
-// int4_q8_gemv_cpu (a CPU with AVX512-VNNI) round the activations to int8 instead, as llama.cpp does, on weights
+// int4_q8_gemv_cpu round the activations to int8 instead, as llama.cpp does, on weights
 // packed for them at load, for any number of rows (see "activations rounded to int8" below).
 // Output rows are shared among the calling thread and our helper threads (cpu_threads.cpp) in tasks of whole GRAINs
 // of rows that each thread takes in turn (over_tasks); each reads its rows of weights once for all the activation
@@ -773,13 +773,21 @@ at::Tensor int8_matmul_cpu(const at::Tensor& x, const at::Tensor& weight, const 
 //
 // As llama.cpp multiplies its Q8_0 and Q4_1 weights: each block of QBLOCK activation columns is rounded to int8
 // levels with one float scale (x ~ d q, d = max |x| / 127), and a weight row's product is a sum over blocks of
-// (weight scale) * d * (integer dot product of the block), whose products AVX512-VNNI instructions (vpdpbusd) multiply
-// and sum, 4 columns of 16 weight rows at a time (the packed blocks below), where the float kernels above widen and
-// multiply 8 weights at a time. The results differ from the dequantized reference by the activations' rounding (half
-// a level of their block at most per column). vpdpbusd takes unsigned bytes times signed ones: the int8 weights go in
-// as w + 128 and the int4 levels as they are (0..15), and each block's sum starts from the integer that makes it the
-// weights' own values' (centered int4 levels, q - 8) times the activations' levels: -128 or -8 times the sum of those
-// levels.
+// (weight scale) * d * (integer dot product of the block), whose products integer instructions multiply and sum, 4
+// columns of 16 weight rows at a time (the packed blocks below), where the float kernels above widen and multiply 8
+// weights at a time. The results differ from the dequantized reference by the activations' rounding (half a level of
+// their block at most per column). Two sets of instructions take the same packed weights:
+// - AVX512-VNNI (vpdpbusd: unsigned bytes times signed ones, 4 to a 32-bit sum, 16 rows to an instruction). The int8
+//   weights go in as w + 128 and the int4 levels as they are (0..15), and each block's sum starts from the integer
+//   that makes it the weights' own values' (centered int4 levels, q - 8) times the activations' levels: -128 or -8
+//   times the sum of those levels.
+// - AVX2 (vpmaddubsw: unsigned bytes times signed ones, 2 to a saturating 16-bit sum; vpmaddwd by ones: 2 of those
+//   to a 32-bit one; 8 rows to an instruction). An int4 pair's sum is at most 2 * 15 * 127 = 3810, so the 8 pairs of a
+//   row's 32 columns add up in 16 bits (30480 at most) before they are widened, and the sum starts from -8 times the
+//   levels' sum as above. An int8 pair of w + 128 could reach 2 * 255 * 127 and saturate, so the int8 weights go in
+//   as |w| (0..128) against the activations' levels with w's sign (vpsignb: 2 * 128 * 127 = 32512 at most), a 32-bit
+//   sum per 4 columns, and the sum starts from 0.
+// The integer sums are exact either way; the float sums over blocks differ in their rounding only.
 
 constexpr int64_t QBLOCK = 32;  // activation columns per scale
 constexpr float QMAX = 127.f;
@@ -787,12 +795,14 @@ constexpr float QMAX = 127.f;
 #if defined(__AVX2__) && defined(__FMA__)
 #define Q8_TARGET __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
 
-bool q8_usable() {
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+// Whether the q8 products take vpdpbusd: the CPU has AVX512-VNNI (and AVX512-F, BW, VL) and the kernels their
+// AVX-512 code (set_avx512); else they take AVX2's instructions
+bool q8_vnni() {
+  return avx512_usable() && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512vnni");
 }
 #else
-bool q8_usable() {
+bool q8_vnni() {
   return false;
 }
 #endif
@@ -800,7 +810,7 @@ bool q8_usable() {
 #if defined(__AVX2__) && defined(__FMA__)
 // The levels q [QBLOCK] of the block x [QBLOCK], rounded to the nearest (ties to even), and its scale d = max |x| /
 // 127 (x ~ d q; a block of zeros has d = 0); *sum: the sum of x itself
-Q8_TARGET inline float quantize_block(const float* x, int8_t* q, float* sum) {
+Q8_TARGET float quantize_block(const float* x, int8_t* q, float* sum) {
   const __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + 16);  // QBLOCK = 32 floats
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
   *sum = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
@@ -812,8 +822,30 @@ Q8_TARGET inline float quantize_block(const float* x, int8_t* q, float* sum) {
   return amax / QMAX;
 }
 
+// quantize_block in AVX2: the same levels and scale
+inline float quantize_block_avx2(const float* x, int8_t* q, float* sum) {
+  __m256 v[4];  // QBLOCK = 4 vectors of 8 floats
+  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + 8 * i);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256 most = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                    _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+  *sum = sum_lanes(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+  const __m256 inverse = _mm256_set1_ps(amax > 0.f ? QMAX / amax : 0.f);
+  __m256i n[4];  // float -> int32 in the current rounding mode, as above
+  for (int i = 0; i < 4; ++i) n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
+  // int32 -> int16 -> int8 with saturation: each step interleaves the two 128-bit halves of its operands, so the
+  // 32-bit groups come out as 0 4 1 5 2 6 3 7 of the block's order, put back by the permutation
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  return amax / QMAX;
+}
+
 // Activation rows rounded block by block: levels [M, K]; per block [M, K / QBLOCK], the scales, the offsets (the first
-// value of the block's sum: -128 or -8 times its levels' sum, see above) and the sums of x itself
+// value of the block's sum: -128, -8 or 0 times its levels' sum, see above) and the sums of x itself
 struct Q8Rows {
   const int8_t* levels;
   const float* scales;
@@ -827,9 +859,9 @@ struct Q8Rows {
   }
 };
 
-// x [M, K] rounded, each block's offset `factor` times its levels' sum (int8 weights: -128; int4: -8), in buffers of
-// the calling thread kept from call to call
-Q8_TARGET Q8Rows round_rows(const float* x, int64_t M, int64_t K, int32_t factor) {
+// x [M, K] rounded (with vpdpbusd's instructions, or AVX2's), each block's offset `factor` times its levels' sum
+// (int8 weights: -128 with vpdpbusd, 0 with AVX2; int4: -8), in buffers of the calling thread kept from call to call
+Q8Rows round_rows(const float* x, int64_t M, int64_t K, int32_t factor, bool vnni) {
   thread_local std::vector<int8_t> levels;
   thread_local std::vector<float> scales, sums;
   thread_local std::vector<int32_t> offsets;
@@ -838,7 +870,8 @@ Q8_TARGET Q8Rows round_rows(const float* x, int64_t M, int64_t K, int32_t factor
   sums.resize(M * K / QBLOCK);
   offsets.resize(M * K / QBLOCK);
   for (int64_t b = 0; b < M * K / QBLOCK; ++b)  // blocks of all rows in turn: K is a multiple of QBLOCK
-    scales[b] = quantize_block(x + b * QBLOCK, levels.data() + b * QBLOCK, &sums[b]);
+    scales[b] = vnni ? quantize_block(x + b * QBLOCK, levels.data() + b * QBLOCK, &sums[b])
+                     : quantize_block_avx2(x + b * QBLOCK, levels.data() + b * QBLOCK, &sums[b]);
   for (int64_t i = 0; i < M * K / QBLOCK; ++i) {
     int32_t sum = 0;
     for (int64_t t = 0; t < QBLOCK; ++t) sum += levels[i * QBLOCK + t];
@@ -917,13 +950,103 @@ Q8_TARGET inline void q8_block(const Q8Rows& a, int64_t m, int64_t K, int64_t G,
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * N, acc[r]);
 }
+
+constexpr int64_t HALF = PACK_ROWS / 2;  // the rows of a packed block that a 256-bit vector holds (AVX2)
+
+// the 4 levels at p, broadcast to every 32-bit lane
+inline __m256i broadcast_levels(const int8_t* p) {
+  int32_t word;
+  std::memcpy(&word, p, sizeof word);
+  return _mm256_set1_epi32(word);
+}
+
+// Column block b of the packed int8 row block w, rows 8 h .. 8 h + 7 (the bytes 32 h .. 32 h + 31 of each 64-byte
+// vector, see above): vector i holds the weights of columns 4 i .. 4 i + 3, signed (sign[i]) and as |w| (v[i])
+inline void int8_half(const uint8_t* w, int64_t b, int h, __m256i* v, __m256i* sign) {
+  const uint8_t* wb = w + b * PACK_VECTORS * VECTOR + h * VECTOR / 2;
+  for (int i = 0; i < PACK_VECTORS; ++i) {
+    if (h == 0) prefetch(wb + VECTOR * i);
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + VECTOR * i));
+    sign[i] = _mm256_xor_si256(bytes, _mm256_set1_epi8(static_cast<char>(0x80)));  // w + 128 -> w
+    v[i] = _mm256_abs_epi8(sign[i]);  // |-128| = 128 as an unsigned byte
+  }
+}
+
+// The same of an int4 row block: vector i holds the levels (0..15) of columns 4 i .. 4 i + 3
+inline void int4_half(const uint8_t* w, int64_t b, int h, __m256i* v) {
+  constexpr int stored = PACK_VECTORS / 2;
+  const uint8_t* wb = w + b * stored * VECTOR + h * VECTOR / 2;
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  for (int i = 0; i < stored; ++i) {
+    if (h == 0) prefetch(wb + VECTOR * i);
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + VECTOR * i));
+    v[i] = _mm256_and_si256(bytes, nibble);
+    v[stored + i] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+  }
+}
+
+// The 32-bit sums per row of 8 rows' 32 columns (v, sign: int8_half or int4_half) times an activation row's levels
+// of the block (levels [QBLOCK]), started from `offset`
+template <bool INT4>
+inline __m256i half_sums(const __m256i* v, const __m256i* sign, const int8_t* levels, int32_t offset) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i sum = _mm256_set1_epi32(offset);
+  if (INT4) {  // 8 pairs of 16-bit sums per row, added in 16 bits (see above)
+    __m256i pairs = _mm256_maddubs_epi16(v[0], broadcast_levels(levels));
+    for (int i = 1; i < PACK_VECTORS; ++i)
+      pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(v[i], broadcast_levels(levels + 4 * i)));
+    return _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, ones));
+  }
+  for (int i = 0; i < PACK_VECTORS; ++i) {
+    const __m256i x = _mm256_sign_epi8(broadcast_levels(levels + 4 * i), sign[i]);
+    sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(v[i], x), ones));
+  }
+  return sum;
+}
+
+// q8_block in AVX2: the same outputs, 8 of the PACK_ROWS rows at a time. Each block's integer sums go straight into
+// the row's accumulator, scaled by d times the group's scales (a multiply and a fused multiply-add, as q8_block's two
+// fused multiply-adds per block), which leaves the 16 vector registers to the weights and R accumulators.
+template <int R, bool INT4>
+inline void q8_block_avx2(const Q8Rows& a, int64_t m, int64_t K, int64_t G, int64_t per, const uint8_t* w,
+                          const float* scales, const float* zeros, float* out, int64_t N) {
+  const int64_t B = K / QBLOCK;
+  const auto [q, d, offsets, sums] = a.from(m, K);  // row r's from q + r K, and d, offsets, sums + r B
+  for (int h = 0; h < 2; ++h) {  // rows 8 h .. 8 h + 7; the row block's weights stay in the core's cache for h = 1
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const __m256 s = _mm256_loadu_ps(scales + g * PACK_ROWS + h * HALF);
+      const int64_t first = g * per, last = std::min(B, (g + 1) * per);
+      for (int64_t b = first; b < last; ++b) {
+        __m256i v[PACK_VECTORS], sign[INT4 ? 1 : PACK_VECTORS];
+        if constexpr (INT4)
+          int4_half(w, b, h, v);
+        else
+          int8_half(w, b, h, v, sign);
+        for (int r = 0; r < R; ++r) {
+          const __m256i sum = half_sums<INT4>(v, sign, q + r * K + b * QBLOCK, offsets[r * B + b]);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(s, _mm256_set1_ps(d[r * B + b])), acc[r]);
+        }
+      }
+      if (INT4) {  // the zero points times the sums of x over the group
+        const __m256 z = _mm256_loadu_ps(zeros + g * PACK_ROWS + h * HALF);
+        for (int r = 0; r < R; ++r) {
+          float xsum = 0.f;
+          for (int64_t b = first; b < last; ++b) xsum += sums[r * B + b];
+          acc[r] = _mm256_fmadd_ps(z, _mm256_set1_ps(xsum), acc[r]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * N + h * HALF, acc[r]);
+  }
+}
 #endif
 
 // The checks of a packed q8 product's operands (pack_int8_q8, pack_int4_q8): x [M, K] float32, words [N / PACK_ROWS,
 // K * PACK_ROWS] uint8 (int4: half as many), scales (and zeros) [N / PACK_ROWS, groups, PACK_ROWS] float32; its groups
 int64_t check_packed(const at::Tensor& x, const at::Tensor& words, std::initializer_list<at::Tensor> scales,
                      int64_t group, bool int4) {
-  TORCH_CHECK(q8_usable(), "the q8 products need a CPU with AVX512-VNNI");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [M, K] float32");
   const int64_t K = x.size(1), G = (K + group - 1) / group;
   TORCH_CHECK(K % QBLOCK == 0 && group >= QBLOCK && group % QBLOCK == 0, "K and the group a multiple of 32");
@@ -938,8 +1061,8 @@ int64_t check_packed(const at::Tensor& x, const at::Tensor& words, std::initiali
 }
 
 // x [M, K] float32 times packed int8 or int4 weights (INT4), the activations rounded to int8 per QBLOCK columns (each
-// block's sum started from -128 or -8 times its levels' sum, see above): [M, N]. Any number of rows: a row block's
-// weights are loaded once for every 4 rows, and stay in the core's cache for all of them.
+// block's sum started from its offset, see above), by vpdpbusd or AVX2's instructions: [M, N]. Any number of rows:
+// a row block's weights are loaded once for every 4 rows, and stay in the core's cache for all of them.
 template <bool INT4>
 at::Tensor packed_gemv(const at::Tensor& x, const at::Tensor& words, const at::Tensor& scales, const float* zeros,
                        int64_t group, int64_t G) {
@@ -947,7 +1070,9 @@ at::Tensor packed_gemv(const at::Tensor& x, const at::Tensor& words, const at::T
   auto xc = x.contiguous(), wc = words.contiguous(), sc = scales.contiguous();
   auto out = at::empty({M, N}, x.options());
 #if defined(__AVX2__) && defined(__FMA__)
-  const Q8Rows rounded = round_rows(xc.data_ptr<float>(), M, K, INT4 ? -static_cast<int32_t>(MID) : -128);
+  const bool vnni = q8_vnni();
+  const int32_t factor = INT4 ? -static_cast<int32_t>(MID) : vnni ? -128 : 0;  // see "activations rounded" above
+  const Q8Rows rounded = round_rows(xc.data_ptr<float>(), M, K, factor, vnni);
   const uint8_t* wp = wc.data_ptr<uint8_t>();
   const float* sp = sc.data_ptr<float>();
   float* yp = out.data_ptr<float>();
@@ -955,10 +1080,14 @@ at::Tensor packed_gemv(const at::Tensor& x, const at::Tensor& words, const at::T
   over_tasks(N, N * K / (INT4 ? 2 : 1) * M, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; n += PACK_ROWS) {
       const int64_t block = n / PACK_ROWS;
+      const uint8_t* wb = wp + block * block_bytes;
+      const float *sb = sp + block * G * PACK_ROWS, *zb = INT4 ? zeros + block * G * PACK_ROWS : nullptr;
       by_rows(M, [&](auto rows, int64_t m) {
-        q8_block<decltype(rows)::value, INT4>(rounded, m, K, G, per, wp + block * block_bytes,
-                                              sp + block * G * PACK_ROWS, INT4 ? zeros + block * G * PACK_ROWS : nullptr,
-                                              yp + m * N + n, N);
+        constexpr int R = decltype(rows)::value;
+        if (vnni)
+          q8_block<R, INT4>(rounded, m, K, G, per, wb, sb, zb, yp + m * N + n, N);
+        else
+          q8_block_avx2<R, INT4>(rounded, m, K, G, per, wb, sb, zb, yp + m * N + n, N);
       });
     }
   });
@@ -1070,7 +1199,7 @@ TORCH_LIBRARY_FRAGMENT(gpt_fast, m) {
   m.def("int8_matmul_cpu(Tensor x, Tensor weight, Tensor scales, int group_size) -> Tensor");
   m.def("int8_q8_gemv_cpu(Tensor x, Tensor words, Tensor scales, int group_size) -> Tensor");
   m.def("int4_q8_gemv_cpu(Tensor x, Tensor words, Tensor scales, Tensor zeros, int group_size) -> Tensor");
-  m.def("q8_usable() -> bool", &q8_usable);
+  m.def("q8_vnni() -> bool", &q8_vnni);
   m.def("set_avx512(bool enabled) -> bool", &set_avx512);
 }
 

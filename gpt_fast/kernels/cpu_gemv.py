@@ -2,9 +2,9 @@
 holds the decode attention of ``cpu_attention.cpp``, :mod:`gpt_fast.kernels.cpu_attention`): the operators
 ``torch.ops.gpt_fast.int8_gemv_cpu``, ``int8_group_gemv_cpu`` and ``int4_gemv_cpu`` for a decode step's few rows,
 ``int8_matmul_cpu`` and ``int4_matmul_cpu`` for a prompt's many, ``int4_dequantize_cpu`` for longer prompts' torch
-matrix product; and, on a CPU with AVX512-VNNI, ``int8_q8_gemv_cpu`` and
-``int4_q8_gemv_cpu``, whose activations are rounded to int8 per 32 columns as llama.cpp rounds them, so that each
-block's sum is one integer instruction.
+matrix product; and ``int8_q8_gemv_cpu`` and ``int4_q8_gemv_cpu``, whose activations are rounded to int8 per 32
+columns as llama.cpp rounds them, so that each block's sums are integer instructions (AVX512-VNNI's where the CPU has
+them, else AVX2's).
 
 They exist because PyTorch's own weight-only CPU kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``)
 are slower than the float32 product they replace: scalar code on an AVX2 CPU, and on an AVX-512 one (a Zen 4 EPYC) a
@@ -96,11 +96,12 @@ def clear_stale_lock(build_dir: Path) -> None:
             print(f"note: removed {lock}, left {age:.0f} s ago by a build that did not finish", file=sys.stderr)
 
 
-def q8_usable() -> bool:
-    """Whether this CPU runs the q8 kernels (AVX512-F, BW, VL and VNNI, as the library reads the CPU's own
-    flags): builds and loads the library first."""
+def q8_vnni() -> bool:
+    """Whether the q8 kernels take AVX512-VNNI's ``vpdpbusd`` here (the CPU has AVX512-F, BW, VL and VNNI, as the
+    library reads its flags, and the kernels' AVX-512 code is on: ``set_avx512``); else AVX2's ``vpmaddubsw``, on the
+    same packed weights: builds and loads the library first."""
     load_cpu_kernels()
-    return bool(torch.ops.gpt_fast.q8_usable())
+    return bool(torch.ops.gpt_fast.q8_vnni())
 
 
 def int8_q8_gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, group_size: int | None) -> torch.Tensor:

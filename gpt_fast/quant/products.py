@@ -32,15 +32,15 @@ for 1024 rows.
   The CPU's choice where they build: PyTorch's own kernels were 10 to 19 times slower on the CPUs measured
   (docs/cpu.md, "Quantized products").
 - ``cpp-q8``: ``cpp`` with the activations rounded to int8 per block of 32 columns, as llama.cpp rounds them for
-  its Q8_0 and Q4_1 weights, so that a block's products are summed by an AVX512-VNNI instruction (vpdpbusd):
-  :func:`gpt_fast.kernels.cpu_gemv.int8_q8_gemv` and ``int4_q8_gemv``, on a CPU with AVX512-VNNI, for any number of
-  rows, on the layer's weights packed at load for that instruction (``pack_int8_q8``, ``pack_int4_q8``; the packed
-  copy replaces them), in blocks of 16 rows that each instruction multiplies at once: on a Zen 4 core, one thread, a
-  decode step's int4 products took 5.4 ms against 8.2 on the checkpoint's layout, and 4 rows 7.3 against 16.2
-  (docs/bench/HISTORY.md, 2026-11-30k). Its products differ from the
-  dequantized reference by the activations' rounding (relative error about 5e-3 on random rows), where ``cpp``'s
-  differ by the order of float32 sums only. Not ``auto``'s choice: its greedy tokens are not the float model's
-  (docs/cpu.md).
+  its Q8_0 and Q4_1 weights, so that a block's products are summed by integer instructions (AVX512-VNNI's
+  vpdpbusd where the CPU has it, else AVX2's vpmaddubsw): :func:`gpt_fast.kernels.cpu_gemv.int8_q8_gemv` and
+  ``int4_q8_gemv``, for any number of rows, on the layer's weights packed at load for them (``pack_int8_q8``,
+  ``pack_int4_q8``; the packed copy replaces them), in blocks of 16 rows: on a Zen 4 core, one thread, a decode
+  step's int4 products took 5.4 ms against 8.2 on the checkpoint's layout, and 4 rows 7.3 against 16.2
+  (docs/bench/HISTORY.md, 2026-11-30k); on a Zen 3 (AVX2), 10.2 against ``cpp``'s 12.8, 4 rows 16.3 against 23.5
+  (BENCHMARKS.md, 2026-12-01f). Its products differ from the dequantized reference by the activations' rounding
+  (relative error about 5e-3 on random rows), where ``cpp``'s differ by the order of float32 sums only. Not
+  ``auto``'s choice: its greedy tokens are not the float model's (docs/cpu.md).
 - ``aten``: PyTorch's own weight-only kernels, ``torch.ops.aten._weight_int8pack_mm``, and for int4
   ``_weight_int4pack_mm_for_cpu`` or CUDA's tinygemm ``_weight_int4pack_mm`` (on a copy of the weights repacked
   once at load, :mod:`gpt_fast.quant.layers`). The CPU's choice where ``cpp`` is not usable (another CPU, no C++
@@ -101,8 +101,6 @@ def resolve_kernel(kernel: str, device: torch.device) -> str:
         raise ValueError(
             f"the {kernel} quantized kernels need an x86 CPU with AVX2, a C++ compiler and ninja, not {device}"
         )
-    if kernel == "cpp-q8" and not cpu_gemv.q8_usable():
-        raise ValueError("the cpp-q8 quantized kernels need a CPU with AVX512-VNNI (and AVX512-F, BW, VL)")
     if kernel == "auto":
         kernel = "triton" if triton_usable(device) else "cpp" if cpp_usable(device) else _plain(device)
     if kernel in ("triton", "gemlite"):
