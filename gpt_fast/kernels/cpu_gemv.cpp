@@ -952,6 +952,11 @@ Q8_TARGET inline void q8_block(const Q8Rows& a, int64_t m, int64_t K, int64_t G,
 }
 
 constexpr int64_t HALF = PACK_ROWS / 2;  // the rows of a packed block that a 256-bit vector holds (AVX2)
+// A weight byte's work in AVX2's q8 products against vpdpbusd's (over_tasks): about 16 multiply-adds an instruction
+// (8 vpmaddubsw, 7 adds and a vpmaddwd for 8 rows' 32 columns) against 64, so that a product takes the second thread
+// from a quarter of the weights. The default model through the server on a 2-core Zen 3: 4 requests at once in 2.46
+// s against 3.12, one stream 97 tok/s against 89 (BENCHMARKS.md, 2026-12-01f)
+constexpr int64_t AVX2_Q8_WORK = 4;
 
 // the 4 levels at p, broadcast to every 32-bit lane
 inline __m256i broadcast_levels(const int8_t* p) {
@@ -1077,7 +1082,7 @@ at::Tensor packed_gemv(const at::Tensor& x, const at::Tensor& words, const at::T
   const float* sp = sc.data_ptr<float>();
   float* yp = out.data_ptr<float>();
   const int64_t block_bytes = words.size(1), per = group / QBLOCK;
-  over_tasks(N, N * K / (INT4 ? 2 : 1) * M, [&](int64_t n0, int64_t n1) {
+  over_tasks(N, N * K / (INT4 ? 2 : 1) * M * (vnni ? 1 : AVX2_Q8_WORK), [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; n += PACK_ROWS) {
       const int64_t block = n / PACK_ROWS;
       const uint8_t* wb = wp + block * block_bytes;
