@@ -177,6 +177,18 @@ struct Cache {
   }
 };
 
+// f(C{}) for a float32 model's cache of `dtype`: float16, bfloat16, else float32
+template <typename F>
+inline void with_cache_type(at::ScalarType dtype, F&& f) {
+  if (dtype == at::kHalf) {
+    f(c10::Half{});
+  } else if (dtype == at::kBFloat16) {
+    f(c10::BFloat16{});
+  } else {
+    f(float{});
+  }
+}
+
 // the cache lines of one position's key and value (D values of C each) into the first-level cache
 template <typename C>
 inline void prefetch_head(const C* key, const C* value, int64_t D) {
@@ -313,13 +325,7 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k, const 
   };
   switch (q.scalar_type()) {
     case at::kFloat:
-      if (cached == at::kHalf) {
-        typed(float{}, c10::Half{});
-      } else if (cached == at::kBFloat16) {
-        typed(float{}, c10::BFloat16{});
-      } else {
-        typed(float{}, float{});
-      }
+      with_cache_type(cached, [&](auto cache) { typed(float{}, cache); });
       break;
     case at::kBFloat16:
       typed(c10::BFloat16{}, c10::BFloat16{});
@@ -366,17 +372,10 @@ namespace gpt_fast_cpu {
 void attend_rows(const float* qkv, int64_t R, int64_t H, int64_t H_kv, int64_t D, const float* cos, const float* sin,
                  const at::Tensor& kv, const int64_t* table, int64_t table_stride, int64_t first_row,
                  const int64_t* positions, bool shared, float scale, std::optional<double> softcap, float* out) {
-  switch (kv.scalar_type()) {
-    case at::kHalf:
-      return attend_rows_in(Cache<c10::Half>::of(kv, table, table_stride), qkv, R, H, H_kv, D, cos, sin, first_row,
-                            positions, shared, scale, softcap, out);
-    case at::kBFloat16:
-      return attend_rows_in(Cache<c10::BFloat16>::of(kv, table, table_stride), qkv, R, H, H_kv, D, cos, sin,
-                            first_row, positions, shared, scale, softcap, out);
-    default:
-      return attend_rows_in(Cache<float>::of(kv, table, table_stride), qkv, R, H, H_kv, D, cos, sin, first_row,
-                            positions, shared, scale, softcap, out);
-  }
+  with_cache_type(kv.scalar_type(), [&](auto element) {
+    attend_rows_in(Cache<decltype(element)>::of(kv, table, table_stride), qkv, R, H, H_kv, D, cos, sin, first_row,
+                   positions, shared, scale, softcap, out);
+  });
 }
 
 }  // namespace gpt_fast_cpu
