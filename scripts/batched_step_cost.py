@@ -1,7 +1,8 @@
 """The cost of the batcher's decode step by batch size, with the KV cache static (a row of ``--max_seq_length``
 positions per slot) and paged (blocks of ``--block_size``, as `gpt-fast serve` runs it), on random weights of a named
 shape: the step that `gpt-fast serve` replays, each row at position ``--position``, timed over ``--steps`` steps
-after a warm-up, as milliseconds per step and relative to one row's step with the same cache. With ``--quantize``,
+after a warm-up, as milliseconds per step and relative to one row's step with the same cache (in the model's dtype,
+or ``--kv_cache_dtype``'s). With ``--quantize``,
 the random weights are drawn in memory and quantized (int8, or int4 in groups of 128), their products computed by
 ``--quant_kernel``.
 
@@ -26,6 +27,7 @@ from gpt_fast.generation.slots import SlotState, make_slot_steps
 from gpt_fast.model.config import QuantConfig
 from gpt_fast.model.shapes import get_shape
 from gpt_fast.quant.layout import quantize_state
+from gpt_fast.util.choices import KV_DTYPE_CHOICES
 from gpt_fast.util.device import cudagraph_step_begin, device_synchronize, resolve_device, resolve_dtype
 
 
@@ -59,7 +61,10 @@ def print_profile(engine: Engine, state: SlotState, decode, rows: int, steps: in
 def open_engine(args: argparse.Namespace) -> Engine:
     """The engine over the random checkpoint of ``--shape``, or over random weights quantized in memory."""
     device = resolve_device(args.device)
-    options = EngineOptions(compile=args.compile, device=args.device, kernels=KernelOptions(quant=args.quant_kernel))
+    kernels = KernelOptions(quant=args.quant_kernel)
+    options = EngineOptions(
+        compile=args.compile, device=args.device, kernels=kernels, kv_cache_dtype=args.kv_cache_dtype
+    )
     if args.quantize is None:
         engine = Engine.open(random_shape_folder(args.shape, args.output_dir, device), options)
         engine.load_weights()
@@ -86,6 +91,7 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=0, help="Also print this many kernels by time, per step.")
     parser.add_argument("--quantize", choices=("int8", "int4"), default=None)
     parser.add_argument("--quant_kernel", default="auto")
+    parser.add_argument("--kv_cache_dtype", choices=KV_DTYPE_CHOICES, default="auto")
     args = parser.parse_args()
     engine = open_engine(args)
     batches = [int(b) for b in args.batches.split(",")]
@@ -94,7 +100,8 @@ def main() -> None:
     described = f"compile={args.compile} ({args.kernel_tuning}), torch {torch.__version__}"
     if args.quantize:
         described += f", {args.quantize} ({engine.kernels.quant} products)"
-    print(f"{args.shape} on {engine.device_name}, {engine.dtype_name}, {described}")
+    kv_dtype = str(engine.kv_dtype).removeprefix("torch.")
+    print(f"{args.shape} on {engine.device_name}, {engine.dtype_name} ({kv_dtype} KV cache), {described}")
     print(f"{slots} slots of {length} positions, each row from position {args.position}, {args.steps} steps timed")
     costs: dict[str, dict[int, float]] = {layout: {} for layout in args.caches.split(",")}
     for layout in costs:
@@ -116,15 +123,20 @@ def main() -> None:
                 if args.profile:
                     print_profile(engine, state, decode, rows, 10, args.profile)
         torch._dynamo.reset()
-    print("\n| rows | static ms/step | × 1 row | paged ms/step | × 1 row | paged / static |")
-    print("|---|---|---|---|---|---|")
-    for rows in batches if len(costs) == 2 else ():
-        static, paged = costs["static"][rows], costs["paged"][rows]
-        one_static, one_paged = costs["static"][batches[0]], costs["paged"][batches[0]]
-        print(
-            f"| {rows} | {static:.3f} | {static / one_static:.2f} | {paged:.3f} | {paged / one_paged:.2f} | "
-            f"{paged / static:.2f} |"
-        )
+    print_table(costs, batches)
+
+
+def print_table(costs: dict[str, dict[int, float]], batches: list[int]) -> None:
+    """Each measured layout's ms per step and its ratio to the first batch's, and paged over static with both."""
+    layouts = list(costs)
+    both = len(layouts) == 2
+    header = "".join(f" {layout} ms/step | × {batches[0]} row{'s' * (batches[0] > 1)} |" for layout in layouts)
+    print(f"\n| rows |{header}" + (" paged / static |" if both else ""))
+    print("|---|" + "---|---|" * len(layouts) + ("---|" if both else ""))
+    for rows in batches:
+        cells = "".join(f" {costs[c][rows]:.3f} | {costs[c][rows] / costs[c][batches[0]]:.2f} |" for c in layouts)
+        ratio = f" {costs['paged'][rows] / costs['static'][rows]:.2f} |" if both else ""
+        print(f"| {rows} |{cells}{ratio}")
 
 
 if __name__ == "__main__":

@@ -13,10 +13,12 @@ they do in a decode step. Prints one JSON line per measurement and a table.
 ``--rows 1,8,64``: a server's step instead, the launcher alone: that many rows, each at its own position around
 the middle of a 1024-position cache, static and paged (blocks of 16 in shuffled order), Llama-2-7B and Llama-3-8B
 shapes (``--shapes``: some of them; ``--layouts``: static or paged alone), with the tile the code chooses, the
-one-row step's tile and (``--sweep``) a grid of tiles; the table gives each one's rate of reading the keys and values
-the rows see.
+one-row step's tile and (``--sweep``) a grid of tiles, over a cache of each of ``--cache_dtypes`` (bfloat16, and
+``float8_e4m3fn``: ``--kv_cache_dtype``'s float8 cache); the table gives each one's rate of reading the keys and
+values the rows see.
 
-    python scripts/decode_attention_bench.py [--sweep] [--rows 1,8,64 [--shapes S] [--layouts L]] [--json_out FILE]
+    python scripts/decode_attention_bench.py [--sweep] [--rows 1,8,64 [--shapes S] [--layouts L] [--cache_dtypes D]]
+        [--json_out FILE]
 """
 
 from __future__ import annotations
@@ -112,9 +114,9 @@ def step_qkv(config, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return q.view(rows, 1, n_head, head_dim), k.view(rows, 1, n_kv, head_dim), v.view(rows, 1, n_kv, head_dim)
 
 
-def layer_caches(config, shape: tuple[int, ...]) -> list[torch.Tensor]:
-    """One filled cache buffer of ``shape`` per layer, as the model has."""
-    return [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(config.n_layer)]
+def layer_caches(config, shape: tuple[int, ...], dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
+    """One filled cache buffer of ``shape`` and ``dtype`` per layer, as the model has."""
+    return [torch.randn(shape, device="cuda").to(dtype) for _ in range(config.n_layer)]
 
 
 def case_inputs(shape_name: str, length: int, pos: int) -> tuple[tuple, list[torch.Tensor]]:
@@ -142,10 +144,13 @@ ROW_CASES = [("llama-2-7b", 1024, 512), ("llama-3-8b", 1024, 512)]  # (model sha
 BLOCK_SIZE = 16  # the paged caches' (gpt-fast serve's default)
 
 
-def rows_inputs(shape_name: str, length: int, pos: int, rows: int, paged: bool) -> tuple[tuple, list, object, int]:
+def rows_inputs(
+    shape_name: str, length: int, pos: int, rows: int, paged: bool, dtype: torch.dtype
+) -> tuple[tuple, list, object, int]:
     """A step of ``rows`` rows at positions spread over ``pos`` ± 64: the inputs as :func:`case_inputs` gives them
-    (each row's own rotary tables and position), one filled cache per layer (paged: blocks of :data:`BLOCK_SIZE` in
-    a shuffled table), the table (None: static) and the bytes of keys and values the rows see in one layer."""
+    (each row's own rotary tables and position), one filled cache of ``dtype`` per layer (paged: blocks of
+    :data:`BLOCK_SIZE` in a shuffled table), the table (None: static) and the bytes of keys and values the rows see
+    in one layer."""
     config = get_shape(shape_name)
     n_kv, head_dim = config.n_local_heads, config.head_dim
     q, k, v = step_qkv(config, rows)
@@ -160,22 +165,23 @@ def rows_inputs(shape_name: str, length: int, pos: int, rows: int, paged: bool) 
         shape = (2, rows * width + 1, BLOCK_SIZE, n_kv, head_dim)  # PagedKVCache's buffer
     else:
         shape = (2, rows, n_kv, length, head_dim)
-    caches = layer_caches(config, shape)
+    caches = layer_caches(config, shape, dtype)
     inputs = (q, k, v, cos[input_pos], sin[input_pos], input_pos, mask, head_dim**-0.5)
-    seen = int((positions + 1).sum()) * 2 * n_kv * head_dim * 2
+    seen = int((positions + 1).sum()) * 2 * n_kv * head_dim * dtype.itemsize
     return inputs, caches, table, seen
 
 
 def rows_reference(inputs: tuple, kv: torch.Tensor, table: torch.Tensor | None) -> torch.Tensor:
-    """The model's code for the rows' step, eager, on a copy of the cache seen as [2, R, H_kv, S, D]."""
+    """The model's code for the rows' step, eager, on a copy of the cache seen as [2, R, H_kv, S, D] in the
+    queries' dtype (the new keys and values rounded to the cache's first)."""
     q, k, v, cos, sin, input_pos, mask, scale = inputs
     if table is not None:
         kv = kv[:, table].flatten(2, 3).transpose(2, 3)  # [2, R, H_kv, S, D]
-    else:
-        kv = kv.clone()
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     rows = torch.arange(q.shape[0], device=q.device)
-    kv[:, rows, :, input_pos[:, 0]] = torch.stack((k[:, 0], v[:, 0]), dim=1)  # [R, 2, H_kv, D]: indexed dims first
+    new = torch.stack((k[:, 0], v[:, 0]), dim=1).to(kv.dtype).to(q.dtype)  # [R, 2, H_kv, D]
+    kv = kv.to(q.dtype, copy=True)
+    kv[:, rows, :, input_pos[:, 0]] = new  # indexed dims first
     return attend_one_query(q.transpose(1, 2), kv[0], kv[1], mask, scale=scale).transpose(1, 2).double()
 
 
@@ -184,10 +190,11 @@ def measure_rows(args: argparse.Namespace) -> list[dict]:
     reading rate."""
     results = []
     cases = [case for case in ROW_CASES if args.shapes is None or case[0] in args.shapes.split(",")]
-    for (shape_name, length, pos), rows, paged in itertools.product(
-        cases, [int(r) for r in args.rows.split(",")], [layout == "paged" for layout in args.layouts.split(",")]
+    dtypes = [getattr(torch, name) for name in args.cache_dtypes.split(",")]
+    for (shape_name, length, pos), rows, paged, dtype in itertools.product(
+        cases, [int(r) for r in args.rows.split(",")], [layout == "paged" for layout in args.layouts.split(",")], dtypes
     ):
-        inputs, caches, table, seen = rows_inputs(shape_name, length, pos, rows, paged)
+        inputs, caches, table, seen = rows_inputs(shape_name, length, pos, rows, paged, dtype)
         expected = rows_reference(inputs, caches[0], table)
         config = get_shape(shape_name)
         tile = (config.n_head // config.n_local_heads, config.head_dim, config.n_local_heads)
@@ -202,7 +209,7 @@ def measure_rows(args: argparse.Namespace) -> list[dict]:
             fn = launched(launch, table)
             error = ((fn(inputs, caches[0].clone()).double() - expected).norm() / expected.norm()).item()
             us = gemv_floor.microseconds_per_call(fn, caches, inputs)
-            layout = "paged" if paged else "static"
+            layout = ("paged" if paged else "static") + ("" if dtype == torch.bfloat16 else f", {dtype}")
             row = {"shape": shape_name, "rows": rows, "layout": layout, "variant": name, "us": us}
             row |= {"gb_per_s": seen / us / 1e3, "rel_error": error}
             print(json.dumps(row), flush=True)
@@ -235,6 +242,7 @@ def main() -> None:
     parser.add_argument("--rows", default=None, help="Rows per step, comma-separated: a server's step (see above).")
     parser.add_argument("--shapes", default=None, help="With --rows: only these shapes, comma-separated.")
     parser.add_argument("--layouts", default="static,paged", help="With --rows: the caches, static and/or paged.")
+    parser.add_argument("--cache_dtypes", default="bfloat16", help="With --rows: the caches' dtypes, comma-separated.")
     parser.add_argument("--json_out", default=None)
     args = parser.parse_args()
     apply_torch_settings()

@@ -91,16 +91,29 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def step_inputs(
-    bsz: int, n_head: int, n_kv: int, head_dim: int, length: int, positions: list, dtype: torch.dtype, device: str
+    bsz: int,
+    n_head: int,
+    n_kv: int,
+    head_dim: int,
+    length: int,
+    positions: list,
+    dtype: torch.dtype,
+    device: str,
+    exact_in: torch.dtype | None = None,
 ) -> tuple[tuple[torch.Tensor, ...], torch.Generator]:
     """A decode step's random queries [B, 1, H, D], keys and values [B, 1, H_kv, D] in ``dtype`` (views of one
     projection, as the model's), rotary tables [1 or B, 1, D/2] and positions [1] or [B, 1]; and the generator,
-    for the cache's keys and values."""
+    for the cache's keys and values. ``exact_in``: the new keys and values exact in that dtype, and no rotation
+    (angles 0), so that writing them into a cache of it rounds nothing."""
     generator = torch.Generator().manual_seed(length + head_dim)
     qkv = torch.randn(bsz, 1, (n_head + 2 * n_kv) * head_dim, generator=generator).to(device, dtype)
+    if exact_in is not None:
+        qkv = qkv.to(exact_in).to(dtype)
     q, k, v = qkv.split([n_head * head_dim, n_kv * head_dim, n_kv * head_dim], dim=-1)
     q, k, v = q.view(bsz, 1, n_head, head_dim), k.view(bsz, 1, n_kv, head_dim), v.view(bsz, 1, n_kv, head_dim)
     angles = 6 * torch.rand(length, head_dim // 2, generator=generator).to(device)
+    if exact_in is not None:
+        angles.zero_()
     input_pos = torch.tensor(positions, device=device)
     return (q, k, v, angles.cos()[input_pos], angles.sin()[input_pos], input_pos), generator
 
@@ -138,13 +151,15 @@ def kernel_errors(
     device: str,
     cases: list[tuple] = CASES,
     cache_dtype: torch.dtype | None = None,
+    exact: bool = False,
 ) -> tuple[float, float]:
     """The worst relative error of the output and of an element of the cache, over ``cases``; the cache in
-    ``cache_dtype`` (None: ``dtype``)."""
+    ``cache_dtype`` (None: ``dtype``), the new keys and values exact in it with ``exact`` (:func:`step_inputs`)."""
     worst = (0.0, 0.0)
+    exact_in = cache_dtype if exact else None
     for case in cases:
         bsz, rows, n_head, n_kv, head_dim, length, positions, first_row, window, softcap, launch = case
-        inputs = step_inputs(bsz, n_head, n_kv, head_dim, length, positions, dtype, device)
+        inputs = step_inputs(bsz, n_head, n_kv, head_dim, length, positions, dtype, device, exact_in)
         cache = KVCache(rows, n_kv, length, head_dim, dtype=cache_dtype or dtype, device=device)
         errors = compared(kernel, cache, inputs, first_row, window, softcap, launch)
         worst = tuple(max(pair) for pair in zip(worst, errors, strict=True))
@@ -170,13 +185,15 @@ def paged_kernel_errors(
     cases: list[tuple] = PAGED_CASES,
     cache_dtype: torch.dtype | None = None,
     heads_major: bool = False,
+    exact: bool = False,
 ) -> tuple[float, float]:
     """:func:`kernel_errors` over a paged cache (``cases`` as :data:`PAGED_CASES`, the layout ``heads_major`` says),
     two spare blocks in it."""
     worst = (0.0, 0.0)
+    exact_in = cache_dtype if exact else None
     for case in cases:
         bsz, rows, n_head, n_kv, head_dim, length, size, positions, first_row, window, softcap, launch, sink = case
-        inputs = step_inputs(bsz, n_head, n_kv, head_dim, length, positions, dtype, device)
+        inputs = step_inputs(bsz, n_head, n_kv, head_dim, length, positions, dtype, device, exact_in)
         table = BlockTable(rows, length, size, device=device)
         blocks = shuffled_table(table, positions, first_row, sink) + 2
         cache = PagedKVCache(
@@ -242,12 +259,14 @@ def random_model(config: ModelConfig, device: str = "cpu") -> Transformer:
     return model.to(device).eval()
 
 
-def model_errors(kernel: Callable[..., torch.Tensor], device: str = "cpu") -> float:
+def model_errors(kernel: Callable[..., torch.Tensor], device: str = "cpu", kv_dtype_name: str | None = None) -> float:
     """The worst relative error of the decoded logits with the kernel, over :func:`model_configs` (float32); the
-    rows at their own positions, in a static cache and in a paged one, with the first model."""
+    rows at their own positions, in a static cache and in a paged one, with the first model. ``kv_dtype_name``:
+    the caches' dtype (None: the model's), as ``--kv_cache_dtype`` names it."""
     worst = 0.0
     for name, config in model_configs().items():
         model = random_model(config, device)
+        model.kv_dtype_name = kv_dtype_name
         for rows_apart, paged in [(False, False), (True, False), (True, True)] if name == "tiny" else [(False, False)]:
             expected = decoded_logits(model, None, rows_apart, paged)
             worst = max(worst, relative_error(decoded_logits(model, kernel, rows_apart, paged), expected))
@@ -256,20 +275,27 @@ def model_errors(kernel: Callable[..., torch.Tensor], device: str = "cpu") -> fl
 
 PARTS = ("float32", "bfloat16", "models")
 PAGED = "paged-"  # a part's prefix: the kernel over a paged cache (PAGED_CASES)
+FLOAT8 = "float8"  # a part: a bfloat16 model's float8 cache, the new keys and values exact in it
 
 
 def main(parts: tuple[str, ...] = PARTS) -> None:
     """The worst errors of each of ``parts`` (the kernel in float32, in bfloat16: output and cache, over a static
-    cache, or over a paged one as ``paged-float32``, ``paged-bfloat16``; tiny models decoding with it), as JSON."""
+    cache, or over a paged one as ``paged-float32``, ``paged-bfloat16``; ``float8``, ``paged-float8``: a bfloat16
+    model's float8 cache, whose writes must round nothing here, since Triton 3.6's interpreter rounds to float8
+    without carrying into the exponent (1.97 to 1.0); tiny models decoding with it), as JSON."""
     from gpt_fast.kernels.triton_decode_attention import decode_attention
 
     report: dict[str, object] = {}
     for part in parts:
         errors = paged_kernel_errors if part.startswith(PAGED) else kernel_errors
+        name = part.removeprefix(PAGED)
         if part == "models":
             report[part] = model_errors(decode_attention)
+        elif name == FLOAT8:
+            cache = torch.float8_e4m3fn
+            report[part] = list(errors(decode_attention, torch.bfloat16, "cpu", cache_dtype=cache, exact=True))
         else:
-            report[part] = list(errors(decode_attention, getattr(torch, part.removeprefix(PAGED)), "cpu"))
+            report[part] = list(errors(decode_attention, getattr(torch, name), "cpu"))
     json.dump(report, sys.stdout)
 
 

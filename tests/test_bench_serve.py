@@ -174,3 +174,17 @@ def test_the_command_line_reads_counts_and_ranges(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "serve", "--answer_tokens", "8-16"])
     assert exit_info.value.code == 2 and "--answer_tokens needs --workload mixed" in capsys.readouterr().err
+
+
+def test_the_kv_cache_dtype_reaches_the_server(monkeypatch, tmp_path):
+    """``--kv_cache_dtype``: the server's option (and generate's beside it), checked before anything is loaded."""
+    made = []
+    monkeypatch.setattr(serve, "run", made.append)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "serve", "--kv_cache_dtype", "float8_e4m3fn"])
+    assert exit_info.value.code == 0
+    command = serve.Server(made[0], tmp_path, 1024).command
+    assert command[command.index("--kv_cache_dtype") + 1] == "float8_e4m3fn"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "serve", "--kv_cache_dtype", "int8"])
+    assert exit_info.value.code == 2

@@ -68,30 +68,50 @@ def test_the_kernel_over_a_paged_cache_matches_the_pytorch_code(dtype, tolerance
     assert cache <= 2**-7
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["static", "paged"])
+def test_the_kernel_over_a_float8_cache_matches_the_pytorch_code(paged):
+    """A bfloat16 model's float8 cache (``--kv_cache_dtype float8_e4m3fn``): the new key and value rounded to it as
+    torch rounds them (the GPU's conversion, where the interpreter's cannot be checked), the output within
+    bfloat16's rounding of the model's code reading the same cache."""
+    from gpt_fast.kernels.triton_decode_attention import decode_attention
+
+    f8 = torch.float8_e4m3fn
+    if paged:
+        out, cache = paged_kernel_errors(decode_attention, torch.bfloat16, "cuda", PAGED_CASES + PAGED_MODEL_SHAPES, f8)
+    else:
+        out, cache = kernel_errors(decode_attention, torch.bfloat16, "cuda", CASES + MODEL_SHAPES, f8)
+    assert out < 1e-2
+    assert cache <= 2**-3  # a float8 step at most, where the rotated key's bfloat16 rounding differs by an ulp
+
+
 @pytest.mark.parametrize("operator", ["fused_decode_attention", "fused_decode_attention_pdl"])
 def test_the_registered_operators_in_the_models_decode_steps(operator):
     from gpt_fast.accel import decode_attention
 
     decode_attention.register_triton_ops()
     assert model_errors(getattr(decode_attention, operator), "cuda") < 1e-4
+    assert model_errors(getattr(decode_attention, operator), "cuda", "float8_e4m3fn") < 1e-3
 
 
 GREEDY = SamplingConfig(temperature=0)
 
 
-@pytest.mark.parametrize("name", list(model_configs()))
-def test_compiled_decoding_with_the_kernel_gives_eagers_greedy_tokens(name):
+@pytest.mark.parametrize(
+    "name, kv_cache_dtype", [(name, "auto") for name in model_configs()] + [("tiny", "float8_e4m3fn")]
+)
+def test_compiled_decoding_with_the_kernel_gives_eagers_greedy_tokens(name, kv_cache_dtype):
     """In CUDA graphs (``reduce-overhead``; tests/test_gpu.py covers every mode on the tiny checkpoint), float32,
     weights scaled up so that the argmax is clear: one prompt, then three prompts of different lengths decoded
-    together (each row at its own position, in the batcher's paged cache)."""
+    together (each row at its own position, in the batcher's paged cache); a float8 cache too."""
     mode = "reduce-overhead"
     shape = model_configs()[name]
     state = {n: t * 10 if t.dim() > 1 else t for n, t in random_weights(shape, torch.float32, seed=0).items()}
     prompts = [list(range(1, 21)), list(range(5, 12)), list(range(30, 63))]
     tokens = {}
     for compile_mode, kernel in (("none", "torch"), (mode, "triton")):
+        kernels = KernelOptions(attention=kernel)
         options = EngineOptions(
-            compile=compile_mode, device="cuda", dtype="float32", kernels=KernelOptions(attention=kernel)
+            compile=compile_mode, device="cuda", dtype="float32", kernels=kernels, kv_cache_dtype=kv_cache_dtype
         )
         engine = Engine.from_state(shape, state, options)
         assert engine.kernels.attention == kernel

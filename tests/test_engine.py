@@ -11,11 +11,13 @@ import pytest
 import torch
 
 from gpt_fast import Completion, Engine, EngineOptions, SamplingConfig
+from gpt_fast.accel.options import KernelOptions
 from gpt_fast.cli.main import flag_of
 from gpt_fast.convert.random_init import make_random_checkpoint, random_weights
 from gpt_fast.model.config import QuantConfig
 from gpt_fast.model.shapes import get_shape
 from gpt_fast.quant.layout import quantize_state
+from gpt_fast.util.device import resolve_kv_dtype
 from gpt_fast.util.options import OptionError
 
 GREEDY = SamplingConfig(temperature=0)
@@ -60,7 +62,10 @@ def test_weights_come_from_the_folder_whose_config_was_read(tiny, tmp_path):
         ({"regional_compile": True, "tp": 2}, "--regional_compile does not run with tensor parallelism"),
         ({"kernel_tuning": "exhaustive"}, "--kernel_tuning 'exhaustive' is not one of coordinate-descent, heuristic"),
         ({"threads": 0}, "--threads must be at least 1, not 0"),
-        ({"kv_cache_dtype": "int8"}, "--kv_cache_dtype 'int8' is not one of auto, float32, bfloat16, float16"),
+        (
+            {"kv_cache_dtype": "int8"},
+            "--kv_cache_dtype 'int8' is not one of auto, float32, bfloat16, float16, float8_e4m3fn",
+        ),
         ({"batch_invariant": True, "kv_cache_dtype": "float16"}, "--batch_invariant does not combine with --kv_cache"),
         ({"aot_precompile": True}, "--aot_precompile keeps a compiled decode step: give it a --compile mode"),
         ({"aot_precompile": True, "compile": "default", "tp": 2}, "--aot_precompile does not combine with --tp"),
@@ -116,6 +121,40 @@ def test_engine_over_weights_in_memory_takes_ids():
     assert len(result.tokens[0]) == 5 and engine.stop_ids == ()
     with pytest.raises(RuntimeError, match="no tokenizer"):
         engine.encode("hi")
+
+
+def test_a_float8_kv_cache_on_the_cpu_takes_the_models_code():
+    """``kv_cache_dtype="float8_e4m3fn"`` on the CPU: the cache in float8, read by the model's code (our C++
+    attention and layers operator read 16- and 32-bit caches only; the operator asked for is refused), a batch of
+    prompts at their own positions decoding the tokens each gives alone."""
+    shape = get_shape("tiny")
+    state = random_weights(shape, torch.float32, seed=0)
+    engine = Engine.from_state(shape, state, EngineOptions(device="cpu", kv_cache_dtype="float8_e4m3fn"))
+    assert (
+        engine.kv_dtype == torch.float8_e4m3fn and (engine.kernels.attention, engine.kernels.layers) == ("torch",) * 2
+    )
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10]]
+    alone = [engine.generate_ids(prompt, 8, GREEDY).tokens[0] for prompt in prompts]
+    assert engine.model.layers[0].attention.kv_cache.kv.dtype == torch.float8_e4m3fn
+    assert [c.ids for c in engine.generate_many_ids(prompts, 8, GREEDY)] == alone
+    options = EngineOptions(device="cpu", kv_cache_dtype="float8_e4m3fn", kernels=KernelOptions(layers="cpp"))
+    with pytest.raises(ValueError, match="--layers_kernel cpp does not compute models with a float8 KV cache|AVX2"):
+        Engine.from_state(shape, state, options)
+
+
+@pytest.mark.parametrize(("capability", "hip"), [((8, 0), None), ((8, 9), None), ((9, 0), None), ((8, 0), "6.4.0")])
+def test_a_float8_kv_cache_needs_a_gpu_that_converts_float8(monkeypatch, capability, hip):
+    """Refused, before any weight is read, on an NVIDIA GPU older than Ada (compute capability 8.9), whose compiled
+    steps could not convert it; taken on ROCm, where Triton converts float8 in software where the GPU does not."""
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    gpu = torch.device("cuda")
+    if capability < (8, 9) and hip is None:
+        with pytest.raises(OptionError, match="kv_cache_dtype float8_e4m3fn needs an NVIDIA GPU of compute capability"):
+            resolve_kv_dtype("float8_e4m3fn", torch.bfloat16, gpu)
+    else:
+        assert resolve_kv_dtype("float8_e4m3fn", torch.bfloat16, gpu) == torch.float8_e4m3fn
+    assert resolve_kv_dtype("float16", torch.bfloat16, gpu) == torch.float16
 
 
 @pytest.mark.parametrize("quant", [None, QuantConfig("int8")], ids=["float", "int8"])

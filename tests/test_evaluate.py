@@ -85,8 +85,27 @@ def test_eval_command_prints_a_table_and_json(models, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([*argv, "--max_tokens", "40"])
     out, _ = capsys.readouterr()
-    assert out.splitlines()[0].startswith("| checkpoint | quantization | device | dtype | text | tokens |")
-    assert f"| {folder} | none | CPU | float32 | {text} | 39 | 32 | 16 |" in out
+    assert out.splitlines()[0].startswith("| checkpoint | quantization | device | dtype | kv_cache_dtype | text |")
+    assert f"| {folder} | none | CPU | float32 | float32 | {text} | 39 | 32 | 16 |" in out
+
+
+def test_eval_scores_with_the_kv_cache_dtype_asked(models, tmp_path, capsys):
+    """``--kv_cache_dtype``: the window's keys and values are read back from a cache of that dtype, so a float8
+    cache's rounding moves the perplexity a little, where a float32 one matches the model's."""
+    _, _, folder = models
+    text = tmp_path / "text.txt"
+    text.write_text("The capital of France is Paris. " * 40)
+    argv = ["eval", "--checkpoint_path", str(folder), "--text", str(text), "--window", "32", "--json"]
+    results = {}
+    for kv_dtype in ("float32", "float8_e4m3fn"):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*argv, "--kv_cache_dtype", kv_dtype])
+        out, err = capsys.readouterr()
+        assert exit_info.value.code == 0, err
+        results[kv_dtype] = json.loads(out)
+        assert results[kv_dtype]["kv_cache_dtype"] == kv_dtype
+    rounded, exact = results["float8_e4m3fn"]["perplexity"], results["float32"]["perplexity"]
+    assert rounded != exact and rounded == pytest.approx(exact, rel=0.1)
 
 
 BAD = {

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from gpt_fast.model.cache import BlockTable, KVCache, PagedKVCache
 from gpt_fast.model.config import ModelConfig, RopeScaling
 from gpt_fast.model.shapes import get_shape
 from gpt_fast.model.transformer import (
@@ -226,6 +227,55 @@ def test_a_cache_of_its_own_dtype_holds_rounded_keys_and_gives_float32_attention
         assert keys.dtype == torch.float32
         torch.testing.assert_close(keys, keys.half().float(), rtol=0, atol=0)
         torch.testing.assert_close(narrow, wide, rtol=1e-2, atol=1e-2)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("paged", [False, True], ids=["static", "paged"])
+@pytest.mark.parametrize("rows_apart", [False, True], ids=["same-position", "own-positions"])
+def test_a_float8_cache_holds_keys_rounded_to_it_and_clamped(paged, rows_apart):
+    """A float8 e4m3fn cache (``--kv_cache_dtype float8_e4m3fn``) is written through its bytes (the CPU has no
+    float8 ``index_copy_``) with every write path: all rows at one position, rows at their own, paged blocks. What
+    it holds is torch's own rounding of the keys and values, a value past the largest float8 (448) the largest
+    rather than NaN; it reads back in the model's dtype."""
+    f8 = torch.float8_e4m3fn
+    k = torch.randn(2, 2, 1, 8, generator=torch.Generator().manual_seed(5)) * 3
+    v = torch.randn(2, 2, 1, 8, generator=torch.Generator().manual_seed(6))
+    k[0, 0, 0, :2] = torch.tensor([1000.0, -3000.0])
+    if paged:
+        table = BlockTable(2, 16, 4, device="cpu")
+        table.blocks.copy_(torch.tensor([[3, 1, 2, 4], [5, 6, 7, 8]]))
+        cache = PagedKVCache(9, table, 2, 8, dtype=f8, device="cpu")
+    else:
+        cache = KVCache(2, 2, 16, 8, dtype=f8, device="cpu")
+    input_pos = torch.tensor([[6], [9]]) if rows_apart else torch.tensor([6])
+    keys, values = cache.update(input_pos, k, v)  # [2, 2, 16, 8] each, float32
+    expected_k = k.clamp(-448, 448).to(f8).float()
+    for row, position in enumerate([6, 9] if rows_apart else [6, 6]):
+        torch.testing.assert_close(keys[row, :, position], expected_k[row, :, 0], rtol=0, atol=0)
+        torch.testing.assert_close(values[row, :, position], v[row, :, 0].to(f8).float(), rtol=0, atol=0)
+    assert keys.dtype == torch.float32 and keys[0, 0, 6, :2].tolist() == [448.0, -448.0]
+    assert torch.isfinite(cache.kv.float()).all() and (keys != 0).sum() == k.numel()
+
+
+@torch.no_grad()
+def test_a_float8_cache_gives_the_logits_of_a_full_one_within_its_rounding():
+    """The tiny model prefilling over a float8 cache (static and paged) against a float32 cache: its 3-bit mantissa
+    moves the logits by a few per cent of their spread, not more."""
+    tokens = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(3))
+    for blocks in (None, 13):
+        model = tiny_model(2)
+        model.setup_caches(2, 24, blocks=blocks, block_size=4)
+        if blocks is not None:
+            model.block_table.blocks.copy_(torch.arange(1, 13).view(2, 6))
+        wide = model(tokens, torch.arange(12))
+        model.kv_dtype_name = "float8_e4m3fn"
+        model.setup_caches(2, 24, blocks=blocks, block_size=4)
+        if blocks is not None:
+            model.block_table.blocks.copy_(torch.arange(1, 13).view(2, 6))
+        narrow = model(tokens, torch.arange(12))
+        assert model.layers[0].attention.kv_cache.kv.dtype == torch.float8_e4m3fn
+        error = ((narrow - wide).norm() / wide.norm()).item()
+        assert 0 < error < 0.05, error
 
 
 @pytest.mark.parametrize(

@@ -49,15 +49,14 @@ def resolve_attention_kernel(
     (docs/bench/HISTORY.md, 2026-11-24c). GQA models of few kv heads gain through the kernel's short splits
     (:func:`gpt_fast.kernels.triton_decode_attention.decode_launch`), without which it is slower for them. Choosing
     Triton (a CUDA GPU with Triton installed, not ROCm) registers its operators (:func:`register_triton_ops`), before
-    anything is compiled. ``cache_dtype``: the KV cache's where it is not the model's ``dtype``, which the Triton
-    kernel does not read (``auto`` takes the PyTorch code) and the C++ one reads below a float32 model only."""
+    anything is compiled. ``cache_dtype``: the KV cache's where it is not the model's ``dtype``. The Triton kernel
+    widens any cache's keys and values to float32 as it loads them (a float8 cache's too); the C++ one reads a
+    float16 or bfloat16 cache below a float32 model only (``auto`` takes the PyTorch code elsewhere)."""
     check_regional_compile(kernel, regional_compile)
     if kernel == "cpp" or (kernel == "auto" and device.type == "cpu"):
-        if cache_dtype is not None and dtype != torch.float32:
+        if cache_dtype is not None and (dtype != torch.float32 or cache_dtype.itemsize == 1):
             return _refuse_cache_dtype(kernel, cache_dtype, dtype)
         return _resolve_cpp(kernel, device, compile_mode, regional_compile)
-    if cache_dtype is not None:
-        return _refuse_cache_dtype(kernel, cache_dtype, dtype)
     measured = pdl_kernels_measured(device, compile_mode)
     auto = "triton" if measured and not regional_compile else "torch"
     return choose(kernel, ATTENTION_KERNELS, "attention kernel", device, auto, register_triton_ops)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from gpt_fast.model.config import INT4_GROUP_SIZES, QUANT_KERNELS, QUANT_MODES
 from gpt_fast.model.shapes import SHAPES
-from gpt_fast.util.choices import COMPILE_MODES, COORDINATE_DESCENT, KERNEL_TUNINGS, KV_CACHES
+from gpt_fast.util.choices import COMPILE_MODES, COORDINATE_DESCENT, KERNEL_TUNINGS, KV_CACHES, KV_DTYPE_CHOICES
 from gpt_fast.util.options import OptionError, check_at_least, check_names, check_one_of
 
 DEFAULT_AGREEMENTS = (0.5, 0.7, 0.8, 0.9)
@@ -108,6 +108,7 @@ class ServeBenchOptions:
     top_k: int = 200
     kv_cache: str = KV_CACHES[0]
     kv_cache_memory: float | None = None
+    kv_cache_dtype: str = KV_DTYPE_CHOICES[0]
     kernel_tuning: str = COORDINATE_DESCENT
     step_sizes: tuple[int, ...] | None = None
     output: str | None = None
@@ -119,6 +120,7 @@ class ServeBenchOptions:
         check_one_of("kv_cache", self.kv_cache, KV_CACHES)
         if self.kv_cache_memory is not None:
             check_at_least("kv_cache_memory", self.kv_cache_memory, 0)
+        check_one_of("kv_cache_dtype", self.kv_cache_dtype, KV_DTYPE_CHOICES)
         check_one_of("compile", self.compile, COMPILE_MODES)
         check_names("clients", self.clients)
         for count in self.clients:

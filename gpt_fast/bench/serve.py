@@ -251,6 +251,8 @@ def generate_rate(args: ServeBenchOptions, checkpoint: Path, sampling: list[str]
             str(metrics),
             "--kernel_tuning",
             args.kernel_tuning,
+            "--kv_cache_dtype",
+            args.kv_cache_dtype,
             *sampling,
         )
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
@@ -279,6 +281,8 @@ class Server:
             args.kv_cache,
             "--kernel_tuning",
             args.kernel_tuning,
+            "--kv_cache_dtype",
+            args.kv_cache_dtype,
             *(() if args.step_sizes is None else ("--step_sizes", ",".join(map(str, args.step_sizes)))),
             *(() if args.kv_cache_memory is None else ("--kv_cache_memory", str(args.kv_cache_memory))),
         )
@@ -383,9 +387,10 @@ def run(options: ServeBenchOptions) -> None:
         for count in args.counts:
             print(f"{count} client{'s' if count > 1 else ''} ...", flush=True)
             loads.append(measure(host, port, args, count, request))
+    kv_dtype = "" if args.kv_cache_dtype == "auto" else f" ({args.kv_cache_dtype})"
     print(
         f"\n{args.shape} ({checkpoint}), {args.dtype}, compile={args.compile}, {args.device}, {workload_line(args)}, "
-        f"{max(args.counts)} slots of {max_seq_length} tokens, KV blocks of {cache.block_size} tokens\n"
+        f"{max(args.counts)} slots of {max_seq_length} tokens, KV blocks of {cache.block_size} tokens{kv_dtype}\n"
     )
     print(table(generate, loads, cache.blocks))
     if args.output:

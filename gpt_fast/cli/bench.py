@@ -22,7 +22,7 @@ from gpt_fast.bench.options import (
 )
 from gpt_fast.model.config import INT4_GROUP_SIZES
 from gpt_fast.model.shapes import SHAPES
-from gpt_fast.util.choices import COMPILE_MODES, KERNEL_TUNINGS, KV_CACHES
+from gpt_fast.util.choices import COMPILE_MODES, KERNEL_TUNINGS, KV_CACHES, KV_DTYPE_CHOICES
 
 DEFAULT_COMMAND = "modes"
 T = TypeVar("T")
@@ -234,6 +234,13 @@ def token_range_option(name: str, help: str) -> Callable[[T], T]:
     return click.option(f"--{name}", type=TOKEN_RANGE, default=default, show_default=True, help=help)
 
 
+def serve_choice(name: str, choices: tuple[str, ...], help: str) -> Callable[[T], T]:
+    """``--NAME``, one of ``choices``, of `bench serve`, its default the options object's."""
+    return click.option(
+        f"--{name}", type=Listed(lambda: choices), default=getattr(SERVE, name), show_default=True, help=help
+    )
+
+
 @bench.command("serve")
 @click.option("--shape", type=Listed(lambda: sorted(SHAPES)), default=SERVE.shape, show_default=True)
 @click.option("--workdir", default=None, help="Where the random checkpoint is written and kept for the next run.")
@@ -269,21 +276,10 @@ def token_range_option(name: str, help: str) -> Callable[[T], T]:
 @click.option("--seed", type=int, default=SERVE.seed, show_default=True, help="The mixed workload's draws.")
 @click.option("--temperature", type=float, default=SERVE.temperature, show_default=True)
 @click.option("--top_k", type=int, default=SERVE.top_k, show_default=True)
-@click.option(
-    "--kv_cache",
-    type=Listed(lambda: KV_CACHES),
-    default=SERVE.kv_cache,
-    show_default=True,
-    help="The server's KV cache (gpt-fast serve --kv_cache).",
-)
+@serve_choice("kv_cache", KV_CACHES, "The server's KV cache (gpt-fast serve --kv_cache).")
 @click.option("--kv_cache_memory", type=float, default=None, help="The server's --kv_cache_memory.")
-@click.option(
-    "--kernel_tuning",
-    type=Listed(lambda: KERNEL_TUNINGS),
-    default=SERVE.kernel_tuning,
-    show_default=True,
-    help="As gpt-fast generate's option, for generate and the server.",
-)
+@serve_choice("kv_cache_dtype", KV_DTYPE_CHOICES, "As gpt-fast generate's option, for generate and the server.")
+@serve_choice("kernel_tuning", KERNEL_TUNINGS, "As gpt-fast generate's option, for generate and the server.")
 @click.option("--step_sizes", default=None, help="The server's --step_sizes (comma-separated row counts).")
 @click.option("--output", default=None, help="Also write the figures here as JSON.")
 def serve_command(compile_mode: str, clients: str, step_sizes: str | None, **values: Any) -> None:

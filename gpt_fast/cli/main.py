@@ -125,15 +125,31 @@ def sampling_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def device_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """--device, --dtype, handed to the command as ``engine_options`` (a checked EngineOptions)."""
+    """--device, --dtype, --kv_cache_dtype, handed to the command as ``engine_options`` (a checked EngineOptions)."""
 
     @functools.wraps(func)
-    def command(*args: Any, device: str | None, dtype: str, threads: int | None, **kwargs: Any) -> Any:
+    def command(
+        *args: Any, device: str | None, dtype: str, kv_cache_dtype: str, threads: int | None, **kwargs: Any
+    ) -> Any:
         from gpt_fast.engine.options import EngineOptions
 
-        return func(*args, engine_options=EngineOptions(device=device, dtype=dtype, threads=threads), **kwargs)
+        options = EngineOptions(device=device, dtype=dtype, threads=threads, kv_cache_dtype=kv_cache_dtype)
+        return func(*args, engine_options=options, **kwargs)
 
-    return add_device_options(command)
+    return add_device_options(add_kv_dtype_option(command))
+
+
+def add_kv_dtype_option(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``--kv_cache_dtype``, ``auto`` by default."""
+    return option(
+        "--kv_cache_dtype",
+        type=Choice(KV_DTYPE_CHOICES),
+        default="auto",
+        show_default=True,
+        help="The KV cache's dtype; auto: the model's. float16 on the CPU reads half the bytes a step's attention "
+        "reads in float32 (keys and values rounded to float16, as llama.cpp keeps them; docs/cpu.md). "
+        "float8_e4m3fn holds twice a 16-bit cache's tokens in the same memory (GPUs; docs/serving.md).",
+    )(func)
 
 
 def add_device_options(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -198,15 +214,7 @@ def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
         )
         return func(*args, engine_options=options, **kwargs)
 
-    decorated = option(
-        "--kv_cache_dtype",
-        type=Choice(KV_DTYPE_CHOICES),
-        default="auto",
-        show_default=True,
-        help="The KV cache's dtype; auto: the model's. float16 on the CPU reads half the bytes a step's attention "
-        "reads in float32 (keys and values rounded to float16, as llama.cpp keeps them; docs/cpu.md).",
-    )(command)
-    decorated = add_device_options(decorated)
+    decorated = add_device_options(add_kv_dtype_option(command))
     decorated = kernel_option(
         "quant",
         QUANT_KERNELS,

@@ -161,7 +161,7 @@ class Engine:
         if options.tp > 1:
             self.device = device_of(self.device, self.ranks)
         self.dtype = resolve_dtype(options.dtype, self.device)
-        self.kv_dtype = resolve_kv_dtype(options.kv_cache_dtype, self.dtype)
+        self.kv_dtype = resolve_kv_dtype(options.kv_cache_dtype, self.dtype, self.device)
         self.kernel_context = Context(
             self.device,
             options.compile,

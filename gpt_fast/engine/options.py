@@ -34,7 +34,7 @@ class EngineOptions:
       ``kernel_tuning``: how inductor picks its kernels' configurations (:data:`KERNEL_TUNINGS`);
     - ``device`` (None: the GPU if there is one) and ``dtype`` (``auto``: bfloat16 on a GPU, float32 on the CPU);
     - ``kv_cache_dtype``: the KV cache's dtype (``auto``: the model's), keys and values rounded to it as they are
-      written (docs/cpu.md, "A narrower KV cache");
+      written (docs/cpu.md, "A narrower KV cache"; ``float8_e4m3fn``: docs/serving.md, "A float8 KV cache");
     - ``speculative``: speculative decoding (None: plain decoding), :mod:`gpt_fast.generation.speculative`;
     - ``kernels``: the kernel of each operation (:class:`gpt_fast.accel.options.KernelOptions`, resolved by
       :mod:`gpt_fast.accel.registry`);

@@ -24,6 +24,7 @@ import torch
 
 from gpt_fast.engine.engine import Engine
 from gpt_fast.jobs.options import EvalOptions
+from gpt_fast.util.device import dtype_name
 
 WIKITEXT_REPO = "Salesforce/wikitext"
 WIKITEXT_TEST = "wikitext-2-raw-v1/test-00000-of-00001.parquet"
@@ -135,6 +136,7 @@ def run_eval(
         "quantization": quant,
         "device": engine.device_name,
         "dtype": engine.dtype_name,
+        "kv_cache_dtype": dtype_name(engine.kv_dtype),
         "text": options.text_name,
     }
     if as_json:

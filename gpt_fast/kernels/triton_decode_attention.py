@@ -16,7 +16,11 @@ is then neither spread over hundreds of idle programs nor combined from hundreds
 
 The step's own key is not read back from the cache: every program rotates it in registers and the program whose
 split holds its position also writes it (and the value) to the cache, so no program reads a position written in
-the same launch.
+the same launch. It is rounded to the cache's dtype first, as a later step reads it.
+
+The cache's dtype may be the model's or another: keys and values are widened to float32 as they are loaded. A float8
+cache (``--kv_cache_dtype float8_e4m3fn``) reads half a 16-bit one's bytes; its values are exact in the tensor
+cores' TF32 products, as 16-bit ones are.
 
 The cache is static (:class:`gpt_fast.model.cache.KVCache`, a row of positions per sequence) or paged
 (:class:`gpt_fast.model.cache.PagedKVCache`): blocks of positions shared by all rows, each row's named by its row of
@@ -64,7 +68,9 @@ ROWS_TILE_ELEMENTS = 8192  # such steps: query heads x positions x half a head p
 ROWS_SPLIT = 1024  # such steps: positions per split
 DOT_ROWS = 16  # the fewest rows of a tensor-core product: a GQA program's query heads padded to it (decode_launch)
 DOT_PAIRS = 64  # (row, kv head) pairs from which a GQA step's products go to the tensor cores (decode_launch)
-DOT_DTYPES = (torch.bfloat16, torch.float16)  # caches whose values the tensor cores' products take exactly
+# caches whose values the tensor cores' TF32 products take exactly
+DOT_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+FLOAT8_LARGEST = tl.constexpr(448.0)  # float8 e4m3fn's largest finite value: larger keys and values are stored as it
 
 
 @dataclass(frozen=True)
@@ -351,13 +357,28 @@ def _rotated_key_value(k_row, v_row, d, cos, sin, HALF: tl.constexpr, d_in):
 
 
 @triton.jit
+def _in_range(x, dtype):
+    """``x`` clamped to a float8 ``dtype``'s largest value, as :func:`gpt_fast.model.cache.stored` clamps what it
+    writes (a GPU's conversion saturates too, Triton's interpreter does not); other dtypes' as it is."""
+    if dtype.is_fp8():
+        x = tl.clamp(x, -FLOAT8_LARGEST, FLOAT8_LARGEST)
+    return x
+
+
+@triton.jit
+def _as_stored(x, dtype):
+    """``x`` (float32) as the cache of ``dtype`` holds it: what a later step reads of it."""
+    return _in_range(x, dtype).to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _store_key_value(at, values_offset, k1, k2, v1, v2, mask, HALF: tl.constexpr):
-    """A key's and a value's halves into the cache at ``at`` (the key's first element)."""
+    """A key's and a value's halves into the cache at ``at`` (the key's first element), rounded to its dtype."""
     dtype = at.dtype.element_ty
-    tl.store(at, k1.to(dtype), mask=mask)
-    tl.store(at + HALF, k2.to(dtype), mask=mask)
-    tl.store(at + values_offset, v1.to(dtype), mask=mask)
-    tl.store(at + values_offset + HALF, v2.to(dtype), mask=mask)
+    tl.store(at, _in_range(k1, dtype).to(dtype), mask=mask)
+    tl.store(at + HALF, _in_range(k2, dtype).to(dtype), mask=mask)
+    tl.store(at + values_offset, _in_range(v1, dtype).to(dtype), mask=mask)
+    tl.store(at + values_offset + HALF, _in_range(v2, dtype).to(dtype), mask=mask)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -509,6 +530,9 @@ def _decode_attention_split(
         k1, k2, v1, v2 = _rotated_key_value(
             k_ptr + b * k_stride_b + h * k_stride_h, v_ptr + b * v_stride_b + h * v_stride_h, d, cos, sin, HALF, d_in
         )
+        stored_as = kv_ptr.dtype.element_ty  # folded as the cache holds them, as the model's code reads them back
+        k1, k2 = _as_stored(k1, stored_as), _as_stored(k2, stored_as)
+        v1, v2 = _as_stored(v1, stored_as), _as_stored(v2, stored_as)
         at = cache + _offsets(table, pos, own, H_KV, HALF, CACHE_BLOCK, PAGED) + d
         _store_key_value(at, values_offset, k1, k2, v1, v2, d_in & own, HALF)
         if DOT:

@@ -12,10 +12,21 @@ import torch
 from torch import nn
 
 
+def stored(kv: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kv``, and ``new`` rounded to its dtype, as the pair a cache write indexes: a float8 cache's values clamped
+    to its largest (torch rounds a larger one to NaN; our Triton kernel's stores saturate the same way), both seen as
+    bytes, which every indexed write takes (the CPU has no float8 ``index_copy_``)."""
+    if kv.dtype.itemsize != 1:
+        return kv, new.to(kv.dtype)
+    largest = torch.finfo(kv.dtype).max
+    return kv.view(torch.uint8), new.clamp(-largest, largest).to(kv.dtype).view(torch.uint8)
+
+
 class KVCache(nn.Module):
     """Keys and values in one buffer [2, B, H_kv, S, D], so that a step writes both with one scatter
     (``index_copy_``) instead of two. The buffer's dtype may be narrower than the model's (a float32 model's float16
-    cache): keys and values are rounded to it as they are written and read back in the model's dtype."""
+    cache, a float8 one): keys and values are rounded to it as they are written (:func:`stored`) and read back in
+    the model's dtype."""
 
     paged = False
     blocks = None  # a paged cache's block table (PagedKVCache.blocks)
@@ -41,15 +52,15 @@ class KVCache(nn.Module):
         ``input_pos``: [T], the same for every row, or [B, T], each row's own. Return those rows' keys and values,
         each [B, H_kv, S, D], or their first ``length`` positions [B, H_kv, length, D]."""
         batch = k.shape[0]
-        new = torch.stack((k, v)).to(self.kv.dtype)  # [2, B, H_kv, T, D]
+        kv, new = stored(self.kv, torch.stack((k, v)))  # [2, B, H_kv, T, D]
         if input_pos.dim() == 1 and batch == self.kv.shape[1]:  # every row of the cache at the same positions
-            self.kv.index_copy_(3, input_pos, new)
+            kv.index_copy_(3, input_pos, new)
         else:
             # Indexing the whole buffer, not a view of some rows, so that the compiled step writes only the new
             # entries in place (through a view, inductor copies the rows out and back).
             rows = torch.arange(first_row, first_row + batch, device=k.device)[:, None]  # [B, 1]
             positions = input_pos if input_pos.dim() == 2 else input_pos[None]  # [B, T] or [1, T]
-            self.kv[:, rows, :, positions] = new.permute(1, 3, 0, 2, 4)  # [B, T, 2, H_kv, D]: indexed dims first
+            kv[:, rows, :, positions] = new.permute(1, 3, 0, 2, 4)  # [B, T, 2, H_kv, D]: indexed dims first
         kept = self.kv[:, first_row : first_row + batch, :, :length].to(k.dtype)  # [2, B, H_kv, length or S, D]
         return kept[0], kept[1]
 
@@ -118,8 +129,8 @@ class PagedKVCache(nn.Module):
         rows = table.blocks[first_row : first_row + batch]  # [B, W]
         positions = input_pos if input_pos.dim() == 2 else input_pos[None].expand(batch, -1)  # [B, T]
         block = rows.gather(1, positions // size)  # [B, T]
-        new = torch.stack((k, v)).transpose(2, 3)  # [2, B, T, H_kv, D]
-        self.kv[:, block, positions % size] = new.to(self.kv.dtype)
+        kv, new = stored(self.kv, torch.stack((k, v)).transpose(2, 3))  # [2, B, T, H_kv, D]
+        kv[:, block, positions % size] = new
         length = table.max_seq_length if length is None else length
         held = rows[:, : -(-length // size)]  # [B, blocks holding the first `length` positions]
         kv = self.kv[:, held].flatten(2, 3)[:, :, :length].transpose(2, 3).to(k.dtype)  # [2, B, H_kv, length, D]

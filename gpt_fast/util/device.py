@@ -8,10 +8,12 @@ import sys
 
 import torch
 
-from gpt_fast.util.choices import DTYPE_CHOICES, DTYPE_NAMES
+from gpt_fast.util.choices import DTYPE_CHOICES, DTYPE_NAMES, KV_DTYPE_NAMES
 from gpt_fast.util.options import OptionError
 
 DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.bfloat16, torch.float16), strict=True))
+KV_DTYPES = {name: getattr(torch, name) for name in KV_DTYPE_NAMES}
+FLOAT8_CAPABILITY = (8, 9)  # NVIDIA GPUs from Ada and Hopper on convert 8-bit floats in hardware; Triton needs them
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -21,7 +23,7 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    return {v: k for k, v in DTYPES.items()}[dtype]
+    return {v: k for k, v in KV_DTYPES.items()}[dtype]
 
 
 def resolve_device(name: str | None) -> torch.device:
@@ -52,11 +54,25 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The KV cache's dtype: ``auto``, the model's ``dtype``; else the one named (a float32 model's float16 cache
     reads half the bytes a step, docs/cpu.md, "A narrower KV cache"). ``name`` is one of
-    :data:`gpt_fast.util.choices.KV_DTYPE_CHOICES`, as :class:`gpt_fast.engine.options.EngineOptions` checks it."""
-    return dtype if name == "auto" else DTYPES[name]
+    :data:`gpt_fast.util.choices.KV_DTYPE_CHOICES`, as :class:`gpt_fast.engine.options.EngineOptions` checks it.
+    A float8 cache (:data:`gpt_fast.util.choices.FLOAT8_KV`) halves a 16-bit model's (docs/serving.md, "A float8
+    KV cache"); it is refused on an NVIDIA GPU older than :data:`FLOAT8_CAPABILITY`, whose compiled steps could not
+    convert it, before anything is loaded."""
+    if name == "auto":
+        return dtype
+    kv_dtype = KV_DTYPES[name]
+    if kv_dtype.itemsize == 1 and device.type == "cuda" and torch.version.hip is None:
+        capability = torch.cuda.get_device_capability(device)
+        if capability < FLOAT8_CAPABILITY:
+            found = ".".join(map(str, capability))
+            raise OptionError(
+                f"kv_cache_dtype {name} needs an NVIDIA GPU of compute capability 8.9 or more, not {found}",
+                "kv_cache_dtype",
+            )
+    return kv_dtype
 
 
 def device_name(device: torch.device) -> str:
