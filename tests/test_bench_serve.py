@@ -86,6 +86,7 @@ def test_one_run_prints_every_figure(tmp_path, capsys, often):
     out = capsys.readouterr().out
     figures = json.loads(output.read_text())
     check_runs(figures, out, (1, 3), rounds=1)
+    assert "  server: KV cache: paged, " in out  # the cache's size, echoed after the address
     assert figures["one"] == figures["runs"][0] and figures["many"] == figures["runs"][-1]
     assert f"| `gpt-fast generate` | | {figures['generate_tokens_per_sec']:.1f} |" in out
     through = 100 * figures["one"]["per_client_tokens_per_sec"] / figures["generate_tokens_per_sec"]

@@ -289,14 +289,30 @@ class Server:
 
     def __enter__(self) -> tuple[str, int]:
         self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE, text=True)
+        try:
+            return self._address()
+        except BaseException:  # an interrupt, or a line not as expected: the server does not outlive the benchmark
+            self.process.kill()
+            self.process.wait()
+            raise
+
+    def _address(self) -> tuple[str, int]:
+        """The server's output echoed until it says where it serves: its host and port."""
         for line in self.process.stdout:
             print(f"  server: {line.rstrip()}", flush=True)
             if line.startswith("Serving "):
                 address = line.split(" at http://", 1)[1].split("/", 1)[0]
                 host, port = address.rsplit(":", 1)
-                threading.Thread(target=self.process.stdout.read, daemon=True).start()
+                threading.Thread(target=self._echo_cache_line, daemon=True).start()
                 return host, int(port)
         raise RuntimeError(f"the server exited with status {self.process.wait()}")
+
+    def _echo_cache_line(self) -> None:
+        """The rest of the server's output, read so that it never blocks on a full pipe; its line saying the KV
+        cache's size and dtype, which follows the address, echoed."""
+        for line in self.process.stdout:
+            if line.startswith("KV cache: "):
+                print(f"  server: {line.rstrip()}", flush=True)
 
     def __exit__(self, *exc: object) -> None:
         self.process.terminate()
