@@ -28,7 +28,7 @@ from gpt_fast.model.config import QuantConfig
 from gpt_fast.model.shapes import get_shape
 from gpt_fast.quant.layout import quantize_state
 from gpt_fast.util.choices import KV_DTYPE_CHOICES
-from gpt_fast.util.device import cudagraph_step_begin, device_synchronize, resolve_device, resolve_dtype
+from gpt_fast.util.device import cudagraph_step_begin, device_synchronize, dtype_name, resolve_device, resolve_dtype
 
 
 def run_steps(engine: Engine, state: SlotState, decode, rows: int, steps: int) -> None:
@@ -100,7 +100,7 @@ def main() -> None:
     described = f"compile={args.compile} ({args.kernel_tuning}), torch {torch.__version__}"
     if args.quantize:
         described += f", {args.quantize} ({engine.kernels.quant} products)"
-    kv_dtype = str(engine.kv_dtype).removeprefix("torch.")
+    kv_dtype = dtype_name(engine.kv_dtype)
     print(f"{args.shape} on {engine.device_name}, {engine.dtype_name} ({kv_dtype} KV cache), {described}")
     print(f"{slots} slots of {length} positions, each row from position {args.position}, {args.steps} steps timed")
     costs: dict[str, dict[int, float]] = {layout: {} for layout in args.caches.split(",")}
