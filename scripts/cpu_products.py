@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from gpt_fast.kernels import cpu_gemv
 from gpt_fast.model.config import EmbeddingQuant, QuantConfig
 from gpt_fast.quant.layers import Int4Linear, Int8Linear
-from gpt_fast.quant.products import resolve_kernel
+from gpt_fast.quant.products import load_kernel, resolve_kernel
 from gpt_fast.quant.schemes import quantize_int4, quantize_int8
 
 LAYERS = 30
@@ -35,7 +35,7 @@ GROUP = 32
 def layers(scheme: str, kernel: str) -> list[torch.nn.Module]:
     """A step's quantized layers (``scheme`` int8 or int4 g32; ``table``: the output projection alone, int8 g32),
     prepared for ``kernel``."""
-    resolve_kernel(kernel, torch.device("cpu"))
+    load_kernel(resolve_kernel(kernel, torch.device("cpu")))
     torch.manual_seed(0)
     made: list[torch.nn.Module] = []
     if scheme == "table":

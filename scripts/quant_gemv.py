@@ -42,7 +42,7 @@ from gpt_fast.model.config import QuantConfig
 from gpt_fast.model.shapes import get_shape
 from gpt_fast.model.transformer import weight_shapes
 from gpt_fast.quant.layers import LINEARS, QuantizedLinear
-from gpt_fast.quant.products import int4_aten_linear, int4_dequantize, resolve_kernel
+from gpt_fast.quant.products import int4_aten_linear, int4_dequantize, load_kernel, resolve_kernel
 from gpt_fast.quant.schemes import INT4_MID, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8, unpack_int4
 from gpt_fast.util.fileio import write_text_atomic
 from gpt_fast.util.settings import apply_torch_settings
@@ -137,7 +137,9 @@ def layer(scheme: str, tensors: dict[str, torch.Tensor], kernel: str) -> Quantiz
         out = LINEARS[scheme](k, n, quant, bias=False)
     for name, tensor in tensors.items():
         setattr(out, name, nn.Parameter(tensor, requires_grad=False))
-    out.prepare(resolve_kernel(kernel, tensors["scales"].device))
+    resolved = resolve_kernel(kernel, tensors["scales"].device)
+    load_kernel(resolved)
+    out.prepare(resolved)
     return out
 
 

@@ -11,11 +11,14 @@ import pytest
 import torch
 
 from gpt_fast import Completion, Engine, EngineOptions, SamplingConfig
+from gpt_fast.accel import decode_attention
 from gpt_fast.accel.options import KernelOptions
 from gpt_fast.cli.main import flag_of
 from gpt_fast.convert.random_init import make_random_checkpoint, random_weights
+from gpt_fast.kernels import cpu_gemv
 from gpt_fast.model.config import QuantConfig
 from gpt_fast.model.shapes import get_shape
+from gpt_fast.quant import products
 from gpt_fast.quant.layout import quantize_state
 from gpt_fast.util.device import resolve_kv_dtype
 from gpt_fast.util.options import OptionError
@@ -140,6 +143,23 @@ def test_a_float8_kv_cache_on_the_cpu_takes_the_models_code():
     options = EngineOptions(device="cpu", kv_cache_dtype="float8_e4m3fn", kernels=KernelOptions(layers="cpp"))
     with pytest.raises(ValueError, match="--layers_kernel cpp does not compute models with a float8 KV cache|AVX2"):
         Engine.from_state(shape, state, options)
+
+
+@pytest.mark.skipif(not cpu_gemv.cpu_kernels_usable(), reason="our C++ kernels do not build here")
+def test_our_cpp_library_is_built_when_the_weights_are_read_not_at_open(tiny, monkeypatch):
+    """Opening only decides (a command's own checks follow it, and a mistake is reported in a moment); the C++
+    library, some 20 s to build on a new machine, is loaded as the weights are read."""
+    built: list[str] = []
+    monkeypatch.setattr(decode_attention, "register_cpp_ops", lambda: built.append("attention"))
+    monkeypatch.setattr(products, "register_cpu_ops", lambda: built.append("products"))
+    engine = Engine.open(tiny, EngineOptions(device="cpu", kernels=KernelOptions(attention="cpp")))
+    assert engine.kernels.attention == "cpp" and built == []
+    engine.load_weights()
+    assert built == ["attention"]
+    shape, quant = get_shape("tiny"), QuantConfig("int8")
+    state = quantize_state(random_weights(shape, torch.float32, seed=0), shape, quant, torch.float32)
+    options = EngineOptions(device="cpu", kernels=KernelOptions(quant="cpp"))
+    assert Engine.from_state(shape, state, options, quant).kernels.quant == "cpp" and set(built[1:]) == {"products"}
 
 
 @pytest.mark.parametrize(("capability", "hip"), [((8, 0), None), ((8, 9), None), ((9, 0), None), ((8, 0), "6.4.0")])

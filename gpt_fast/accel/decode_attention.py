@@ -80,14 +80,20 @@ def _resolve_cpp(kernel: str, device: torch.device, compile_mode: str, regional_
         raise ValueError(f"the cpp attention kernel needs an x86 CPU with AVX2, a C++ compiler and ninja, not {device}")
     if kernel == "auto" and (not usable or compile_mode == "none" or regional_compile):
         return "torch"
-    register_cpp_ops()
     return "cpp"
+
+
+def load_attention_kernel(kernel: str) -> None:
+    """Build and load what the chosen ``kernel`` needs before the weights are read: our C++ library for ``cpp``
+    (:func:`register_cpp_ops`; some 20 s the first time on a machine), after every check that needs no weights."""
+    if kernel == "cpp":
+        register_cpp_ops()
 
 
 @functools.cache
 def register_cpp_ops() -> None:
     """Build and load our C++ kernels (:func:`gpt_fast.kernels.cpu_gemv.load_cpu_kernels`) and give
-    ``gpt_fast::decode_attention_cpu`` its shape function for ``torch.compile``, before anything is compiled."""
+    ``gpt_fast::decode_attention_cpu`` its shape function for ``torch.compile`` (:func:`load_attention_kernel`)."""
     cpu_gemv.load_cpu_kernels()
     torch.library.register_fake("gpt_fast::decode_attention_cpu", lambda q, *_args: q.new_empty(q.shape))
 

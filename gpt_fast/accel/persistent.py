@@ -132,16 +132,23 @@ def _cpp_takes_layers(context: Context) -> bool:
 
 def resolve_layers_kernel(kernel: str, context: Context) -> str:
     """``auto``: ``cpp`` where it computes the model (:func:`cpp_layers_refusal`, the dtype known), else the model's
-    code. Choosing Triton (a CUDA GPU with Triton, not ROCm) registers its operator (:func:`register_layers_op`),
-    choosing C++ loads our library (:func:`register_cpp_layers_op`), before anything is compiled."""
+    code. Choosing Triton (a CUDA GPU with Triton, not ROCm) registers its operator (:func:`register_layers_op`);
+    C++ is built when the weights are read (:func:`load_layers_kernel`)."""
     if kernel == "triton" and context.cache_of_its_own is not None:
         raise ValueError(f"--layers_kernel triton reads a KV cache in the model's dtype, not {context.kv_dtype}")
     if kernel == "cpp":
         check_cpp_layers(context)
     elif not (kernel == "auto" and context.dtype is not None and _cpp_computes(context)):
         return choose(kernel, LAYERS_KERNELS, "layers kernel", context.device, "torch", register_layers_op)
-    register_cpp_layers_op()
     return "cpp"
+
+
+def load_layers_kernel(kernel: str) -> None:
+    """Build and load what the chosen ``kernel`` needs before the weights are read: our C++ library for ``cpp``
+    (:func:`register_cpp_layers_op`; some 20 s the first time on a machine), after every check that needs no
+    weights."""
+    if kernel == "cpp":
+        register_cpp_layers_op()
 
 
 @functools.cache

@@ -1,8 +1,10 @@
 """The one registry of fast paths: for each operation of :class:`gpt_fast.accel.options.KernelOptions`, how its
-choice is resolved on a device (``auto`` made concrete, a ``triton`` choice checked and its operators registered
-before anything is compiled) and how the chosen kernel is installed into a built model. The engine resolves every
-choice when it opens a checkpoint (:func:`resolve_kernels`) and installs them once the weights are loaded
-(:func:`install_kernels`); the model imports none of this.
+choice is resolved on a device (``auto`` made concrete, a choice that cannot run there refused, Triton's operators
+registered), what the chosen kernel needs built before the weights are read (our C++ library), and how it is
+installed into a built model. The engine resolves every choice when it opens a checkpoint (:func:`resolve_kernels`),
+builds what they need as it starts reading the weights (:func:`load_kernels`: the C++ library takes some 20 s the
+first time on a machine, so a mistake that a command finds after opening is reported before that) and installs them
+once the weights are loaded (:func:`install_kernels`); the model imports none of this.
 
 A quantized checkpoint's products are chosen here too, and applied by the loader: a layer's weights are repacked
 for its kernel as they are read (:func:`gpt_fast.quant.layers.prepare_quantized`).
@@ -18,17 +20,19 @@ from gpt_fast.accel.choice import Context
 from gpt_fast.accel.options import KernelOptions
 from gpt_fast.model.transformer import Transformer
 from gpt_fast.quant.layers import launch_with_pdl
-from gpt_fast.quant.products import resolve_kernel
+from gpt_fast.quant.products import load_kernel, resolve_kernel
 
 
 @dataclass(frozen=True)
 class FastPath:
     """One operation's fast path: ``resolve`` makes the option's value concrete for a :class:`Context`;
-    ``install`` gives a built model the chosen kernel."""
+    ``load`` builds and loads what the chosen kernel needs before the weights are read; ``install`` gives a built
+    model the chosen kernel."""
 
     name: str  # the KernelOptions field
     resolve: Callable[[str, Context], str]
     install: Callable[[Transformer, str, Context], None]
+    load: Callable[[str], None] = lambda _kernel: None
 
 
 @dataclass(frozen=True)
@@ -101,10 +105,12 @@ def _resolve_sampling(kernel: str, context: Context) -> str:
 
 
 REGISTRY = (
-    FastPath("quant", _resolve_quant, _install_at_load),
-    FastPath("attention", _resolve_attention, _install_attention),
+    FastPath("quant", _resolve_quant, _install_at_load, load_kernel),
+    FastPath("attention", _resolve_attention, _install_attention, decode_attention.load_attention_kernel),
     FastPath("activation", _resolve_activation, lambda m, k, _c: gated_activation.use_activation_kernel(m, k)),
-    FastPath("layers", _resolve_layers, lambda m, k, _c: persistent.use_layers_kernel(m, k)),
+    FastPath(
+        "layers", _resolve_layers, lambda m, k, _c: persistent.use_layers_kernel(m, k), persistent.load_layers_kernel
+    ),
     FastPath("linear", _resolve_linear, _install_linear),
     FastPath("sampling", _resolve_sampling, lambda m, k, _c: top_k.use_sampling_kernel(m, k)),
 )
@@ -119,14 +125,20 @@ def resolve_one(name: str, choice: str, context: Context) -> str:
 
 def resolve_kernels(options: KernelOptions, context: Context) -> ChosenKernels:
     """Every operation's kernel on ``context``'s device, in the registry's order (refusing a choice that cannot
-    run there, registering our operators before anything is compiled). The quantized products' kernel comes
-    first: the others' choices may depend on it (``context.quant_kernel``)."""
+    run there, registering our Triton operators; nothing is built). The quantized products' kernel comes first:
+    the others' choices may depend on it (``context.quant_kernel``)."""
     chosen: dict[str, str] = {}
     for path in REGISTRY:
         chosen[path.name] = path.resolve(getattr(options, path.name), context)
         if path.name == "quant":
             context = replace(context, quant_kernel=chosen["quant"])
     return ChosenKernels(**chosen)
+
+
+def load_kernels(chosen: ChosenKernels) -> None:
+    """Build and load what the chosen kernels need, before the weights are read and anything is compiled."""
+    for path in REGISTRY:
+        path.load(getattr(chosen, path.name))
 
 
 def install_kernels(model: Transformer, chosen: ChosenKernels, context: Context) -> None:

@@ -26,7 +26,7 @@ import torch
 
 from gpt_fast.accel.choice import Context
 from gpt_fast.accel.invariant import INVARIANT_ROWS, check_invariant, use_invariant_kernels
-from gpt_fast.accel.registry import install_kernels, resolve_kernels
+from gpt_fast.accel.registry import install_kernels, load_kernels, resolve_kernels
 from gpt_fast.checkpoint.load import checkpoint_tokenizer, load_model, model_from_state
 from gpt_fast.convert.default_model import DEFAULT_MODEL, INT4_NOTE, ensure_default_checkpoint
 from gpt_fast.engine.batcher import Batcher, Event, Finished, Request
@@ -173,7 +173,7 @@ class Engine:
             dtype=self.dtype,
             kv_dtype=self.kv_dtype,
         )
-        self.kernels = resolve_kernels(options.kernels, self.kernel_context)  # before anything is compiled
+        self.kernels = resolve_kernels(options.kernels, self.kernel_context)  # built in load_weights
         self._tokenizer = checkpoint_tokenizer(checkpoint_dir, config) if config is not None else None
         self._state = state
         self._sharded = sharded  # the state is this rank's part already
@@ -256,8 +256,10 @@ class Engine:
         return engine
 
     def load_weights(self) -> None:
-        """Read the weights (with tensor parallelism, join the ranks' group first and read this rank's part)."""
+        """Build what the chosen kernels need, then read the weights (with tensor parallelism, join the ranks' group
+        first and read this rank's part)."""
         start = time.perf_counter()
+        load_kernels(self.kernels)
         if self.options.tp > 1 and self._parallel is None:
             self._parallel = join(self.options.tp, self.device)
         shard = self._parallel.shard if self._parallel is not None else None

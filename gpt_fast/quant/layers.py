@@ -37,6 +37,7 @@ from gpt_fast.quant.products import (
     int8_dequantize,
     int8_interleave,
     int8_linear,
+    load_kernel,
     q8_takes,
     resolve_kernel,
     takes_matmul,
@@ -297,6 +298,7 @@ def prepare_quantized(model: nn.Module, device: torch.device, kernel: str = "aut
     """Choose the kernels of every quantized layer for ``device`` (``auto``: see
     :func:`gpt_fast.quant.products.resolve_kernel` and each layer's ``prepare``), once the weights are there."""
     resolved = resolve_kernel(kernel, device)
+    load_kernel(resolved)
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
             module.prepare(resolved)

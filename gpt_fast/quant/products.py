@@ -85,8 +85,8 @@ CPP_MATMUL_ROWS = 64
 
 def resolve_kernel(kernel: str, device: torch.device) -> str:
     """``auto``: Triton on a CUDA GPU, on the CPU our C++ kernels where they are usable, else PyTorch's own,
-    plain PyTorch elsewhere. Choosing Triton or C++ registers its operators (:func:`register_triton_ops`,
-    :func:`register_cpu_ops`), before anything is compiled."""
+    plain PyTorch elsewhere. Choosing Triton registers its operators (:func:`register_triton_ops`); our C++
+    library is built where the weights are read (:func:`load_kernel`), after every check that needs none."""
     if kernel not in KERNELS:
         raise ValueError(f"quantized kernel {kernel!r} is not one of {', '.join(KERNELS)}")
     if kernel == "triton" and not triton_usable(device):
@@ -105,9 +105,15 @@ def resolve_kernel(kernel: str, device: torch.device) -> str:
         kernel = "triton" if triton_usable(device) else "cpp" if cpp_usable(device) else _plain(device)
     if kernel in ("triton", "gemlite"):
         register_triton_ops()
+    return kernel
+
+
+def load_kernel(kernel: str) -> None:
+    """Build and load what the chosen ``kernel`` (a name :func:`resolve_kernel` returned) needs before its layers
+    are prepared: our C++ library for ours on the CPU (:func:`register_cpu_ops`; some 20 s the first time on a
+    machine)."""
     if kernel in CPP_KERNELS:
         register_cpu_ops()
-    return kernel
 
 
 def _plain(device: torch.device) -> str:
