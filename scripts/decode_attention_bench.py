@@ -12,10 +12,10 @@ they do in a decode step. Prints one JSON line per measurement and a table.
 
 ``--rows 1,8,64``: a server's step instead, the launcher alone: that many rows, each at its own position around
 the middle of a 1024-position cache, static and paged (blocks of 16 in shuffled order), Llama-2-7B and Llama-3-8B
-shapes (``--shapes``: some of them; ``--layouts``: static or paged alone), with the tile the code chooses, the
-one-row step's tile and (``--sweep``) a grid of tiles, over a cache of each of ``--cache_dtypes`` (bfloat16, and
-``float8_e4m3fn``: ``--kv_cache_dtype``'s float8 cache); the table gives each one's rate of reading the keys and
-values the rows see.
+shapes (``--shapes``: some of them; ``--layouts``: static or paged alone), with the tile the code chooses for the
+cache's dtype (and for another dtype than bfloat16, the tile a 16-bit cache takes), the one-row step's tile and
+(``--sweep``) a grid of tiles, over a cache of each of ``--cache_dtypes`` (bfloat16, and ``float8_e4m3fn``:
+``--kv_cache_dtype``'s float8 cache); the table gives each one's rate of reading the keys and values the rows see.
 
     python scripts/decode_attention_bench.py [--sweep] [--rows 1,8,64 [--shapes S] [--layouts L] [--cache_dtypes D]]
         [--json_out FILE]
@@ -96,7 +96,10 @@ def sweep_launches(
 
 
 def tile_name(launch) -> str:
-    return f"{'dot ' if launch.dot else ''}s{launch.block_s} split{launch.split_len} w{launch.warps}"
+    kind = "".join(
+        name for name, on in (("dot ", launch.dot), ("fp16 ", launch.mma16), ("by-pos ", launch.acc_pos)) if on
+    )
+    return f"{kind}s{launch.block_s} split{launch.split_len} w{launch.warps}"
 
 
 def reductions_tile(config, rows: int = 1):
@@ -198,7 +201,9 @@ def measure_rows(args: argparse.Namespace) -> list[dict]:
         expected = rows_reference(inputs, caches[0], table)
         config = get_shape(shape_name)
         tile = (config.n_head // config.n_local_heads, config.head_dim, config.n_local_heads)
-        launches = {"chosen": triton_decode_attention.decode_launch(*tile, rows)}
+        launches = {"chosen": triton_decode_attention.decode_launch(*tile, rows, dtype)}
+        if dtype != torch.bfloat16:  # what a 16-bit cache's step takes, for comparison
+            launches["16-bit cache's tile"] = triton_decode_attention.decode_launch(*tile, rows)
         launches["one-row tile"] = triton_decode_attention.decode_launch(*tile)
         if (reductions := reductions_tile(config, rows)) is not None:
             launches["reductions tile"] = reductions

@@ -25,7 +25,7 @@ from gpt_fast.model.transformer import Transformer, apply_rope, attend_one_query
 
 # (batch, cache rows, heads, kv heads, head_dim, cache length, positions, first row, window, softcap, launch)
 # positions: [p] shared by the rows, or [[p0], [p1], ...] each row's own; launch: (block_s, split_len, warps,
-# max_splits[, dot])
+# max_splits[, dot, mma16, acc_pos])
 CASES = [
     (1, 1, 4, 4, 128, 64, [0], 0, None, None, None),  # MHA, the first position
     (1, 1, 4, 4, 128, 512, [511], 0, None, None, None),  # the last position, 16 splits of 32
@@ -45,6 +45,12 @@ CASES = [
     (2, 2, 8, 2, 64, 288, [[287], [40]], 0, None, None, (32, 32, 4, 16, True)),
     (1, 2, 8, 4, 64, 160, [[150]], 1, 70, 30.0, (16, 32, 4, 8, True)),
     (2, 2, 14, 2, 128, 100, [[99], [3]], 0, None, None, (16, 1024, 4, 16, True)),
+    # float16 operands where the cache is float8 (TF32 on 16-bit caches): GQA with a window and soft-capping; MHA
+    # padded to 16 query rows; MHA with its weighted values per position, in one split and in several with a window
+    (1, 2, 8, 4, 64, 160, [[150]], 1, 70, 30.0, (16, 32, 4, 8, True, True)),
+    (2, 2, 4, 4, 128, 300, [[5], [290]], 0, None, None, (64, 1024, 2, 16, True, True)),
+    (2, 2, 4, 4, 128, 300, [[5], [290]], 0, None, None, (128, 1024, 4, 16, False, False, True)),
+    (1, 2, 4, 4, 64, 100, [[90]], 1, 30, 20.0, (16, 32, 4, 8, False, False, True)),
 ]
 # (batch, table rows, heads, kv heads, head_dim, max_seq_length, block size, positions, first row, window, softcap,
 # launch, rows on the sink): positions [[p0], [p1], ...], each row's own; the rows on the sink (indices of the batch)
@@ -55,6 +61,9 @@ PAGED_CASES = [
     (2, 2, 4, 1, 64, 600, 16, [[590], [20]], 0, None, None, (16, 16, 4, 32), []),  # MQA: 19 of 32 splits, trimmed
     (2, 2, 4, 4, 128, 304, 16, [[290], [6]], 0, None, None, (128, 1024, 4, 16), []),  # a many-row step's tile
     (3, 3, 8, 2, 64, 200, 16, [[150], [17], [0]], 0, None, None, (32, 64, 4, 8, True), [2]),  # tensor cores (GQA)
+    (3, 3, 8, 2, 64, 200, 16, [[150], [17], [0]], 0, None, None, (32, 64, 4, 8, True, True), [2]),  # float16's
+    (2, 2, 4, 4, 128, 304, 16, [[290], [6]], 0, None, None, (64, 1024, 2, 16, True, True), []),  # MHA, 16 rows
+    (2, 2, 4, 4, 128, 304, 16, [[290], [6]], 0, None, None, (128, 1024, 4, 16, False, False, True), []),  # per position
 ]
 
 

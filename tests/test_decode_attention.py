@@ -217,6 +217,29 @@ def test_a_step_of_many_rows_takes_a_tile_of_its_own(shape, rows, tile):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+@pytest.mark.parametrize(
+    ("shape", "rows", "tile"),
+    [
+        ("llama-2-7b", 64, (1024, 64, 2, True, True, False)),  # MHA: 2048 pairs, the tensor cores, float16 operands
+        ("llama-2-7b", 8, (1024, 128, 4, False, False, True)),  # 256 pairs: weighted values per position
+        ("llama-3-8b", 32, (1024, 64, 4, True, True, False)),  # GQA: its tensor-core tiles, float16 operands
+        ("llama-3-8b", 8, (256, 128, 4, True, True, False)),
+    ],
+)
+def test_a_float8_caches_step_of_many_rows_takes_its_own_tile(shape, rows, tile):
+    """A float8 cache's step, bound by the arithmetic: float16 operands on the tensor cores, MHA there too from 2048
+    (row, kv head) pairs, and from 256 with its weighted values summed once after the loop; one row keeps the
+    one-row tile."""
+    from gpt_fast.kernels.triton_decode_attention import decode_launch
+
+    config = get_shape(shape)
+    group = (config.n_head // config.n_local_heads, config.head_dim, config.n_local_heads)
+    launch = decode_launch(*group, rows, torch.float8_e4m3fn)
+    assert (launch.split_len, launch.block_s, launch.warps, launch.dot, launch.mma16, launch.acc_pos) == tile
+    assert decode_launch(*group, 1, torch.float8_e4m3fn) == decode_launch(*group, 1)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 @pytest.mark.parametrize(("shape", "splits"), [("smollm2-135m", 128), ("llama-3-8b", 32), ("llama-2-7b", 16)])
 def test_a_long_caches_splits_are_capped_per_kv_head(shape, splits):
     """An 8192-position cache (a server's) splits into at most ``splits`` per kv head, so that a row has a few
@@ -325,7 +348,8 @@ def test_the_kernel_compiles_for_a_gpu_with_float64_scalars(group, kind):
     """Inductor passes a triton_op's float arguments (the scale, the soft-cap) as float64: the kernel must keep its
     running softmax state in float32 all the same. Triton's front end types the kernel without a GPU: a decode
     step's, a batch-invariant step's (``rows``: the keys from the cache) and a paged cache's decode step's, over a
-    16-bit cache and a float8 one."""
+    16-bit cache and a float8 one (on the tensor cores with float16 operands; MHA's decode step with its weighted
+    values per position)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -333,11 +357,13 @@ def test_the_kernel_compiles_for_a_gpu_with_float64_scalars(group, kind):
     from gpt_fast.kernels.triton_decode_attention import _decode_attention_split
 
     kernel = _decode_attention_split
-    sizes = {"H_KV": 8, "GROUP": group, "GROUP_PAD": group, "HALF": 64, "HALF_PAD": 64, "BLOCK_S": 16}
+    dot = kind == "paged-float8"  # on the tensor cores, float16 operands
+    sizes = {"H_KV": 8, "GROUP": group, "GROUP_PAD": 16 if dot else group, "HALF": 64, "HALF_PAD": 64, "BLOCK_S": 16}
     constants = {**sizes, "SPLIT_LEN": 128, "SPLITS": 4, "MAX_SPLITS": 32, "SOFTCAP": True, "WINDOW": group > 1}
     constants.update(CAPPED=group > 1, FROM_CACHE=kind == "rows")  # group 1 as Llama-2-7B's: no window, no cap
     paged = kind.startswith("paged")
-    constants.update(PAGED=paged, CACHE_BLOCK=16 if paged else 1)
+    constants.update(PAGED=paged, CACHE_BLOCK=16 if paged else 1, DOT=dot, MMA16=dot)
+    constants.update(ACC_POS=group == 1 and kind == "decode")  # MHA's weighted values per position
     pointers = {"pos_ptr": "*i64", "table_ptr": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32"}
     if kind.endswith("float8"):
         pointers["kv_ptr"] = "*fp8e4nv"

@@ -20,7 +20,7 @@ the same launch. It is rounded to the cache's dtype first, as a later step reads
 
 The cache's dtype may be the model's or another: keys and values are widened to float32 as they are loaded. A float8
 cache (``--kv_cache_dtype float8_e4m3fn``) reads half a 16-bit one's bytes; its values are exact in the tensor
-cores' TF32 products, as 16-bit ones are.
+cores' float16 products, which its tiles take (:func:`decode_launch`), as 16-bit ones are in TF32's.
 
 The cache is static (:class:`gpt_fast.model.cache.KVCache`, a row of positions per sequence) or paged
 (:class:`gpt_fast.model.cache.PagedKVCache`): blocks of positions shared by all rows, each row's named by its row of
@@ -71,6 +71,9 @@ DOT_PAIRS = 64  # (row, kv head) pairs from which a GQA step's products go to th
 # caches whose values the tensor cores' TF32 products take exactly
 DOT_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 FLOAT8_LARGEST = tl.constexpr(448.0)  # float8 e4m3fn's largest finite value: larger keys and values are stored as it
+FLOAT16_LARGEST = tl.constexpr(65504.0)  # float16's: queries beyond it are taken as it by float16 products
+MMA16_DTYPES = (torch.float8_e4m3fn, torch.float16)  # caches whose values float16 products take exactly
+MMA_PAIRS = 2048  # (row, kv head) pairs from which an MHA step over a float8 cache goes to the tensor cores
 
 
 @dataclass(frozen=True)
@@ -78,13 +81,19 @@ class Launch:
     """Positions per loop step, positions per split (a multiple of the step; a query that sees more than
     ``max_splits`` splits of it takes a multiple of it, :func:`_span`), warps per program, splits per row and kv
     head at most (:func:`max_splits` in the launches chosen here); ``dot``: the query heads' scores and weighted
-    values as matrix products on the tensor cores (GQA, a 16-bit cache: :func:`decode_launch`)."""
+    values as matrix products on the tensor cores (GQA, a 16-bit cache: :func:`decode_launch`); ``mma16``: those
+    products' operands in float16, not TF32 (a float8 or float16 cache, whose values float16 holds exactly; TF32 on
+    others); ``acc_pos``: one query head (MHA) without ``dot``, its weighted values summed per position over the
+    loop and over the positions once after it, where the other tiles sum a loop step's positions at every step
+    (:func:`_fold_by_position`)."""
 
     block_s: int
     split_len: int
     warps: int
     max_splits: int
     dot: bool = False
+    mma16: bool = False
+    acc_pos: bool = False
 
 
 @triton.jit
@@ -151,12 +160,28 @@ def decode_launch(group: int, head_dim: int, n_kv: int, rows: int = 1, dtype: to
     generation at 282.8 and 283.2 tok/s against 279.1 on one H200; per layer, the attention's end after ``wqkv``'s
     7.4 µs against 13.5 at position 202, but 5.8 against 4.6 µs at position 7 (docs/bench/HISTORY.md, 2026-11-25g: four
     steps of 64 over 8 warps, two of 128, one of 256 over 16 warps are slower; so is a narrow first step).
+    - A float8 cache (``--kv_cache_dtype float8_e4m3fn``) reads half a 16-bit one's bytes, which leaves a server's
+      step bound by the arithmetic, not the reads: its GQA tensor-core products take float16 operands (``mma16``:
+      float8 values are exact in float16, whose products run at twice TF32's rate and whose tiles take half the
+      registers); an MHA step of at least :data:`MMA_PAIRS` pairs goes to the tensor cores too, its one query head
+      padded to :data:`DOT_ROWS` rows, 2 warps, loop steps of 64; from :data:`ROW_PROGRAMS` pairs an MHA step keeps
+      the many-rows tile with its weighted values summed once after the loop (``acc_pos``). On an H200, rows around
+      position 512 of a 1024-position cache, the kernel alone (BENCHMARKS.md, 2026-12-02b), against the 16-bit
+      cache's tile: Llama-2-7B 8 rows 20.4 against 23.0 µs (static) and 21.1 against 24.9 (paged), 64 rows 107.7
+      against 150.7 and 126.8 against 164.0; Llama-3-8B 8 rows 14.2 against 18.2 and 14.6 against 18.4, 64 rows 38.0
+      against 43.7 and 51.6 against 55.2.
+
     ``scripts/decode_attention_bench.py`` times the kernel alone (``--rows``: a server's step)."""
     gqa = group > 1 and n_kv < MANY_KV_HEADS and head_dim >= 2 * DOT_ROWS
+    float8 = dtype == torch.float8_e4m3fn
     if gqa and dtype in DOT_DTYPES and rows * n_kv >= DOT_PAIRS:
         if rows * n_kv >= ROW_PROGRAMS:
-            return Launch(64, ROWS_SPLIT, 4, max_splits(n_kv), dot=True)
-        return Launch(128, 256, 4, max_splits(n_kv), dot=True)
+            return Launch(64, ROWS_SPLIT, 4, max_splits(n_kv), dot=True, mma16=float8)
+        return Launch(128, 256, 4, max_splits(n_kv), dot=True, mma16=float8)
+    if float8 and group == 1 and head_dim >= 2 * DOT_ROWS and rows * n_kv >= MMA_PAIRS:
+        return Launch(64, ROWS_SPLIT, 2, max_splits(n_kv), dot=True, mma16=True)
+    if float8 and group == 1 and rows * n_kv >= ROW_PROGRAMS:
+        return Launch(128, ROWS_SPLIT, 4, max_splits(n_kv), acc_pos=True)
     if rows * n_kv >= ROW_PROGRAMS:
         tile = triton.next_power_of_2(group) * triton.next_power_of_2(head_dim // 2)
         return Launch(max(16, min(128, ROWS_TILE_ELEMENTS // tile)), ROWS_SPLIT, 4, max_splits(n_kv))
@@ -206,13 +231,19 @@ def _capped(scores, softcap, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _dots(q1, q2, k1, k2, DOT: tl.constexpr = False):
+def _dots(q1, q2, k1, k2, DOT: tl.constexpr = False, MMA16: tl.constexpr = False):
     """Products of the queries' halves [G, H] with N keys' halves [N, H]: [G, N]. One query head (MHA) is a plain
     2-D reduction; several are a 3-D one, or with ``DOT`` (G and N at least 16, the keys as stored) two matrix
     products in TF32, which holds the 16-bit keys and the queries rounded to their dtype (:func:`_rotate`) exactly:
     each product exact in float32, as the reduction's. (Triton 3.6's interpreter multiplies 16-bit operands of a
-    matrix product wrongly: float32 operands are right in both.)"""
-    if DOT:
+    matrix product wrongly: float32 operands are right in both.) ``MMA16``: float16 operands, which hold float8 keys
+    exactly and the queries but for those beyond float16's range, taken as its largest value, and tiny ones, whose
+    products are below a score's rounding; each product exact in the float32 sums."""
+    if MMA16:
+        h1 = tl.clamp(q1, -FLOAT16_LARGEST, FLOAT16_LARGEST).to(tl.float16)
+        h2 = tl.clamp(q2, -FLOAT16_LARGEST, FLOAT16_LARGEST).to(tl.float16)
+        dots = tl.dot(h1, tl.trans(k1.to(tl.float16))) + tl.dot(h2, tl.trans(k2.to(tl.float16)))
+    elif DOT:
         dots = tl.dot(q1, tl.trans(k1.to(tl.float32)), input_precision="tf32") + tl.dot(
             q2, tl.trans(k2.to(tl.float32)), input_precision="tf32"
         )
@@ -224,10 +255,13 @@ def _dots(q1, q2, k1, k2, DOT: tl.constexpr = False):
 
 
 @triton.jit
-def _weighted(p, v, DOT: tl.constexpr = False):
+def _weighted(p, v, DOT: tl.constexpr = False, MMA16: tl.constexpr = False):
     """The weights [G, N] times N values' half [N, H], summed over the positions: [G, H]; with ``DOT`` (G and N at
-    least 16) a matrix product in TF32, which holds 16-bit values exactly and the weights to 11 bits."""
-    if DOT:
+    least 16) a matrix product in TF32, which holds 16-bit values exactly and the weights to 11 bits; ``MMA16``: in
+    float16, which holds float8 values exactly and the weights to 11 bits as well."""
+    if MMA16:
+        weighted = tl.dot(p.to(tl.float16), v.to(tl.float16))
+    elif DOT:
         weighted = tl.dot(p, v, input_precision="tf32")
     elif p.shape[0] == 1:
         weighted = tl.sum(tl.sum(p, axis=0)[:, None] * v, axis=0)[None, :]
@@ -237,7 +271,7 @@ def _weighted(p, v, DOT: tl.constexpr = False):
 
 
 @triton.jit
-def _online_softmax(m_i, l_i, acc1, acc2, scores, v1, v2, DOT: tl.constexpr = False):
+def _online_softmax(m_i, l_i, acc1, acc2, scores, v1, v2, DOT: tl.constexpr = False, MMA16: tl.constexpr = False):
     """Fold the scores [G, N] of N more positions and their values' halves [N, H] into the running maximum and
     sum [G] and weighted sums [G, H]; rows still without a position stay at -inf, 0, 0 (no NaN)."""
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -245,8 +279,8 @@ def _online_softmax(m_i, l_i, acc1, acc2, scores, v1, v2, DOT: tl.constexpr = Fa
     alpha = tl.exp(m_i - m_safe)
     p = tl.exp(scores - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc1 = acc1 * alpha[:, None] + _weighted(p, v1, DOT)
-    acc2 = acc2 * alpha[:, None] + _weighted(p, v2, DOT)
+    acc1 = acc1 * alpha[:, None] + _weighted(p, v1, DOT, MMA16)
+    acc2 = acc2 * alpha[:, None] + _weighted(p, v2, DOT, MMA16)
     return m_new, l_i, acc1, acc2
 
 
@@ -310,16 +344,56 @@ def _cached_tile(
 
 @triton.jit
 def _fold_tile(
-    q1, q2, m_i, l_i, acc1, acc2, valid, k1, k2, v1, v2, scale, softcap, SOFTCAP: tl.constexpr, DOT: tl.constexpr
+    q1,
+    q2,
+    m_i,
+    l_i,
+    acc1,
+    acc2,
+    valid,
+    k1,
+    k2,
+    v1,
+    v2,
+    scale,
+    softcap,
+    SOFTCAP: tl.constexpr,
+    DOT: tl.constexpr,
+    MMA16: tl.constexpr,
 ):
     """Fold a tile of :func:`_cached_tile` into the running softmax state of the queries' halves [G, HALF_PAD]; a
-    tile without a position in it leaves the state as it was. ``DOT``: on the tensor cores (:func:`_dots`)."""
-    if DOT:
+    tile without a position in it leaves the state as it was. ``DOT``: on the tensor cores (:func:`_dots`), with
+    float16 operands where ``MMA16``."""
+    if MMA16:
+        dots = _dots(q1, q2, k1, k2, DOT, MMA16)
+    elif DOT:
         dots = _dots(q1, q2, k1, k2, DOT)
     else:
         dots = _dots(q1, q2, k1.to(tl.float32), k2.to(tl.float32))
     scores = tl.where(valid[None, :], _capped(dots * scale, softcap, SOFTCAP), float("-inf"))  # [G, BLOCK]
-    return _online_softmax(m_i, l_i, acc1, acc2, scores, v1.to(tl.float32), v2.to(tl.float32), DOT)
+    if MMA16:
+        m_i, l_i, acc1, acc2 = _online_softmax(m_i, l_i, acc1, acc2, scores, v1, v2, DOT, MMA16)
+    else:
+        m_i, l_i, acc1, acc2 = _online_softmax(m_i, l_i, acc1, acc2, scores, v1.to(tl.float32), v2.to(tl.float32), DOT)
+    return m_i, l_i, acc1, acc2
+
+
+@triton.jit
+def _fold_by_position(q1, q2, m_i, l_i, pacc1, pacc2, valid, k1, k2, v1, v2, scale, softcap, SOFTCAP: tl.constexpr):
+    """:func:`_fold_tile` for one query head (MHA) whose weighted values stay apart per position of the loop step,
+    ``pacc1``, ``pacc2`` [BLOCK, HALF_PAD] (rescaled with the running maximum, as a sum is): nothing is summed over
+    positions inside the loop, where the other tiles sum a loop step's positions across threads at every step;
+    the sum over them comes once after the loop. The state ``m_i``, ``l_i`` is [1]."""
+    dots = _dots(q1, q2, k1.to(tl.float32), k2.to(tl.float32))  # [1, BLOCK]
+    scores = tl.where(valid[None, :], _capped(dots * scale, softcap, SOFTCAP), float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)  # [1]
+    p = tl.exp(scores - m_safe[:, None])  # [1, BLOCK]
+    weights = tl.sum(p, axis=0)[:, None]  # [BLOCK, 1]: the one row's weights down the positions
+    pacc1 = pacc1 * alpha[:, None] + weights * v1.to(tl.float32)
+    pacc2 = pacc2 * alpha[:, None] + weights * v2.to(tl.float32)
+    return m_new, l_i * alpha + tl.sum(p, axis=1), pacc1, pacc2
 
 
 @triton.jit
@@ -463,6 +537,8 @@ def _decode_attention_split(
     PAGED: tl.constexpr,
     PDL: tl.constexpr,
     DOT: tl.constexpr,
+    MMA16: tl.constexpr,
+    ACC_POS: tl.constexpr,
 ):
     """Program (query row b * H_KV + kv head, split): the GROUP query heads of one kv head over the split's
     positions (:func:`_span` of them from ``split`` times that on; a split past the query's position has none). A
@@ -471,7 +547,8 @@ def _decode_attention_split(
     up to the query's position is read from the cache, where :func:`_write_rotated` put them. With ``PAGED`` the
     cache is in blocks of ``CACHE_BLOCK`` positions, which the cache row's row of the block table (``table_ptr``)
     names (:func:`_offsets`); ``PAGED`` is a constexpr, so that a static cache's compiled kernel has none of the
-    paged code (nor reads the table).
+    paged code (nor reads the table). ``DOT``, ``MMA16``, ``ACC_POS``: as :class:`Launch`'s ``dot``, ``mma16``,
+    ``acc_pos``.
 
     The first loop step's cached keys and values are loaded before the kernel waits for the one before it
     (:mod:`gpt_fast.kernels.pdl`), as a GEMV's first weights are: earlier steps wrote them, and the position and the
@@ -514,16 +591,34 @@ def _decode_attention_split(
 
     m_i = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((GROUP_PAD,), tl.float32)
-    acc1 = tl.zeros((GROUP_PAD, HALF_PAD), tl.float32)
-    acc2 = tl.zeros((GROUP_PAD, HALF_PAD), tl.float32)
-    m_i, l_i, acc1, acc2 = _fold_tile(q1, q2, m_i, l_i, acc1, acc2, valid, k1, k2, v1, v2, scale, softcap, SOFTCAP, DOT)
-    for first in range(begin + BLOCK_S, end, BLOCK_S):
-        valid, k1, k2, v1, v2 = _cached_tile(
-            cache, table, first, lo, end, d, d_in, values_offset, H_KV, HALF, BLOCK_S, CACHE_BLOCK, PAGED
+    if ACC_POS:  # one query head: its weighted values per position [BLOCK_S, HALF_PAD], summed after the loop
+        pacc1 = tl.zeros((BLOCK_S, HALF_PAD), tl.float32)
+        pacc2 = tl.zeros((BLOCK_S, HALF_PAD), tl.float32)
+        m_i, l_i, pacc1, pacc2 = _fold_by_position(
+            q1, q2, m_i, l_i, pacc1, pacc2, valid, k1, k2, v1, v2, scale, softcap, SOFTCAP
         )
+        for first in range(begin + BLOCK_S, end, BLOCK_S):
+            valid, k1, k2, v1, v2 = _cached_tile(
+                cache, table, first, lo, end, d, d_in, values_offset, H_KV, HALF, BLOCK_S, CACHE_BLOCK, PAGED
+            )
+            m_i, l_i, pacc1, pacc2 = _fold_by_position(
+                q1, q2, m_i, l_i, pacc1, pacc2, valid, k1, k2, v1, v2, scale, softcap, SOFTCAP
+            )
+        acc1 = tl.sum(pacc1, axis=0)[None, :]  # [1, HALF_PAD]
+        acc2 = tl.sum(pacc2, axis=0)[None, :]
+    else:
+        acc1 = tl.zeros((GROUP_PAD, HALF_PAD), tl.float32)
+        acc2 = tl.zeros((GROUP_PAD, HALF_PAD), tl.float32)
         m_i, l_i, acc1, acc2 = _fold_tile(
-            q1, q2, m_i, l_i, acc1, acc2, valid, k1, k2, v1, v2, scale, softcap, SOFTCAP, DOT
+            q1, q2, m_i, l_i, acc1, acc2, valid, k1, k2, v1, v2, scale, softcap, SOFTCAP, DOT, MMA16
         )
+        for first in range(begin + BLOCK_S, end, BLOCK_S):
+            valid, k1, k2, v1, v2 = _cached_tile(
+                cache, table, first, lo, end, d, d_in, values_offset, H_KV, HALF, BLOCK_S, CACHE_BLOCK, PAGED
+            )
+            m_i, l_i, acc1, acc2 = _fold_tile(
+                q1, q2, m_i, l_i, acc1, acc2, valid, k1, k2, v1, v2, scale, softcap, SOFTCAP, DOT, MMA16
+            )
 
     if not FROM_CACHE:  # the step's own key and value: rotated here, written by the split that holds the position
         own = (pos >= start) & (pos < start + span)
@@ -669,6 +764,8 @@ def _attend(
     group, half = n_head // n_kv, head_dim // 2
     launch = launch or decode_launch(group, head_dim, n_kv, n_rows, kv.dtype)
     dot = launch.dot and kv.dtype in DOT_DTYPES and head_dim >= 2 * DOT_ROWS  # a float32 cache: the reductions
+    mma16 = dot and launch.mma16 and kv.dtype in MMA16_DTYPES  # elsewhere TF32
+    acc_pos = launch.acc_pos and group == 1 and not dot
     needed = triton.cdiv(max_len, launch.split_len)
     capped = needed > launch.max_splits
     splits = min(needed, launch.max_splits)
@@ -720,6 +817,8 @@ def _attend(
         CACHE_BLOCK=1 if table is None else kv.shape[2],
         PAGED=table is not None,
         DOT=dot,
+        MMA16=mma16,
+        ACC_POS=acc_pos,
         num_warps=launch.warps,
         **pdl,
     )
