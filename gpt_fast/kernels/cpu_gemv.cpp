@@ -955,7 +955,7 @@ constexpr int64_t HALF = PACK_ROWS / 2;  // the rows of a packed block that a 25
 // A weight byte's work in AVX2's q8 products against vpdpbusd's (over_tasks): about 16 multiply-adds an instruction
 // (8 vpmaddubsw, 7 adds and a vpmaddwd for 8 rows' 32 columns) against 64, so that a product takes the second thread
 // from a quarter of the weights. The default model through the server on a 2-core Zen 3: 4 requests at once in 2.46
-// s against 3.12, one stream 97 tok/s against 89 (BENCHMARKS.md, 2026-12-01f)
+// s against 3.12, one stream 97 tok/s against 89 (docs/bench/HISTORY.md, 2026-12-01f)
 constexpr int64_t AVX2_Q8_WORK = 4;
 
 // the 4 levels at p, broadcast to every 32-bit lane

@@ -38,7 +38,7 @@ for 1024 rows.
   ``pack_int4_q8``; the packed copy replaces them), in blocks of 16 rows: on a Zen 4 core, one thread, a decode
   step's int4 products took 5.4 ms against 8.2 on the checkpoint's layout, and 4 rows 7.3 against 16.2
   (docs/bench/HISTORY.md, 2026-11-30k); on a Zen 3 (AVX2), 10.2 against ``cpp``'s 12.8, 4 rows 16.3 against 23.5
-  (BENCHMARKS.md, 2026-12-01f). Its products differ from the dequantized reference by the activations' rounding
+  (docs/bench/HISTORY.md, 2026-12-01f). Its products differ from the dequantized reference by the activations' rounding
   (relative error about 5e-3 on random rows), where ``cpp``'s differ by the order of float32 sums only. Not
   ``auto``'s choice: its greedy tokens are not the float model's (docs/cpu.md).
 - ``aten``: PyTorch's own weight-only kernels, ``torch.ops.aten._weight_int8pack_mm``, and for int4
