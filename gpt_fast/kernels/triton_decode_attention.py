@@ -81,11 +81,11 @@ class Launch:
     """Positions per loop step, positions per split (a multiple of the step; a query that sees more than
     ``max_splits`` splits of it takes a multiple of it, :func:`_span`), warps per program, splits per row and kv
     head at most (:func:`max_splits` in the launches chosen here); ``dot``: the query heads' scores and weighted
-    values as matrix products on the tensor cores (GQA, a 16-bit cache: :func:`decode_launch`); ``mma16``: those
-    products' operands in float16, not TF32 (a float8 or float16 cache, whose values float16 holds exactly; TF32 on
-    others); ``acc_pos``: one query head (MHA) without ``dot``, its weighted values summed per position over the
-    loop and over the positions once after it, where the other tiles sum a loop step's positions at every step
-    (:func:`_fold_by_position`)."""
+    values as matrix products on the tensor cores (GQA over a 16-bit or float8 cache, MHA over a float8 one:
+    :func:`decode_launch`); ``mma16``: those products' operands in float16, not TF32 (a float8 or float16 cache,
+    whose values float16 holds exactly; TF32 on others); ``acc_pos``: one query head (MHA) without ``dot``, its
+    weighted values summed per position over the loop and over the positions once after it, where the other tiles
+    sum a loop step's positions at every step (:func:`_fold_by_position`)."""
 
     block_s: int
     split_len: int
