@@ -13,9 +13,10 @@ they do in a decode step. Prints one JSON line per measurement and a table.
 ``--rows 1,8,64``: a server's step instead, the launcher alone: that many rows, each at its own position around
 the middle of a 1024-position cache, static and paged (blocks of 16 in shuffled order), Llama-2-7B and Llama-3-8B
 shapes (``--shapes``: some of them; ``--layouts``: static or paged alone), with the tile the code chooses for the
-cache's dtype (and for another dtype than bfloat16, the tile a 16-bit cache takes), the one-row step's tile and
-(``--sweep``) a grid of tiles, over a cache of each of ``--cache_dtypes`` (bfloat16, and ``float8_e4m3fn``:
-``--kv_cache_dtype``'s float8 cache); the table gives each one's rate of reading the keys and values the rows see.
+cache's dtype (and for another dtype than bfloat16, the tile a 16-bit cache takes), the tiles it chooses for the
+run's other row counts, the one-row step's tile and (``--sweep``) a grid of tiles, over a cache of each of
+``--cache_dtypes`` (bfloat16, and ``float8_e4m3fn``: ``--kv_cache_dtype``'s float8 cache); the table gives each
+one's rate of reading the keys and values the rows see.
 
     python scripts/decode_attention_bench.py [--sweep] [--rows 1,8,64 [--shapes S] [--layouts L] [--cache_dtypes D]]
         [--json_out FILE]
@@ -194,8 +195,9 @@ def measure_rows(args: argparse.Namespace) -> list[dict]:
     results = []
     cases = [case for case in ROW_CASES if args.shapes is None or case[0] in args.shapes.split(",")]
     dtypes = [getattr(torch, name) for name in args.cache_dtypes.split(",")]
+    row_counts = [int(r) for r in args.rows.split(",")]
     for (shape_name, length, pos), rows, paged, dtype in itertools.product(
-        cases, [int(r) for r in args.rows.split(",")], [layout == "paged" for layout in args.layouts.split(",")], dtypes
+        cases, row_counts, [layout == "paged" for layout in args.layouts.split(",")], dtypes
     ):
         inputs, caches, table, seen = rows_inputs(shape_name, length, pos, rows, paged, dtype)
         expected = rows_reference(inputs, caches[0], table)
@@ -205,6 +207,10 @@ def measure_rows(args: argparse.Namespace) -> list[dict]:
         if dtype != torch.bfloat16:  # what a 16-bit cache's step takes, for comparison
             launches["16-bit cache's tile"] = triton_decode_attention.decode_launch(*tile, rows)
         launches["one-row tile"] = triton_decode_attention.decode_launch(*tile)
+        for other in row_counts:  # the cache's tiles for the run's other row counts, where they differ
+            launch = triton_decode_attention.decode_launch(*tile, other, dtype)
+            if launch not in launches.values():
+                launches[f"{other}-row tile"] = launch
         if (reductions := reductions_tile(config, rows)) is not None:
             launches["reductions tile"] = reductions
         dot = tile[0] > 1  # GQA: the tensor cores' tiles (docs/bench/HISTORY.md, 2026-11-29: none of the others)

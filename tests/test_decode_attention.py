@@ -221,13 +221,14 @@ def test_a_step_of_many_rows_takes_a_tile_of_its_own(shape, rows, tile):
     ("shape", "rows", "tile"),
     [
         ("llama-2-7b", 64, (1024, 64, 2, True, True, False)),  # MHA: 2048 pairs, the tensor cores, float16 operands
+        ("llama-2-7b", 16, (1024, 64, 2, True, True, False)),  # 512 pairs: the tensor cores too
         ("llama-2-7b", 8, (1024, 128, 4, False, False, True)),  # 256 pairs: weighted values per position
         ("llama-3-8b", 32, (1024, 64, 4, True, True, False)),  # GQA: its tensor-core tiles, float16 operands
         ("llama-3-8b", 8, (256, 128, 4, True, True, False)),
     ],
 )
 def test_a_float8_caches_step_of_many_rows_takes_its_own_tile(shape, rows, tile):
-    """A float8 cache's step, bound by the arithmetic: float16 operands on the tensor cores, MHA there too from 2048
+    """A float8 cache's step, bound by the arithmetic: float16 operands on the tensor cores, MHA there too from 512
     (row, kv head) pairs, and from 256 with its weighted values summed once after the loop; one row keeps the
     one-row tile."""
     from gpt_fast.kernels.triton_decode_attention import decode_launch

@@ -73,7 +73,7 @@ DOT_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 FLOAT8_LARGEST = tl.constexpr(448.0)  # float8 e4m3fn's largest finite value: larger keys and values are stored as it
 FLOAT16_LARGEST = tl.constexpr(65504.0)  # float16's: queries beyond it are taken as it by float16 products
 MMA16_DTYPES = (torch.float8_e4m3fn, torch.float16)  # caches whose values float16 products take exactly
-MMA_PAIRS = 2048  # (row, kv head) pairs from which an MHA step over a float8 cache goes to the tensor cores
+MMA_PAIRS = 512  # (row, kv head) pairs from which an MHA step over a float8 cache goes to the tensor cores
 
 
 @dataclass(frozen=True)
@@ -169,7 +169,10 @@ def decode_launch(group: int, head_dim: int, n_kv: int, rows: int = 1, dtype: to
       position 512 of a 1024-position cache, the kernel alone (BENCHMARKS.md, 2026-12-02b), against the 16-bit
       cache's tile: Llama-2-7B 8 rows 20.4 against 23.0 µs (static) and 21.1 against 24.9 (paged), 64 rows 107.7
       against 150.7 and 126.8 against 164.0; Llama-3-8B 8 rows 14.2 against 18.2 and 14.6 against 18.4, 64 rows 38.0
-      against 43.7 and 51.6 against 55.2.
+      against 43.7 and 51.6 against 55.2. MHA's tensor-core tile against the many-rows tile summed per position, the
+      same way: 8 rows (256 pairs) 22.8 against 20.1 µs (static) and 27.0 against 21.0 (paged), 16 rows 32.6 against
+      36.1 and 35.1 against 37.3, 32 rows 66.7 against 73.1 (paged), 64 rows 108.2 against 133.6 and 126.1 against
+      137.0: hence :data:`MMA_PAIRS`.
 
     ``scripts/decode_attention_bench.py`` times the kernel alone (``--rows``: a server's step)."""
     gqa = group > 1 and n_kv < MANY_KV_HEADS and head_dim >= 2 * DOT_ROWS
