@@ -7,7 +7,8 @@ first time on a machine, so a mistake that a command finds after opening is repo
 once the weights are loaded (:func:`install_kernels`); the model imports none of this.
 
 A quantized checkpoint's products are chosen here too, and applied by the loader: a layer's weights are repacked
-for its kernel as they are read (:func:`gpt_fast.quant.layers.prepare_quantized`).
+for its kernel as they are read (:func:`gpt_fast.quant.layers.prepare_quantized`, which loads our C++ library
+where the kernel is ours on the CPU).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from gpt_fast.accel.choice import Context
 from gpt_fast.accel.options import KernelOptions
 from gpt_fast.model.transformer import Transformer
 from gpt_fast.quant.layers import launch_with_pdl
-from gpt_fast.quant.products import load_kernel, resolve_kernel
+from gpt_fast.quant.products import resolve_kernel
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ def _resolve_sampling(kernel: str, context: Context) -> str:
 
 
 REGISTRY = (
-    FastPath("quant", _resolve_quant, _install_at_load, load_kernel),
+    FastPath("quant", _resolve_quant, _install_at_load),  # prepare_quantized loads its kernel
     FastPath("attention", _resolve_attention, _install_attention, decode_attention.load_attention_kernel),
     FastPath("activation", _resolve_activation, lambda m, k, _c: gated_activation.use_activation_kernel(m, k)),
     FastPath(

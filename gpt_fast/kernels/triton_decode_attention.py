@@ -363,21 +363,23 @@ def _fold_tile(
     SOFTCAP: tl.constexpr,
     DOT: tl.constexpr,
     MMA16: tl.constexpr,
+    ACC_POS: tl.constexpr,
 ):
     """Fold a tile of :func:`_cached_tile` into the running softmax state of the queries' halves [G, HALF_PAD]; a
     tile without a position in it leaves the state as it was. ``DOT``: on the tensor cores (:func:`_dots`), with
-    float16 operands where ``MMA16``."""
-    if MMA16:
+    float16 operands where ``MMA16``; ``ACC_POS``: weighted values per position (:func:`_fold_by_position`)."""
+    if ACC_POS:
+        m_i, l_i, acc1, acc2 = _fold_by_position(
+            q1, q2, m_i, l_i, acc1, acc2, valid, k1, k2, v1, v2, scale, softcap, SOFTCAP
+        )
+    else:
+        if not DOT:  # the reductions multiply in float32; the tensor cores take the keys as stored
+            k1, k2 = k1.to(tl.float32), k2.to(tl.float32)
         dots = _dots(q1, q2, k1, k2, DOT, MMA16)
-    elif DOT:
-        dots = _dots(q1, q2, k1, k2, DOT)
-    else:
-        dots = _dots(q1, q2, k1.to(tl.float32), k2.to(tl.float32))
-    scores = tl.where(valid[None, :], _capped(dots * scale, softcap, SOFTCAP), float("-inf"))  # [G, BLOCK]
-    if MMA16:
+        scores = tl.where(valid[None, :], _capped(dots * scale, softcap, SOFTCAP), float("-inf"))  # [G, BLOCK]
+        if not MMA16:  # float16 products take the values as stored
+            v1, v2 = v1.to(tl.float32), v2.to(tl.float32)
         m_i, l_i, acc1, acc2 = _online_softmax(m_i, l_i, acc1, acc2, scores, v1, v2, DOT, MMA16)
-    else:
-        m_i, l_i, acc1, acc2 = _online_softmax(m_i, l_i, acc1, acc2, scores, v1.to(tl.float32), v2.to(tl.float32), DOT)
     return m_i, l_i, acc1, acc2
 
 
@@ -595,33 +597,24 @@ def _decode_attention_split(
     m_i = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((GROUP_PAD,), tl.float32)
     if ACC_POS:  # one query head: its weighted values per position [BLOCK_S, HALF_PAD], summed after the loop
-        pacc1 = tl.zeros((BLOCK_S, HALF_PAD), tl.float32)
-        pacc2 = tl.zeros((BLOCK_S, HALF_PAD), tl.float32)
-        m_i, l_i, pacc1, pacc2 = _fold_by_position(
-            q1, q2, m_i, l_i, pacc1, pacc2, valid, k1, k2, v1, v2, scale, softcap, SOFTCAP
-        )
-        for first in range(begin + BLOCK_S, end, BLOCK_S):
-            valid, k1, k2, v1, v2 = _cached_tile(
-                cache, table, first, lo, end, d, d_in, values_offset, H_KV, HALF, BLOCK_S, CACHE_BLOCK, PAGED
-            )
-            m_i, l_i, pacc1, pacc2 = _fold_by_position(
-                q1, q2, m_i, l_i, pacc1, pacc2, valid, k1, k2, v1, v2, scale, softcap, SOFTCAP
-            )
-        acc1 = tl.sum(pacc1, axis=0)[None, :]  # [1, HALF_PAD]
-        acc2 = tl.sum(pacc2, axis=0)[None, :]
+        acc1 = tl.zeros((BLOCK_S, HALF_PAD), tl.float32)
+        acc2 = tl.zeros((BLOCK_S, HALF_PAD), tl.float32)
     else:
         acc1 = tl.zeros((GROUP_PAD, HALF_PAD), tl.float32)
         acc2 = tl.zeros((GROUP_PAD, HALF_PAD), tl.float32)
-        m_i, l_i, acc1, acc2 = _fold_tile(
-            q1, q2, m_i, l_i, acc1, acc2, valid, k1, k2, v1, v2, scale, softcap, SOFTCAP, DOT, MMA16
+    m_i, l_i, acc1, acc2 = _fold_tile(
+        q1, q2, m_i, l_i, acc1, acc2, valid, k1, k2, v1, v2, scale, softcap, SOFTCAP, DOT, MMA16, ACC_POS
+    )
+    for first in range(begin + BLOCK_S, end, BLOCK_S):
+        valid, k1, k2, v1, v2 = _cached_tile(
+            cache, table, first, lo, end, d, d_in, values_offset, H_KV, HALF, BLOCK_S, CACHE_BLOCK, PAGED
         )
-        for first in range(begin + BLOCK_S, end, BLOCK_S):
-            valid, k1, k2, v1, v2 = _cached_tile(
-                cache, table, first, lo, end, d, d_in, values_offset, H_KV, HALF, BLOCK_S, CACHE_BLOCK, PAGED
-            )
-            m_i, l_i, acc1, acc2 = _fold_tile(
-                q1, q2, m_i, l_i, acc1, acc2, valid, k1, k2, v1, v2, scale, softcap, SOFTCAP, DOT, MMA16
-            )
+        m_i, l_i, acc1, acc2 = _fold_tile(
+            q1, q2, m_i, l_i, acc1, acc2, valid, k1, k2, v1, v2, scale, softcap, SOFTCAP, DOT, MMA16, ACC_POS
+        )
+    if ACC_POS:
+        acc1 = tl.sum(acc1, axis=0)[None, :]  # [1, HALF_PAD]
+        acc2 = tl.sum(acc2, axis=0)[None, :]
 
     if not FROM_CACHE:  # the step's own key and value: rotated here, written by the split that holds the position
         own = (pos >= start) & (pos < start + span)
