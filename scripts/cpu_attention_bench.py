@@ -1,11 +1,11 @@
 """Time our C++ decode attention (``gpt_fast::decode_attention_cpu``) over the default model's 30 layers, one step:
 the rotary embedding, the cache write and the attention of ``--rows`` rows at ``--positions``, in caches of each
 layout (static; paged, blocks of 16 in shuffled order, positions first in a block or ``paged-heads``: each kv head's
-positions in one run) and dtype (the model's float32, or a float16 / bfloat16 cache). Between two steps a 70 MB
-buffer is read, as the weights of a real step are, so that the caches come from memory. Variants are interleaved
-round by round so that the machine's drift falls on each alike; each variant's median over ``--rounds`` is printed as
-a ``measured:`` line (scripts/ab_trees.sh collects them). A variant this tree's operator refuses (an older tree's
-layouts and dtypes) prints ``refused``.
+positions in one run) and dtype (the model's float32, or any other ``--kv_cache_dtype`` but auto: float16, bfloat16,
+float8_e4m3fn). Between two steps a 70 MB buffer is read, as the weights of a real step are, so that the caches come
+from memory. Variants are interleaved round by round so that the machine's drift falls on each alike; each variant's
+median over ``--rounds`` is printed as a ``measured:`` line (scripts/ab_trees.sh collects them). A variant this
+tree's operator refuses (an older tree's layouts and dtypes) prints ``refused``.
 
     python scripts/cpu_attention_bench.py [--rows 1,4] [--positions 135,512] [--caches static,paged,paged-heads]
         [--dtypes float32,float16] [--rounds 15] [--threads N]
@@ -22,7 +22,7 @@ import torch
 
 from gpt_fast.kernels.cpu_gemv import load_cpu_kernels
 from gpt_fast.model.shapes import get_shape
-from gpt_fast.util.device import DTYPES
+from gpt_fast.util.device import KV_DTYPES
 from gpt_fast.util.settings import apply_torch_settings
 
 LAYERS = 30
@@ -72,7 +72,7 @@ def main() -> None:
         args.caches.split(","),
         args.dtypes.split(","),
     ):
-        caches = [make_cache(layout, DTYPES[dtype], rows, position + 1, kv_heads, dim) for _ in range(LAYERS)]
+        caches = [make_cache(layout, KV_DTYPES[dtype], rows, position + 1, kv_heads, dim) for _ in range(LAYERS)]
         inputs = (
             torch.randn(rows, 1, heads, dim),
             torch.randn(rows, 1, kv_heads, dim),

@@ -214,10 +214,12 @@ def test_steps_of_many_rows_give_the_model_codes_logits(quant, kernel, rows, pag
 
 @needs_cpp
 @pytest.mark.parametrize("paged", [False, True], ids=["static", "paged"])
-@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize(
+    "cache_dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn], ids=["float16", "bfloat16", "float8"]
+)
 def test_a_narrower_cache_gives_the_model_codes_logits(cache_dtype, paged):
-    """``--kv_cache_dtype``: a server's steps over a float16 or bfloat16 cache, against the model's code over the
-    same cache (keys and values rounded as they are written, read back as float32)."""
+    """``--kv_cache_dtype``: a server's steps over a float16, bfloat16 or float8 cache, against the model's code
+    over the same cache (keys and values rounded as they are written, read back as float32)."""
     config = dataclasses.replace(SHAPE, qkv_bias=True)
     cpp, plain = engines(config, kv_cache_dtype=str(cache_dtype).removeprefix("torch."))
     prompts = [[3, 4, 5], [6, 7, 8, 9, 10, 11, 12], [13, 14]]

@@ -59,20 +59,21 @@ def test_kernel_choice_on_the_cpu():
 
 
 def test_a_cache_in_a_dtype_of_its_own_takes_a_kernel_that_reads_it(monkeypatch, pretend_gpu):
-    """The C++ kernel reads a float32 model's float16 or bfloat16 cache, not a float8 one nor any below another
-    model (``auto`` takes the model's code, ``cpp`` asked for is refused); the Triton kernel reads any cache, so its
-    choice does not depend on the cache's dtype."""
+    """The C++ kernel reads a float32 model's float16, bfloat16 or float8 cache, none below another model (``auto``
+    takes the model's code, ``cpp`` asked for is refused); the Triton kernel reads any cache, so its choice does not
+    depend on the cache's dtype."""
     from gpt_fast.accel import decode_attention
 
     cpu, f32, f16, bf16, f8 = torch.device("cpu"), torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn
     cpp = "cpp" if cpu_gemv.cpu_kernels_usable() else "torch"
     assert resolve_attention_kernel("auto", cpu, "default", cache_dtype=f16, dtype=f32) == cpp
     assert resolve_attention_kernel("auto", cpu, "default", cache_dtype=f32, dtype=bf16) == "torch"
-    assert resolve_attention_kernel("auto", cpu, "default", cache_dtype=f8, dtype=f32) == "torch"
+    assert resolve_attention_kernel("auto", cpu, "default", cache_dtype=f8, dtype=f32) == cpp
+    assert resolve_attention_kernel("auto", cpu, "default", cache_dtype=f8, dtype=bf16) == "torch"
     with pytest.raises(ValueError, match="the cpp attention kernel does not read a torch.float32 KV cache of a "):
         resolve_attention_kernel("cpp", cpu, "default", cache_dtype=f32, dtype=bf16)
     with pytest.raises(ValueError, match="the cpp attention kernel does not read a torch.float8_e4m3fn KV cache"):
-        resolve_attention_kernel("cpp", cpu, "default", cache_dtype=f8, dtype=f32)
+        resolve_attention_kernel("cpp", cpu, "default", cache_dtype=f8, dtype=bf16)
     gpu = pretend_gpu(9)
     monkeypatch.setattr(decode_attention, "register_triton_ops", lambda: None)
     for cache_dtype in (None, f8, f16):
@@ -107,11 +108,12 @@ def test_the_cpp_kernel_matches_the_pytorch_code(dtype, tolerance):
 
 
 @needs_cpp
-@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn])
 def test_the_cpp_kernel_reads_a_narrower_cache_as_the_pytorch_code_does(cache_dtype):
-    """float32 queries over a float16 or bfloat16 cache (``--kv_cache_dtype``): the key and value rounded to the
-    cache as ``KVCache.update`` rounds them (the cache equal after the write), the output within float32 sums'
-    order of the model's code, which reads the narrower cache back as float32. Other mixes are refused."""
+    """float32 queries over a float16, bfloat16 or float8 cache (``--kv_cache_dtype``): the key and value rounded
+    to the cache as ``KVCache.update`` rounds them (the cache equal after the write; float8's clamped to ±448), the
+    output within float32 sums' order of the model's code, which reads the narrower cache back as float32. Other
+    mixes are refused."""
     for errors in (
         kernel_errors(cpp_kernel, torch.float32, "cpu", cache_dtype=cache_dtype),
         paged_kernel_errors(cpp_kernel, torch.float32, "cpu", cache_dtype=cache_dtype, heads_major=True),
@@ -121,6 +123,25 @@ def test_the_cpp_kernel_reads_a_narrower_cache_as_the_pytorch_code_does(cache_dt
     kv = torch.zeros(2, 1, 2, 8, 16, dtype=torch.float32)
     with pytest.raises(RuntimeError, match="decode_attention_cpu: kv"):
         cpp_kernel(q, k, v, cos, sin, kv, input_pos, 0, 0.25, None, None, None)
+
+
+@needs_cpp
+def test_the_cpp_kernel_writes_and_reads_every_float8_value_as_torch_converts_it():
+    """A float8 cache's one position, written by the step and read back (its weight is 1): every finite e4m3fn
+    value, subnormals and both zeros included, and values beyond ±448 (clamped, as ``KVCache.update`` clamps) or
+    between float8's values (rounded to the nearest), come out as ``torch``'s conversions give them."""
+    finite = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    finite = finite[~finite.isnan()]  # 254 values
+    between = torch.tensor([1000.0, -1000.0, 460.0, 447.9, 1e-5, -3e-3, 0.3, -1.7e-2, 5.0, 1e-9])
+    value = torch.cat([finite, between]).view(1, 1, 1, -1)  # [1, 1, 1, 264]
+    dim = value.shape[-1]
+    q, k = torch.randn(1, 1, 1, dim), torch.randn(1, 1, 1, dim)
+    cos, sin = torch.ones(1, 1, dim // 2), torch.zeros(1, 1, dim // 2)
+    kv = torch.zeros(2, 1, 1, 4, dim, dtype=torch.float8_e4m3fn)
+    out = cpp_kernel(q, k, value, cos, sin, kv, torch.tensor([0]), 0, dim**-0.5, None, None, None)
+    expected = value.clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert torch.equal(kv[1, 0, 0, 0].view(torch.uint8), expected.flatten().view(torch.uint8))
+    assert torch.equal(out, expected.float())
 
 
 @needs_cpp

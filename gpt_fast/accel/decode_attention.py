@@ -51,10 +51,11 @@ def resolve_attention_kernel(
     Triton (a CUDA GPU with Triton installed, not ROCm) registers its operators (:func:`register_triton_ops`), before
     anything is compiled. ``cache_dtype``: the KV cache's where it is not the model's ``dtype``. The Triton kernel
     widens any cache's keys and values to float32 as it loads them (a float8 cache's too); the C++ one reads a
-    float16 or bfloat16 cache below a float32 model only (``auto`` takes the PyTorch code elsewhere)."""
+    float16, bfloat16 or float8_e4m3fn cache below a float32 model only (``auto`` takes the PyTorch code
+    elsewhere)."""
     check_regional_compile(kernel, regional_compile)
     if kernel == "cpp" or (kernel == "auto" and device.type == "cpu"):
-        if cache_dtype is not None and (dtype != torch.float32 or cache_dtype.itemsize == 1):
+        if cache_dtype is not None and (dtype != torch.float32 or cache_dtype not in cpu_attention.NARROWER_CACHES):
             return _refuse_cache_dtype(kernel, cache_dtype, dtype)
         return _resolve_cpp(kernel, device, compile_mode, regional_compile)
     measured = pdl_kernels_measured(device, compile_mode)

@@ -103,9 +103,6 @@ def cpp_layers_refusal(context: Context) -> str | None:
             quantized and context.quant_kernel not in (None, *CPP_KERNELS)
         ),
         "quantized layers whose shapes our C++ products do not take": quantized and not _cpp_takes_layers(context),
-        "a float8 KV cache (it reads float32, float16 and bfloat16 ones)": (
-            context.kv_dtype is not None and context.kv_dtype.itemsize == 1
-        ),
         "tensor parallelism": context.tensor_parallel,
         "batch-invariant steps": context.batch_invariant,
         "q/k norms": config.qk_norm,

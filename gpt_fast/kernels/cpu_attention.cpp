@@ -7,12 +7,14 @@
 // this reads the positions up to the query's own (and not older than a sliding window). Each kv head's keys and values
 // are read once for the query heads that share them. Sums are float32, as the model's code (attend_one_query) sums
 // them; the rotated query and key are rounded to the query's dtype first, as that code rounds them. The cache may
-// hold keys and values in a narrower dtype than the query's (a float32 model's float16 or bfloat16 cache): the key
-// and value are rounded to it as they are written, as KVCache.update rounds them, and widened as they are read.
+// hold keys and values in a narrower dtype than the query's (a float32 model's float16, bfloat16 or float8_e4m3fn
+// cache): the key and value are rounded to it as they are written, as KVCache.update rounds them (float8's clamped
+// to its largest, 448), and widened as they are read.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/FunctionRef.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -72,6 +74,18 @@ inline float round_to(float x) {
   return static_cast<float>(static_cast<T>(x));
 }
 
+// a key's or value's element as the cache of dtype C holds it: rounded to C, as KVCache.update rounds it
+template <typename C>
+inline C to_cache(float x) {
+  return static_cast<C>(x);
+}
+
+template <>
+inline c10::Float8_e4m3fn to_cache(float x) {  // clamped to the largest float8 first, as cache.py's cache_write
+  constexpr float LARGEST = 448.f;
+  return static_cast<c10::Float8_e4m3fn>(std::clamp(x, -LARGEST, LARGEST));
+}
+
 // 8 values from p as float32
 inline __m256 load8(const float* p) {
   return _mm256_loadu_ps(p);
@@ -86,47 +100,102 @@ inline __m256 load8(const c10::Half* p) {  // F16C, which every AVX2 CPU has
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
+// e4m3fn: a sign, 4 exponent bits of bias 7 and 3 of mantissa. Each byte placed in the high half of a 16-bit lane
+// and shifted right by one, its sign copied into bit 14, which is cleared: the sign in bit 15 and the exponent and
+// mantissa from bit 7, a float16 of bias 15, widened by F16C and times 2^8 for the bias; exact for subnormals too
+// (a float16 subnormal widens to a normal float32)
+inline __m256 load8(const c10::Float8_e4m3fn* p) {
+  const __m128i high = _mm_unpacklo_epi8(_mm_setzero_si128(), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i half = _mm_and_si128(_mm_srai_epi16(high, 1), _mm_set1_epi16(static_cast<int16_t>(0xbfff)));
+  return _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.f));
+}
+
 inline float sum_lanes(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// out[j] = the sum over d < D of a[d] * keys[j][d] for j < KEYS (D a multiple of LANES): KEYS chains of fused
-// multiply-adds side by side, where one dot product at a time waits on each addition's latency
-template <typename C>
-inline void dots(const float* a, const C* const* keys, int64_t D, float* out) {
-  __m256 sums[KEYS];
-  for (int64_t j = 0; j < KEYS; ++j) sums[j] = _mm256_setzero_ps();
-  for (int64_t d = 0; d < D; d += LANES) {
-    const __m256 x = _mm256_loadu_ps(a + d);
-    for (int64_t j = 0; j < KEYS; ++j) sums[j] = _mm256_fmadd_ps(x, load8(keys[j] + d), sums[j]);
-  }
-  for (int64_t j = 0; j < KEYS; ++j) out[j] = sum_lanes(sums[j]);
+// the sums of the 8 lanes of a, b, c and d, in that order
+inline __m128 sum_lanes4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));  // each 128-bit half's sums
+  return _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
 }
 
-// out[d] = (the sum over p < n of w[p] * values[p][d]) / total for d < D (a multiple of LANES), rounded to T: the
-// sums of CHUNK columns at a time in registers, p after p (the model's order), where a sum kept in memory is a load
-// and a store for every position
-template <typename C, typename T>
-inline void weighted_sum(const float* w, const C* const* values, int64_t n, int64_t D, float total, T* out) {
-  constexpr int64_t VECTORS = 8, CHUNK = VECTORS * LANES;
-  for (int64_t d0 = 0; d0 < D; d0 += CHUNK) {
-    const int64_t vectors = std::min(CHUNK, D - d0) / LANES;
-    __m256 acc[VECTORS];
-    for (auto& a : acc) a = _mm256_setzero_ps();
-    for (int64_t p = 0; p < n; ++p) {
-      const __m256 weight = _mm256_set1_ps(w[p]);
-      const C* v = values[p] + d0;
-      if (vectors == VECTORS) {  // a fixed count, so that the accumulators stay in registers
-        for (int64_t c = 0; c < VECTORS; ++c) acc[c] = _mm256_fmadd_ps(weight, load8(v + c * LANES), acc[c]);
-      } else {
-        for (int64_t c = 0; c < vectors; ++c) acc[c] = _mm256_fmadd_ps(weight, load8(v + c * LANES), acc[c]);
-      }
+// out[g * stride + j] = the sum over d < D of q[g * D + d] * keys[j][d] for g < HEADS, j < KEYS (D a multiple of
+// LANES): HEADS x KEYS chains of fused multiply-adds side by side (one dot product at a time waits on each
+// addition's latency), each key's vector loaded (and widened) once for the query heads that share it
+template <int64_t HEADS, typename C>
+inline void dots(const float* q, const C* const* keys, int64_t D, float* out, int64_t stride) {
+  static_assert(KEYS == 4, "sum_lanes4 sums four keys' lanes");
+  __m256 sums[HEADS][KEYS];
+  for (auto& head : sums) std::fill(head, head + KEYS, _mm256_setzero_ps());
+  for (int64_t d = 0; d < D; d += LANES) {
+    __m256 key[KEYS];
+    for (int64_t j = 0; j < KEYS; ++j) key[j] = load8(keys[j] + d);
+    for (int64_t g = 0; g < HEADS; ++g) {
+      const __m256 x = _mm256_loadu_ps(q + g * D + d);
+      for (int64_t j = 0; j < KEYS; ++j) sums[g][j] = _mm256_fmadd_ps(x, key[j], sums[g][j]);
     }
-    alignas(32) float sums[CHUNK];
-    for (int64_t c = 0; c < vectors; ++c) _mm256_store_ps(sums + c * LANES, acc[c]);
-    for (int64_t d = 0; d < vectors * LANES; ++d) out[d0 + d] = static_cast<T>(sums[d] / total);
+  }
+  for (int64_t g = 0; g < HEADS; ++g) {
+    _mm_storeu_ps(out + g * stride, sum_lanes4(sums[g][0], sums[g][1], sums[g][2], sums[g][3]));
+  }
+}
+
+// dots for G query heads: three at a time (12 of AVX2's 16 registers hold their sums), then two or one
+template <typename C>
+inline void dots_of_heads(const float* q, const C* const* keys, int64_t G, int64_t D, float* out, int64_t stride) {
+  int64_t g = 0;
+  for (; g + 3 <= G; g += 3) dots<3>(q + g * D, keys, D, out + g * stride, stride);
+  if (g + 2 <= G) {
+    dots<2>(q + g * D, keys, D, out + g * stride, stride);
+  } else if (g < G) {
+    dots<1>(q + g * D, keys, D, out + g * stride, stride);
+  }
+}
+
+// out[g * out_stride + d] = (the sum over p < n of w[g * w_stride + p] * values[p][d]) / totals[g] for g < heads
+// (at most HEADS) and the VECTORS x LANES columns from d0, rounded to T: the sums in registers, p after p (the
+// model's order), each value's vectors loaded (and widened) once for the query heads, where a sum kept in memory is
+// a load and a store for every position
+template <int64_t VECTORS, int64_t HEADS, typename C, typename T>
+inline void weighted_columns(const float* w, int64_t w_stride, const C* const* values, int64_t n, int64_t d0,
+                             int64_t heads, const float* totals, T* out, int64_t out_stride) {
+  __m256 acc[HEADS][VECTORS];
+  for (auto& head : acc) std::fill(head, head + VECTORS, _mm256_setzero_ps());
+  for (int64_t p = 0; p < n; ++p) {
+    __m256 value[VECTORS];
+    for (int64_t c = 0; c < VECTORS; ++c) value[c] = load8(values[p] + d0 + c * LANES);
+    for (int64_t g = 0; g < HEADS && g < heads; ++g) {
+      const __m256 weight = _mm256_set1_ps(w[g * w_stride + p]);
+      for (int64_t c = 0; c < VECTORS; ++c) acc[g][c] = _mm256_fmadd_ps(weight, value[c], acc[g][c]);
+    }
+  }
+  for (int64_t g = 0; g < heads; ++g) {
+    alignas(32) float sums[VECTORS * LANES];
+    for (int64_t c = 0; c < VECTORS; ++c) _mm256_store_ps(sums + c * LANES, acc[g][c]);
+    for (int64_t d = 0; d < VECTORS * LANES; ++d) out[g * out_stride + d0 + d] = static_cast<T>(sums[d] / totals[g]);
+  }
+}
+
+// weighted_columns over all D columns (a multiple of LANES) and G query heads: 32 columns of 3 heads at a time (12
+// of AVX2's 16 registers hold the sums), the last columns a vector at a time
+template <typename C, typename T>
+inline void weighted_sums(const float* w, int64_t w_stride, const C* const* values, int64_t n, int64_t G, int64_t D,
+                          const float* totals, T* out, int64_t out_stride) {
+  constexpr int64_t VECTORS = 4, HEADS = 3;
+  for (int64_t g = 0; g < G; g += HEADS) {
+    const int64_t heads = std::min(HEADS, G - g);
+    const float* weights = w + g * w_stride;
+    T* to = out + g * out_stride;
+    int64_t d0 = 0;
+    for (; d0 + VECTORS * LANES <= D; d0 += VECTORS * LANES) {
+      weighted_columns<VECTORS, HEADS>(weights, w_stride, values, n, d0, heads, totals + g, to, out_stride);
+    }
+    for (; d0 < D; d0 += LANES) {
+      weighted_columns<1, HEADS>(weights, w_stride, values, n, d0, heads, totals + g, to, out_stride);
+    }
   }
 }
 
@@ -177,13 +246,15 @@ struct Cache {
   }
 };
 
-// f(C{}) for a float32 model's cache of `dtype`: float16, bfloat16, else float32
+// f(C{}) for a float32 model's cache of `dtype`: float16, bfloat16, float8_e4m3fn, else float32
 template <typename F>
 inline void with_cache_type(at::ScalarType dtype, F&& f) {
   if (dtype == at::kHalf) {
     f(c10::Half{});
   } else if (dtype == at::kBFloat16) {
     f(c10::BFloat16{});
+  } else if (dtype == at::kFloat8_e4m3fn) {
+    f(c10::Float8_e4m3fn{});
   } else {
     f(float{});
   }
@@ -197,6 +268,32 @@ inline void prefetch_head(const C* key, const C* value, int64_t D) {
     _mm_prefetch(reinterpret_cast<const char*>(key) + b, _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(value) + b, _MM_HINT_T0);
   }
+}
+
+inline float max_lanes(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+// s [whole]: n scores times `scale` (then soft-capped), the rest -inf (e^-inf: 0); returns their largest. A vector
+// at a time: one maximum at a time waits on the last one's latency
+inline float scale_scores(float* s, int64_t n, int64_t whole, float scale, std::optional<double> softcap) {
+  float factor = scale;
+  if (softcap) {
+    const float cap = static_cast<float>(*softcap);
+    for (int64_t p = 0; p < n; ++p) s[p] = std::tanh(s[p] * scale / cap) * cap;
+    factor = 1.f;
+  }
+  std::fill(s + n, s + whole, -INFINITY);
+  const __m256 by = _mm256_set1_ps(factor);
+  __m256 top = _mm256_set1_ps(-INFINITY);
+  for (int64_t p = 0; p < whole; p += LANES) {
+    const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(s + p), by);
+    _mm256_storeu_ps(s + p, x);
+    top = _mm256_max_ps(top, x);
+  }
+  return max_lanes(top);
 }
 
 // One row's kv head `h`, its key and value at `pos` stored already: its G query heads `q` [G, D] (rotated) over
@@ -222,27 +319,22 @@ void attend_head(const Cache<C>& cache, int64_t row, int64_t h, int64_t lo, int6
     for (int64_t j = p0 + AHEAD; j < ahead; ++j) prefetch_head(keys[j], values[j], D);
     const C* some[KEYS];
     for (int64_t j = 0; j < KEYS; ++j) some[j] = keys[p0 + std::min(j, m - 1)];
-    for (int64_t g = 0; g < G; ++g) {
-      float* out = scores.data() + g * padded + p0;
-      dots(q + g * D, some, D, out);
-      for (int64_t j = 0; j < m; ++j) {
-        out[j] *= scale;
-        if (softcap) out[j] = std::tanh(out[j] / static_cast<float>(*softcap)) * static_cast<float>(*softcap);
-      }
-    }
+    dots_of_heads(q, some, G, D, scores.data() + p0, padded);
   }
+  thread_local std::vector<float> totals;
+  totals.resize(G);
   for (int64_t g = 0; g < G; ++g) {
     float* s = scores.data() + g * padded;
-    const __m256 top = _mm256_set1_ps(*std::max_element(s, s + n));
-    std::fill(s + n, s + whole, -INFINITY);  // e^-inf: 0
+    const __m256 top = _mm256_set1_ps(scale_scores(s, n, whole, scale, softcap));
     __m256 sum = _mm256_setzero_ps();
     for (int64_t p = 0; p < whole; p += LANES) {
       const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + p), top));
       _mm256_storeu_ps(s + p, e);
       sum = _mm256_add_ps(sum, e);
     }
-    weighted_sum(s, values.data(), n, D, sum_lanes(sum), out + g * out_head_stride);
+    totals[g] = sum_lanes(sum);
   }
+  weighted_sums(scores.data(), padded, values.data(), n, G, D, totals.data(), out, out_head_stride);
 }
 
 // One row's kv head `h` of a step at `pos` (attending from `lo`): its G query heads `q` [G, D] (head stride
@@ -260,8 +352,8 @@ void attend_kv_head(const Cache<C>& cache, int64_t row, int64_t h, int64_t lo, i
   rotate(k, c, s, D, key.data());
   C* key_slot = cache.at(row, h, pos);
   for (int64_t d = 0; d < D; ++d) {
-    key_slot[d] = static_cast<C>(key[d]);
-    key_slot[cache.half_stride + d] = static_cast<C>(widen(v[d]));
+    key_slot[d] = to_cache<C>(key[d]);
+    key_slot[cache.half_stride + d] = to_cache<C>(widen(v[d]));
   }
   attend_head(cache, row, h, lo, pos, rotated.data(), G, D, scale, softcap, out, out_stride);
 }
@@ -303,7 +395,8 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k, const 
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "decode_attention_cpu: heads contiguous");
   TORCH_CHECK(q.size(3) % LANES == 0 && q.size(2) % k.size(2) == 0, "decode_attention_cpu: head shapes");
   const at::ScalarType cached = kv.scalar_type();
-  const bool narrower = q.scalar_type() == at::kFloat && (cached == at::kHalf || cached == at::kBFloat16);
+  const bool narrower = q.scalar_type() == at::kFloat &&
+                        (cached == at::kHalf || cached == at::kBFloat16 || cached == at::kFloat8_e4m3fn);
   TORCH_CHECK(kv.dim() == 5 && kv.stride(4) == 1 && (cached == q.scalar_type() || narrower), "decode_attention_cpu: kv");
   TORCH_CHECK(input_pos.scalar_type() == at::kLong, "decode_attention_cpu: int64 positions");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "decode_attention_cpu: float32 rope");

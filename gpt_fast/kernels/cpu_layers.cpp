@@ -128,9 +128,9 @@ struct Weights {
   }
 };
 
-// Whether the caches are the ones a step of R rows at `positions` reads: float32, float16 or bfloat16 (all one
-// dtype), static [2, rows, H_kv, S, D] with rows first_row .. first_row + R - 1, or given the block table [rows, W],
-// paged [2, N, block_size, H_kv, D]
+// Whether the caches are the ones a step of R rows at `positions` reads: float32, float16, bfloat16 or
+// float8_e4m3fn (all one dtype), static [2, rows, H_kv, S, D] with rows first_row .. first_row + R - 1, or given the
+// block table [rows, W], paged [2, N, block_size, H_kv, D]
 void check_caches(at::TensorList kv, const std::optional<at::Tensor>& table, int64_t first_row, int64_t R,
                   int64_t H_kv, int64_t D, int64_t last) {
   if (table.has_value()) {
@@ -139,8 +139,8 @@ void check_caches(at::TensorList kv, const std::optional<at::Tensor>& table, int
                 "decode_layers_cpu: a block table [rows, W] int64 holding the step's rows");
   }
   const at::ScalarType dtype = kv.empty() ? at::kFloat : kv[0].scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
-              "decode_layers_cpu: float32, float16 or bfloat16 caches");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat8_e4m3fn,
+              "decode_layers_cpu: float32, float16, bfloat16 or float8_e4m3fn caches");
   for (const at::Tensor& cache : kv) {
     const bool shaped = cache.dim() == 5 && cache.stride(4) == 1 && cache.scalar_type() == dtype;
     if (table.has_value()) {
