@@ -6,14 +6,15 @@ model's full forward."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from gpt_fast import Engine, SamplingConfig
-from gpt_fast.convert.random_init import make_random_checkpoint
+from gpt_fast import Engine, EngineOptions, SamplingConfig
+from gpt_fast.convert.random_init import make_random_checkpoint, random_weights
 from gpt_fast.engine.batcher import Delta, Failed, Finished, QueueFull, Request
 from gpt_fast.engine.options import BatchOptions, step_rows
 from gpt_fast.generation.options import SpeculativeOptions
@@ -392,34 +393,57 @@ def test_compiled_steps_equal_eager(engine):
     assert [f.ids for f in run_all(compiled, requests)] == [f.ids for f in run_all(engine, requests)]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
-def test_on_the_gpu_batches_decode_in_cuda_graphs(tmp_path):
+def served_in_cuda_graphs_as_alone(load, prompts: list[list[int]], budgets: list[int]) -> None:
     """reduce-overhead on a GPU, driven as `gpt-fast serve` drives it: compiled, warmed up and served in the main
-    thread while clients submit from threads of their own, with requests joining and leaving; each gives the tokens
-    the eager single-stream loop gives, and no step falls back from CUDA graphs."""
+    thread while clients submit from threads of their own, with requests joining and leaving (``prompts`` through 4
+    slots); each gives the tokens the eager single-stream loop gives, and no step falls back from CUDA graphs.
+    ``load(compile)``: the engine in that compile mode."""
     from torch._dynamo.utils import counters
 
     assert threading.current_thread() is threading.main_thread()
-    path = make_random_checkpoint(get_shape("tiny"), tmp_path / "tiny", dtype=torch.float32, seed=3)
-    eager = Engine.load(path, device="cuda", dtype="float32")
-    budgets = [5, 17, 1, 9, 12, 3, 20]
-    expected = [alone(eager, eager.encode(text), budget) for text, budget in zip(PROMPTS, budgets, strict=True)]
+    eager = load("none")
+    expected = [alone(eager, prompt, budget) for prompt, budget in zip(prompts, budgets, strict=True)]
     torch._dynamo.reset()
     counters.clear()
-    graphs = Engine.load(path, compile="reduce-overhead", device="cuda", dtype="float32")
-    batcher = graphs.batcher(BatchOptions(max_batch=4, max_seq_length=128))
+    batcher = load("reduce-overhead").batcher(BatchOptions(max_batch=4, max_seq_length=128))
     batcher.warm_up()
-    events = [Events() for _ in PROMPTS]
+    events = [Events() for _ in prompts]
 
     def client(index):
-        request = Request(tuple(eager.encode(PROMPTS[index])), budgets[index], GREEDY)
-        assert submit(batcher, request, events[index]).wait(600)
+        assert submit(batcher, Request(tuple(prompts[index]), budgets[index], GREEDY), events[index]).wait(600)
 
     def clients():
-        with ThreadPoolExecutor(len(PROMPTS)) as pool:  # 7 at once through 4 slots: 3 wait, then join
-            list(pool.map(client, range(len(PROMPTS))))
+        with ThreadPoolExecutor(len(prompts)) as pool:  # more at once than slots: some wait, then join
+            list(pool.map(client, range(len(prompts))))
 
     batcher.serve_while(clients, timeout=60)
     assert [list(sink.finished.ids) for sink in events] == expected
     assert counters["inductor"]["cudagraph_skips"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+def test_on_the_gpu_batches_decode_in_cuda_graphs(tmp_path):
+    """The tiny shape, float32: seven prompts of the test texts."""
+    path = make_random_checkpoint(get_shape("tiny"), tmp_path / "tiny", dtype=torch.float32, seed=3)
+    tokenizer = Engine.load(path, device="cpu")
+    prompts = [tokenizer.encode(text) for text in PROMPTS]
+    load = functools.partial(Engine.load, path, device="cuda", dtype="float32")
+    served_in_cuda_graphs_as_alone(lambda mode: load(compile=mode), prompts, [5, 17, 1, 9, 12, 3, 20])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+def test_on_the_gpu_batches_the_7b_shape_in_cuda_graphs():
+    """Two layers of the Llama-2-7B shape (each layer's code is what a step's rows share), random N(0, 0.02²)
+    weights in float32, whose sums round alike enough in a one-row and a four-row step that greedy choices agree:
+    six prompts of random ids and lengths through the same path."""
+    shape = dataclasses.replace(get_shape("llama-2-7b"), n_layer=2)
+    state = random_weights(shape, torch.float32, seed=7)
+    generator = torch.Generator().manual_seed(8)
+    lengths = [3, 40, 1, 17, 64, 9]
+    prompts = [torch.randint(1, shape.vocab_size, (n,), generator=generator).tolist() for n in lengths]
+    options = functools.partial(EngineOptions, device="cuda", dtype="float32", kernel_tuning="heuristic")
+    served_in_cuda_graphs_as_alone(
+        lambda mode: Engine.from_state(shape, state, options(compile=mode)), prompts, [12, 5, 20, 1, 16, 9]
+    )
