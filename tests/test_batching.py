@@ -393,15 +393,14 @@ def test_compiled_steps_equal_eager(engine):
     assert [f.ids for f in run_all(compiled, requests)] == [f.ids for f in run_all(engine, requests)]
 
 
-def served_in_cuda_graphs_as_alone(load, prompts: list[list[int]], budgets: list[int]) -> None:
+def served_in_cuda_graphs_as_alone(eager, load, prompts: list[list[int]], budgets: list[int]) -> None:
     """reduce-overhead on a GPU, driven as `gpt-fast serve` drives it: compiled, warmed up and served in the main
     thread while clients submit from threads of their own, with requests joining and leaving (``prompts`` through 4
-    slots); each gives the tokens the eager single-stream loop gives, and no step falls back from CUDA graphs.
-    ``load(compile)``: the engine in that compile mode."""
+    slots); each gives the tokens the ``eager`` engine's single-stream loop gives, and no step falls back from CUDA
+    graphs. ``load(compile)``: the engine in that compile mode."""
     from torch._dynamo.utils import counters
 
     assert threading.current_thread() is threading.main_thread()
-    eager = load("none")
     expected = [alone(eager, prompt, budget) for prompt, budget in zip(prompts, budgets, strict=True)]
     torch._dynamo.reset()
     counters.clear()
@@ -426,10 +425,10 @@ def served_in_cuda_graphs_as_alone(load, prompts: list[list[int]], budgets: list
 def test_on_the_gpu_batches_decode_in_cuda_graphs(tmp_path):
     """The tiny shape, float32: seven prompts of the test texts."""
     path = make_random_checkpoint(get_shape("tiny"), tmp_path / "tiny", dtype=torch.float32, seed=3)
-    tokenizer = Engine.load(path, device="cpu")
-    prompts = [tokenizer.encode(text) for text in PROMPTS]
     load = functools.partial(Engine.load, path, device="cuda", dtype="float32")
-    served_in_cuda_graphs_as_alone(lambda mode: load(compile=mode), prompts, [5, 17, 1, 9, 12, 3, 20])
+    eager = load(compile="none")
+    prompts = [eager.encode(text) for text in PROMPTS]
+    served_in_cuda_graphs_as_alone(eager, lambda mode: load(compile=mode), prompts, [5, 17, 1, 9, 12, 3, 20])
 
 
 @pytest.mark.gpu
@@ -444,6 +443,7 @@ def test_on_the_gpu_batches_the_7b_shape_in_cuda_graphs():
     lengths = [3, 40, 1, 17, 64, 9]
     prompts = [torch.randint(1, shape.vocab_size, (n,), generator=generator).tolist() for n in lengths]
     options = functools.partial(EngineOptions, device="cuda", dtype="float32", kernel_tuning="heuristic")
+    load = functools.partial(Engine.from_state, shape, state)
     served_in_cuda_graphs_as_alone(
-        lambda mode: Engine.from_state(shape, state, options(compile=mode)), prompts, [12, 5, 20, 1, 16, 9]
+        load(options(compile="none")), lambda mode: load(options(compile=mode)), prompts, [12, 5, 20, 1, 16, 9]
     )

@@ -47,11 +47,18 @@ __m256 exp8(__m256 x) {
   return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
 }
 
+// Whether the attention reads a float32 model's cache of `dtype` (with_cache_type's): its own float32, or float16,
+// bfloat16 or float8_e4m3fn (cpu_layers.cpp's check_caches asks too)
+bool reads_cache_of(at::ScalarType dtype) {
+  return dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat8_e4m3fn;
+}
+
 }  // namespace gpt_fast_cpu
 
 namespace {
 
 using gpt_fast_cpu::exp8;
+using gpt_fast_cpu::reads_cache_of;
 
 constexpr int64_t LANES = 8;  // float32 lanes of an AVX2 vector
 constexpr int64_t KEYS = 4;   // keys whose scores are summed side by side (dots)
@@ -81,7 +88,7 @@ inline C to_cache(float x) {
 }
 
 template <>
-inline c10::Float8_e4m3fn to_cache(float x) {  // clamped to the largest float8 first, as cache.py's cache_write
+inline c10::Float8_e4m3fn to_cache(float x) {  // clamped to the largest float8 first, as cache.py's `stored`
   constexpr float LARGEST = 448.f;
   return static_cast<c10::Float8_e4m3fn>(std::clamp(x, -LARGEST, LARGEST));
 }
@@ -395,8 +402,7 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k, const 
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "decode_attention_cpu: heads contiguous");
   TORCH_CHECK(q.size(3) % LANES == 0 && q.size(2) % k.size(2) == 0, "decode_attention_cpu: head shapes");
   const at::ScalarType cached = kv.scalar_type();
-  const bool narrower = q.scalar_type() == at::kFloat &&
-                        (cached == at::kHalf || cached == at::kBFloat16 || cached == at::kFloat8_e4m3fn);
+  const bool narrower = q.scalar_type() == at::kFloat && reads_cache_of(cached);
   TORCH_CHECK(kv.dim() == 5 && kv.stride(4) == 1 && (cached == q.scalar_type() || narrower), "decode_attention_cpu: kv");
   TORCH_CHECK(input_pos.scalar_type() == at::kLong, "decode_attention_cpu: int64 positions");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "decode_attention_cpu: float32 rope");

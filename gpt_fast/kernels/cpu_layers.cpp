@@ -30,6 +30,7 @@ void attend_rows(const float* qkv, int64_t R, int64_t H, int64_t H_kv, int64_t D
                  const at::Tensor& kv, const int64_t* table, int64_t table_stride, int64_t first_row,
                  const int64_t* positions, bool shared, float scale, std::optional<double> softcap, float* out);
 __m256 exp8(__m256 x);
+bool reads_cache_of(at::ScalarType dtype);
 }  // namespace gpt_fast_cpu
 
 namespace {
@@ -139,7 +140,7 @@ void check_caches(at::TensorList kv, const std::optional<at::Tensor>& table, int
                 "decode_layers_cpu: a block table [rows, W] int64 holding the step's rows");
   }
   const at::ScalarType dtype = kv.empty() ? at::kFloat : kv[0].scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat8_e4m3fn,
+  TORCH_CHECK(gpt_fast_cpu::reads_cache_of(dtype),
               "decode_layers_cpu: float32, float16, bfloat16 or float8_e4m3fn caches");
   for (const at::Tensor& cache : kv) {
     const bool shaped = cache.dim() == 5 && cache.stride(4) == 1 && cache.scalar_type() == dtype;
