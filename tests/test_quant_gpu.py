@@ -120,6 +120,27 @@ def test_operators_compile_into_a_cuda_graph_step(n, scheme, pdl):
     assert relative_error(got, expected) < 1e-2
 
 
+@pytest.mark.parametrize("rows", [8, 33])
+def test_the_rows_product_compiles_into_a_cuda_graph_step(rows):
+    """The operator of a batched step's int4 rows (:func:`gpt_fast.kernels.triton_matmul.int4_rows`, whose PTX
+    inductor copies into the code it generates) gives, compiled in a CUDA-graph mode, what it gives called directly
+    (within rounding: inductor's sigmoid is its own)."""
+    from gpt_fast.quant.products import register_triton_ops
+
+    register_triton_ops()
+    torch._dynamo.reset()
+    torch.manual_seed(rows)
+    q, s, z = quantize_int4(torch.randn(4096, 4096, device="cuda"), 128, torch.bfloat16)
+    words = group_interleave(q, 128)
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+    step = torch.compile(
+        lambda r: torch.ops.gpt_fast.int4_rows(torch.sigmoid(r), words, s, z, 128) * 2, mode="reduce-overhead"
+    )
+    for _ in range(3):  # warm-up, recording, replay
+        got = step(x).clone()
+    assert relative_error(got, torch.ops.gpt_fast.int4_rows(torch.sigmoid(x), words, s, z, 128) * 2) < 1e-2
+
+
 def greedy(state, quant, mode):
     """float32: in bf16 the tiny random model's top two logits come within rounding of each other, and eager (SDPA,
     our kernel called directly) and compiled steps (inductor's fusions around it) then pick different tokens."""
@@ -233,6 +254,23 @@ def test_a_prompts_rows_take_the_matmul_of_the_words(dtype, rows, n, k, group):
         layer.prepare(resolve_kernel("triton", torch.device("cuda")))
         assert layer.weight is None
         assert relative_error(layer(x), x.double() @ dequantize_int8(q, s).double().T) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n, k, group", [(256, 4096, 128), (96, 200, 64), (130, 576, 32)])
+def test_a_batched_steps_int4_rows_widen_every_weight_as_pytorch_dequantizes_it(dtype, n, k, group):
+    """One-hot rows read each weight of :func:`gpt_fast.kernels.triton_matmul.int4_rows` back exactly: every
+    weight equals PyTorch's dequantization in the activations' dtype, bit for bit (bfloat16: PTX's pairs on an
+    NVIDIA GPU; float16: Triton's)."""
+    from gpt_fast.kernels import triton_matmul
+    from gpt_fast.quant.products import int4_dequantize
+
+    torch.manual_seed(n + k)
+    q, s, z = quantize_int4(torch.randn(n, k, device="cuda"), group, dtype)
+    words, eye = group_interleave(q, group), torch.eye(k, device="cuda", dtype=dtype)
+    assert triton_matmul.pair_widening(eye) == (dtype == torch.bfloat16)
+    got = torch.cat([triton_matmul.int4_rows(eye[i : i + 64], words, s, z, group) for i in range(0, k, 64)])
+    assert torch.equal(got.T, int4_dequantize(q, s, z, group))
 
 
 @pytest.mark.parametrize("rows", [1, 5])

@@ -71,6 +71,39 @@ def test_the_matmul_in_the_interpreter_matches_a_float64_product():
     assert worst["int4"] < 2e-3 and worst["int8"] < 2e-3, worst
 
 
+ROWS_CHECK = """
+import json, torch
+from gpt_fast.kernels import triton_matmul
+from gpt_fast.quant.products import group_interleave, int4_dequantize
+from gpt_fast.quant.schemes import dequantize_int4, quantize_int4
+worst, exact_weights = 0.0, True
+for m, n, k, group in [(20, 48, 256, 32), (5, 70, 200, 64), (33, 24, 384, 128), (17, 16, 512, 256)]:
+    g = torch.Generator().manual_seed(m * n)
+    q, s, z = quantize_int4(torch.randn(n, k, generator=g) / k**0.5, group, torch.float16)
+    x, words = torch.randn(m, k, generator=g).half(), group_interleave(q, group)
+    exact = x.double() @ dequantize_int4(q, s, z, group).double().T
+    for tile in [None, triton_matmul.RowsTile(16, 16, 1, 1, 1), triton_matmul.RowsTile(32, 16, 3, 1, 2)]:
+        got = triton_matmul.int4_rows(x, words, s, z, group, tile)
+        assert got.shape == (m, n) and got.dtype == torch.float16
+        worst = max(worst, ((got.double() - exact).norm() / exact.norm()).item())
+    eye = torch.eye(k).half()
+    weights = torch.cat([triton_matmul.int4_rows(eye[i : i + 64], words, s, z, group) for i in range(0, k, 64)])
+    exact_weights &= torch.equal(weights.T, int4_dequantize(q, s, z, group))
+print(json.dumps({"worst": worst, "exact_weights": exact_weights}))
+"""
+
+
+@needs_triton
+@old_numpy
+def test_the_rows_product_in_the_interpreter_matches_a_float64_product():
+    """:func:`gpt_fast.kernels.triton_matmul.int4_rows` (a batched decode step's rows, the words as the tensor
+    cores' first operand) in Triton's interpreter: rows that fill no tile, ragged last groups, splits along the
+    columns, within float16's rounding of the output; and one-hot rows that read back every weight exactly as the
+    dequantization gives it (float16: Triton's widening; bfloat16's PTX pairs are checked on the GPU)."""
+    got = json.loads(interpret("-c", textwrap.dedent(ROWS_CHECK)))
+    assert got["worst"] < 2e-3 and got["exact_weights"], got
+
+
 @needs_triton
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize(
@@ -100,3 +133,29 @@ def test_the_matmul_compiles_for_an_h200_in_each_tile(dtype, rows, n, group):
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     assert "cubin" in compiled.asm
     assert compiled.metadata.shared <= 227 * 1024
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype, ptx", [("bf16", True), ("bf16", False), ("fp16", False)])
+@pytest.mark.parametrize("rows, n", [(16, 4096), (64, 22016)])
+def test_the_rows_product_compiles_for_an_h200(dtype, ptx, rows, n):
+    """Triton's front end and ptxas accept :func:`int4_rows`' kernel for an H200 without a GPU, with the levels
+    widened by PTX's bfloat16 pairs or in Triton, in the tile :func:`rows_tile_for` gives."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from gpt_fast.kernels.triton_matmul import _int4_rows, rows_tile_for
+
+    tile = rows_tile_for(rows, n)
+    pointers = {"x_ptr": dtype, "w_ptr": "i32", "s_ptr": dtype, "z_ptr": dtype, "y_ptr": "fp32"}
+    constants = {"BLOCK_N": tile.block_n, "WORDS": tile.words, "GROUP": 128, "ROWS": rows}
+    constants |= {"SPLITS": tile.splits, "STAGES": tile.stages, "PTX": ptx}
+    names = _int4_rows.arg_names
+    signature = {p: "constexpr" if p in constants else "*" + pointers[p] if p in pointers else "i32" for p in names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(names) if p not in constants and p != "M"}
+    constexprs = {(names.index(p),): v for p, v in constants.items()}
+    source = ASTSource(_int4_rows, signature, constexprs=constexprs, attrs=aligned)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": tile.warps})
+    assert "cubin" in compiled.asm
+    assert ("fma.rn.bf16x2" in compiled.asm["ptx"]) == ptx

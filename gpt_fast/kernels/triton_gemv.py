@@ -236,7 +236,7 @@ def _int8_gemv(
         _store_int8(y_ptr, s_ptr, y_ptr, m, N, rn, acc, False, False, False, BLOCK_N)
 
 
-def _ptx(*lines: str) -> tl.constexpr:
+def ptx_block(*lines: str) -> tl.constexpr:
     """One PTX block of ``lines`` for ``tl.inline_asm_elementwise``, on one line: inductor copies it into the
     Python it generates for a compiled step."""
     return tl.constexpr(" ".join(["{", *lines, "}"]))
@@ -275,7 +275,7 @@ def _word_terms(word: str, pairs: list[str], first: bool) -> list[str]:
 # eight packed multiply-adds, where the float32 path takes a shift, a logical operation and a multiply-add per
 # nibble. The scale 1/64 keeps the sixteen products' partial sums below 65504 up to |x| = 32752 (each at most |x| /
 # 8), and every product of |x| >= 4e-3 a normal number.
-_WORD_PAIR_PTX = _ptx(
+_WORD_PAIR_PTX = ptx_block(
     ".reg .b32 w0, w1, a0, b0, a1, b1, a2, b2, a3, b3;",
     ".reg .b32 s, t0, t1, t2, t3, low_scale, low_offset, high_scale, high_offset, h;",
     ".reg .b16 lo, hi;",
@@ -297,7 +297,7 @@ _WORD_PAIR_PTX = _ptx(
     "fma.rn.f32 $0, $9, $8, d;",
 )
 # Two bfloat16 pairs as two float16 pairs: each half moved to the top of a float32 (exact), each pair rounded at once.
-_BF16_PAIRS_PTX = _ptx(
+_BF16_PAIRS_PTX = ptx_block(
     ".reg .b32 a, b, lo, hi, ra, rb;",
     "mov.b64 {a, b}, $1;",
     "shl.b32 lo, a, 16;",
@@ -311,7 +311,7 @@ _BF16_PAIRS_PTX = _ptx(
 # The sum of a word pair's sixteen activations ($1-$4: the four 64-bit quads of float16 pairs it meets), each an
 # eighth (exact, but below float16's normal range), summed in float16 pairs, then times 8 in float32: eight instead
 # of one conversion and one float32 addition per activation. Sums of eight eighths of |x| <= 32752 stay below 65504.
-_EIGHTHS_SUM_PTX = _ptx(
+_EIGHTHS_SUM_PTX = ptx_block(
     ".reg .b32 a0, b0, a1, b1, a2, b2, a3, b3, eighth, h;",
     ".reg .b16 lo, hi;",
     ".reg .f32 flo, fhi;",
@@ -668,7 +668,7 @@ def _int4_gemv(
 # added to the accumulator ($1). Per word: two byte permutes (two bytes and 0x64 each: the float16 pair 1024 + q +
 # 128, exact), two packed multiply-adds to exactly q / 256, two with the activations. Each half of the pair sums
 # four products of at most |x| / 2: below 65504 up to |x| = 32752, as int4's.
-_BYTE_PAIRS_PTX = _ptx(
+_BYTE_PAIRS_PTX = ptx_block(
     ".reg .b32 w0, w1, a0, a1, b0, b1, t0, t1, t2, t3, magic, scale, offset, h;",
     ".reg .b16 lo, hi;",
     ".reg .f32 flo, fhi;",

@@ -24,6 +24,7 @@ from gpt_fast.quant.products import (
     FEW_ROWS,
     GEMLITE_ROWS,
     INT4_GEMV_ROWS,
+    INT4_ROWS_MATMUL,
     INT8_BLOCK,
     SIXTEEN_BITS,
     cpp_takes,
@@ -261,8 +262,11 @@ class Int4Linear(QuantizedLinear):
         rows = x.reshape(-1, x.shape[-1])  # [M, K]
         few = rows.shape[0] <= FEW_ROWS
         if self.kernel == "triton" and takes_matmul(rows, INT4_GEMV_ROWS):
-            group = self.group_size
-            out = torch.ops.gpt_fast.int4_matmul(group_columns(rows, group), self.words, self.scales, self.zeros, group)
+            group, tensors = self.group_size, (self.words, self.scales, self.zeros)
+            if rows.shape[0] <= INT4_ROWS_MATMUL:
+                out = torch.ops.gpt_fast.int4_rows(rows, *tensors, group)
+            else:
+                out = torch.ops.gpt_fast.int4_matmul(group_columns(rows, group), *tensors, group)
         elif self.kernel == "cpp-q8":
             out = cpu_gemv.int4_q8_gemv(rows, self.words, self.scales, self.zeros, self.group_size)
         elif self.kernel == "cpp":

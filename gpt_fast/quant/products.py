@@ -220,6 +220,12 @@ def register_triton_ops() -> None:
     ) -> torch.Tensor:
         return triton_matmul.words_matmul(x, words, scales, zeros, group_size, wrap=wrap_triton)
 
+    @triton_op("gpt_fast::int4_rows", mutates_args=())
+    def int4_rows(
+        x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+    ) -> torch.Tensor:
+        return triton_matmul.int4_rows(x, words, scales, zeros, group_size, wrap=wrap_triton)
+
     @custom_op("gpt_fast::int8_gemv_pdl", mutates_args=())
     def int8_gemv_pdl(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         return triton_gemv.int8_gemv(x, weight, scales, pdl=True)
@@ -295,12 +301,16 @@ def register_triton_ops() -> None:
         return x.new_empty((x.shape[0], triton_gemv.outputs(scales.shape[0], activation)))
 
 
-# Rows our GEMVs take where the matrix product of the words can (more take it: it reads each block of weights once for
-# all of them): the crossovers measured on an H200 over a Llama-2-7B layer (docs/bench/HISTORY.md, 2026-11-25d: int8 4
-# rows 160 us against 172, int4 12 rows 328 against 329)
+# Rows our GEMVs take where a product of the words can (more take it: it reads each block of weights once for all
+# of them), the crossovers on an H200 over a Llama-2-7B layer's products. int8, with the prompt's matrix product
+# (docs/bench/HISTORY.md, 2026-11-25d): 4 rows 160 us against 172. int4, with int4_rows (BENCHMARKS.md, 2026-12-02e):
+# 5 rows 140.0 us against 145.2, 6 rows 164.9 against 146.0
 INT8_GEMV_ROWS = 3
 GEMLITE_ROWS = range(4, 65)  # the rows of an int8 product that the ``gemlite`` kernel gives to gemlite
-INT4_GEMV_ROWS = 11
+INT4_GEMV_ROWS = 5
+# Rows up to which an int4 product past our GEMV takes the words as the tensor cores' first operand
+# (:func:`gpt_fast.kernels.triton_matmul.int4_rows`); more take the prompt's tiles (``int4_matmul``)
+INT4_ROWS_MATMUL = 64
 # Compiled, a prefill of more rows dequantizes the words in inductor's fused kernel and multiplies in cuBLAS: the 7B
 # int4 model's 1024-token prefill takes 29.8 ms so, where our product's kernels alone sum to about 82 ms; at 64 rows
 # ours matches what a whole-matrix dequantization plus cuBLAS would cost (estimated from the bytes, the cut itself not
