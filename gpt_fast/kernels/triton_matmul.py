@@ -48,6 +48,14 @@ class Tile:
 
 
 @triton.jit
+def _dequantized(centered, scales, zeros, dtype: tl.constexpr):
+    """``centered`` int4 levels (``q - 8``, float32) as weights in ``dtype``: ``(q - 8) s + zero`` with float32
+    ``scales`` and ``zeros``, the product and then the sum rounded to ``dtype``, as PyTorch's dequantization in that
+    dtype rounds them."""
+    return ((centered * scales).to(dtype).to(tl.float32) + zeros).to(dtype)
+
+
+@triton.jit
 def _weights(words, s_ptr, z_ptr, rn, k0, NG, N, VALUES: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
     """The words [BLOCK_N, BLOCK_K / VALUES] from column ``k0`` as weights [BLOCK_N, BLOCK_K] in the scales' dtype:
     int8 bytes as ``q = byte - 128`` (exact); int4 nibbles as ``(q - 8) s + zero`` with their group's scale and
@@ -65,8 +73,7 @@ def _weights(words, s_ptr, z_ptr, rn, k0, NG, N, VALUES: tl.constexpr, GROUP: tl
         scales = tl.load(s_ptr + at, mask=mask, other=0.0).to(tl.float32)[:, :, None]  # [BLOCK_N, GROUPS, 1]
         zeros = tl.load(z_ptr + at, mask=mask, other=0.0).to(tl.float32)[:, :, None]
         grouped = tl.reshape((levels - 8).to(tl.float32), (words.shape[0], GROUPS, GROUP))
-        scaled = (grouped * scales).to(s_ptr.dtype.element_ty).to(tl.float32)
-        weights = (scaled + zeros).to(s_ptr.dtype.element_ty)
+        weights = _dequantized(grouped, scales, zeros, s_ptr.dtype.element_ty)
     return tl.reshape(weights, (words.shape[0], BLOCK_K))
 
 
@@ -145,11 +152,10 @@ def _pair_weights(shifted, scales, zeros, PTX: tl.constexpr):
             is_pure=True,
             pack=1,
         )
-    dtype = scales.dtype
     s, z = scales.to(tl.float32), zeros.to(tl.float32)
-    low = (((shifted & 15) - 8).to(tl.float32) * s).to(dtype).to(tl.float32) + z
-    high = ((((shifted >> 16) & 15) - 8).to(tl.float32) * s).to(dtype).to(tl.float32) + z
-    return low.to(dtype), high.to(dtype)
+    low = _dequantized(((shifted & 15) - 8).to(tl.float32), s, z, scales.dtype)
+    high = _dequantized((((shifted >> 16) & 15) - 8).to(tl.float32), s, z, scales.dtype)
+    return low, high
 
 
 @triton.jit
@@ -291,11 +297,10 @@ def rows_tile_for(rows: int, n: int) -> RowsTile:
 
 
 def pair_widening(x: torch.Tensor) -> bool:
-    """Whether :func:`int4_rows` widens its levels by :data:`PAIR_WIDENING`'s PTX: bfloat16 activations on an
-    NVIDIA GPU of compute capability 8.0 or more (``fma.rn.bf16x2``); else (float16, or a ROCm build) in Triton."""
-    if x.dtype != torch.bfloat16 or not x.is_cuda or torch.version.hip is not None:
-        return False
-    return torch.cuda.get_device_capability(x.device) >= (8, 0)
+    """Whether :func:`int4_rows` widens its levels by :data:`PAIR_WIDENING`'s PTX: bfloat16 activations on a GPU
+    of compute capability 8.0 or more (``fma.rn.bf16x2``; our Triton kernels run on NVIDIA GPUs only,
+    :func:`gpt_fast.kernels.available.triton_usable`); else (float16, Triton's interpreter) in Triton."""
+    return x.dtype == torch.bfloat16 and x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 0)
 
 
 def int4_rows(
