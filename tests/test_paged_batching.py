@@ -227,6 +227,22 @@ def test_a_prompt_that_starts_as_an_earlier_one_reuses_its_blocks(engine):
         assert told(sink) == alone(engine, request.prompt_ids, request.max_new_tokens)
 
 
+def test_the_peak_of_blocks_counts_a_finished_run_and_restarts_when_reset(engine):
+    """``blocks_peak`` keeps the most blocks a run held at its steps after they are all released (a reading between
+    steps sees none), and counts from zero after :meth:`reset_peak`: a prompt of 3 blocks and 6 tokens write 17
+    positions (5 blocks), a prompt of 3 tokens and 2 more 4 positions (1 block)."""
+    batcher = engine.batcher(options())
+    batcher.submit(Request(tuple(range(3, 3 + 3 * BLOCK)), 6, GREEDY, ignore_eos=True), Events())
+    batcher.run()
+    usage = batcher.cache_usage()
+    assert (usage.blocks_used, usage.blocks_peak) == (0, 5)
+    batcher.reset_peak()
+    assert batcher.cache_usage().blocks_peak == 0
+    batcher.submit(Request((5, 6, 7), 2, GREEDY, ignore_eos=True), Events())
+    batcher.run()
+    assert batcher.cache_usage().blocks_peak == 1
+
+
 def test_prompts_admitted_together_are_prefilled_together(engine, monkeypatch):
     """Four requests submitted before a step: the second begins with the first's blocks, so the first is prefilled
     alone and the second finds them computed; the second, third and fourth then go in one prefill of three rows.

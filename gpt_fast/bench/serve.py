@@ -18,7 +18,7 @@ mean over clients, and the slowest) and in all (every token over the run's wall 
 and the inter-token latency at p50 and p99, the latter from the arrival of each piece of streamed text after the
 first (as vLLM's and SGLang's benchmarks take it; a piece is one token unless the tokenizer held part of a
 character back); and from the server's ``/health`` (the batcher's :class:`~gpt_fast.engine.batcher.CacheUsage`),
-read every ``SAMPLE_SECONDS`` while the run lasts: the most KV blocks in use, the share of the prompt tokens looked
+read before and after the run: the most KV blocks in use at one of its steps, the share of the prompt tokens looked
 up in the prefix cache during the run that it held, and the preemptions.
 """
 
@@ -45,7 +45,6 @@ from gpt_fast.util.fileio import write_text_atomic
 
 # the aggregate over one client's that the server aims at, by clients (printed beside the figures)
 AGGREGATE_TARGETS = {8: 6.5, 32: 18, 64: 25}
-SAMPLE_SECONDS = 0.05  # between two readings of the server's cache while a run lasts
 
 
 @dataclass(frozen=True)
@@ -72,7 +71,7 @@ class Load:
     ttft_p99_ms: float
     itl_p50_ms: float | None
     itl_p99_ms: float | None
-    peak_blocks_used: int  # the most KV blocks in use at one reading
+    peak_blocks_used: int  # the most KV blocks in use when one of the run's steps was launched
     prefix_hit_rate: float | None  # prompt tokens found already computed / prompt tokens looked up, in the run
     preemptions: int  # during the run
 
@@ -132,43 +131,29 @@ def run_clients(host: str, port: int, planned: list[list[Planned]], request: dic
     return answers, time.perf_counter() - start
 
 
-def read_cache(connection: http.client.HTTPConnection) -> CacheUsage:
-    """The server's cache now, from ``/health``."""
-    connection.request("GET", "/health")
+def read_cache(connection: http.client.HTTPConnection, reset_peak: bool = False) -> CacheUsage:
+    """The server's cache now, from ``/health`` (``reset_peak``: its peak counted from this reading on)."""
+    connection.request("GET", "/health?reset_peak=1" if reset_peak else "/health")
     response = connection.getresponse()
     if response.status != 200:
         raise RuntimeError(f"/health answered {response.status}: {response.read()[:500]!r}")
     return CacheUsage(**json.loads(response.read())["cache"])
 
 
-class CacheSampler:
-    """The server's cache (``/health``) read before a run, every SAMPLE_SECONDS in a thread of its own while the
-    run lasts, and after it: the most blocks in use, and the counters at both ends."""
+class CacheReadings:
+    """The server's cache (``/health``) read before a run, its peak reset, and after it: the counters at both ends,
+    and the most blocks in use when any of the run's steps was launched (the batcher's own count, which readings
+    between steps could miss for a short run)."""
 
     def __init__(self, host: str, port: int) -> None:
         self.connection = http.client.HTTPConnection(host, port, timeout=60)
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self.poll, daemon=True)
-        self.peak = 0
 
-    def read(self) -> CacheUsage:
-        usage = read_cache(self.connection)
-        self.peak = max(self.peak, usage.blocks_used)
-        return usage
-
-    def poll(self) -> None:
-        while not self.done.wait(SAMPLE_SECONDS):
-            self.read()
-
-    def __enter__(self) -> CacheSampler:
-        self.before = self.read()
-        self.thread.start()
+    def __enter__(self) -> CacheReadings:
+        self.before = read_cache(self.connection, reset_peak=True)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.done.set()
-        self.thread.join()
-        self.after = self.read()
+        self.after = read_cache(self.connection)
         self.connection.close()
 
 
@@ -181,7 +166,7 @@ def milliseconds(values: list[float], share: float) -> float | None:
     return 1e3 * percentile(values, share) if values else None
 
 
-def summarize(answers: list[list[Answer]], wall: float, cache: CacheSampler) -> Load:
+def summarize(answers: list[list[Answer]], wall: float, cache: CacheReadings) -> Load:
     """A run's figures from each client's answers and the cache's readings."""
     every = [answer for client in answers for answer in client]
     rates = [sum(a.tokens for a in client) / sum(a.seconds for a in client) for client in answers]
@@ -200,7 +185,7 @@ def summarize(answers: list[list[Answer]], wall: float, cache: CacheSampler) -> 
         ttft_p99_ms=1e3 * percentile(ttfts, 0.99),
         itl_p50_ms=milliseconds(gaps, 0.5),
         itl_p99_ms=milliseconds(gaps, 0.99),
-        peak_blocks_used=cache.peak,
+        peak_blocks_used=after.blocks_peak,
         prefix_hit_rate=hit / queried if queried else None,
         preemptions=after.preemptions - before.preemptions,
     )
@@ -209,7 +194,7 @@ def summarize(answers: list[list[Answer]], wall: float, cache: CacheSampler) -> 
 def measure(host: str, port: int, args: ServeBenchOptions, clients: int, request: dict) -> Load:
     """One run of ``clients``, after a warm-up request each (every shape the server runs for this load)."""
     run_clients(host, port, plan(args, clients, warm_up=True), request)
-    with CacheSampler(host, port) as cache:
+    with CacheReadings(host, port) as cache:
         answers, wall = run_clients(host, port, plan(args, clients), request)
     return summarize(answers, wall, cache)
 

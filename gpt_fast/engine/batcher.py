@@ -175,6 +175,7 @@ class CacheUsage:
     block_size: int  # tokens per block
     blocks: int  # blocks the sequences may hold
     blocks_used: int  # blocks held by the requests in the slots
+    blocks_peak: int  # the most held when a step was launched, since the batcher started or Batcher.reset_peak
     prefix_tokens_queried: int  # prompt tokens looked up in the prefix cache
     prefix_tokens_hit: int  # of those, the tokens whose keys and values were found already computed
     preemptions: int  # requests taken out of their slot to free blocks, and resumed later
@@ -286,7 +287,7 @@ class Batcher:
             model.block_table.blocks.zero_()  # no row keeps blocks of an earlier batcher's requests
             self.allocator = BlockAllocator(blocks, self.block_size)
         self.tables: list[list[int]] = [[] for _ in range(options.max_batch)]  # each slot's blocks, in order
-        self.admissions = self.preemptions = self.prefix_queried = self.prefix_hit = 0
+        self.admissions = self.preemptions = self.prefix_queried = self.prefix_hit = self.blocks_peak = 0
         self.state = SlotState(rows, model.config.vocab_size, self.device)
         self.row_prefills = None  # prompts prefilled together (paged): in the rows after the slots
         if self.allocator is not None:
@@ -366,9 +367,17 @@ class Batcher:
         """The cache's use now (read from any thread: a snapshot of counters the driving thread updates)."""
         allocator = self.allocator
         hits = (self.prefix_queried, self.prefix_hit, self.preemptions)
-        if allocator is None:
-            return CacheUsage(self.block_size, self.options.max_batch, self.busy, *hits)
-        return CacheUsage(self.block_size, allocator.capacity, allocator.used, *hits)
+        blocks = self.options.max_batch if allocator is None else allocator.capacity
+        return CacheUsage(self.block_size, blocks, self.blocks_in_use(), self.blocks_peak, *hits)
+
+    def blocks_in_use(self) -> int:
+        """Blocks held by the requests in the slots (a static cache: its rows)."""
+        return self.busy if self.allocator is None else self.allocator.used
+
+    def reset_peak(self) -> None:
+        """Count :attr:`CacheUsage.blocks_peak` from now on (a benchmark's run: exact, where readings of
+        ``blocks_used`` between steps can miss a short run's blocks)."""
+        self.blocks_peak = 0
 
     # --- the driving thread -------------------------------------------------------------------------------------
 
@@ -455,6 +464,7 @@ class Batcher:
         self._admit()
         self._continue_prefill()
         self._ensure_blocks()
+        self.blocks_peak = max(self.blocks_peak, self.blocks_in_use())
         rows = self._rows()
         if not rows:
             return

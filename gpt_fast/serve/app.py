@@ -70,6 +70,8 @@ class OpenAIServer:
 
     async def health(self, request: Request) -> Response:
         batcher = self.batcher
+        if "reset_peak" in request.query_params:  # the cache's peak counted from this reading on
+            batcher.reset_peak()
         return JSONResponse(
             {
                 "status": "ok",
